@@ -1,0 +1,48 @@
+# Quickstart: `make demo` trains a small model on Tiny Shakespeare; `make test` runs the test suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# Corpora: $CONTINUUMLM_DATA if set; a sibling shared/data folder when present; else downloaded.
+ifneq ($(wildcard ../shared/data/tinyshakespeare.txt),)
+export CONTINUUMLM_DATA ?= $(abspath ../shared/data)
+endif
+
+.PHONY: install install-dev demo test test-slow lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Install torch only when none is importable, so a user's own (e.g. CUDA) build is kept.
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(BIN)/continuumlm train --config configs/shakespeare_char/demo.toml --out runs/demo
+	$(BIN)/continuumlm eval --checkpoint runs/demo
+	$(BIN)/continuumlm generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 1
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest
+
+test-slow: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -m slow
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf runs/demo .pytest_cache

@@ -1,0 +1,218 @@
+"""``continuumlm`` command line: train, eval, generate.
+
+Every user error (bad config, missing file, bad flag) exits with status 2 and a one-paragraph
+message on stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import ContinuumLMError
+
+
+class UsageError(ContinuumLMError):
+    pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers, e.g. 128,512")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="continuumlm", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model from a TOML config")
+    t.add_argument("--config", help="TOML file with [model], [data] and [train] sections")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.max_steps=100")
+    t.add_argument("--out", help="run folder (default: runs/<config name>)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last")
+    t.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+    e = sub.add_parser("eval", help="cross-entropy, perplexity and bits/char of a checkpoint")
+    e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
+    e.add_argument("--which", choices=("best", "last"), default="best",
+                   help="checkpoint of a run folder to use (default: best)")
+    e.add_argument("--split", default="val", help="val or test (test exists for PTB)")
+    e.add_argument("--context-lengths", type=_int_list, help="e.g. 128,512,1024,5000 "
+                   "(default: the training context)")
+    e.add_argument("--max-windows", type=_positive_int, help="evaluate at most this many windows "
+                   "per context length, evenly spread over the split")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
+    g.add_argument("--which", choices=("best", "last"), default="best")
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=_positive_int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--greedy", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-samples", type=_positive_int, default=1)
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
+    g.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate}[args.command](args)
+    except ContinuumLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------- train
+
+def cmd_train(args) -> int:
+    from .config import load_config
+    from .train import Trainer
+    from .train.checkpoint import load_run_config, resolve_checkpoint
+
+    if args.out is None and args.config is None:
+        raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    if args.resume:
+        ckpt = resolve_checkpoint(out, "last")
+        if args.config:
+            cfg = load_config(args.config, args.set)
+        else:
+            from .config import RunConfig, parse_override
+
+            base = load_run_config(ckpt).to_dict()
+            for item in args.set:
+                key, value = parse_override(item)
+                section, _, name = key.partition(".")
+                base.setdefault(section, {})[name] = value
+            cfg = RunConfig.from_dict(base, where=str(ckpt))
+            cfg.check()
+        saved_vocab = load_run_config(ckpt).model.vocab_size
+        if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
+            import dataclasses
+
+            cfg.model = dataclasses.replace(cfg.model, vocab_size=saved_vocab)
+    else:
+        cfg = load_config(args.config, args.set)
+    result = Trainer(cfg, out, resume=args.resume, quiet=args.quiet).run()
+    print(f"done: step {result['step']}, val loss {result['val_loss']:.4f}, best "
+          f"{result['best_val_loss']:.4f}, {result['parameters']:,} parameters, "
+          f"{result['tokens_per_s']:.0f} tokens/s, {result['train_seconds']:.1f} s training; "
+          f"run folder {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- eval
+
+def cmd_eval(args) -> int:
+    from .data import prepare_data
+    from .eval.perplexity import evaluate_contexts
+    from .train import load_model_and_tokenizer, pick_device
+    from .train.checkpoint import load_run_config
+
+    device = pick_device(args.device)
+    model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
+    run = load_run_config(ckpt)
+    data = prepare_data(run.data, tok)
+    if args.split not in data.splits:
+        raise UsageError(f"--split {args.split}: this corpus has the splits "
+                         f"{', '.join(s for s in data.splits if s != 'train')}.")
+    contexts = args.context_lengths or [run.train.seq_len]
+    rows = evaluate_contexts(model, data.splits[args.split], contexts, tok.kind == "char", device,
+                             max_windows=args.max_windows)
+    if args.json:
+        print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "results": rows}, indent=2))
+        return 0
+    print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
+    print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}")
+    for r in rows:
+        if "unsupported" in r:
+            print(f"{r['context']:>8}  unsupported: {r['unsupported']}")
+        else:
+            bpc = f"{r['bpc']:.4f}" if "bpc" in r else "-"
+            print(f"{r['context']:>8} {r['loss']:>8.4f} {r['ppl']:>10.3f} {bpc:>7} {r['windows']:>8}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- generate
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .train import load_model_and_tokenizer, pick_device
+
+    device = pick_device(args.device)
+    model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        start = getattr(tok, "eos_id", None)
+        if start is None:
+            raise UsageError("--prompt is empty and this tokenizer has no start token; give at "
+                             "least one character of prompt.")
+        ids = [start]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    stop = tok.eos_id if tok.kind == "bpe" else None
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
+                  eos_token_id=stop)
+    try:
+        if args.num_samples == 1:
+            _stream(model, tok, idx, args, kwargs)
+        else:
+            out = model.generate(idx, args.max_new_tokens, **kwargs)
+            for i, row in enumerate(out.tolist()):
+                if i:
+                    print("\n---")
+                print(tok.decode(row), end="")
+            print()
+    except ValueError as e:  # bad sampling arguments or a context the model cannot hold
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def _stream(model, tok, idx, args, kwargs) -> None:
+    ids = idx[0].tolist()
+    printed = tok.decode(ids)
+    sys.stdout.write(printed)
+    for nxt in model.generate_stream(idx, args.max_new_tokens, **kwargs):
+        ids.append(int(nxt[0]))
+        text = tok.decode(ids)
+        if text.endswith("\ufffd"):
+            continue  # an incomplete multi-byte character: wait for the rest
+        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
+        sys.stdout.flush()
+        printed = text
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

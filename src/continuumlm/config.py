@@ -1,0 +1,331 @@
+"""Typed configuration: model, data and training sections, TOML files and ``--set`` overrides.
+
+Every value is checked when a config is built, so a typo or an impossible size fails at once
+with a message that names the key, instead of deep inside a training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+# Allowed values of the plain choice fields. The selectors that name pluggable parts
+# (mixer, depth, ...) are checked against their registries instead, see ``_check_selectors``.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "norm_type": ("layernorm", "rmsnorm"),
+    "mode": ("decoder", "encoder"),
+    "position": ("rope", "learned", "none"),
+    "dataset": ("tinyshakespeare", "ptb", "text"),
+    "tokenizer": ("char", "word", "bpe"),
+    "vocab_source": ("train", "all"),
+    "errors": ("strict", "replace"),
+    "device": ("auto", "cpu", "cuda", "mps"),
+    "dtype": ("auto", "float32", "bfloat16"),
+}
+
+POSITIVE = {
+    "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
+    "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
+    "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
+}
+NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
+UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
+                 "beta2": (0.0, 1.0)}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a :class:`~continuumlm.LanguageModel`.
+
+    Field names follow the seed documents (``hidden_size``, ``num_heads``, ``ode_solver``...).
+    """
+
+    vocab_size: int = 0
+    """Number of token ids; 0 means "take it from the tokenizer" (filled in by the trainer)."""
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    """Distinct layers (discrete depth) or stacked ODE blocks, each with its own weights."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP; defaults to 4 * hidden_size."""
+    dropout: float = 0.0
+    norm_type: str = "layernorm"
+    use_bitnet: bool = False
+    mode: str = "decoder"
+    """"decoder": causal language model; "encoder": bidirectional."""
+    position: str = "rope"
+    max_seq_len: int = 256
+    """Longest sequence the learned position table covers (also the default context)."""
+    tie_embeddings: bool = True
+    bias: bool = False
+    """Biases in linear layers and norms (nanoGPT's ``bias``)."""
+    mixer: str = "softmax"
+    depth: str = "discrete"
+    field: str = "sequential"
+    ode_solver: str = "rk4"
+    ode_steps: int = 4
+    ode_grad: str = "direct"
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            self.ffn_hidden_size = 4 * self.hidden_size
+        _validate(self, "model")
+        if self.hidden_size % self.num_heads != 0:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads "
+                f"({self.num_heads}); choose e.g. hidden_size = "
+                f"{self.num_heads * max(1, round(self.hidden_size / self.num_heads))}."
+            )
+        if self.position == "rope" and (self.hidden_size // self.num_heads) % 2 != 0:
+            raise ConfigError(
+                f"model.position = 'rope' needs an even head size, but hidden_size/num_heads = "
+                f"{self.hidden_size // self.num_heads}; change the sizes or use position = 'learned'."
+            )
+        _check_selectors(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "model") -> ModelConfig:
+        return _build(cls, d, where)
+
+
+@dataclass
+class DataConfig:
+    """Which corpus, how it is tokenized and split."""
+
+    dataset: str = "tinyshakespeare"
+    path: str | None = None
+    """A text file (dataset "text"), a corpus file, or a folder with the PTB files."""
+    tokenizer: str = "char"
+    vocab_size: int | None = None
+    """Vocabulary cap for word (most frequent words kept, rest <unk>) and bpe tokenizers."""
+    vocab_source: str = "train"
+    """Build the char/word vocabulary from the training split ("train") or the whole corpus."""
+    train_fraction: float = 0.9
+    train_chars: int | None = None
+    """If set, the first ``train_chars`` characters train and the rest validate (CAT's split)."""
+    errors: str = "strict"
+    """How non-UTF-8 bytes are handled: "strict" stops with the byte offset, "replace" goes on."""
+
+    def __post_init__(self) -> None:
+        _validate(self, "data")
+
+
+@dataclass
+class TrainConfig:
+    """Optimization, logging and checkpointing."""
+
+    max_steps: int = 2000
+    batch_size: int = 12
+    seq_len: int = 64
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    lr_decay_steps: int | None = None
+    """Steps of cosine decay from lr to min_lr; defaults to max_steps."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    eval_interval: int = 250
+    eval_iters: int = 20
+    """Validation batches per evaluation (fixed windows spread over the split)."""
+    log_interval: int = 10
+    checkpoint_interval: int = 500
+    keep_checkpoints: int = 3
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"
+    """"auto": bf16 autocast on CUDA, fp32 elsewhere."""
+
+    def __post_init__(self) -> None:
+        _validate(self, "train")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "config") -> RunConfig:
+        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+        unknown = [k for k in d if k not in sections]
+        if unknown:
+            raise ConfigError(f"{where}: unknown section [{unknown[0]}]{_suggest(unknown[0], sections)}; "
+                              f"valid sections are [model], [data] and [train].")
+        built = {}
+        for name, klass in sections.items():
+            section = d.get(name, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"{where}: [{name}] must be a table of key = value pairs.")
+            built[name] = _build(klass, section, name)
+        return cls(**built)
+
+    def check(self) -> None:
+        """Cross-section checks that need more than one section."""
+        m, t = self.model, self.train
+        if m.position == "learned" and t.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "
+                f"which a learned position table cannot cover; raise model.max_seq_len or use "
+                f"position = 'rope'.")
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML file with [model], [data] and [train] sections, then apply
+    ``section.key=value`` overrides (values parsed as TOML, bare words as strings)."""
+    raw: dict[str, Any] = {}
+    where = "config"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing TOML file, "
+                              f"e.g. configs/shakespeare_char/demo.toml.")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}.") from None
+    for item in overrides or []:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"--set {item}: [{section}] is not a table.")
+        raw[section][name] = value
+    cfg = RunConfig.from_dict(raw, where)
+    cfg.check()
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"--set {item!r} must look like section.key=value, e.g. "
+                          f"--set train.max_steps=100 or --set model.mixer=softmax.")
+    key, text = item.split("=", 1)
+    key, text = key.strip(), text.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as `softmax` is a string
+    return key, value
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """Write a RunConfig as TOML (None values are left out: they mean "default")."""
+    lines: list[str] = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            if v is None:
+                continue
+            if isinstance(v, bool):
+                text = "true" if v else "false"
+            elif isinstance(v, str):
+                text = '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            elif isinstance(v, float):
+                text = repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+            else:
+                text = str(v)
+            lines.append(f"{k} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _build(klass, d: dict[str, Any], where: str):
+    names = {f.name for f in fields(klass)}
+    for key in d:
+        if key not in names:
+            raise ConfigError(f"unknown key {where}.{key}{_suggest(key, names)}; valid keys of "
+                              f"[{where}] are: {', '.join(sorted(names))}.")
+    return klass(**d)
+
+
+def _validate(obj, section: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{section}.{f.name}"
+        setattr(obj, f.name, _coerce(key, value, hints[f.name]))
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        if f.name in CHOICES and value not in CHOICES[f.name]:
+            raise ConfigError(f"{key} = {value!r} is not one of {', '.join(CHOICES[f.name])}"
+                              f"{_suggest(str(value), CHOICES[f.name])}.")
+        if f.name in POSITIVE and value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}.")
+        if f.name in NON_NEGATIVE and value < 0:
+            raise ConfigError(f"{key} must be zero or positive, got {value}.")
+        if f.name in UNIT_INTERVAL:
+            lo, hi = UNIT_INTERVAL[f.name]
+            if not (lo <= value < hi) or (f.name == "train_fraction" and value <= 0):
+                raise ConfigError(f"{key} must lie in [{lo}, {hi}), got {value}.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}.")
+
+
+def _coerce(key: str, value: Any, hint) -> Any:
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{key} must not be empty.")
+    for t in allowed:
+        if t is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, bool):
+            continue
+        if t is not type(None) and isinstance(value, t):
+            return value
+    names = " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{key} must be {names}, got {type(value).__name__} {value!r}.")
+
+
+def _check_selectors(cfg: ModelConfig) -> None:
+    # Imported here: the registries import model code, which imports this module.
+    from .mixers import MIXERS
+    from .model.depth import DEPTHS
+
+    _check_registry("model.mixer", cfg.mixer, MIXERS)
+    _check_registry("model.depth", cfg.depth, DEPTHS)
+    checker = getattr(DEPTHS[cfg.depth], "check_config", None)
+    if checker is not None:
+        checker(cfg)
+
+
+def _check_registry(key: str, value: str, registry: dict) -> None:
+    if value not in registry:
+        raise ConfigError(f"{key} = {value!r} is not available{_suggest(value, registry)}; "
+                          f"available: {', '.join(sorted(registry))}.")

@@ -1,0 +1,18 @@
+"""Error types. Anything derived from :class:`ContinuumLMError` is a user error: the CLI prints
+its message as one paragraph and exits with status 2, without a traceback."""
+
+
+class ContinuumLMError(Exception):
+    """Base class of errors caused by input (config, data, checkpoint, prompt)."""
+
+
+class ConfigError(ContinuumLMError, ValueError):
+    """A configuration value is wrong; the message names the key."""
+
+
+class DataError(ContinuumLMError):
+    """A corpus or tokenizer problem: missing file, bad checksum, undecodable bytes..."""
+
+
+class CheckpointError(ContinuumLMError):
+    """A checkpoint folder is missing, incomplete, corrupt or unsafe."""

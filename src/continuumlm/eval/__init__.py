@@ -1,0 +1,3 @@
+from .sampling import filter_logits, sample_next
+
+__all__ = ["filter_logits", "sample_next"]

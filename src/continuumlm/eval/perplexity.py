@@ -1,0 +1,46 @@
+"""Cross-entropy, perplexity and bits per character at several context lengths."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..data import eval_batches, eval_window_starts
+
+
+def context_support(model, context: int) -> str | None:
+    """None if the model can read windows of ``context`` tokens, else the reason it cannot."""
+    cfg = model.config
+    if cfg.position == "learned" and context > cfg.max_seq_len:
+        return f"learned positions cover {cfg.max_seq_len} tokens"
+    return None
+
+
+@torch.no_grad()
+def evaluate_contexts(model, data: torch.Tensor, contexts: list[int], char_level: bool,
+                      device: torch.device, batch_tokens: int = 16384,
+                      max_windows: int | None = None) -> list[dict]:
+    """One row per context length: loss (nats/token), ppl, bpc (char level), windows, tokens."""
+    model.eval()
+    rows = []
+    for L in contexts:
+        reason = context_support(model, L)
+        n_windows = len(eval_window_starts(len(data), L, max_windows))
+        if reason is None and n_windows == 0:
+            reason = f"the split has only {len(data)} tokens"
+        if reason is not None:
+            rows.append({"context": L, "unsupported": reason})
+            continue
+        total, count = 0.0, 0
+        for x, y in eval_batches(data, L, max(1, batch_tokens // L), max_windows):
+            _, loss = model(x.to(device), y.to(device))
+            total += loss.item() * y.numel()
+            count += y.numel()
+        loss = total / count
+        row = {"context": L, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
+               "windows": n_windows, "tokens": count}
+        if char_level:
+            row["bpc"] = loss / math.log(2)
+        rows.append(row)
+    return rows

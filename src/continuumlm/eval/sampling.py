@@ -1,0 +1,46 @@
+"""Next-token selection: greedy, temperature, top-k and top-p (nucleus) filtering."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}; use greedy=True "
+                         f"(--greedy) for deterministic argmax decoding.")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}.")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}.")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, then outside the nucleus of mass top_p.
+
+    The nucleus is the smallest set of most probable tokens whose probability reaches top_p
+    (a token is kept when the mass of the tokens ranked above it is below top_p).
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, greedy: bool = False,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,)."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,55 @@
+"""Multi-head softmax self-attention with a fused QKV projection and a KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..model.cache import KVCache
+from ..nn import RotaryEmbedding, make_linear
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal (decoder) or bidirectional (encoder) scaled dot-product attention."""
+
+    cache_factory = KVCache
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.causal = cfg.mode == "decoder"
+        self.qkv = make_linear(cfg.hidden_size, 3 * cfg.hidden_size, cfg)
+        self.out_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
+        self.out_proj.residual_proj = True
+        self.attn_dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len) if cfg.position == "rope" else None
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        offset = 0
+        if cache is not None:
+            if not self.causal:
+                raise ValueError("incremental decoding needs mode = 'decoder'; an encoder "
+                                 "attends to future tokens, which do not exist yet.")
+            offset = cache.length
+        if self.rope is not None:
+            q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        mask, is_causal = None, False
+        if self.causal:
+            if offset == 0:
+                is_causal = T > 1
+            elif T > 1:  # a chunk after cached tokens: query i sees keys <= offset + i
+                q_pos = torch.arange(offset, offset + T, device=x.device)[:, None]
+                mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= q_pos
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.attn_dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.out_proj(y))

@@ -1,0 +1,213 @@
+"""The language model: embedding -> depth (mixers inside blocks or ODE fields) -> norm -> head."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..errors import CheckpointError, ConfigError
+from ..eval.sampling import check_sampling_args, sample_next
+from ..nn import make_norm
+from .cache import DecodeState
+from .depth import DEPTHS
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class LanguageModel(nn.Module):
+    """Autoregressive (decoder) or bidirectional (encoder) Transformer language model.
+
+    ``model(idx, targets=None) -> (logits, loss)`` with logits (B, T, vocab) and loss the mean
+    cross-entropy over targets (ignoring -1), or None without targets.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ConfigError("model.vocab_size must be positive to build a model (the trainer "
+                              "fills it in from the tokenizer; set it when building by hand).")
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_emb = (nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
+                        if cfg.position == "learned" else None)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.depth = DEPTHS[cfg.depth](cfg)
+        self.norm_f = make_norm(cfg.hidden_size, cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * number of residual additions).
+        for m in self.modules():
+            if getattr(m, "residual_proj", False):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.num_layers))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    # ------------------------------------------------------------------ forward
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    @property
+    def last_nfe(self) -> int:
+        """Block (vector field) evaluations in the last forward pass."""
+        return self.depth.last_nfe
+
+    def penalty(self) -> torch.Tensor:
+        """Sum of the regularizers that mixers expose (added to the loss by the trainer)."""
+        terms = [m.penalty() for m in self.modules() if m is not self and hasattr(m, "penalty")]
+        return torch.stack(terms).sum() if terms else self.tok_emb.weight.new_zeros(())
+
+    def hidden_states(self, idx: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+        """Final normalized hidden states (B, T, C); extends ``state`` when given."""
+        B, T = idx.shape
+        pos0 = state.pos if state is not None else 0
+        cfg = self.config
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            if pos0 + T > cfg.max_seq_len:
+                raise ValueError(
+                    f"sequence of {pos0 + T} tokens is longer than max_seq_len = {cfg.max_seq_len}, "
+                    f"the size of this model's learned position table; use a shorter context or a "
+                    f"model with position = 'rope'.")
+            x = x + self.pos_emb(torch.arange(pos0, pos0 + T, device=idx.device))
+        x = self.depth(self.drop(x), state)
+        if state is not None:
+            state.pos += T
+        return self.norm_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                state: DecodeState | None = None):
+        logits = self.lm_head(self.hidden_states(idx, state))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    # ------------------------------------------------------------------ decoding
+
+    def init_state(self, batch_size: int) -> DecodeState:
+        """An empty decoding state; feed tokens with :meth:`step`."""
+        return DecodeState(batch_size)
+
+    @torch.no_grad()
+    def step(self, idx: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, DecodeState]:
+        """Consume tokens (B, t) — a whole prompt or one new token — and return the logits of the
+        last one, (B, vocab), together with the extended state."""
+        if idx.shape[0] != state.batch_size:
+            raise ValueError(f"state was made for batch size {state.batch_size}, got {idx.shape[0]}.")
+        h = self.hidden_states(idx, state)
+        return self.lm_head(h[:, -1]), state
+
+    @torch.no_grad()
+    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                        top_k: int | None = None, top_p: float | None = None,
+                        greedy: bool = False, use_cache: bool = True,
+                        generator: torch.Generator | None = None,
+                        eos_token_id: int | None = None) -> Iterator[torch.Tensor]:
+        """Yield the next token ids (B,) one step at a time."""
+        cfg = self.config
+        if cfg.mode != "decoder":
+            raise ValueError("generation needs mode = 'decoder'; this model is an encoder.")
+        if not greedy:
+            check_sampling_args(temperature, top_k, top_p)
+        if idx.dim() != 2 or idx.shape[1] == 0:
+            raise ValueError("the prompt must hold at least one token, shaped (batch, length).")
+        if cfg.position == "learned" and idx.shape[1] + max_new_tokens - 1 > cfg.max_seq_len:
+            raise ValueError(
+                f"prompt ({idx.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
+                f"max_seq_len = {cfg.max_seq_len} of this model's learned positions; ask for at most "
+                f"{max(cfg.max_seq_len - idx.shape[1] + 1, 0)} new tokens or use a RoPE model.")
+        was_training = self.training
+        self.eval()
+        try:
+            seq = idx
+            done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+            state = self.init_state(idx.shape[0]) if use_cache else None
+            logits = self.step(idx, state)[0] if use_cache else None
+            for i in range(max_new_tokens):
+                if not use_cache:
+                    logits = self.lm_head(self.hidden_states(seq)[:, -1])
+                nxt = sample_next(logits, temperature, top_k, top_p, greedy, generator)
+                if eos_token_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                    done |= nxt == eos_token_id
+                yield nxt
+                if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                    break
+                if use_cache:
+                    logits = self.step(nxt[:, None], state)[0]
+                else:
+                    seq = torch.cat([seq, nxt[:, None]], dim=1)
+        finally:
+            self.train(was_training)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+                 use_cache: bool = True, generator: torch.Generator | None = None,
+                 eos_token_id: int | None = None) -> torch.Tensor:
+        """Return (B, T + new) token ids: the prompt followed by sampled tokens (fewer than
+        max_new_tokens only when every row produced ``eos_token_id``)."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
+                                        use_cache, generator, eos_token_id))
+        return torch.cat([idx] + [t[:, None] for t in new], dim=1)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (no pickle)."""
+        from safetensors.torch import save_model
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        save_model(self, str(directory / WEIGHTS_FILE))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_model
+
+        directory = Path(directory)
+        cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise CheckpointError(f"{p} is missing; a model folder holds {CONFIG_FILE} and "
+                                      f"{WEIGHTS_FILE} (written by save_pretrained or training).")
+        try:
+            cfg_dict = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{cfg_path} is not valid JSON ({e}); the file is corrupt.") from None
+        if not isinstance(cfg_dict, dict):
+            raise CheckpointError(f"{cfg_path} does not hold a JSON object of model settings.")
+        model = cls(ModelConfig.from_dict(cfg_dict, where=str(cfg_path)))
+        try:
+            missing, unexpected = load_model(model, str(w_path), strict=False,
+                                             device=str(map_location))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read weights from {w_path}: {e}. The file is corrupt, "
+                                  f"truncated or belongs to a different configuration.") from None
+        if missing or unexpected:
+            raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
+                                  f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
+        return model

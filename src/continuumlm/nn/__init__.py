@@ -1,0 +1,8 @@
+"""Small building blocks shared by mixers and fields."""
+
+from .linear import BitLinear, make_linear
+from .mlp import MLP
+from .norm import make_norm
+from .position import RotaryEmbedding
+
+__all__ = ["BitLinear", "make_linear", "MLP", "make_norm", "RotaryEmbedding"]

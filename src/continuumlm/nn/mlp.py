@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .linear import make_linear
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: Linear -> GELU -> Linear -> dropout."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc = make_linear(cfg.hidden_size, cfg.ffn_hidden_size, cfg)
+        self.proj = make_linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg)
+        self.proj.residual_proj = True  # scaled init, see LanguageModel._init_weights
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))

@@ -1,0 +1,167 @@
+"""Checkpoints: atomic, verifiable, loaded without unpickling arbitrary objects.
+
+Layout of a run folder's ``checkpoints/``::
+
+    step-00000500/     config.json  model.safetensors  tokenizer.json  run.json
+                       trainer_state.pt  manifest.json
+    last -> step-...   (symlink, swapped atomically)
+    best -> step-...
+
+A checkpoint is written into a hidden temporary folder, every file is fsynced, and the folder is
+renamed into place; only then does ``last`` move. A crash at any point leaves the previous
+checkpoint intact. ``manifest.json`` records the sha256 of every file, checked on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..data.corpora import sha256_file
+from ..data.tokenizers import load_tokenizer, save_tokenizer
+from ..errors import CheckpointError
+from ..model.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel
+
+RUN_FILE = "run.json"
+STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+STEP_PREFIX = "step-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _point(link: Path, target_name: str) -> None:
+    """Atomically make ``link`` a symlink to ``target_name`` (a sibling folder)."""
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target_name, tmp)
+    os.replace(tmp, link)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer, run_cfg: RunConfig,
+                    trainer_state: dict, best: bool = False, keep: int = 3) -> Path:
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"{STEP_PREFIX}{step:08d}"
+    final = ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        raw = model.module if hasattr(model, "module") else model
+        raw.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
+        (tmp / RUN_FILE).write_text(json.dumps(run_cfg.to_dict(), indent=2) + "\n")
+        torch.save(trainer_state, tmp / STATE_FILE)
+        files = sorted(p.name for p in tmp.iterdir())
+        for f in files:
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
+        with open(tmp / MANIFEST, "w") as fh:
+            json.dump(manifest, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. best and last at one step)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _point(ckpt_root / "last", name)
+    if best:
+        _point(ckpt_root / "best", name)
+    _prune(ckpt_root, keep)
+    return final
+
+
+def _prune(ckpt_root: Path, keep: int) -> None:
+    steps = sorted(p for p in ckpt_root.iterdir()
+                   if p.name.startswith(STEP_PREFIX) and p.is_dir() and not p.is_symlink())
+    protected = {(ckpt_root / n).resolve() for n in ("last", "best") if (ckpt_root / n).exists()}
+    for p in steps[:-keep] if keep > 0 else []:
+        if p.resolve() not in protected:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
+    """A checkpoint folder from a checkpoint folder, a ``checkpoints/`` folder or a run folder."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist; pass a run folder (e.g. runs/demo) or a "
+                              f"checkpoint folder (e.g. runs/demo/checkpoints/best).")
+    for candidate in (p, p / which, p / "checkpoints" / which):
+        if (candidate / WEIGHTS_FILE).exists() or (candidate / CONFIG_FILE).exists():
+            return candidate
+    raise CheckpointError(f"{p} holds no checkpoint (no {WEIGHTS_FILE} in it, in {p / which} or "
+                          f"in {p / 'checkpoints' / which}); pass a run folder or a checkpoint folder.")
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Check every file against the manifest's sha256 (folders saved by save_pretrained alone
+    carry no manifest and are checked by the loaders instead)."""
+    mpath = ckpt / MANIFEST
+    if not mpath.exists():
+        return
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise CheckpointError(f"{mpath} is corrupt; the checkpoint {ckpt} cannot be trusted.") from None
+    for name, digest in files.items():
+        f = ckpt / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing from checkpoint {ckpt}.")
+        if sha256_file(f) != digest:
+            raise CheckpointError(f"{f} does not match the sha256 in {mpath}: the file is corrupt "
+                                  f"or truncated.")
+
+
+def load_model_and_tokenizer(path: str | Path, which: str = "last", map_location="cpu"):
+    ckpt = resolve_checkpoint(path, which)
+    verify_checkpoint(ckpt)
+    model = LanguageModel.from_pretrained(ckpt, map_location=map_location)
+    tok = load_tokenizer(ckpt)
+    if tok.vocab_size != model.config.vocab_size:
+        raise CheckpointError(f"the tokenizer in {ckpt} has {tok.vocab_size} tokens but the model "
+                              f"expects {model.config.vocab_size}; the files come from different runs.")
+    return model, tok, ckpt
+
+
+def load_run_config(ckpt: Path) -> RunConfig:
+    p = ckpt / RUN_FILE
+    if not p.is_file():
+        raise CheckpointError(f"{p} is missing; only checkpoints written by training can be "
+                              f"resumed or evaluated on their corpus.")
+    try:
+        return RunConfig.from_dict(json.loads(p.read_text()), where=str(p))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p} is not valid JSON ({e}).") from None
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    p = ckpt / STATE_FILE
+    if not p.is_file():
+        raise CheckpointError(f"{p} is missing; the checkpoint cannot be resumed.")
+    try:
+        # weights_only: tensors and plain containers only; never runs code from the file
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{p} holds objects other than tensors and plain data and was "
+                              f"refused (it may be malicious): {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{p} is corrupt or truncated: {e}") from None

@@ -1,0 +1,55 @@
+"""Metrics: one JSON object per event in ``metrics.jsonl`` and the same scalars in TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate(resume_step)
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step)
+
+    def _truncate(self, step: int) -> None:
+        """Drop events a resumed run will produce again: updates after ``step`` and
+        evaluations at or after it (they ran after the checkpoint was written)."""
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            s = ev.get("step", 0)
+            if s < step or (s == step and "val_loss" not in ev):
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def log(self, event: dict) -> None:
+        self.file.write(json.dumps(event) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            step = event["step"]
+            for k, v in event.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(("val/" if k.startswith("val") else "train/") + k, v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
