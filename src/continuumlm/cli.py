@@ -114,11 +114,6 @@ def cmd_train(args) -> int:
                 base.setdefault(section, {})[name] = value
             cfg = RunConfig.from_dict(base, where=str(ckpt))
             cfg.check()
-        saved_vocab = load_run_config(ckpt).model.vocab_size
-        if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
-            import dataclasses
-
-            cfg.model = dataclasses.replace(cfg.model, vocab_size=saved_vocab)
     else:
         cfg = load_config(args.config, args.set)
     result = Trainer(cfg, out, resume=args.resume, quiet=args.quiet).run()

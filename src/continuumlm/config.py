@@ -36,6 +36,7 @@ POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
+    "lr",
 }
 NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
 UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),

@@ -36,6 +36,8 @@ class BatchSampler:
 def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
     """Starts of non-overlapping windows of seq_len inputs (+1 target) covering the stream; at
     most ``max_windows`` of them, evenly spread when the stream holds more."""
+    if n_tokens <= seq_len:
+        return torch.zeros(0, dtype=torch.long)
     starts = torch.arange(0, n_tokens - seq_len, seq_len)
     if max_windows is not None and len(starts) > max_windows:
         pick = torch.linspace(0, len(starts) - 1, max_windows).round().long()

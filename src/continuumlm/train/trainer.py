@@ -76,6 +76,8 @@ class Trainer:
             ckpt = resolve_checkpoint(self.out, "last")
             verify_checkpoint(ckpt)
             saved = load_run_config(ckpt)
+            if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
+                cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
             if saved.model != cfg.model or saved.data != cfg.data:
                 raise ConfigError(
                     f"--resume: the [model] or [data] settings differ from those the run in "

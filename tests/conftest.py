@@ -1,0 +1,51 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from continuumlm import LanguageModel, ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Every test gets its own user cache, so nothing leaks between tests or into ~/.cache."""
+    monkeypatch.setenv("CONTINUUMLM_CACHE", str(tmp_path_factory.mktemp("cache")))
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    env = os.environ.get("CONTINUUMLM_DATA")
+    d = Path(env) if env else SHARED_DATA
+    if not (d / "tinyshakespeare.txt").is_file():
+        pytest.skip("corpora not available; set CONTINUUMLM_DATA")
+    return d
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path) -> Path:
+    """A small generated text corpus: deterministic, a few thousand characters."""
+    words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "a", "mat"]
+    g = torch.Generator().manual_seed(1)
+    lines = []
+    for _ in range(200):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        lines.append(" ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g)))
+    p = tmp_path / "tiny.txt"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def small_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=37, hidden_size=32, num_heads=4, num_layers=2, max_seq_len=64)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def small_model(**kw) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(small_config(**kw)).eval()

@@ -1,0 +1,77 @@
+import pytest
+
+from continuumlm import ConfigError, ModelConfig, load_config
+from continuumlm.config import RunConfig, dump_toml
+
+
+def test_defaults_are_valid():
+    cfg = ModelConfig()
+    assert cfg.ffn_hidden_size == 4 * cfg.hidden_size
+
+
+def test_hidden_not_divisible_names_both_numbers():
+    with pytest.raises(ValueError, match=r"hidden_size \(130\).*num_heads \(4\)"):
+        ModelConfig(hidden_size=130, num_heads=4)
+
+
+def test_unknown_key_suggests(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[model]\nnum_head = 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'num_heads'"):
+        load_config(p)
+
+
+def test_unknown_section(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[modle]\nnum_heads = 4\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'model'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.hidden_size=\"big\"", "model.hidden_size must be int"),
+    ("model.num_layers=0", "model.num_layers must be positive"),
+    ("train.lr=-1", "train.lr must be positive"),
+    ("model.dropout=1.5", "model.dropout must lie in"),
+    ("train.batch_size=true", "train.batch_size must be int"),
+    ("model.norm_type=batchnorm", "model.norm_type = 'batchnorm' is not one of"),
+    ("train.max_steps=-5", "train.max_steps must be positive"),
+])
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("key,value", [("mixer", "nope"), ("depth", "odee")])
+def test_unknown_selector_lists_available(key, value):
+    with pytest.raises(ValueError, match="available: "):
+        ModelConfig(**{key: value})
+
+
+def test_learned_positions_shorter_than_context():
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        load_config(None, ["model.position=learned", "model.max_seq_len=32", "train.seq_len=64"])
+
+
+def test_override_parsing_and_toml_round_trip(tmp_path):
+    cfg = load_config(None, ["train.lr=3e-4", "model.mixer=softmax", "data.path=/x/y.txt",
+                             "model.use_bitnet=true"])
+    assert cfg.train.lr == 3e-4 and cfg.model.use_bitnet is True and cfg.data.path == "/x/y.txt"
+    p = tmp_path / "round.toml"
+    p.write_text(dump_toml(cfg))
+    assert load_config(p) == cfg
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["lr=3"])
+
+
+def test_recipes_all_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.rglob("*.toml"))
+    assert files
+    for f in files:
+        assert isinstance(load_config(f), RunConfig), f

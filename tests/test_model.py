@@ -1,0 +1,175 @@
+import pytest
+import torch
+
+from continuumlm import CheckpointError, LanguageModel
+from continuumlm.model.cache import KVCache
+
+from conftest import small_config, small_model
+
+VARIANTS = [
+    dict(position="rope"),
+    dict(position="learned"),
+    dict(position="none"),
+    dict(norm_type="rmsnorm", bias=True),
+    dict(use_bitnet=True),
+    dict(tie_embeddings=False),
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_shapes_and_loss(kw):
+    m = small_model(**kw)
+    idx = torch.randint(0, 37, (3, 17))
+    logits, loss = m(idx)
+    assert logits.shape == (3, 17, 37) and loss is None
+    _, loss = m(idx, idx)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_decoder_is_causal(kw):
+    """Changing tokens after position i leaves the logits at positions <= i unchanged."""
+    m = small_model(**kw)
+    idx = torch.randint(0, 37, (2, 24))
+    ref, _ = m(idx)
+    for i in (0, 7, 22):
+        alt = idx.clone()
+        alt[:, i + 1:] = torch.randint(0, 37, alt[:, i + 1:].shape)
+        out, _ = m(alt)
+        torch.testing.assert_close(out[:, : i + 1], ref[:, : i + 1], rtol=0, atol=1e-5)
+        if i + 1 < idx.shape[1]:
+            assert not torch.allclose(out[:, i + 1:], ref[:, i + 1:])
+
+
+def test_encoder_sees_the_future():
+    m = small_model(mode="encoder")
+    idx = torch.randint(0, 37, (1, 12))
+    alt = idx.clone()
+    alt[:, -1] = (alt[:, -1] + 1) % 37
+    assert not torch.allclose(m(idx)[0][:, 0], m(alt)[0][:, 0])
+    with pytest.raises(ValueError, match="decoder"):
+        m.generate(idx, 2)
+
+
+@pytest.mark.parametrize("kw", [dict(position="rope"), dict(position="learned"), dict(position="none")])
+@pytest.mark.parametrize("prompt_len", [1, 5, 13])
+def test_kv_cache_equals_recompute(kw, prompt_len):
+    m = small_model(**kw)
+    prompt = torch.randint(0, 37, (2, prompt_len))
+    n_new = 64 - prompt_len + 1 if kw["position"] == "learned" else 64
+    a = m.generate(prompt, n_new, greedy=True, use_cache=True)
+    b = m.generate(prompt, n_new, greedy=True, use_cache=False)
+    assert torch.equal(a, b)
+    # logits of every step: prefill + one token at a time vs one full forward
+    state = m.init_state(2)
+    step_logits = [m.step(a[:, :prompt_len], state)[0]]
+    for t in range(prompt_len, a.shape[1] - 1):
+        step_logits.append(m.step(a[:, t:t + 1], state)[0])
+    full, _ = m(a[:, :-1])
+    torch.testing.assert_close(torch.stack(step_logits, 1), full[:, prompt_len - 1:], rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_after_cache():
+    """A multi-token chunk after cached tokens attends causally within the chunk."""
+    m = small_model()
+    idx = torch.randint(0, 37, (2, 20))
+    state = m.init_state(2)
+    m.step(idx[:, :7], state)
+    h = m.hidden_states(idx[:, 7:], state)
+    torch.testing.assert_close(h, m.hidden_states(idx)[:, 7:], rtol=0, atol=1e-5)
+
+
+def test_cache_rows_are_independent():
+    m = small_model()
+    p = torch.randint(0, 37, (2, 6))
+    both = m.generate(p, 20, greedy=True)
+    for r in range(2):
+        assert torch.equal(both[r:r + 1], m.generate(p[r:r + 1], 20, greedy=True))
+
+
+def test_kv_cache_growth():
+    c = KVCache()
+    ks = [torch.randn(1, 2, n, 4) for n in (3, 1, 20, 1)]
+    for k in ks:
+        k_all, v_all = c.append(k, -k)
+    torch.testing.assert_close(k_all, torch.cat(ks, dim=2))
+    assert c.length == 25
+
+
+def test_sampling_reproducible_with_seed():
+    m = small_model()
+    p = torch.randint(0, 37, (1, 4))
+    runs = [m.generate(p, 30, temperature=0.9, top_k=10, top_p=0.9,
+                       generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(*runs)
+
+
+def test_learned_positions_context_limit():
+    m = small_model(position="learned", max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len = 16"):
+        m.generate(torch.zeros(1, 10, dtype=torch.long), 8)
+    assert m.generate(torch.zeros(1, 10, dtype=torch.long), 7).shape == (1, 17)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_rope_runs_past_max_seq_len():
+    m = small_model(position="rope", max_seq_len=8)
+    assert m(torch.zeros(1, 40, dtype=torch.long))[0].shape == (1, 40, 37)
+
+
+def test_save_load_round_trip(tmp_path):
+    m = small_model(tie_embeddings=True)
+    m.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    m2 = LanguageModel.from_pretrained(tmp_path).eval()
+    assert m2.lm_head.weight.data_ptr() == m2.tok_emb.weight.data_ptr()  # still tied
+    idx = torch.randint(0, 37, (2, 9))
+    torch.testing.assert_close(m2(idx)[0], m(idx)[0], rtol=0, atol=0)
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        LanguageModel.from_pretrained(tmp_path)
+    small_model().save_pretrained(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        LanguageModel.from_pretrained(tmp_path)
+
+
+def test_init_scale_and_param_count():
+    cfg = small_config(num_layers=3, position="learned")
+    m = LanguageModel(cfg)
+    proj = m.depth.layers[0].mixer.out_proj.weight
+    assert abs(proj.std().item() - 0.02 / (2 * 3) ** 0.5) < 0.004
+    C, V, L, F = 32, 37, 3, 128
+    per_layer = 2 * C + 3 * C * C + C * C + C * F + F * C
+    assert m.num_parameters() == V * C + 64 * C + L * per_layer + C
+
+
+def test_bitlinear_weights_are_ternary():
+    from continuumlm.nn import BitLinear
+
+    lin = BitLinear(16, 8, bias=False)
+    w = lin.quantized_weight()
+    scale = lin.weight.abs().mean()
+    assert set((w / scale).round().unique().tolist()) <= {-1.0, 0.0, 1.0}
+    x = torch.randn(4, 16, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None  # straight-through gradients
+
+
+def test_overfits_tiny_corpus():
+    torch.manual_seed(0)
+    m = LanguageModel(small_config(vocab_size=11, num_layers=2))
+    data = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 4)
+    x, y = data[:-1][None], data[1:][None]
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    for _ in range(150):
+        _, loss = m(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+    assert m.generate(torch.tensor([[3]]), 8, greedy=True).tolist() == [[3, 4, 5, 6, 7, 8, 9, 10, 1]]

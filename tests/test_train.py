@@ -1,0 +1,169 @@
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from continuumlm import CheckpointError, ConfigError, load_config
+from continuumlm.train import Trainer
+from continuumlm.train.checkpoint import load_trainer_state, verify_checkpoint
+from continuumlm.train.logging import read_metrics
+from continuumlm.train.optim import lr_at
+
+CLI = str(Path(sys.executable).parent / "continuumlm")
+
+
+def tiny_cfg(corpus, *extra):
+    return load_config(None, [
+        "data.dataset=text", f"data.path=\"{corpus}\"", "model.hidden_size=32", "model.num_heads=2",
+        "model.num_layers=2", "model.dropout=0.1", "train.batch_size=4", "train.seq_len=16",
+        "train.max_steps=12", "train.lr_decay_steps=12", "train.warmup_steps=2",
+        "train.log_interval=1", "train.eval_interval=4", "train.eval_iters=2",
+        "train.checkpoint_interval=3", "train.device=cpu", *extra])
+
+
+def test_lr_schedule():
+    t = load_config(None, ["train.max_steps=100", "train.warmup_steps=10", "train.lr=1.0",
+                           "train.min_lr=0.1"]).train
+    assert lr_at(0, t) == pytest.approx(1 / 11)
+    assert lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(55, t) == pytest.approx(0.55)
+    assert lr_at(100, t) == pytest.approx(0.1) and lr_at(500, t) == 0.1
+
+
+def test_resume_matches_uninterrupted_run(tiny_corpus, tmp_path):
+    full = Trainer(tiny_cfg(tiny_corpus), tmp_path / "full", quiet=True)
+    full.run()
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=6"), tmp_path / "cut", quiet=True).run()
+    Trainer(tiny_cfg(tiny_corpus), tmp_path / "cut", resume=True, quiet=True).run()
+
+    def losses(run):
+        return {e["step"]: e["loss"] for e in read_metrics(run) if "loss" in e}
+
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert sorted(b) == list(range(1, 13))  # no duplicated or missing steps after the resume
+    assert a == b  # bit-identical on CPU
+    vals = [e["step"] for e in read_metrics(tmp_path / "cut") if "val_loss" in e]
+    assert vals == sorted(set(vals))
+    pa = torch.cat([p.flatten() for p in full.model.parameters()])
+    from continuumlm.train import load_model_and_tokenizer
+
+    m, _, _ = load_model_and_tokenizer(tmp_path / "cut", "last")
+    torch.testing.assert_close(torch.cat([p.flatten() for p in m.parameters()]), pa, rtol=0, atol=0)
+
+
+def test_run_folder_layout_and_checkpoints(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(tiny_corpus, "train.keep_checkpoints=2"), out, quiet=True).run()
+    assert (out / "config.toml").is_file() and (out / "tb").is_dir()
+    assert load_config(out / "config.toml").train.max_steps == 12
+    ck = out / "checkpoints"
+    for which in ("last", "best"):
+        names = sorted(p.name for p in (ck / which).iterdir())
+        assert names == ["config.json", "manifest.json", "model.safetensors", "run.json",
+                         "tokenizer.json", "trainer_state.pt"]
+    steps = sorted(p.name for p in ck.iterdir() if p.name.startswith("step-"))
+    assert len(steps) <= 3 and (ck / "last").resolve().name == "step-00000012"
+    assert not [p for p in ck.iterdir() if p.name.startswith(".")]  # no temp folders left
+    events = read_metrics(out)
+    train_ev = [e for e in events if "loss" in e]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train_ev[0])
+    assert any("val_loss" in e for e in events)
+    # a fresh run never overwrites an existing one
+    with pytest.raises(ConfigError, match="--resume"):
+        Trainer(tiny_cfg(tiny_corpus), out, quiet=True)
+
+
+def test_corrupt_checkpoint_detected(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=3"), out, quiet=True).run()
+    ck = (out / "checkpoints" / "last").resolve()
+    w = ck / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-10] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors does not match the sha256"):
+        verify_checkpoint(ck)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_malicious_pickle_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(tmp_path / "trainer_state.pt", "wb") as f:
+        pickle.dump({"step": Evil()}, f)
+    with pytest.raises(CheckpointError, match="refused"):
+        load_trainer_state(tmp_path)
+    assert not marker.exists()
+
+
+def test_too_short_corpus(tmp_path):
+    p = tmp_path / "short.txt"
+    p.write_text("abcdefghij" * 2)
+    from continuumlm.errors import DataError
+
+    with pytest.raises(DataError, match="fewer than one window"):
+        Trainer(tiny_cfg(p), tmp_path / "run", quiet=True)
+
+
+def _cli(*args, **kw):
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_cli_smoke(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(f"""
+[model]
+hidden_size = 32
+num_heads = 2
+num_layers = 2
+[data]
+dataset = "text"
+path = "{tiny_corpus}"
+[train]
+max_steps = 20
+batch_size = 4
+seq_len = 16
+eval_interval = 10
+eval_iters = 2
+device = "cpu"
+""")
+    r = _cli("train", "--config", str(cfg), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "done: step 20" in r.stdout
+    r = _cli("eval", "--checkpoint", str(out), "--context-lengths", "8,16,100000", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [row["context"] for row in rows] == [8, 16, 100000]
+    assert rows[0]["bpc"] > 0 and "unsupported" in rows[2]
+    r = _cli("generate", "--checkpoint", str(out), "--prompt", "the cat", "--max-new-tokens", "30",
+             "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("the cat") and len(r.stdout.rstrip("\n")) == len("the cat") + 30
+    r2 = _cli("generate", "--checkpoint", str(out), "--prompt", "the cat", "--max-new-tokens", "30",
+              "--seed", "3", "--no-cache")
+    assert r2.stdout == r.stdout
+    r = _cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
+    assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--config", "nope.toml"], "does not exist"),
+    (["train", "--config", "configs/shakespeare_char/demo.toml", "--set", "model.num_head=3"],
+     "did you mean 'num_heads'"),
+    (["eval", "--checkpoint", "/nonexistent/run"], "does not exist"),
+    (["generate", "--checkpoint", "."], "holds no checkpoint"),
+])
+def test_cli_user_errors_exit_2(args, needle):
+    r = _cli(*args, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
