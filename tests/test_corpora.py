@@ -3,8 +3,7 @@ import hashlib
 import pytest
 
 from continuumlm.config import DataConfig
-from continuumlm.data import prepare_data
-from continuumlm.data import corpora
+from continuumlm.data import corpora, prepare_data
 from continuumlm.data.corpora import CorpusFile, resolve_file
 from continuumlm.errors import DataError
 

@@ -1,10 +1,9 @@
 import pytest
 import torch
 
+from conftest import small_config, small_model
 from continuumlm import CheckpointError, LanguageModel
 from continuumlm.model.cache import KVCache
-
-from conftest import small_config, small_model
 
 VARIANTS = [
     dict(position="rope"),

@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from .errors import ConfigError
 

@@ -7,7 +7,8 @@ contents of its cache; the depth module only hands the right cache to the right 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
