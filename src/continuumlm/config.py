@@ -31,13 +31,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "errors": ("strict", "replace"),
     "device": ("auto", "cpu", "cuda", "mps"),
     "dtype": ("auto", "float32", "bfloat16"),
+    "ode_time_embedding": ("none", "sinusoidal"),
 }
 
 POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
-    "lr",
+    "lr", "ode_rtol", "ode_atol", "ode_max_steps",
 }
 NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
 UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
@@ -73,9 +74,22 @@ class ModelConfig:
     mixer: str = "softmax"
     depth: str = "discrete"
     field: str = "sequential"
+    """Vector field of ODE blocks: attention, sequential or parallel."""
     ode_solver: str = "rk4"
+    """Fixed grid: euler, midpoint, heun, rk4 (classical), rk4_38, rk2_gated, reversible_heun;
+    adaptive (torchdiffeq): dopri5, bosh3, adaptive_heun."""
     ode_steps: int = 4
+    """Uniform steps of a fixed-grid solver from ode_t0 to ode_t1."""
     ode_grad: str = "direct"
+    """direct, adjoint, checkpoint or reversible (reversible needs a reversible solver)."""
+    ode_t0: float = 0.0
+    ode_t1: float = 1.0
+    ode_rtol: float = 1e-3
+    ode_atol: float = 1e-4
+    ode_max_steps: int = 1000
+    """Most steps an adaptive solve may take before it stops with an error."""
+    ode_time_embedding: str = "none"
+    """"sinusoidal" makes the field non-autonomous, dh/dt = Block(h, t)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
@@ -319,9 +333,13 @@ def _check_selectors(cfg: ModelConfig) -> None:
     # Imported here: the registries import model code, which imports this module.
     from .mixers import MIXERS
     from .model.depth import DEPTHS
+    from .ode import FIELDS, GRAD_MODES, SOLVERS
 
     _check_registry("model.mixer", cfg.mixer, MIXERS)
     _check_registry("model.depth", cfg.depth, DEPTHS)
+    _check_registry("model.field", cfg.field, FIELDS)
+    _check_registry("model.ode_solver", cfg.ode_solver, SOLVERS)
+    _check_registry("model.ode_grad", cfg.ode_grad, dict.fromkeys(GRAD_MODES))
     checker = getattr(DEPTHS[cfg.depth], "check_config", None)
     if checker is not None:
         checker(cfg)

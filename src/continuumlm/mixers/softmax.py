@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..model.cache import KVCache
-from ..nn import RotaryEmbedding, make_linear
+from ..nn import RotaryEmbedding, SharedDropout, make_linear
 
 
 class SoftmaxAttention(nn.Module):
@@ -23,8 +23,8 @@ class SoftmaxAttention(nn.Module):
         self.qkv = make_linear(cfg.hidden_size, 3 * cfg.hidden_size, cfg)
         self.out_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
         self.out_proj.residual_proj = True
-        self.attn_dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.attn_drop = SharedDropout(cfg.dropout)  # on the attention weights
+        self.resid_dropout = SharedDropout(cfg.dropout)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len) if cfg.position == "rope" else None
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -48,8 +48,22 @@ class SoftmaxAttention(nn.Module):
             elif T > 1:  # a chunk after cached tokens: query i sees keys <= offset + i
                 q_pos = torch.arange(offset, offset + T, device=x.device)[:, None]
                 mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= q_pos
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            dropout_p=self.attn_dropout if self.training else 0.0)
+        if self.attn_drop.active() and self.attn_drop.frozen:
+            y = self._attend_frozen_dropout(q, k, v, mask, is_causal)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal,
+                dropout_p=self.attn_drop.p if self.attn_drop.active() else 0.0)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.out_proj(y))
+
+    def _attend_frozen_dropout(self, q, k, v, mask, is_causal):
+        # scaled_dot_product_attention draws its own dropout mask on every call; inside an ODE
+        # field the mask must stay fixed for the whole solve, so the weights are formed here.
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        if is_causal:
+            T = q.shape[-2]
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.attn_drop(torch.softmax(scores, dim=-1)) @ v

@@ -1,18 +1,25 @@
 """Depth: how the per-position state is transformed between the embedding and the head.
 
-``discrete`` is an ordinary stack of ``num_layers`` distinct pre-norm blocks. Each depth
+``discrete`` is an ordinary stack of ``num_layers`` distinct pre-norm blocks; ``ode`` is a stack
+of ``num_layers`` ODE blocks, each a shared-weight vector field integrated over t. Each depth
 module takes ``(x, state=None)``, hands every mixer evaluation its own cache from the decoding
 state, and reports ``last_nfe``: the number of block evaluations in its last forward.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigError
 from ..mixers import MIXERS
-from ..nn import MLP, make_norm
+from ..nn import MLP, freeze_dropout, make_norm
+from ..ode import ADJOINT_FIXED, FIELDS, SOLVERS, AdaptiveSolver, integrate
 from .cache import DecodeState
+
+log = logging.getLogger("continuumlm")
 
 
 class TransformerBlock(nn.Module):
@@ -48,6 +55,97 @@ class DiscreteStack(nn.Module):
         return x
 
 
+class ODEBlock(nn.Module):
+    """h(t1) = h(t0) + integral of f(t, h) dt, one field (shared weights) for every step.
+
+    In decoding, every evaluation of f gets its own cache, keyed by (block, evaluation index):
+    a fixed-grid solve is a fixed graph of evaluations, and in decoder mode the evaluation at
+    position i depends only on positions <= i of the same evaluation, so the caches make
+    incremental decoding exact.
+    """
+
+    def __init__(self, cfg, index: int):
+        super().__init__()
+        self.index = index
+        self.cfg = cfg
+        self.field = FIELDS[cfg.field](cfg)
+        self.solver = SOLVERS[cfg.ode_solver](cfg)
+        self._dropouts = freeze_dropout(self.field)
+        if self.field.post_mlp:  # the "attention" field: MLP stays a discrete sublayer
+            self.norm_mlp = make_norm(cfg.hidden_size, cfg)
+            self.mlp = MLP(cfg)
+        self.last_nfe = 0
+
+    def forward(self, x: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+        for d in self._dropouts:
+            d.reset()  # one dropout mask per forward, shared by every step and stage
+        calls = [0]
+        field, key, factory = self.field, self.index, self.field.mixer.cache_factory
+
+        def f(t: float, h: torch.Tensor) -> torch.Tensor:
+            n = calls[0]
+            calls[0] += 1
+            cache = state.cache(("ode", key, n), factory) if state is not None else None
+            return field(t, h, cache)
+
+        cfg = self.cfg
+        params = tuple(p for p in self.field.parameters())
+        x = integrate(f, x, cfg.ode_t0, cfg.ode_t1, self.solver, cfg.ode_steps, cfg.ode_grad,
+                      params, where=f"ODE block {self.index}")
+        self.last_nfe = calls[0]
+        if self.field.post_mlp:
+            x = x + self.mlp(self.norm_mlp(x))
+        return x
+
+
+class ODEStack(nn.Module):
+    """``num_layers`` ODE blocks, each with its own weights (CAT's ``--blocks``)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.blocks = nn.ModuleList(ODEBlock(cfg, i) for i in range(cfg.num_layers))
+        self.last_nfe = 0
+        self.exact_cache = not isinstance(self.blocks[0].solver, AdaptiveSolver)
+        if not self.exact_cache and cfg.mode == "decoder":
+            log.warning(
+                "model.ode_solver = %r is adaptive: its step-size controller takes one error norm "
+                "over the whole batch and sequence, so future tokens and other batch rows change "
+                "earlier positions' outputs (the decoder is not exactly causal). Use a fixed-grid "
+                "solver (euler, midpoint, heun, rk4, ...) for exact causality.", cfg.ode_solver)
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        adaptive = cfg.ode_solver in ("dopri5", "bosh3", "adaptive_heun")
+        reversible = cfg.ode_solver == "reversible_heun"
+        if cfg.ode_grad == "reversible" and not reversible:
+            raise ConfigError(
+                f"model.ode_grad = 'reversible' needs an algebraically reversible solver, and "
+                f"{cfg.ode_solver!r} is not; use ode_solver = 'reversible_heun' (or another "
+                f"ode_grad: direct, checkpoint, adjoint).")
+        if cfg.ode_grad == "adjoint" and not (adaptive or cfg.ode_solver in ADJOINT_FIXED):
+            raise ConfigError(
+                f"model.ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and "
+                f"the adaptive solvers, not {cfg.ode_solver!r}; use ode_grad = 'direct' or "
+                f"'checkpoint' (or 'reversible' with reversible_heun).")
+        if cfg.ode_grad == "checkpoint" and adaptive:
+            raise ConfigError(
+                "model.ode_grad = 'checkpoint' needs a fixed-grid solver (its steps are known in "
+                "advance); with an adaptive solver use 'adjoint' or 'direct'.")
+        if not cfg.ode_t1 > cfg.ode_t0:
+            raise ConfigError(f"model.ode_t1 ({cfg.ode_t1}) must be greater than model.ode_t0 "
+                              f"({cfg.ode_t0}).")
+
+    def forward(self, x: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+        if state is not None and not self.exact_cache:
+            raise ValueError("an adaptive ODE solver cannot be decoded incrementally (its steps "
+                             "depend on the whole sequence); use use_cache=False.")
+        for block in self.blocks:
+            x = block(x, state)
+        self.last_nfe = sum(b.last_nfe for b in self.blocks)
+        return x
+
+
 DEPTHS = {
     "discrete": DiscreteStack,
+    "ode": ODEStack,
 }

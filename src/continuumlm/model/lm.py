@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from ..eval.sampling import check_sampling_args, sample_next
 from ..nn import make_norm
 from .cache import DecodeState
 from .depth import DEPTHS
+
+log = logging.getLogger("continuumlm")
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -52,6 +55,8 @@ class LanguageModel(nn.Module):
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
+        if getattr(m, "keep_init", False):
+            return
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
             if m.bias is not None:
@@ -138,6 +143,10 @@ class LanguageModel(nn.Module):
                 f"prompt ({idx.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
                 f"max_seq_len = {cfg.max_seq_len} of this model's learned positions; ask for at most "
                 f"{max(cfg.max_seq_len - idx.shape[1] + 1, 0)} new tokens or use a RoPE model.")
+        if use_cache and not getattr(self.depth, "exact_cache", True):
+            log.debug("generate: %s solves cannot be cached exactly; recomputing the whole "
+                      "context for every token", cfg.ode_solver)
+            use_cache = False
         was_training = self.training
         self.eval()
         try:

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .dropout import SharedDropout
 from .linear import make_linear
 
 
@@ -15,7 +16,7 @@ class MLP(nn.Module):
         self.fc = make_linear(cfg.hidden_size, cfg.ffn_hidden_size, cfg)
         self.proj = make_linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg)
         self.proj.residual_proj = True  # scaled init, see LanguageModel._init_weights
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = SharedDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x))))

@@ -1,0 +1,73 @@
+"""Train one config with several seeds and record the figures the results table needs.
+
+    python bench/train_seeds.py configs/shakespeare_char/transformer_baby.toml --seeds 1337 1 2
+
+For each seed it runs ``continuumlm train`` as a subprocess (so wall time includes start-up,
+evaluation and checkpointing, as a user sees it), then evaluates the final checkpoint on the
+whole validation split, and writes ``bench/results/<config>_seed<N>.json``. Runs whose JSON
+exists are skipped; pass --force to redo them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "continuumlm")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    name = Path(args.config).stem
+    for seed in args.seeds:
+        dest = Path(args.out) / f"{name}_seed{seed}.json"
+        if dest.exists() and not args.force:
+            print(f"skip {dest} (exists)")
+            continue
+        run = ROOT / "runs" / "bench" / f"{name}_seed{seed}"
+        cmd = [CLI, "train", "--config", args.config, "--out", str(run), "--quiet",
+               "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
+        if (run / "checkpoints" / "last").exists():
+            cmd.append("--resume")
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        wall = time.perf_counter() - t0
+        ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json"],
+                            check=True, capture_output=True, text=True)
+        row = json.loads(ev.stdout)["results"][0]
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
+        vals = [m for m in metrics if "val_loss" in m]
+        result = {
+            "config": args.config, "overrides": args.set, "seed": seed,
+            "command": " ".join(cmd),
+            "val_loss_full_split": row["loss"], "val_bpc": row.get("bpc"),
+            "val_loss_in_training": vals[-1]["val_loss"], "final_step": vals[-1]["step"],
+            "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
+            "wall_seconds": wall,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
+        }
+        from continuumlm.train import load_model_and_tokenizer
+
+        model, _, _ = load_model_and_tokenizer(run, "last")
+        result["parameters"] = model.num_parameters()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Vector fields f(t, h): mixers, MLPs and norms composed into the dynamics of an ODE block.
+
+- ``attention``: f = Attn(Norm(h)) (the seed's ODEFunc); the block adds a discrete MLP
+  sublayer after the solve.
+- ``sequential``: a whole pre-norm Transformer block as dynamics, in residual-branch form:
+  a = Attn(N1(h)); f = a + MLP(N2(h + a)).
+- ``parallel``: attention and MLP side by side (arXiv 2212.06011): f = Attn(N1(h)) + MLP(N2(h)).
+
+The state itself is never part of f. With ``ode_time_embedding = "sinusoidal"`` a learned
+projection of a sinusoidal embedding of t is added to every normalized input of f, so the
+field is non-autonomous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..mixers import MIXERS
+from ..nn import MLP, make_norm
+
+
+class SinusoidalTimeEmbedding(nn.Module):
+    def __init__(self, hidden_size: int, dim: int = 32, max_period: float = 100.0):
+        super().__init__()
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freqs", freqs * 2 * math.pi, persistent=False)
+        self.proj = nn.Linear(dim, hidden_size)
+        self.proj.keep_init = True
+        nn.init.zeros_(self.proj.weight)  # starts autonomous; learns how much t matters
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, t: float) -> torch.Tensor:
+        angles = float(t) * self.freqs
+        return self.proj(torch.cat([angles.sin(), angles.cos()]))
+
+
+class _Field(nn.Module):
+    post_mlp = False
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.time = (SinusoidalTimeEmbedding(cfg.hidden_size)
+                     if cfg.ode_time_embedding == "sinusoidal" else None)
+
+    def temb(self, t: float, like: torch.Tensor):
+        return 0.0 if self.time is None else self.time(t).to(like.dtype)
+
+
+class AttentionField(_Field):
+    post_mlp = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.norm = make_norm(cfg.hidden_size, cfg)
+        self.mixer = MIXERS[cfg.mixer](cfg)
+
+    def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
+        return self.mixer(self.norm(h) + self.temb(t, h), cache)
+
+
+class SequentialField(_Field):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.norm1 = make_norm(cfg.hidden_size, cfg)
+        self.mixer = MIXERS[cfg.mixer](cfg)
+        self.norm2 = make_norm(cfg.hidden_size, cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
+        te = self.temb(t, h)
+        a = self.mixer(self.norm1(h) + te, cache)
+        return a + self.mlp(self.norm2(h + a) + te)
+
+
+class ParallelField(_Field):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.norm1 = make_norm(cfg.hidden_size, cfg)
+        self.mixer = MIXERS[cfg.mixer](cfg)
+        self.norm2 = make_norm(cfg.hidden_size, cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
+        te = self.temb(t, h)
+        return self.mixer(self.norm1(h) + te, cache) + self.mlp(self.norm2(h) + te)

@@ -1,0 +1,46 @@
+"""One entry point, ``integrate``, for every solver and gradient mode.
+
+- ``direct``: autograd through every solver operation (memory grows with steps);
+- ``checkpoint``: each step is recomputed in backward (torch.utils.checkpoint), only the states
+  at step boundaries are stored; gradients are exact;
+- ``adjoint``: torchdiffeq's backsolve adjoint, O(1) memory in steps, gradients approximate;
+- ``reversible``: the reversible Heun backward that rebuilds states (see reversible.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .adaptive import ADJOINT_FIXED, AdaptiveSolver, _register_classical_rk4, odeint_call
+from .reversible import ReversibleHeun
+from .solvers import grid
+
+
+def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, grad: str,
+              params: tuple[torch.Tensor, ...] = (), where: str = "ODE block") -> torch.Tensor:
+    """Integrate dh/dt = f(t, h) from t0 to t1 and return h(t1)."""
+    needs_grad = torch.is_grad_enabled() and (h0.requires_grad or any(p.requires_grad for p in params))
+    if isinstance(solver, AdaptiveSolver):
+        return odeint_call(f, h0, t0, t1, solver.method, grad == "adjoint" and needs_grad, params,
+                           where, options={"max_num_steps": solver.max_steps},
+                           rtol=solver.rtol, atol=solver.atol)
+    dt = (t1 - t0) / steps
+    times = grid(t0, t1, steps)
+    if isinstance(solver, ReversibleHeun):
+        if grad == "reversible" and needs_grad:
+            return solver.integrate_reversible(f, h0, times, dt, params)
+        return solver.integrate_direct(f, h0, times, dt)
+    if grad == "adjoint" and needs_grad:
+        method = ADJOINT_FIXED[solver.tableau.name]
+        if method == "continuumlm_rk4":
+            _register_classical_rk4()
+        t_grid = torch.tensor([t0 + i * dt for i in range(steps)] + [t1], dtype=torch.float64)
+        return odeint_call(f, h0, t0, t1, method, True, params, where, t_grid=t_grid.float())
+    h = h0
+    for t in times:
+        if grad == "checkpoint" and needs_grad:
+            h = checkpoint(solver.step, f, t, h, dt, use_reentrant=False)
+        else:
+            h = solver.step(f, t, h, dt)
+    return h

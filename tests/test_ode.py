@@ -1,0 +1,227 @@
+import logging
+
+import pytest
+import torch
+
+from continuumlm import ConfigError, LanguageModel, ModelConfig
+from continuumlm.ode import SOLVERS, ODESolverError, ReversibleHeun, integrate
+
+FIXED = ["euler", "midpoint", "heun", "rk4", "rk4_38", "rk2_gated", "reversible_heun"]
+FIELDS = ["attention", "sequential", "parallel"]
+
+
+def ode_cfg(**kw):
+    base = dict(vocab_size=29, hidden_size=32, num_heads=4, num_layers=2, max_seq_len=64,
+                depth="ode", field="sequential", ode_solver="rk4", ode_steps=3)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def ode_model(**kw):
+    torch.manual_seed(0)
+    return LanguageModel(ode_cfg(**kw))
+
+
+# ------------------------------------------------------------------ solvers on a linear ODE
+
+def _linear_problem():
+    torch.manual_seed(0)
+    A = torch.randn(4, 4, dtype=torch.float64) * 0.7
+    y0 = torch.randn(3, 4, dtype=torch.float64)
+    exact = y0 @ torch.linalg.matrix_exp(A).T
+    return A, y0, exact
+
+
+@pytest.mark.parametrize("name,order", [("euler", 1), ("midpoint", 2), ("heun", 2), ("rk4", 4),
+                                        ("rk4_38", 4), ("reversible_heun", 2)])
+def test_order_of_convergence(name, order):
+    A, y0, exact = _linear_problem()
+    solver = SOLVERS[name](ode_cfg())
+
+    def err(steps):
+        y = integrate(lambda t, y: y @ A.T, y0, 0.0, 1.0, solver, steps, "direct")
+        return (y - exact).abs().max().item()
+
+    ratio = err(16) / err(32)
+    assert 2 ** order * 0.8 < ratio < 2 ** order * 1.25, ratio
+
+
+def test_rk4_is_the_classical_rule_not_three_eighths():
+    # on dy/dt = t^4 (y-independent) a single step is exact up to the quadrature rule:
+    # Simpson (classical RK4) gives 5/24 and the 3/8 rule gives 11/54 for int_0^1 t^4 dt = 1/5
+    y0 = torch.zeros(1, dtype=torch.float64)
+    f = lambda t, y: torch.full_like(y, t ** 4)  # noqa: E731
+    one = integrate(f, y0, 0.0, 1.0, SOLVERS["rk4"](ode_cfg()), 1, "direct").item()
+    three8 = integrate(f, y0, 0.0, 1.0, SOLVERS["rk4_38"](ode_cfg()), 1, "direct").item()
+    assert one == pytest.approx(5 / 24) and three8 == pytest.approx(11 / 54)
+
+
+# ------------------------------------------------------------------ model-level invariants
+
+@pytest.mark.parametrize("solver,steps,per_block", [("euler", 4, 4), ("rk4", 4, 16),
+                                                   ("midpoint", 3, 6), ("reversible_heun", 4, 5)])
+def test_nfe_counts(solver, steps, per_block):
+    m = ode_model(ode_solver=solver, ode_steps=steps)
+    m(torch.randint(0, 29, (1, 5)))
+    assert m.last_nfe == 2 * per_block
+
+
+@pytest.mark.parametrize("solver", FIXED)
+def test_parameter_count_independent_of_steps(solver):
+    counts = {ode_model(ode_solver=solver, ode_steps=s).num_parameters() for s in (1, 4, 16)}
+    assert len(counts) == 1
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("solver", FIXED)
+def test_fixed_grid_decoder_is_causal(solver, field):
+    m = ode_model(ode_solver=solver, field=field).eval()
+    idx = torch.randint(0, 29, (2, 12))
+    ref, _ = m(idx)
+    alt = idx.clone()
+    alt[:, 6:] = (alt[:, 6:] + 1) % 29
+    out, _ = m(alt)
+    torch.testing.assert_close(out[:, :6], ref[:, :6], rtol=0, atol=1e-6)
+    assert not torch.allclose(out[:, 6:], ref[:, 6:])
+
+
+def test_adaptive_solver_couples_positions(caplog):
+    """The documented pitfall: one error norm over the whole state leaks the future."""
+    with caplog.at_level(logging.WARNING, logger="continuumlm"):
+        m = ode_model(ode_solver="dopri5", ode_rtol=1e-3, ode_atol=1e-4).eval()
+    assert "not exactly causal" in caplog.text
+    idx = torch.randint(0, 29, (2, 12))
+    alt = idx.clone()
+    alt[:, 6:] = (alt[:, 6:] + 1) % 29
+    ref, out = m(idx)[0], m(alt)[0]
+    assert not torch.equal(out[:, :6], ref[:, :6])  # earlier positions moved
+    torch.testing.assert_close(out[:, :6], ref[:, :6], rtol=0, atol=1e-2)  # but only slightly
+
+
+def test_adaptive_max_steps_is_a_clear_error():
+    m = ode_model(ode_solver="dopri5", ode_rtol=1e-9, ode_atol=1e-9, ode_max_steps=2)
+    with pytest.raises(ODESolverError, match=r"ODE block 0.*dopri5 stopped at t = .*step size"):
+        m(torch.randint(0, 29, (1, 8)))
+
+
+@pytest.mark.parametrize("key,value,valid", [
+    ("ode_solver", "rk5", "rk4"), ("field", "paralel", "parallel"), ("ode_grad", "adjiont", "adjoint"),
+])
+def test_unknown_ode_selectors_list_valid_names(key, value, valid):
+    with pytest.raises(ConfigError, match=f"available: .*{valid}"):
+        ode_cfg(**{key: value})
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(ode_grad="reversible", ode_solver="rk4"), "reversible_heun"),
+    (dict(ode_grad="adjoint", ode_solver="rk2_gated"), "adjoint"),
+    (dict(ode_grad="checkpoint", ode_solver="dopri5"), "fixed-grid"),
+    (dict(ode_t0=1.0, ode_t1=0.5), "greater"),
+])
+def test_invalid_combinations(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ode_cfg(**kw)
+
+
+# ------------------------------------------------------------------ gradients
+
+def _grads(model, idx):
+    model.zero_grad()
+    _, loss = model(idx, idx)
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _same_weights(ref, **kw):
+    m = LanguageModel(ode_cfg(**kw)).to(next(ref.parameters()).dtype)
+    m.load_state_dict(ref.state_dict())
+    return m
+
+
+@pytest.mark.parametrize("solver", ["euler", "midpoint", "heun", "rk4", "rk4_38", "rk2_gated"])
+def test_checkpoint_gradients_equal_direct(solver):
+    ref = ode_model(ode_solver=solver, dropout=0.1)  # dropout masks must match in recompute
+    idx = torch.randint(0, 29, (2, 9))
+    torch.manual_seed(1)
+    g_direct = _grads(ref, idx)
+    ckpt = _same_weights(ref, ode_solver=solver, ode_grad="checkpoint", dropout=0.1)
+    torch.manual_seed(1)
+    g_ckpt = _grads(ckpt, idx)
+    torch.testing.assert_close(g_ckpt, g_direct, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_reversible_gradients_equal_direct(field):
+    ref = ode_model(ode_solver="reversible_heun", ode_steps=8, field=field, dropout=0.1,
+                    ode_time_embedding="sinusoidal")
+    with torch.no_grad():  # a non-zero time embedding, so t matters in the check
+        for b in ref.depth.blocks:
+            b.field.time.proj.weight.normal_(0, 0.1)
+    idx = torch.randint(0, 29, (2, 9))
+    torch.manual_seed(1)
+    g_direct = _grads(ref, idx)
+    rev = _same_weights(ref, ode_solver="reversible_heun", ode_steps=8, field=field, dropout=0.1,
+                        ode_grad="reversible", ode_time_embedding="sinusoidal")
+    torch.manual_seed(1)
+    g_rev = _grads(rev, idx)
+    torch.testing.assert_close(g_rev, g_direct, rtol=1e-5, atol=1e-6)
+
+
+def test_reversible_reconstruction_error_32_steps():
+    torch.manual_seed(0)
+    m = ode_model(ode_solver="reversible_heun", ode_grad="reversible", ode_steps=32)
+    _grads(m, torch.randint(0, 29, (2, 16)))
+    for block in m.depth.blocks:
+        assert isinstance(block.solver, ReversibleHeun)
+        assert block.solver.last_reconstruction_error <= 1e-5
+
+
+@pytest.mark.parametrize("solver,steps,tol", [("euler", 64, 5e-2), ("rk4", 8, 1e-3),
+                                              ("rk4_38", 8, 1e-3), ("dopri5", None, 1e-5)])
+def test_adjoint_gradients_agree_with_direct(solver, steps, tol):
+    """The backsolve adjoint differentiates the continuous ODE, not the discretization: it
+    matches the direct gradient up to the discretization error (tight for adaptive solves)."""
+    extra = dict(ode_rtol=1e-9, ode_atol=1e-10) if steps is None else dict(ode_steps=steps)
+    ref = ode_model(ode_solver=solver, num_layers=1, **extra).double()
+    idx = torch.randint(0, 29, (2, 7))
+    g_direct = _grads(ref, idx)
+    g_adj = _grads(_same_weights(ref, ode_solver=solver, num_layers=1, ode_grad="adjoint", **extra), idx)
+    rel = ((g_adj - g_direct).norm() / g_direct.norm()).item()
+    assert rel < tol, rel
+
+
+def test_dropout_mask_fixed_within_a_solve():
+    m = ode_model(ode_solver="rk4", dropout=0.5).train()
+    field = m.depth.blocks[0].field
+    x = torch.randn(1, 5, 32)
+    a = field(0.0, x)
+    b = field(0.5, x)
+    torch.testing.assert_close(a, b)  # same masks at every stage (autonomous field)
+    m(torch.randint(0, 29, (1, 5)))  # a new forward draws new masks
+    assert not torch.equal(field(0.0, x), a)
+
+
+# ------------------------------------------------------------------ decoding through depth
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("solver", ["euler", "midpoint", "rk4", "rk2_gated", "reversible_heun"])
+def test_ode_kv_cache_equals_recompute(solver, field):
+    m = ode_model(ode_solver=solver, field=field, ode_steps=2).eval()
+    prompt = torch.randint(0, 29, (2, 5))
+    a = m.generate(prompt, 24, greedy=True)
+    b = m.generate(prompt, 24, greedy=True, use_cache=False)
+    assert torch.equal(a, b)
+    state = m.init_state(2)
+    steps = [m.step(a[:, :5], state)[0]] + [m.step(a[:, t:t + 1], state)[0]
+                                            for t in range(5, a.shape[1] - 1)]
+    full, _ = m(a[:, :-1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
+
+
+def test_adaptive_generation_falls_back_to_recompute():
+    m = ode_model(ode_solver="bosh3").eval()
+    prompt = torch.randint(0, 29, (1, 4))
+    out = m.generate(prompt, 5, greedy=True)  # use_cache=True is overridden, not an error
+    assert out.shape == (1, 9)
+    with pytest.raises(ValueError, match="adaptive"):
+        m.step(prompt, m.init_state(1))
