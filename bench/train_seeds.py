@@ -40,8 +40,9 @@ def main() -> None:
         run = ROOT / "runs" / "bench" / f"{name}_seed{seed}"
         cmd = [CLI, "train", "--config", args.config, "--out", str(run), "--quiet",
                "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
-        if (run / "checkpoints" / "last").exists():
-            cmd.append("--resume")
+        resumed = (run / "checkpoints" / "last").exists()
+        if resumed:
+            cmd.append("--resume")  # an interrupted run continues; its wall time is not comparable
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
@@ -50,6 +51,7 @@ def main() -> None:
         row = json.loads(ev.stdout)["results"][0]
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
+        nfe = [m["nfe"] for m in metrics if "nfe" in m]
         vals = [m for m in metrics if "val_loss" in m]
         result = {
             "config": args.config, "overrides": args.set, "seed": seed,
@@ -57,7 +59,8 @@ def main() -> None:
             "val_loss_full_split": row["loss"], "val_bpc": row.get("bpc"),
             "val_loss_in_training": vals[-1]["val_loss"], "final_step": vals[-1]["step"],
             "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
-            "wall_seconds": wall,
+            "nfe": nfe[-1] if nfe else None,
+            "wall_seconds": None if resumed else wall,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
         }
         from continuumlm.train import load_model_and_tokenizer

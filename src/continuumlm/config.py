@@ -116,8 +116,8 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "model") -> ModelConfig:
-        return _build(cls, d, where)
+    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> ModelConfig:
+        return _build(cls, d, "model", source)
 
 
 @dataclass
@@ -185,18 +185,18 @@ class RunConfig:
                 "train": dataclasses.asdict(self.train)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "config") -> RunConfig:
+    def from_dict(cls, d: dict[str, Any], where: str | None = None) -> RunConfig:
         sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
         unknown = [k for k in d if k not in sections]
         if unknown:
-            raise ConfigError(f"{where}: unknown section [{unknown[0]}]{_suggest(unknown[0], sections)}; "
-                              f"valid sections are [model], [data] and [train].")
+            raise ConfigError(f"unknown section [{unknown[0]}]{_suggest(unknown[0], sections)}"
+                              f"{_in(where)}; valid sections are [model], [data] and [train].")
         built = {}
         for name, klass in sections.items():
             section = d.get(name, {})
             if not isinstance(section, dict):
-                raise ConfigError(f"{where}: [{name}] must be a table of key = value pairs.")
-            built[name] = _build(klass, section, name)
+                raise ConfigError(f"[{name}]{_in(where)} must be a table of key = value pairs.")
+            built[name] = _build(klass, section, name, where)
         return cls(**built)
 
     def check(self) -> None:
@@ -215,7 +215,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a TOML file with [model], [data] and [train] sections, then apply
     ``section.key=value`` overrides (values parsed as TOML, bare words as strings)."""
     raw: dict[str, Any] = {}
-    where = "config"
+    where = None
     if path is not None:
         path = Path(path)
         where = str(path)
@@ -279,13 +279,22 @@ def _suggest(name: str, options) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _build(klass, d: dict[str, Any], where: str):
+def _in(source: str | None) -> str:
+    return f" in {source}" if source else ""
+
+
+def _build(klass, d: dict[str, Any], section: str, source: str | None = None):
     names = {f.name for f in fields(klass)}
     for key in d:
         if key not in names:
-            raise ConfigError(f"unknown key {where}.{key}{_suggest(key, names)}; valid keys of "
-                              f"[{where}] are: {', '.join(sorted(names))}.")
-    return klass(**d)
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)}{_in(source)}; "
+                              f"valid keys of [{section}] are: {', '.join(sorted(names))}.")
+    try:
+        return klass(**d)
+    except ConfigError as e:
+        if source:
+            raise ConfigError(f"{e} (in {source})") from None
+        raise
 
 
 def _validate(obj, section: str) -> None:

@@ -209,7 +209,7 @@ class LanguageModel(nn.Module):
             raise CheckpointError(f"{cfg_path} is not valid JSON ({e}); the file is corrupt.") from None
         if not isinstance(cfg_dict, dict):
             raise CheckpointError(f"{cfg_path} does not hold a JSON object of model settings.")
-        model = cls(ModelConfig.from_dict(cfg_dict, where=str(cfg_path)))
+        model = cls(ModelConfig.from_dict(cfg_dict, source=str(cfg_path)))
         try:
             missing, unexpected = load_model(model, str(w_path), strict=False,
                                              device=str(map_location))

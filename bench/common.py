@@ -1,0 +1,52 @@
+"""Helpers shared by the benchmarks: machine description, JSON output, timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    return (f"{platform.machine()}, {os.cpu_count()} cores, CPU, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(samples)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(title for _, title in columns) + " |"
+    sep = "| " + " | ".join("---" for _ in columns) + " |"
+    body = []
+    for r in rows:
+        cells = []
+        for key, _ in columns:
+            v = r.get(key, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *body])

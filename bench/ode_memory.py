@@ -1,0 +1,90 @@
+"""Peak memory and time of one training step vs solver steps, for each gradient mode.
+
+    python bench/ode_memory.py          # writes bench/results/ode_memory.json
+
+Each (mode, steps) point runs in a fresh process: the peak resident set size during one
+forward+backward, minus the resident size just before it, is the step's peak memory (CPU has
+no allocator statistics, and a fresh process keeps earlier points from hiding later peaks).
+Model: one ODE block (sequential field) at d=128, 4 heads, batch 12, context 64.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+from common import markdown_table, write_json
+
+MODES = [("direct", "euler"), ("checkpoint", "euler"), ("adjoint", "euler"),
+         ("direct", "reversible_heun"), ("reversible", "reversible_heun")]
+STEPS = [4, 16, 64]
+
+
+def child(mode: str, solver: str, steps: int) -> None:
+    import torch
+
+    from continuumlm import LanguageModel, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=65, hidden_size=128, num_heads=4, num_layers=1, max_seq_len=64,
+                      position="learned", depth="ode", ode_solver=solver, ode_steps=steps,
+                      ode_grad=mode)
+    model = LanguageModel(cfg)
+    x = torch.randint(0, 65, (12, 64))
+    before_kb = _rss_now_kb()
+    t0 = time.perf_counter()
+    _, loss = model(x, x)
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # a second, timed step (allocator warm) for the time column
+    model.zero_grad()
+    t0 = time.perf_counter()
+    _, loss = model(x, x)
+    loss.backward()
+    seconds = min(seconds, time.perf_counter() - t0)
+    print(json.dumps({"peak_mb": (peak_kb - before_kb) / 1024, "seconds": seconds}))
+
+
+def _rss_now_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    rows = []
+    for mode, solver in MODES:
+        for steps in STEPS:
+            out = subprocess.run([sys.executable, __file__, "--child", mode, solver, str(steps)],
+                                 check=True, capture_output=True, text=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({"grad": mode, "solver": solver, "steps": steps, **r})
+            print(rows[-1], flush=True)
+    for r in rows:
+        ref4 = next(x for x in rows if x["grad"] == r["grad"] and x["solver"] == r["solver"]
+                    and x["steps"] == 4)
+        direct = next(x for x in rows if x["grad"] == "direct" and x["solver"] == r["solver"]
+                      and x["steps"] == r["steps"])
+        r["peak_vs_4_steps"] = r["peak_mb"] / ref4["peak_mb"]
+        r["time_vs_direct"] = r["seconds"] / direct["seconds"]
+    table = markdown_table(rows, [("grad", "ode_grad"), ("solver", "solver"), ("steps", "steps"),
+                                  ("peak_mb", "peak MB"), ("peak_vs_4_steps", "peak / peak at 4"),
+                                  ("seconds", "s / step"), ("time_vs_direct", "time / direct")])
+    print(table)
+    write_json("ode_memory", {"command": "python bench/ode_memory.py",
+                              "setup": "one ODE block, d=128, 4 heads, batch 12, context 64; "
+                                       "peak RSS growth during one training step",
+                              "rows": rows, "table": table})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()
