@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import markdown_table, time_ms, write_json
+
 from continuumlm import ModelConfig
 from continuumlm.model.depth import ODEBlock, TransformerBlock
 

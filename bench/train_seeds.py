@@ -31,14 +31,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
-    name = Path(args.config).stem
+    config = Path(args.config).resolve()
+    args.config = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
+    name = config.stem
     for seed in args.seeds:
         dest = Path(args.out) / f"{name}_seed{seed}.json"
         if dest.exists() and not args.force:
             print(f"skip {dest} (exists)")
             continue
         run = ROOT / "runs" / "bench" / f"{name}_seed{seed}"
-        cmd = [CLI, "train", "--config", args.config, "--out", str(run), "--quiet",
+        cmd = [CLI, "train", "--config", str(config), "--out", str(run), "--quiet",
                "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
         resumed = (run / "checkpoints" / "last").exists()
         if resumed:

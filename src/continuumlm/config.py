@@ -40,7 +40,8 @@ POSITIVE = {
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
     "lr", "ode_rtol", "ode_atol", "ode_max_steps",
 }
-NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
+NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size",
+                "deltanet_short_conv"}
 UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
                  "beta2": (0.0, 1.0)}
 
@@ -72,6 +73,9 @@ class ModelConfig:
     bias: bool = False
     """Biases in linear layers and norms (nanoGPT's ``bias``)."""
     mixer: str = "softmax"
+    """Token mixer: softmax, deltanet or continuous."""
+    deltanet_short_conv: int = 0
+    """Kernel size of DeltaNet's causal depthwise convolution on q, k, v (0 = off)."""
     depth: str = "discrete"
     field: str = "sequential"
     """Vector field of ODE blocks: attention, sequential or parallel."""

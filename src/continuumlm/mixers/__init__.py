@@ -3,10 +3,13 @@
 A mixer knows nothing about depth or solvers. Add one by registering its class here.
 """
 
+from .deltanet import DeltaNetAttention, delta_rule_chunkwise, delta_rule_recurrent
 from .softmax import SoftmaxAttention
 
 MIXERS = {
     "softmax": SoftmaxAttention,
+    "deltanet": DeltaNetAttention,
 }
 
-__all__ = ["MIXERS", "SoftmaxAttention"]
+__all__ = ["MIXERS", "DeltaNetAttention", "SoftmaxAttention", "delta_rule_chunkwise",
+           "delta_rule_recurrent"]

@@ -83,12 +83,11 @@ class _Func(nn.Module):
 
 def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint: bool,
                 params: tuple[torch.Tensor, ...], where: str, options: dict | None = None,
-                rtol: float = 1e-7, atol: float = 1e-9, t_grid: torch.Tensor | None = None):
+                rtol: float = 1e-7, atol: float = 1e-9):
     import torchdiffeq
 
     func = _Func(f, params)
-    t = t_grid if t_grid is not None else torch.tensor([t0, t1], dtype=torch.float32)
-    t = t.to(h0.device)
+    t = torch.tensor([t0, t1], dtype=torch.float32, device=h0.device)
     kwargs = dict(method=method, rtol=rtol, atol=atol, options=options or {})
     try:
         if adjoint:

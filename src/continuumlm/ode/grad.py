@@ -35,8 +35,15 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
         method = ADJOINT_FIXED[solver.tableau.name]
         if method == "continuumlm_rk4":
             _register_classical_rk4()
-        t_grid = torch.tensor([t0 + i * dt for i in range(steps)] + [t1], dtype=torch.float64)
-        return odeint_call(f, h0, t0, t1, method, True, params, where, t_grid=t_grid.float())
+        # only h(t1) is returned and stored; the grid fixes the number of steps exactly (a
+        # step_size can round into an extra step). The adjoint calls it again on the reversed,
+        # negated interval, so it is built from the interval it is given.
+        def grid_constructor(func, y0, t):
+            return torch.linspace(float(t[0]), float(t[-1]), steps + 1, dtype=t.dtype,
+                                  device=t.device)
+
+        return odeint_call(f, h0, t0, t1, method, True, params, where,
+                           options={"grid_constructor": grid_constructor})
     h = h0
     for t in times:
         if grad == "checkpoint" and needs_grad:

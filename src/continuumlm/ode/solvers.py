@@ -45,7 +45,7 @@ def _combine(h: torch.Tensor, dt: float, coeffs, ks) -> torch.Tensor:
     out = h
     for coef, k in zip(coeffs, ks):
         if coef != 0.0:
-            out = out + (dt * coef) * k
+            out = torch.add(out, k, alpha=dt * coef)  # one fused op per term
     return out
 
 
