@@ -33,18 +33,12 @@ def main() -> None:
         x = torch.randn(12, 64, width, requires_grad=True)
         layer = TransformerBlock(ModelConfig(**base))
 
-        def run_layer():
-            layer(x).sum().backward()
-
-        t_layer = time_ms(run_layer, args.repeats)
+        t_layer = time_ms(lambda m=layer, x=x: m(x).sum().backward(), args.repeats)
         for solver in SOLVERS:
             block = ODEBlock(ModelConfig(**base, depth="ode", field="sequential", ode_solver=solver,
                                          ode_steps=args.steps), 0)
 
-            def run_block():
-                block(x).sum().backward()
-
-            t_block = time_ms(run_block, args.repeats)
+            t_block = time_ms(lambda m=block, x=x: m(x).sum().backward(), args.repeats)
             nfe = block.last_nfe
             rows.append({"width": width, "solver": solver, "nfe": nfe, "block_ms": t_block,
                          "ms_per_nfe": t_block / nfe, "layer_ms": t_layer,

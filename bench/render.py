@@ -27,7 +27,7 @@ def _fmt_mean(values: list[float], digits: int = 3) -> str:
 
 def training_table(results: dict[str, dict]) -> str:
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for name, r in results.items():
+    for r in results.values():
         if "val_loss_full_split" in r:
             groups[(r["config"], tuple(r.get("overrides", [])))].append(r)
     rows = []
