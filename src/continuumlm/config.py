@@ -32,16 +32,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda", "mps"),
     "dtype": ("auto", "float32", "bfloat16"),
     "ode_time_embedding": ("none", "sinusoidal"),
+    "cat_basis": ("fourier", "cheb"),
 }
 
 POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
-    "lr", "ode_rtol", "ode_atol", "ode_max_steps",
+    "lr", "ode_rtol", "ode_atol", "ode_max_steps", "cat_n_freq", "cat_n_quad",
 }
 NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size",
-                "deltanet_short_conv"}
+                "deltanet_short_conv", "cat_sob_lambda", "cat_length"}
 UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
                  "beta2": (0.0, 1.0)}
 
@@ -76,6 +77,16 @@ class ModelConfig:
     """Token mixer: softmax, deltanet or continuous."""
     deltanet_short_conv: int = 0
     """Kernel size of DeltaNet's causal depthwise convolution on q, k, v (0 = off)."""
+    cat_basis: str = "fourier"
+    """Continuous attention basis: "fourier" cosines or "cheb" Chebyshev polynomials."""
+    cat_n_freq: int = 32
+    """Basis functions per axis of the continuous-attention kernel."""
+    cat_n_quad: int = 32
+    """Gauss-Legendre nodes of the continuous-attention quadrature."""
+    cat_sob_lambda: float = 1e-6
+    """Weight of the Sobolev (biharmonic) penalty on the kernel coefficients."""
+    cat_length: int = 0
+    """Positions per unit of continuous position s (0 = max_seq_len)."""
     depth: str = "discrete"
     field: str = "sequential"
     """Vector field of ODE blocks: attention, sequential or parallel."""

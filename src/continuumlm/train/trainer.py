@@ -162,14 +162,18 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = 0.0
+        # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT
+        anneal = max(0.2, 1.0 - self.step / t.max_steps)
         for _ in range(t.grad_accum):
             x, y = self.sampler.next()
             x, y = x.to(self.device), y.to(self.device)
             with self.amp:
                 _, loss = self.model(x, y)
-                objective = loss + self.model.penalty()
+                penalty = self.model.penalty()
+                objective = loss + anneal * penalty
             (objective / t.grad_accum).backward()
             total += loss.item()
+        self.last_penalty = penalty.item()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         self.optimizer.step()
@@ -225,7 +229,7 @@ class Trainer:
                     tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                     self.logger.log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
-                                     "nfe": self.model.last_nfe})
+                                     "nfe": self.model.last_nfe, "penalty": self.last_penalty})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0

@@ -1,0 +1,141 @@
+"""Continuous spectral attention (CAT), made causal.
+
+Per head, a kernel over continuous positions W(s, t) = phi(s)^T C phi(t) with a truncated basis
+phi (Fourier cosines cos(pi f s) or Chebyshev polynomials T_f(2s - 1), f < ``cat_n_freq``).
+The output at position s is a quadrature of the integral of softmax_t W(s, t) times v(t), with
+v the token values linearly interpolated between positions:
+
+    y(s) = sum_j p_j(s) v(t_j),   p(s) = softmax_j(W(s, t_j) + log w_j)
+
+over ``cat_n_quad`` Gauss-Legendre nodes t_j with weights w_j. Choices that differ from CAT:
+
+- Causal in decoder mode: the integral for a query at s runs over [0, s] only, so nodes lie in
+  [0, s] and the interpolation reads tokens at positions <= s. Encoder mode integrates over the
+  whole window.
+- Positions map to s by a fixed scale (token i is at s = i / ``cat_length``), never by the
+  current sequence length, so a token's output does not depend on how many tokens follow it.
+  Past the scale, Fourier features continue periodically and Chebyshev arguments are clamped.
+- Normalization: the softmax runs over the quadrature nodes with the log weights added, so p
+  is a proper discrete distribution and y a convex combination of values (CAT's rows sum to
+  about 1e-3, which damps the signal).
+
+The kernel depends on positions only, so one (H, T, T) mixing matrix serves the whole batch.
+Decoding stores the token values; one new token costs O(cat_n_quad * head_dim) per head.
+A Sobolev (biharmonic) penalty sum (f^2 + g^2)^2 C_fg^2, times ``cat_sob_lambda``, is exposed
+through ``penalty()`` and added to the loss by the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..nn import SharedDropout, make_linear
+
+
+class ValueCache:
+    """The projected values of every token so far, (B, H, T, D)."""
+
+    def __init__(self) -> None:
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, v: torch.Tensor) -> torch.Tensor:
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.length = self.v.shape[2]
+        return self.v
+
+
+class ContinuousAttention(nn.Module):
+    cache_factory = ValueCache
+    query_chunk = 512  # queries per mixing-matrix block (bounds memory at long contexts)
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.causal = cfg.mode == "decoder"
+        self.basis = cfg.cat_basis
+        self.n_freq = cfg.cat_n_freq
+        self.scale = float(cfg.cat_length or cfg.max_seq_len)
+        self.sob_lambda = cfg.cat_sob_lambda
+        self.v_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
+        self.out_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
+        self.out_proj.residual_proj = True
+        f = torch.arange(cfg.cat_n_freq, dtype=torch.float32)
+        # a smooth kernel at init: coefficients decay with frequency
+        decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
+        self.coef = nn.Parameter(torch.randn(cfg.num_heads, cfg.cat_n_freq, cfg.cat_n_freq) * 0.02 * decay)
+        x, w = np.polynomial.legendre.leggauss(cfg.cat_n_quad)
+        self.register_buffer("nodes", torch.tensor((x + 1) / 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("log_w", torch.tensor(np.log(w / 2), dtype=torch.float32), persistent=False)
+        self.register_buffer("sob_weight", (f[:, None] ** 2 + f[None, :] ** 2) ** 2, persistent=False)
+        self.dropout = SharedDropout(cfg.dropout)
+
+    # ------------------------------------------------------------------ kernel
+
+    def phi(self, s: torch.Tensor) -> torch.Tensor:
+        """Basis functions at positions s (any shape) -> (..., n_freq)."""
+        f = torch.arange(self.n_freq, device=s.device, dtype=s.dtype)
+        if self.basis == "fourier":
+            return torch.cos(math.pi * s[..., None] * f)
+        x = (2 * s.clamp(0.0, 1.0) - 1).clamp(-1.0, 1.0)
+        return torch.cos(f * torch.arccos(x)[..., None])  # T_f(x) = cos(f arccos x)
+
+    def quadrature(self, q_pos: torch.Tensor, n_keys: int):
+        """Node probabilities p (H, Tq, Q) and the interpolation of each node between tokens
+        lo and hi (Tq, Q) with weight alpha on hi, for queries at absolute positions q_pos."""
+        s = q_pos.float() / self.scale                                 # (Tq,)
+        upper = s if self.causal else torch.full_like(s, (n_keys - 1) / self.scale)
+        t = upper[:, None] * self.nodes[None, :]                        # (Tq, Q) nodes in [0, upper]
+        a = torch.einsum("if,hfg->hig", self.phi(s), self.coef)         # (H, Tq, F)
+        scores = torch.einsum("hig,iqg->hiq", a, self.phi(t)) + self.log_w
+        p = torch.softmax(scores, dim=-1)                               # (H, Tq, Q)
+        u = t * self.scale                                              # node in token units
+        bound = (q_pos if self.causal else torch.full_like(q_pos, n_keys - 1)).to(u.dtype)
+        u = torch.minimum(u, bound[:, None])                            # never past the query
+        lo = u.floor()
+        alpha = u - lo
+        lo = lo.long()
+        hi = torch.minimum(lo + 1, bound[:, None].long())
+        return p, lo, hi, alpha
+
+    def mixing(self, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """(H, Tq, n_keys) weights: row i mixes the values of tokens 0..n_keys-1."""
+        p, lo, hi, alpha = self.quadrature(q_pos, n_keys)
+        M = p.new_zeros(self.num_heads, len(q_pos), n_keys)
+        idx = lambda i: i.expand(self.num_heads, -1, -1)  # noqa: E731
+        M = M.scatter_add(2, idx(lo), p * (1 - alpha)).scatter_add(2, idx(hi), p * alpha)
+        return M
+
+    def penalty(self) -> torch.Tensor:
+        return self.sob_lambda * (self.sob_weight * self.coef ** 2).sum()
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor, cache: ValueCache | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        offset = 0
+        if cache is not None:
+            if not self.causal:
+                raise ValueError("incremental decoding needs mode = 'decoder'.")
+            offset = cache.length
+            v = cache.append(v)
+        n_keys = v.shape[2]
+        q_pos = torch.arange(offset, offset + T, device=x.device)
+        if T <= 4:  # decoding: gather 2 * n_quad values per query, O(n_quad * D) per head
+            p, lo, hi, alpha = self.quadrature(q_pos, n_keys)
+            p = p.to(v.dtype)
+            y = (torch.einsum("hiq,bhiqd->bhid", p * (1 - alpha), v[:, :, lo])
+                 + torch.einsum("hiq,bhiqd->bhid", p * alpha, v[:, :, hi]))
+        else:
+            outs = []
+            for i in range(0, T, self.query_chunk):
+                M = self.mixing(q_pos[i:i + self.query_chunk], n_keys).to(v.dtype)
+                outs.append(M @ v)                                      # (B, H, Tc, D)
+            y = torch.cat(outs, dim=2)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.out_proj(y))

@@ -1,0 +1,158 @@
+"""Every mixer in both depths and both modes: shapes, gradients, causality, encoder reach,
+and cached decoding equal to recompute."""
+
+import types
+
+import pytest
+import torch
+
+from continuumlm import LanguageModel, ModelConfig
+from continuumlm.mixers import MIXERS, DeltaNetAttention
+from continuumlm.nn import BitLinear
+
+MIXER_NAMES = sorted(MIXERS)
+DEPTHS = [dict(depth="discrete"), dict(depth="ode", ode_solver="euler", ode_steps=2)]
+
+
+def model(mixer, **kw):
+    torch.manual_seed(0)
+    base = dict(vocab_size=31, hidden_size=32, num_heads=4, num_layers=2, max_seq_len=64,
+                mixer=mixer, deltanet_short_conv=3 if mixer == "deltanet" else 0)
+    base.update(kw)
+    m = LanguageModel(ModelConfig(**base))
+    if mixer == "deltanet":  # small chunks so test lengths cross chunk boundaries
+        for mod in m.modules():
+            if isinstance(mod, DeltaNetAttention):
+                mod.chunk_size = 8
+    return m.eval()
+
+
+@pytest.mark.parametrize("depth", DEPTHS, ids=["discrete", "ode"])
+@pytest.mark.parametrize("mode", ["decoder", "encoder"])
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_shapes_and_gradients(mixer, mode, depth):
+    m = model(mixer, mode=mode, **depth).train()
+    idx = torch.randint(0, 31, (2, 19))
+    logits, loss = m(idx, idx)
+    assert logits.shape == (2, 19, 31)
+    (loss + m.penalty()).backward()
+    missing = [n for n, p in m.named_parameters() if p.grad is None]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("depth", DEPTHS, ids=["discrete", "ode"])
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_decoder_causal_change_and_removal(mixer, depth):
+    m = model(mixer, **depth)
+    idx = torch.randint(0, 31, (2, 21))
+    ref, _ = m(idx)
+    i = 12
+    alt = idx.clone()
+    alt[:, i + 1:] = (alt[:, i + 1:] + 7) % 31
+    torch.testing.assert_close(m(alt)[0][:, : i + 1], ref[:, : i + 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(m(idx[:, : i + 1])[0], ref[:, : i + 1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("depth", DEPTHS, ids=["discrete", "ode"])
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_encoder_reads_the_whole_window(mixer, depth):
+    m = model(mixer, mode="encoder", **depth)
+    idx = torch.randint(0, 31, (1, 17))
+    alt = idx.clone()
+    alt[:, -1] = (alt[:, -1] + 5) % 31
+    assert not torch.allclose(m(alt)[0][:, 0], m(idx)[0][:, 0])
+
+
+@pytest.mark.parametrize("depth", DEPTHS + [dict(depth="ode", ode_solver="rk4", ode_steps=2)],
+                         ids=["discrete", "ode-euler", "ode-rk4"])
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_cached_generation_equals_recompute(mixer, depth):
+    m = model(mixer, **depth)
+    prompt = torch.randint(0, 31, (2, 11))
+    a = m.generate(prompt, 40, greedy=True)
+    b = m.generate(prompt, 40, greedy=True, use_cache=False)
+    assert torch.equal(a, b)
+    state = m.init_state(2)
+    steps = [m.step(a[:, :11], state)[0]] + [m.step(a[:, t:t + 1], state)[0]
+                                             for t in range(11, a.shape[1] - 1)]
+    torch.testing.assert_close(torch.stack(steps, 1), m(a[:, :-1])[0][:, 10:], rtol=0, atol=1e-4)
+    rows = [m.generate(prompt[r:r + 1], 40, greedy=True) for r in range(2)]
+    assert torch.equal(torch.cat(rows), a)  # no state shared between batch rows
+
+
+def test_deltanet_layer_rejects_indivisible_width():
+    cfg = types.SimpleNamespace(hidden_size=30, num_heads=4, head_dim=7, mode="decoder",
+                                use_bitnet=False, bias=False, deltanet_short_conv=0,
+                                norm_type="rmsnorm", dropout=0.0)
+    with pytest.raises(ValueError, match=r"30.*4"):
+        DeltaNetAttention(cfg)
+
+
+def test_deltanet_state_does_not_grow():
+    m = model("deltanet")
+    state = m.init_state(1)
+    m.step(torch.randint(0, 31, (1, 30)), state)
+    sizes = {k: c.state.numel() for k, c in state._caches.items()}
+    m.step(torch.randint(0, 31, (1, 1)), state)
+    assert sizes == {k: c.state.numel() for k, c in state._caches.items()}
+
+
+def test_sobolev_penalty():
+    m = model("continuous", num_layers=1)
+    att = m.depth.layers[0].mixer
+    with torch.no_grad():
+        att.coef.zero_()
+        assert att.penalty().item() == 0.0
+        att.coef[:, 1, 0] = 1.0
+        low = att.penalty().item()
+        att.coef.zero_()
+        att.coef[:, 5, 0] = 1.0
+        assert att.penalty().item() > low > 0
+
+
+@pytest.mark.parametrize("basis", ["fourier", "cheb"])
+def test_continuous_attention_rows_are_convex_and_long_contexts_run(basis):
+    m = model("continuous", cat_basis=basis, num_layers=1)
+    att = m.depth.layers[0].mixer
+    M = att.mixing(torch.arange(0, 40), 40)
+    torch.testing.assert_close(M.sum(-1), torch.ones(4, 40))
+    assert (M >= 0).all() and M.triu(1).abs().max() == 0  # causal
+    assert m(torch.randint(0, 31, (1, 1)))[0].shape == (1, 1, 31)  # a single token works
+    assert m(torch.randint(0, 31, (1, 5000)))[0].shape == (1, 5000, 31)  # CAT's longest context
+
+
+def test_bitlinear_normalizes_features_only_and_stays_causal():
+    lin = BitLinear(8, 4, bias=False)
+    x = torch.randn(1, 6, 8)
+    y = lin(x)
+    x2 = x.clone()
+    x2[:, 3:] *= 100  # scaling later tokens must not change earlier outputs
+    torch.testing.assert_close(lin(x2)[:, :3], y[:, :3])
+    m = model("softmax", use_bitnet=True)
+    idx = torch.randint(0, 31, (1, 12))
+    alt = idx.clone()
+    alt[:, 6:] = 0
+    torch.testing.assert_close(m(alt)[0][:, :6], m(idx)[0][:, :6], rtol=0, atol=1e-5)
+
+
+def test_bitnet_model_trains_and_exports_ternary_weights():
+    from continuumlm.nn import ternary_weights
+
+    torch.manual_seed(0)
+    m = LanguageModel(ModelConfig(vocab_size=11, hidden_size=32, num_heads=4, num_layers=2,
+                                  use_bitnet=True, max_seq_len=64))
+    data = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 4)
+    x, y = data[:-1][None], data[1:][None]
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    first = None
+    for _ in range(120):
+        _, loss = m(x, y)
+        first = first or loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.3 * first
+    exported = ternary_weights(m)
+    qkv = exported["depth.layers.0.mixer.qkv.weight"]
+    assert qkv.dtype == torch.int8 and set(qkv.unique().tolist()) <= {-1, 0, 1}
+    assert exported["depth.layers.0.mixer.qkv.weight_scale"].item() > 0
