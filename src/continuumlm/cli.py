@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    q = sub.add_parser("mqar", help="train and score multi-query associative recall")
+    q.add_argument("--config", required=True, help="TOML file with [model], [mqar], [train]")
+    q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    q.add_argument("--out", help="run folder (default: runs/mqar/<config name>)")
+    q.add_argument("--quiet", action="store_true")
+
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     g.add_argument("--which", choices=("best", "last"), default="best")
@@ -81,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate}[args.command](args)
+        commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
+                    "mqar": cmd_mqar}
+        return commands[args.command](args)
     except ContinuumLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -121,6 +129,24 @@ def cmd_train(args) -> int:
           f"{result['best_val_loss']:.4f}, {result['parameters']:,} parameters, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['train_seconds']:.1f} s training; "
           f"run folder {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- mqar
+
+def cmd_mqar(args) -> int:
+    from .config import load_config
+    from .train.mqar import run_mqar
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out) if args.out else Path("runs") / "mqar" / Path(args.config).stem
+    try:
+        r = run_mqar(cfg, out, quiet=args.quiet)
+    except ValueError as e:  # task sizes that do not fit together
+        raise UsageError(f"[mqar]: {e}") from None
+    print(f"done: {r['mixer']}/{r['depth']}, {r['num_kv_pairs']} pairs at length {r['seq_len']}: "
+          f"recall accuracy {r['accuracy']:.4f} (best {r['best_accuracy']:.4f}) after "
+          f"{r['steps']} steps, {r['seconds']:.0f} s; run folder {out}")
     return 0
 
 

@@ -40,6 +40,7 @@ POSITIVE = {
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
     "lr", "ode_rtol", "ode_atol", "ode_max_steps", "cat_n_freq", "cat_n_quad",
+    "num_kv_pairs", "train_examples", "test_examples", "power_a",
 }
 NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size",
                 "deltanet_short_conv", "cat_sob_lambda", "cat_length"}
@@ -190,22 +191,43 @@ class TrainConfig:
 
 
 @dataclass
+class MQARConfig:
+    """The multi-query associative recall task (``continuumlm mqar``)."""
+
+    vocab_size: int = 8192
+    seq_len: int = 256
+    num_kv_pairs: int = 16
+    power_a: float = 0.01
+    train_examples: int = 100_000
+    """Size of the fixed training set (sampled once, reused every epoch, as in Zoology)."""
+    test_examples: int = 1000
+
+    def __post_init__(self) -> None:
+        _validate(self, "mqar")
+
+
+SECTIONS = ("model", "data", "train", "mqar")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mqar: MQARConfig = field(default_factory=MQARConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
-                "train": dataclasses.asdict(self.train)}
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str | None = None) -> RunConfig:
-        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                    "mqar": MQARConfig}
         unknown = [k for k in d if k not in sections]
         if unknown:
             raise ConfigError(f"unknown section [{unknown[0]}]{_suggest(unknown[0], sections)}"
-                              f"{_in(where)}; valid sections are [model], [data] and [train].")
+                              f"{_in(where)}; valid sections are [model], [data], [train] and "
+                              f"[mqar].")
         built = {}
         for name, klass in sections.items():
             section = d.get(name, {})

@@ -1,0 +1,58 @@
+"""Multi-query associative recall (MQAR; Zoology, Arora et al. 2023).
+
+Each sequence starts with ``num_kv_pairs`` key-value pairs (k1 v1 k2 v2 ...); the rest holds
+random tokens, among which every key appears again as a query, at a distance drawn from a power
+law (most queries near the pairs, some far). The target after a query key is its value; all
+other targets are ignored (-1). Keys come from the lower half of the vocabulary, values from
+the upper half, and the keys of one sequence are distinct.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mqar_batch(n: int, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float = 0.01,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (n, seq_len); targets are -1 except after query keys."""
+    N = num_kv_pairs
+    half = vocab_size // 2
+    if half - 1 < N:
+        raise ValueError(f"vocab_size {vocab_size} leaves {half - 1} keys, fewer than "
+                         f"num_kv_pairs = {N}.")
+    total = seq_len + 1
+    space = (total - 2 * N) // 2
+    if space < N:
+        raise ValueError(f"seq_len {seq_len} is too short for {N} key-value pairs and their "
+                         f"queries; it needs at least {4 * N} tokens.")
+    g = generator
+    keys = torch.rand(n, half - 1, generator=g).argsort(dim=1)[:, :N] + 1      # distinct, no 0
+    values = torch.randint(half, vocab_size, (n, N), generator=g)
+    seq = torch.randint(1, vocab_size, (n, total), generator=g)              # filler tokens
+    seq[:, 0:2 * N:2] = keys
+    seq[:, 1:2 * N:2] = values
+    x = torch.arange(1, space + 1, dtype=torch.float64)
+    p = power_a * x ** (power_a - 1)
+    slots = torch.multinomial((p / p.sum()).float().expand(n, space), N, replacement=False,
+                              generator=g)
+    qpos = 2 * N + 2 * slots                                                 # (n, N)
+    rows = torch.arange(n)[:, None]
+    seq[rows, qpos] = keys
+    seq[rows, qpos + 1] = values
+    inputs, targets = seq[:, :-1], torch.full((n, seq_len), -1, dtype=torch.long)
+    targets[rows, qpos] = values
+    return inputs, targets
+
+
+@torch.no_grad()
+def recall_accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
+    model.eval()
+    correct = total = 0
+    for i in range(0, len(inputs), batch_size):
+        x, y = inputs[i:i + batch_size], targets[i:i + batch_size]
+        logits, _ = model(x)
+        mask = y >= 0
+        correct += (logits.argmax(-1)[mask] == y[mask]).sum().item()
+        total += mask.sum().item()
+    model.train()
+    return correct / max(total, 1)
