@@ -58,16 +58,26 @@ def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None
     A = (kb @ k.transpose(-1, -2)).tril(-1)
     WU = torch.linalg.solve_triangular(A + eye, torch.cat([kb, vb], dim=-1), upper=False,
                                        unitriangular=True)
-    W, U = WU[..., :Dk], WU[..., Dk:]
+    W, U = WU.split([Dk, Dv], dim=-1)  # split, not slices: slice backward fills zeros
     QK = (q @ k.transpose(-1, -2)).tril()  # causal, diagonal included
     S = initial_state if initial_state is not None else q.new_zeros(B, H, Dv, Dk)
-    outs = []
-    for n in range(N):  # only the state carry is sequential
-        St = S.transpose(-1, -2)  # (Dk, Dv)
-        Un = U[:, :, n] - W[:, :, n] @ St
-        outs.append(q[:, :, n] @ St + QK[:, :, n] @ Un)
-        S = S + Un.transpose(-1, -2) @ k[:, :, n]
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, Dv)[:, :, :T]
+    # Only the state carry is sequential: the loop does two small products per chunk and the
+    # outputs are formed afterwards in two batched products over all chunks. Chunks are
+    # unbound once (indexing inside the loop would make autograd allocate and fill a full-size
+    # gradient per chunk, quadratic in T).
+    Ks, Ws, Us = (x.unbind(2) for x in (k, W, U))
+    states, corrected = [], []
+    for n in range(N):
+        states.append(S)
+        Un = Us[n] - Ws[n] @ S.transpose(-1, -2)
+        corrected.append(Un)
+        S = S + Un.transpose(-1, -2) @ Ks[n]
+    S_start = torch.stack(states, dim=2)                    # (B, H, N, Dv, Dk)
+    U_corr = torch.stack(corrected, dim=2)                  # (B, H, N, C, Dv)
+    o = q @ S_start.transpose(-1, -2) + QK @ U_corr         # (B, H, N, C, Dv)
+    o = o.reshape(B, H, N * C, Dv)
+    if pad:
+        o = o[:, :, :T]
     return o, S
 
 
