@@ -68,7 +68,10 @@ def main() -> None:
         "",
     ]
     for key, title in (("ode_cost", "Cost per function evaluation"),
-                       ("ode_memory", "Memory and time vs solver steps")):
+                       ("ode_memory", "Memory and time vs solver steps"),
+                       ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),
+                       ("mixer_step", "Training step by mixer at equal depth and NFE"),
+                       ("decode_speed", "Decoding: cached vs recompute")):
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]
