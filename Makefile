@@ -8,7 +8,7 @@ ifneq ($(wildcard ../shared/data/tinyshakespeare.txt),)
 export CONTINUUMLM_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: install install-dev demo test test-slow lint clean
+.PHONY: install install-dev demo test test-slow lint bench results clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,9 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# The demo's run folder is scratch: each `make demo` starts it afresh.
 demo: $(VENV)/.installed
+	rm -rf runs/demo
 	$(BIN)/continuumlm train --config configs/shakespeare_char/demo.toml --out runs/demo
 	$(BIN)/continuumlm eval --checkpoint runs/demo
 	$(BIN)/continuumlm generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 1
@@ -40,6 +42,16 @@ test: $(VENV)/.installed-dev
 
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -m slow
+
+# Every benchmark and training run behind docs/results.md (about an hour on 2 CPU cores).
+bench: $(VENV)/.installed-dev
+	$(BIN)/pip install -q -e ".[plot]"
+	bash bench/run_all.sh
+
+# Only regenerate docs/results.md and docs/img from the JSON in bench/results.
+results: $(VENV)/.installed-dev
+	$(BIN)/pip install -q -e ".[plot]"
+	cd bench && ../$(BIN)/python render.py
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests bench

@@ -15,8 +15,8 @@ import resource
 import time
 
 import torch
-
 from common import markdown_table, write_json
+
 from continuumlm import LanguageModel, ModelConfig
 
 

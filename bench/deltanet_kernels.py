@@ -13,8 +13,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-
 from common import markdown_table, time_ms, write_json
+
 from continuumlm.mixers import delta_rule_chunkwise, delta_rule_recurrent
 
 B, H, D = 4, 4, 64

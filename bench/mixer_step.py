@@ -11,8 +11,8 @@ default size (d=128, 8 heads, batch 32, context 256).
 from __future__ import annotations
 
 import torch
-
 from common import markdown_table, time_ms, write_json
+
 from continuumlm import LanguageModel, ModelConfig
 
 SIZES = {"baby": dict(num_heads=4, batch=12, ctx=64), "cat": dict(num_heads=8, batch=32, ctx=256)}

@@ -25,10 +25,10 @@ def _fmt_mean(values: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def training_table(results: dict[str, dict]) -> str:
+def training_table(results: dict[str, dict], folder: str) -> str:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results.values():
-        if "val_loss_full_split" in r:
+        if "val_loss_full_split" in r and r["config"].startswith(folder):
             groups[(r["config"], tuple(r.get("overrides", [])))].append(r)
     rows = []
     for (config, overrides), runs in sorted(groups.items()):
@@ -44,8 +44,23 @@ def training_table(results: dict[str, dict]) -> str:
             if any(r["wall_seconds"] for r in runs) else "",
         })
     return markdown_table(rows, [("config", "config"), ("seeds", "seeds"), ("params", "parameters"),
-                                 ("nfe", "NFE"), ("val", "val loss (nats/char, whole split)"),
+                                 ("nfe", "NFE"), ("val", "val loss (nats/token, whole split)"),
                                  ("tps", "train tokens/s"), ("wall", "wall s (whole run)")])
+
+
+def context_table(results: dict[str, dict], folder: str) -> str:
+    rows = []
+    for r in sorted(results.values(), key=lambda r: r.get("config", "")):
+        if not (r.get("contexts") and r["config"].startswith(folder)):
+            continue
+        row = {"config": f"`{r['config']}`"}
+        for c in r["contexts"]:
+            row[c["context"]] = (f"{c['loss']:.3f} ({c['ppl']:.2f})" if "loss" in c
+                                 else "unsupported")
+        rows.append(row)
+    contexts = sorted({k for row in rows for k in row if isinstance(k, int)})
+    return markdown_table(rows, [("config", "config")] +
+                          [(c, f"context {c}: CE (ppl)") for c in contexts]) if rows else ""
 
 
 def main() -> None:
@@ -64,20 +79,109 @@ def main() -> None:
         "`python bench/train_seeds.py CONFIG --seeds ...`. nanoGPT reports val loss 1.88 for the "
         "discrete model (its figure is an estimate from 20 random batches).",
         "",
-        training_table(results),
+        training_table(results, "configs/shakespeare_char/"),
         "",
     ]
+    cat = context_table(results, "configs/cat_protocol/")
+    if cat:
+        parts += ["## CAT's context-length protocol", "",
+                  "First 50,000 characters train, the rest validate; d=128, 8 heads, 1 block, "
+                  "context 256, batch 32, 800 steps, lr 3e-4; cross-entropy (nats/char) and "
+                  "perplexity on non-overlapping windows of each length. Every model here is "
+                  "causal. CAT's own printed numbers are not comparable: its continuous model "
+                  "and its baseline both see the token they predict. Produced by "
+                  "`python bench/train_seeds.py configs/cat_protocol/NAME.toml --contexts "
+                  "128,512,1024,5000`.", "", cat, ""]
+    ptb = training_table(results, "configs/ptb/")
+    if ptb.count("\n") > 1:
+        parts += ["## Penn Treebank, word level", "",
+                  "PTB's own validation file; loss in nats/word (perplexity = exp). Produced by "
+                  "`python bench/train_seeds.py configs/ptb/NAME.toml`.", "", ptb, ""]
     for key, title in (("ode_cost", "Cost per function evaluation"),
                        ("ode_memory", "Memory and time vs solver steps"),
                        ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),
                        ("mixer_step", "Training step by mixer at equal depth and NFE"),
-                       ("decode_speed", "Decoding: cached vs recompute")):
+                       ("decode_speed", "Decoding: cached vs recompute"),
+                       ("depth_elasticity", "Anytime depth")):
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]
+    figures = plots(results)
+    if figures:
+        parts += ["## Figures", "", *[f + "\n" for f in figures]]
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     DOCS.write_text("\n".join(parts))
     print(f"wrote {DOCS}")
+
+
+def plots(results: dict[str, dict]) -> list[str]:
+    """PNG figures in docs/img from the same JSON; returns markdown lines linking them."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: plots not regenerated (pip install -e '.[plot]')")
+        return []
+    img = DOCS.parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    curves = {r["config"]: r["curve"] for r in results.values()
+              if r.get("curve") and r.get("seed") == 1337}
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for config, c in sorted(curves.items()):
+            steps, vals = zip(*c["val"])
+            ax.plot(steps, vals, marker="o", ms=3, label=Path(config).stem)
+        ax.set(xlabel="step", ylabel="val loss (nats/char)", ylim=(1.4, 3.0),
+               title="Tiny Shakespeare, baby-GPT budget (seed 1337)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(img / "shakespeare_val_curves.png", dpi=120)
+        lines.append("![validation curves](img/shakespeare_val_curves.png)")
+
+    if "ode_memory" in results:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rows = results["ode_memory"]["rows"]
+        for key in dict.fromkeys((r["grad"], r["solver"]) for r in rows):
+            pts = [(r["steps"], r["peak_mb"]) for r in rows if (r["grad"], r["solver"]) == key]
+            ax.plot(*zip(*pts), marker="o", label=f"{key[0]} ({key[1]})")
+        ax.set(xscale="log", xlabel="solver steps", ylabel="peak MB (one training step)",
+               title="Memory vs steps per gradient mode")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(img / "ode_memory.png", dpi=120)
+        lines.append("![memory vs steps](img/ode_memory.png)")
+
+    if "deltanet_kernels" in results:
+        rows = results["deltanet_kernels"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in (("recurrent_ms", "recurrent (token loop)"),
+                           ("chunkwise_ms", "chunkwise"), ("sdpa_ms", "causal SDPA")):
+            pts = [(r["T"], r[key]) for r in rows if key in r]
+            ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms (forward + backward)",
+               title="DeltaNet kernels, B=4 H=4 D=64")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(img / "deltanet_kernels.png", dpi=120)
+        lines.append("![DeltaNet kernel time vs T](img/deltanet_kernels.png)")
+
+    if "depth_elasticity" in results:
+        rows = results["depth_elasticity"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in dict.fromkeys((r["model"], r["solver"]) for r in rows):
+            pts = [(r["nfe"], r["val_loss"]) for r in rows if (r["model"], r["solver"]) == key]
+            ax.plot(*zip(*pts), marker="o", label=f"trained {key[0]}, eval {key[1]}")
+        ax.set(xscale="log", xlabel="NFE per forward", ylabel="val loss",
+               title="Anytime depth: one trained field, other solvers")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(img / "depth_elasticity.png", dpi=120)
+        lines.append("![val loss vs NFE](img/depth_elasticity.png)")
+    return lines
 
 
 if __name__ == "__main__":

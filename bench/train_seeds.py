@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--contexts", help="also evaluate at these context lengths, e.g. "
+                    "128,512,1024,5000 (CAT's protocol)")
+    ap.add_argument("--split", default="val")
     args = ap.parse_args()
     config = Path(args.config).resolve()
     args.config = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
@@ -48,13 +51,22 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
-        ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json"],
-                            check=True, capture_output=True, text=True)
+        ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
+                             "--split", args.split], check=True, capture_output=True, text=True)
         row = json.loads(ev.stdout)["results"][0]
+        contexts = None
+        if args.contexts:
+            ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last",
+                                 "--json", "--split", args.split, "--context-lengths",
+                                 args.contexts], check=True, capture_output=True, text=True)
+            contexts = json.loads(ev.stdout)["results"]
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
         nfe = [m["nfe"] for m in metrics if "nfe" in m]
         vals = [m for m in metrics if "val_loss" in m]
+        curve = {"val": [[m["step"], m["val_loss"]] for m in vals],
+                 "train": [[m["step"], m["loss"]] for m in metrics
+                           if "loss" in m and m["step"] % 50 == 0]}
         result = {
             "config": args.config, "overrides": args.set, "seed": seed,
             "command": " ".join(cmd),
@@ -64,6 +76,9 @@ def main() -> None:
             "nfe": nfe[-1] if nfe else None,
             "wall_seconds": None if resumed else wall,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
+            "curve": curve,
+            "split": args.split,
+            "contexts": contexts,
         }
         from continuumlm.train import load_model_and_tokenizer
 

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-windows", type=_positive_int, help="evaluate at most this many windows "
                    "per context length, evenly spread over the split")
     e.add_argument("--device", default="auto")
+    e.add_argument("--ode-solver", help="integrate an ODE model's trained fields with this "
+                   "solver instead (no retraining)")
+    e.add_argument("--ode-steps", type=_positive_int, help="... and/or this many steps")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = sub.add_parser("mqar", help="train and score multi-query associative recall")
@@ -67,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     q.add_argument("--out", help="run folder (default: runs/mqar/<config name>)")
     q.add_argument("--quiet", action="store_true")
+
+    i = sub.add_parser("inspect", help="parameter count and NFE of a config's model")
+    i.add_argument("--config", required=True)
+    i.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    i.add_argument("--json", action="store_true")
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-                    "mqar": cmd_mqar}
+                    "mqar": cmd_mqar, "inspect": cmd_inspect}
         return commands[args.command](args)
     except ContinuumLMError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -103,28 +111,24 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args) -> int:
     from .config import load_config
     from .train import Trainer
-    from .train.checkpoint import load_run_config, resolve_checkpoint
+    from .train.trainer import find_resumable
 
     if args.out is None and args.config is None:
         raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     if args.resume:
-        ckpt = resolve_checkpoint(out, "last")
         if args.config:
             cfg = load_config(args.config, args.set)
-        else:
-            from .config import RunConfig, parse_override
-
-            base = load_run_config(ckpt).to_dict()
-            for item in args.set:
-                key, value = parse_override(item)
-                section, _, name = key.partition(".")
-                base.setdefault(section, {})[name] = value
-            cfg = RunConfig.from_dict(base, where=str(ckpt))
-            cfg.check()
+        else:  # the run's own settings, with --set applied on top
+            ckpt, saved, _ = find_resumable(out, announce=False)
+            cfg = load_config(None, args.set, base=saved.to_dict(), where=str(ckpt))
     else:
         cfg = load_config(args.config, args.set)
     result = Trainer(cfg, out, resume=args.resume, quiet=args.quiet).run()
+    if result["interrupted"]:
+        print(f"stopped by {result['interrupted']} at step {result['step']} (checkpoint saved); "
+              f"resume with: continuumlm train --out {out} --resume")
+        return 0
     print(f"done: step {result['step']}, val loss {result['val_loss']:.4f}, best "
           f"{result['best_val_loss']:.4f}, {result['parameters']:,} parameters, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['train_seconds']:.1f} s training; "
@@ -150,6 +154,41 @@ def cmd_mqar(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- inspect
+
+def cmd_inspect(args) -> int:
+    import dataclasses
+
+    import tomllib
+    import torch
+
+    from .config import load_config
+    from .model import LanguageModel
+
+    cfg = load_config(args.config, args.set)
+    vocab, source = cfg.model.vocab_size, "model.vocab_size"
+    if vocab == 0:
+        raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
+        if "mqar" in raw:
+            vocab, source = cfg.mqar.vocab_size, "mqar.vocab_size"
+        else:
+            from .data import prepare_data
+
+            vocab, source = prepare_data(cfg.data).tokenizer.vocab_size, "the tokenizer"
+    model = LanguageModel(dataclasses.replace(cfg.model, vocab_size=vocab))
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long))
+    info = {"config": args.config, "vocab_size": vocab, "vocab_from": source,
+            "parameters": model.num_parameters(), "nfe_per_forward": model.last_nfe,
+            "exact_cached_decoding": bool(getattr(model.depth, "exact_cache", True))}
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}: {v}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- eval
 
 def cmd_eval(args) -> int:
@@ -161,6 +200,11 @@ def cmd_eval(args) -> int:
     device = pick_device(args.device)
     model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
     run = load_run_config(ckpt)
+    if args.ode_solver or args.ode_steps:
+        try:
+            model.set_solver(args.ode_solver, args.ode_steps)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     data = prepare_data(run.data, tok)
     if args.split not in data.splits:
         raise UsageError(f"--split {args.split}: this corpus has the splits "
@@ -169,7 +213,11 @@ def cmd_eval(args) -> int:
     rows = evaluate_contexts(model, data.splits[args.split], contexts, tok.kind == "char", device,
                              max_windows=args.max_windows)
     if args.json:
-        print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "results": rows}, indent=2))
+        cfg = model.config
+        print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "depth": cfg.depth,
+                          "ode_solver": cfg.ode_solver if cfg.depth == "ode" else None,
+                          "ode_steps": cfg.ode_steps if cfg.depth == "ode" else None,
+                          "nfe": model.last_nfe, "results": rows}, indent=2))
         return 0
     print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
     print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}")

@@ -38,7 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
-    "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps",
+    "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps", "max_bad_steps",
     "lr", "ode_rtol", "ode_atol", "ode_max_steps", "cat_n_freq", "cat_n_quad",
     "num_kv_pairs", "train_examples", "test_examples", "power_a",
 }
@@ -181,6 +181,8 @@ class TrainConfig:
     log_interval: int = 10
     checkpoint_interval: int = 500
     keep_checkpoints: int = 3
+    max_bad_steps: int = 5
+    """Consecutive steps with a non-finite loss or gradient (each skipped) before training stops."""
     seed: int = 1337
     device: str = "auto"
     dtype: str = "auto"
@@ -248,11 +250,12 @@ class RunConfig:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a TOML file with [model], [data] and [train] sections, then apply
-    ``section.key=value`` overrides (values parsed as TOML, bare words as strings)."""
-    raw: dict[str, Any] = {}
-    where = None
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None, where: str | None = None) -> RunConfig:
+    """Read a TOML file with [model], [data] and [train] sections (or start from ``base``, a
+    dict of sections), then apply ``section.key=value`` overrides (values parsed as TOML, bare
+    words as strings)."""
+    raw: dict[str, Any] = {k: dict(v) for k, v in (base or {}).items()}
     if path is not None:
         path = Path(path)
         where = str(path)

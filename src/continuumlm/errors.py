@@ -16,3 +16,8 @@ class DataError(ContinuumLMError):
 
 class CheckpointError(ContinuumLMError):
     """A checkpoint folder is missing, incomplete, corrupt or unsafe."""
+
+
+class TrainingError(ContinuumLMError):
+    """Training cannot go on (diverged, or a checkpoint could not be written); the last good
+    checkpoint is kept."""

@@ -109,6 +109,27 @@ class LanguageModel(nn.Module):
                                    ignore_index=-1)
         return logits, loss
 
+    def set_solver(self, ode_solver: str | None = None, ode_steps: int | None = None) -> None:
+        """Integrate the trained fields with another solver or number of steps, without
+        retraining ("anytime depth"). Only for ``depth = "ode"``; a solver with weights of its
+        own (``rk2_gated``) can be neither swapped in nor out."""
+        import dataclasses
+
+        from ..ode import SOLVERS, AdaptiveSolver
+
+        if self.config.depth != "ode":
+            raise ValueError("set_solver needs depth = 'ode'; a discrete stack has no solver.")
+        new = dataclasses.replace(self.config, ode_solver=ode_solver or self.config.ode_solver,
+                                  ode_steps=ode_steps or self.config.ode_steps)
+        for block in self.depth.blocks:
+            solver = SOLVERS[new.ode_solver](new)
+            if any(True for _ in solver.parameters()) or any(True for _ in block.solver.parameters()):
+                raise ValueError(f"cannot switch between {self.config.ode_solver!r} and "
+                                 f"{new.ode_solver!r}: rk2_gated has trained weights of its own.")
+            block.solver, block.cfg = solver, new
+        self.depth.exact_cache = not isinstance(self.depth.blocks[0].solver, AdaptiveSolver)
+        self.config = new
+
     # ------------------------------------------------------------------ decoding
 
     def init_state(self, batch_size: int) -> DecodeState:

@@ -1,0 +1,251 @@
+"""Faults inflicted on purpose: kills, signals, corrupt checkpoints, NaNs, full disks, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from continuumlm import CheckpointError, load_config
+from continuumlm.errors import TrainingError
+from continuumlm.train import Trainer
+from continuumlm.train.logging import read_metrics
+
+CLI = str(Path(sys.executable).parent / "continuumlm")
+
+
+def write_cfg(tmp_path, corpus, steps=40, ckpt=5, **extra):
+    # lr_decay_steps is fixed so that a run started with a larger max_steps (to be killed
+    # mid-way) follows the same schedule as the reference run
+    body = f"""
+[model]
+hidden_size = 32
+num_heads = 2
+num_layers = 2
+dropout = 0.1
+[data]
+dataset = "text"
+path = "{corpus}"
+[train]
+max_steps = {steps}
+lr_decay_steps = 40
+batch_size = 4
+seq_len = 16
+warmup_steps = 2
+log_interval = 1
+eval_interval = 10
+eval_iters = 2
+checkpoint_interval = {ckpt}
+device = "cpu"
+"""
+    for k, v in extra.items():
+        body += f"{k} = {v}\n"
+    p = tmp_path / "cfg.toml"
+    p.write_text(body)
+    return p
+
+
+def losses(run):
+    return {e["step"]: e["loss"] for e in read_metrics(run) if "loss" in e}
+
+
+def _wait_for(path: Path, timeout=120):
+    t0 = time.time()
+    while not path.exists():
+        if time.time() - t0 > timeout:
+            raise TimeoutError(path)
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def reference(tiny_corpus, tmp_path):
+    cfg = write_cfg(tmp_path, tiny_corpus)
+    out = tmp_path / "ref"
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return cfg, losses(out)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
+    cfg, ref = reference
+    out = tmp_path / "killed"
+    p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
+                          "train.max_steps=100000"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    _wait_for(out / "checkpoints" / "step-00000015")
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = losses(out)
+    assert got == ref  # every step once, and bit-identical to the uninterrupted run
+
+
+def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
+    cfg, ref = reference
+    out = tmp_path / "term"
+    p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
+                          "train.max_steps=100000", "--set", "train.checkpoint_interval=1000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(out / "metrics.jsonl")
+    while len(losses(out)) < 7:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert "--resume" in stdout
+    saved = (out / "checkpoints" / "last").resolve().name
+    assert int(saved.split("-")[1]) >= 7
+
+
+def test_corrupt_last_checkpoint_falls_back(reference, tmp_path):
+    cfg, ref = reference
+    out = tmp_path / "corrupt"
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
+                        "train.max_steps=20"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = (out / "checkpoints" / "last").resolve()
+    assert last.name == "step-00000020"
+    w = last / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])  # truncated
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "step-00000020" in r.stderr and "damaged" in r.stderr and "step-00000015" in r.stderr
+    assert losses(out) == ref
+
+
+def test_stale_temporary_checkpoint_is_ignored(tiny_corpus, tmp_path):
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=10))
+    out = tmp_path / "run"
+    Trainer(cfg, out, quiet=True).run()
+    stale = out / "checkpoints" / ".tmp-step-00000015-999"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    cfg.train.max_steps = 15
+    Trainer(cfg, out, resume=True, quiet=True).run()
+    assert not stale.exists()
+
+
+def test_missing_file_and_bad_manifest_are_named(tiny_corpus, tmp_path):
+    from continuumlm.train.checkpoint import verify_checkpoint
+
+    out = tmp_path / "run"
+    Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=5)), out, quiet=True).run()
+    ck = (out / "checkpoints" / "last").resolve()
+    (ck / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
+        verify_checkpoint(ck)
+    (ck / "manifest.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="manifest.json is corrupt"):
+        verify_checkpoint(ck)
+
+
+def test_nan_steps_are_skipped_then_training_stops(tiny_corpus, tmp_path):
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=40, ckpt=5, max_bad_steps=3))
+    out = tmp_path / "run"
+    trainer = Trainer(cfg, out, quiet=True)
+    calls = {"n": 0}
+
+    def poison(module, inputs, output):  # layer 1 starts emitting NaN after 12 steps
+        calls["n"] += 1
+        return output * float("nan") if trainer.step >= 12 else output
+
+    trainer.model.depth.layers[1].register_forward_hook(poison)
+    with pytest.raises(TrainingError, match=r"3 consecutive steps up to step 15.*layer 1"):
+        trainer.run()
+    assert (out / "checkpoints" / "last").resolve().name == "step-00000010"
+    weights = torch.cat([p.flatten() for p in trainer.model.parameters()])
+    assert torch.isfinite(weights).all()  # no update was applied from a bad step
+
+
+def test_single_bad_step_is_skipped_and_counted(tiny_corpus, tmp_path):
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=12, ckpt=100))
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+
+    def poison(module, inputs, output):
+        return output * float("inf") if trainer.step == 5 and module.training else output
+
+    trainer.model.depth.layers[0].register_forward_hook(poison)
+    result = trainer.run()
+    assert result["skipped_steps"] == 1 and result["step"] == 12
+
+
+def test_disk_full_while_saving_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeypatch):
+    import continuumlm.train.checkpoint as ck
+
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=20, ckpt=5))
+    out = tmp_path / "run"
+    trainer = Trainer(cfg, out, quiet=True)
+    real_save = ck.torch.save
+    calls = {"n": 0}
+
+    def full_disk(obj, f, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(ck.torch, "save", full_disk)
+    with pytest.raises(TrainingError, match=r"No space left.*step-00000005 is intact"):
+        trainer.run()
+    last = (out / "checkpoints" / "last").resolve()
+    assert last.name == "step-00000005"
+    ck.verify_checkpoint(last)
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_unwritable_output_folder_is_detected_before_training(tiny_corpus, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    cfg = write_cfg(tmp_path, tiny_corpus)
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(blocker / "run")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot write to the run folder" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "€€"], "not in this model's vocabulary"),
+    (["--max-new-tokens", "0"], "must be positive"),
+    (["--top-p", "1.5"], "top_p must lie in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be positive"),
+])
+def test_generation_input_errors(tiny_corpus, tmp_path, args, needle):
+    out = tmp_path / "run"
+    Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=2)), out, quiet=True).run()
+    r = subprocess.run([CLI, "generate", "--checkpoint", str(out), "--prompt", "the", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tokenizer_that_does_not_match_checkpoint(tiny_corpus, tmp_path):
+    from continuumlm.train import load_model_and_tokenizer
+
+    out = tmp_path / "run"
+    Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=2)), out, quiet=True).run()
+    ck = (out / "checkpoints" / "last").resolve()
+    tok = ck / "tokenizer.json"
+    d = json.loads(tok.read_text())
+    d["vocab"] = d["vocab"][:-3]
+    tok.write_text(json.dumps(d))
+    (ck / "manifest.json").unlink()  # as if the folder were assembled by hand
+    with pytest.raises(CheckpointError, match="tokenizer .* has .* tokens but the model expects"):
+        load_model_and_tokenizer(ck)
+
+
+def test_no_pickle_on_the_loading_path():
+    src = Path(__file__).resolve().parents[1] / "src" / "continuumlm"
+    for f in src.rglob("*.py"):
+        text = f.read_text()
+        assert "pickle.load" not in text, f
+        for line in text.splitlines():
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, f"{f}: {line.strip()}"
+    assert os.path.exists(src)
