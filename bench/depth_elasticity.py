@@ -18,7 +18,7 @@ from common import markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
-MODELS = ["ode_euler_seed1337", "ode_rk4_seed1337"]
+MODELS = ["shakespeare_char-ode_euler_seed1337", "shakespeare_char-ode_rk4_seed1337"]
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
                                       "--max-windows", "400", "--json"],
                                      check=True, capture_output=True, text=True)
                 r = json.loads(out.stdout)
-                rows.append({"model": name.replace("_seed1337", ""), "solver": solver,
+                rows.append({"model": name.split("-")[1].replace("_seed1337", ""), "solver": solver,
                              "steps": steps, "nfe": r["nfe"], "val_loss": r["results"][0]["loss"]})
                 print(rows[-1], flush=True)
     table = markdown_table(rows, [("model", "trained as"), ("solver", "evaluated with"),

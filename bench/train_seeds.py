@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     config = Path(args.config).resolve()
     args.config = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
-    name = config.stem
+    name = f"{config.parent.name}-{config.stem}"  # e.g. shakespeare_char-cat_fourier
     for seed in args.seeds:
         dest = Path(args.out) / f"{name}_seed{seed}.json"
         if dest.exists() and not args.force:

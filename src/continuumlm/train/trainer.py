@@ -121,9 +121,9 @@ class Trainer:
                     f"(e.g. train.max_steps). Drop --config/--set for those sections.")
             tokenizer = load_tokenizer(ckpt)
             self.resumed_from = ckpt
-        elif (ckpt_root / "last").exists():
-            raise ConfigError(f"{self.out} already holds a run (checkpoints/last); pass --resume to "
-                              f"continue it, or choose another --out.")
+        elif (ckpt_root / "last").exists() or any(ckpt_root.glob("step-*")):
+            raise ConfigError(f"{self.out} already holds a run (its checkpoints/); pass --resume "
+                              f"to continue it, or choose another --out.")
         self.cfg = cfg
         t = cfg.train
         self.device = pick_device(t.device)
