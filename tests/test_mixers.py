@@ -156,3 +156,13 @@ def test_bitnet_model_trains_and_exports_ternary_weights():
     qkv = exported["depth.layers.0.mixer.qkv.weight"]
     assert qkv.dtype == torch.int8 and set(qkv.unique().tolist()) <= {-1, 0, 1}
     assert exported["depth.layers.0.mixer.qkv.weight_scale"].item() > 0
+
+
+def test_continuous_gather_path_equals_dense_path():
+    m = model("continuous", num_layers=1, max_seq_len=64)
+    att = m.depth.layers[0].mixer
+    x = torch.randn(2, 70, 32)
+    dense = att(x)
+    att.dense_limit = 8  # force the gather path
+    att.query_chunk = 16
+    torch.testing.assert_close(att(x), dense, rtol=1e-5, atol=1e-6)

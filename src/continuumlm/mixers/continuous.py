@@ -51,7 +51,8 @@ class ValueCache:
 
 class ContinuousAttention(nn.Module):
     cache_factory = ValueCache
-    query_chunk = 512  # queries per mixing-matrix block (bounds memory at long contexts)
+    query_chunk = 512  # queries per block (bounds memory at long contexts)
+    dense_limit = 1024  # above this many keys the gather path is cheaper than a dense matrix
 
     def __init__(self, cfg):
         super().__init__()
@@ -126,16 +127,20 @@ class ContinuousAttention(nn.Module):
             v = cache.append(v)
         n_keys = v.shape[2]
         q_pos = torch.arange(offset, offset + T, device=x.device)
-        if T <= 4:  # decoding: gather 2 * n_quad values per query, O(n_quad * D) per head
-            p, lo, hi, alpha = self.quadrature(q_pos, n_keys)
-            p = p.to(v.dtype)
-            y = (torch.einsum("hiq,bhiqd->bhid", p * (1 - alpha), v[:, :, lo])
-                 + torch.einsum("hiq,bhiqd->bhid", p * alpha, v[:, :, hi]))
-        else:
+        if T <= 4 or n_keys > self.dense_limit:
+            # gather the 2 * n_quad values each query reads: O(T * n_quad * D) per head, which
+            # beats the dense (T x n_keys) mixing matrix for decoding and long contexts
+            outs = []
+            for i in range(0, T, self.query_chunk):
+                p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], n_keys)
+                p = p.to(v.dtype)
+                outs.append(torch.einsum("hiq,bhiqd->bhid", p * (1 - alpha), v[:, :, lo])
+                            + torch.einsum("hiq,bhiqd->bhid", p * alpha, v[:, :, hi]))
+        else:  # training lengths: one dense mixing matrix per chunk, shared by the batch
             outs = []
             for i in range(0, T, self.query_chunk):
                 M = self.mixing(q_pos[i:i + self.query_chunk], n_keys).to(v.dtype)
                 outs.append(M @ v)                                      # (B, H, Tc, D)
-            y = torch.cat(outs, dim=2)
+        y = torch.cat(outs, dim=2)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
