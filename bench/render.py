@@ -37,7 +37,7 @@ def training_table(results: dict[str, dict], folder: str) -> str:
             "config": f"`{config}`" + (f" {' '.join(overrides)}" if overrides else ""),
             "seeds": ", ".join(str(r["seed"]) for r in runs),
             "params": f"{runs[0]['parameters'] / 1e6:.3f} M",
-            "nfe": runs[0].get("nfe", ""),
+            "nfe": next((r["nfe"] for r in runs if r.get("nfe")), ""),
             "val": _fmt_mean([r["val_loss_full_split"] for r in runs]),
             "tps": f"{statistics.mean(r['tokens_per_s_median'] for r in runs):.0f}",
             "wall": _fmt_mean([r["wall_seconds"] for r in runs if r["wall_seconds"]], 0)
