@@ -350,7 +350,8 @@ class Trainer:
                         self.best_val = val
                     self.logger.log({"step": self.step, "val_loss": val,
                                      "val_ppl": math.exp(min(val, 50.0)), "lr": lr_at(self.step, t)})
-                    say(f"step {self.step}: train loss {last_loss:.4f}, val loss {val:.4f} "
+                    train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
+                    say(f"step {self.step}: {train_part}val loss {val:.4f} "
                         f"(ppl {math.exp(min(val, 50.0)):.2f})")
                     if improved and self.step > 0:
                         self.save(best=True)
