@@ -62,7 +62,9 @@ class AttentionField(_Field):
         return self.mixer(self.norm(h) + self.temb(t, h), cache)
 
 
-class SequentialField(_Field):
+class _TransformerField(_Field):
+    """Norms, a mixer and an MLP: the parts of a Transformer block."""
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.norm1 = make_norm(cfg.hidden_size, cfg)
@@ -70,20 +72,15 @@ class SequentialField(_Field):
         self.norm2 = make_norm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg)
 
+
+class SequentialField(_TransformerField):
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
         te = self.temb(t, h)
         a = self.mixer(self.norm1(h) + te, cache)
         return a + self.mlp(self.norm2(h + a) + te)
 
 
-class ParallelField(_Field):
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.norm1 = make_norm(cfg.hidden_size, cfg)
-        self.mixer = MIXERS[cfg.mixer](cfg)
-        self.norm2 = make_norm(cfg.hidden_size, cfg)
-        self.mlp = MLP(cfg)
-
+class ParallelField(_TransformerField):
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
         te = self.temb(t, h)
         return self.mixer(self.norm1(h) + te, cache) + self.mlp(self.norm2(h) + te)

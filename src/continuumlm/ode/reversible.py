@@ -37,31 +37,30 @@ class ReversibleHeun(nn.Module):
 
     @staticmethod
     def integrate_direct(f, h0: torch.Tensor, times: list[float], dt: float) -> torch.Tensor:
-        y, z = h0, h0
-        fz = f(times[0], z)
-        for t in times:
-            z = 2 * y - z + dt * fz
-            f_next = f(t + dt, z)
-            y = y + (0.5 * dt) * (fz + f_next)
-            fz = f_next
-        return y
+        return _forward_states(f, h0, times, dt)[0]
 
     def integrate_reversible(self, f, h0: torch.Tensor, times: list[float], dt: float,
                              params: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return _ReversibleHeunFn.apply(f, self, times, dt, h0, *params)
 
 
+def _forward_states(f, h0: torch.Tensor, times: list[float], dt: float):
+    """The forward pass: final (y, z). Under autograd this is the `direct` reference."""
+    y, z = h0, h0
+    fz = f(times[0], z)
+    for t in times:
+        z = 2 * y - z + dt * fz
+        f_next = f(t + dt, z)
+        y = y + (0.5 * dt) * (fz + f_next)
+        fz = f_next
+    return y, z
+
+
 class _ReversibleHeunFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, f, solver, times, dt, h0, *params):
         with torch.no_grad():
-            y, z = h0, h0
-            fz = f(times[0], z)
-            for t in times:
-                z = 2 * y - z + dt * fz
-                f_next = f(t + dt, z)
-                y = y + (0.5 * dt) * (fz + f_next)
-                fz = f_next
+            y, z = _forward_states(f, h0, times, dt)
         ctx.f, ctx.solver, ctx.times, ctx.dt = f, solver, times, dt
         ctx.params = params
         ctx.save_for_backward(h0, y, z)
