@@ -155,45 +155,37 @@ def plots(results: dict[str, dict]) -> list[str]:
         fig.savefig(img / "shakespeare_val_curves.png", dpi=120)
         lines.append("![validation curves](img/shakespeare_val_curves.png)")
 
+    def series(name, rows, series_of, x, y, label, **axes):
+        """One line per series (rows grouped by series_of(row)), saved as img/<name>.png."""
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in dict.fromkeys(series_of(r) for r in rows):
+            pts = [(x(r), y(r)) for r in rows if series_of(r) == key and y(r) is not None]
+            ax.plot(*zip(*pts), marker="o", label=label(key))
+        ax.set(**axes)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(img / f"{name}.png", dpi=120)
+        lines.append(f"![{axes['title']}](img/{name}.png)")
+
     if "ode_memory" in results:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        rows = results["ode_memory"]["rows"]
-        for key in dict.fromkeys((r["grad"], r["solver"]) for r in rows):
-            pts = [(r["steps"], r["peak_mb"]) for r in rows if (r["grad"], r["solver"]) == key]
-            ax.plot(*zip(*pts), marker="o", label=f"{key[0]} ({key[1]})")
-        ax.set(xscale="log", xlabel="solver steps", ylabel="peak MB (one training step)",
+        series("ode_memory", results["ode_memory"]["rows"], lambda r: (r["grad"], r["solver"]),
+               lambda r: r["steps"], lambda r: r["peak_mb"], lambda k: f"{k[0]} ({k[1]})",
+               xscale="log", xlabel="solver steps", ylabel="peak MB (one training step)",
                title="Memory vs steps per gradient mode")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(img / "ode_memory.png", dpi=120)
-        lines.append("![memory vs steps](img/ode_memory.png)")
-
     if "deltanet_kernels" in results:
-        rows = results["deltanet_kernels"]["rows"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key, label in (("recurrent_ms", "recurrent (token loop)"),
-                           ("chunkwise_ms", "chunkwise"), ("sdpa_ms", "causal SDPA")):
-            pts = [(r["T"], r[key]) for r in rows if key in r]
-            ax.plot(*zip(*pts), marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms (forward + backward)",
-               title="DeltaNet kernels, B=4 H=4 D=64")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(img / "deltanet_kernels.png", dpi=120)
-        lines.append("![DeltaNet kernel time vs T](img/deltanet_kernels.png)")
-
+        kernels = {"recurrent_ms": "recurrent (token loop)", "chunkwise_ms": "chunkwise",
+                   "sdpa_ms": "causal SDPA"}
+        rows = [{"T": r["T"], "kernel": k, "ms": r.get(k)}
+                for r in results["deltanet_kernels"]["rows"] for k in kernels]
+        series("deltanet_kernels", rows, lambda r: r["kernel"], lambda r: r["T"],
+               lambda r: r["ms"], kernels.get, xscale="log", yscale="log", xlabel="T",
+               ylabel="ms (forward + backward)", title="DeltaNet kernels, B=4 H=4 D=64")
     if "depth_elasticity" in results:
-        rows = results["depth_elasticity"]["rows"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key in dict.fromkeys((r["model"], r["solver"]) for r in rows):
-            pts = [(r["nfe"], r["val_loss"]) for r in rows if (r["model"], r["solver"]) == key]
-            ax.plot(*zip(*pts), marker="o", label=f"trained {key[0]}, eval {key[1]}")
-        ax.set(xscale="log", xlabel="NFE per forward", ylabel="val loss",
+        series("depth_elasticity", results["depth_elasticity"]["rows"],
+               lambda r: (r["model"], r["solver"]), lambda r: r["nfe"], lambda r: r["val_loss"],
+               lambda k: f"trained {k[0]}, eval {k[1]}", xscale="log",
+               xlabel="NFE per forward", ylabel="val loss",
                title="Anytime depth: one trained field, other solvers")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(img / "depth_elasticity.png", dpi=120)
-        lines.append("![val loss vs NFE](img/depth_elasticity.png)")
     return lines
 
 

@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 
+from conftest import assert_cached_decoding_exact
 from continuumlm import LanguageModel, ModelConfig
 from continuumlm.mixers import MIXERS, DeltaNetAttention
 from continuumlm.nn import BitLinear
@@ -69,13 +70,7 @@ def test_encoder_reads_the_whole_window(mixer, depth):
 def test_cached_generation_equals_recompute(mixer, depth):
     m = model(mixer, **depth)
     prompt = torch.randint(0, 31, (2, 11))
-    a = m.generate(prompt, 40, greedy=True)
-    b = m.generate(prompt, 40, greedy=True, use_cache=False)
-    assert torch.equal(a, b)
-    state = m.init_state(2)
-    steps = [m.step(a[:, :11], state)[0]] + [m.step(a[:, t:t + 1], state)[0]
-                                             for t in range(11, a.shape[1] - 1)]
-    torch.testing.assert_close(torch.stack(steps, 1), m(a[:, :-1])[0][:, 10:], rtol=0, atol=1e-4)
+    a = assert_cached_decoding_exact(m, prompt, 40)
     rows = [m.generate(prompt[r:r + 1], 40, greedy=True) for r in range(2)]
     assert torch.equal(torch.cat(rows), a)  # no state shared between batch rows
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import small_config, small_model
+from conftest import assert_cached_decoding_exact, small_config, small_model
 from continuumlm import CheckpointError, LanguageModel
 from continuumlm.model.cache import KVCache
 
@@ -56,16 +56,7 @@ def test_kv_cache_equals_recompute(kw, prompt_len):
     m = small_model(**kw)
     prompt = torch.randint(0, 37, (2, prompt_len))
     n_new = 64 - prompt_len + 1 if kw["position"] == "learned" else 64
-    a = m.generate(prompt, n_new, greedy=True, use_cache=True)
-    b = m.generate(prompt, n_new, greedy=True, use_cache=False)
-    assert torch.equal(a, b)
-    # logits of every step: prefill + one token at a time vs one full forward
-    state = m.init_state(2)
-    step_logits = [m.step(a[:, :prompt_len], state)[0]]
-    for t in range(prompt_len, a.shape[1] - 1):
-        step_logits.append(m.step(a[:, t:t + 1], state)[0])
-    full, _ = m(a[:, :-1])
-    torch.testing.assert_close(torch.stack(step_logits, 1), full[:, prompt_len - 1:], rtol=0, atol=1e-5)
+    assert_cached_decoding_exact(m, prompt, n_new, atol=1e-5)
 
 
 def test_chunked_prefill_after_cache():

@@ -3,6 +3,7 @@ import logging
 import pytest
 import torch
 
+from conftest import assert_cached_decoding_exact
 from continuumlm import ConfigError, LanguageModel, ModelConfig
 from continuumlm.ode import SOLVERS, ODESolverError, ReversibleHeun, integrate
 
@@ -207,15 +208,7 @@ def test_dropout_mask_fixed_within_a_solve():
 @pytest.mark.parametrize("solver", ["euler", "midpoint", "rk4", "rk2_gated", "reversible_heun"])
 def test_ode_kv_cache_equals_recompute(solver, field):
     m = ode_model(ode_solver=solver, field=field, ode_steps=2).eval()
-    prompt = torch.randint(0, 29, (2, 5))
-    a = m.generate(prompt, 24, greedy=True)
-    b = m.generate(prompt, 24, greedy=True, use_cache=False)
-    assert torch.equal(a, b)
-    state = m.init_state(2)
-    steps = [m.step(a[:, :5], state)[0]] + [m.step(a[:, t:t + 1], state)[0]
-                                            for t in range(5, a.shape[1] - 1)]
-    full, _ = m(a[:, :-1])
-    torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
+    assert_cached_decoding_exact(m, torch.randint(0, 29, (2, 5)), 24)
 
 
 def test_adaptive_generation_falls_back_to_recompute():

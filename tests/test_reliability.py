@@ -1,7 +1,6 @@
 """Faults inflicted on purpose: kills, signals, corrupt checkpoints, NaNs, full disks, bad input."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -248,4 +247,3 @@ def test_no_pickle_on_the_loading_path():
         for line in text.splitlines():
             if "torch.load(" in line:
                 assert "weights_only=True" in line, f"{f}: {line.strip()}"
-    assert os.path.exists(src)

@@ -6,7 +6,6 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -90,6 +89,3 @@ def prepare_data(dcfg, tokenizer=None) -> Dataset:
         splits[name] = torch.from_numpy(ids.astype(np.int64))
     return Dataset(tokenizer, splits)
 
-
-def tokenizer_path(directory: str | Path) -> Path:
-    return Path(directory) / TOKENIZER_FILE

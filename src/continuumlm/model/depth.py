@@ -16,7 +16,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..mixers import MIXERS
 from ..nn import MLP, freeze_dropout, make_norm
-from ..ode import ADJOINT_FIXED, FIELDS, SOLVERS, AdaptiveSolver, integrate
+from ..ode import ADAPTIVE_METHODS, ADJOINT_FIXED, FIELDS, SOLVERS, AdaptiveSolver, integrate
 from .cache import DecodeState
 
 log = logging.getLogger("continuumlm")
@@ -115,8 +115,8 @@ class ODEStack(nn.Module):
 
     @staticmethod
     def check_config(cfg) -> None:
-        adaptive = cfg.ode_solver in ("dopri5", "bosh3", "adaptive_heun")
-        reversible = cfg.ode_solver == "reversible_heun"
+        adaptive = cfg.ode_solver in ADAPTIVE_METHODS
+        reversible = getattr(SOLVERS[cfg.ode_solver], "reversible", False)
         if cfg.ode_grad == "reversible" and not reversible:
             raise ConfigError(
                 f"model.ode_grad = 'reversible' needs an algebraically reversible solver, and "

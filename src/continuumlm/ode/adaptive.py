@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ContinuumLMError
-from .solvers import TABLEAUS
+from .solvers import TABLEAUS, rk_stages
 
 ADAPTIVE_METHODS = ("dopri5", "bosh3", "adaptive_heun")
 # our fixed-grid names -> the torchdiffeq method used by the adjoint
@@ -40,17 +40,9 @@ def _register_classical_rk4() -> None:
         order = 4
 
         def _step_func(self, func, t0, dt, t1, y0):
-            f0 = func(t0, y0)
-            tab = TABLEAUS["rk4"]
-            ks = [f0]
-            for i in range(1, tab.stages):
-                hi = y0
-                for coef, k in zip(tab.a[i], ks):
-                    if coef != 0.0:
-                        hi = hi + (dt * coef) * k
-                ks.append(func(t0 + tab.c[i] * dt, hi))
-            dy = sum((dt * b) * k for b, k in zip(tab.b, ks))
-            return dy, f0
+            ks = rk_stages(func, t0, y0, dt, TABLEAUS["rk4"])
+            dy = sum((dt * b) * k for b, k in zip(TABLEAUS["rk4"].b, ks))
+            return dy, ks[0]
 
     _odeint_mod.SOLVERS["continuumlm_rk4"] = ClassicalRK4
 

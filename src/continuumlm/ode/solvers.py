@@ -49,12 +49,17 @@ def _combine(h: torch.Tensor, dt: float, coeffs, ks) -> torch.Tensor:
     return out
 
 
-def rk_step(f, t: float, h: torch.Tensor, dt: float, tab: Tableau) -> torch.Tensor:
-    ks = []
+def rk_stages(f, t: float, h: torch.Tensor, dt: float, tab: Tableau) -> list[torch.Tensor]:
+    """The stage derivatives k_i of one step."""
+    ks: list[torch.Tensor] = []
     for i in range(tab.stages):
         hi = _combine(h, dt, tab.a[i], ks) if i else h
         ks.append(f(t + tab.c[i] * dt, hi))
-    return _combine(h, dt, tab.b, ks)
+    return ks
+
+
+def rk_step(f, t: float, h: torch.Tensor, dt: float, tab: Tableau) -> torch.Tensor:
+    return _combine(h, dt, tab.b, rk_stages(f, t, h, dt, tab))
 
 
 class FixedGridSolver(nn.Module):
