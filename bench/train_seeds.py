@@ -48,7 +48,7 @@ def main() -> None:
         resumed = (run / "checkpoints" / "last").exists()
         if resumed:
             cmd.append("--resume")  # an interrupted run continues; its wall time is not comparable
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
         ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
@@ -76,6 +76,9 @@ def main() -> None:
             "nfe": nfe[-1] if nfe else None,
             "wall_seconds": None if resumed else wall,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
+            # 1-minute load averages before and after: above ~1 the machine was shared and
+            # tokens/s and wall time understate what the model reaches alone.
+            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "curve": curve,
             "split": args.split,
             "contexts": contexts,

@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default: runs/<config name>)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last")
     t.add_argument("--quiet", action="store_true", help="print only the final summary")
+    t.add_argument("--nproc", type=_positive_int, help="train with N processes on this machine "
+                   "(runs torchrun --standalone --nproc_per_node=N for you; DDP, or FSDP with "
+                   "train.strategy = 'fsdp')")
+
+    x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
+                       "model.safetensors")
+    x.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
+    x.add_argument("--which", choices=("best", "last"), default="last")
 
     e = sub.add_parser("eval", help="cross-entropy, perplexity and bits/char of a checkpoint")
     e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -93,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-                    "mqar": cmd_mqar, "inspect": cmd_inspect}
+                    "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export}
         return commands[args.command](args)
     except ContinuumLMError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -108,10 +118,37 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------- train
 
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Re-run this command under torchrun with ``nproc`` processes; torchrun's exit status is
+    ours (non-zero, with the failing rank's error, when any rank fails)."""
+    import subprocess
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "continuumlm", *rest]
+    print("launching: " + " ".join(cmd[1:]), flush=True)
+    return subprocess.run(cmd).returncode
+
+
 def cmd_train(args) -> int:
     from .config import load_config
-    from .train import Trainer
+    from .train import Trainer, distributed
     from .train.trainer import find_resumable
+
+    if args.nproc and args.nproc > 1:
+        if distributed.env_from_environment().enabled:
+            raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
+                             "already sets the number of processes).")
+        if args.config or not args.resume:  # a bad config is reported here, once, status 2
+            load_config(args.config, args.set)
+        return launch_torchrun(args.nproc, args.argv)
 
     if args.out is None and args.config is None:
         raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
@@ -124,7 +161,13 @@ def cmd_train(args) -> int:
             cfg = load_config(None, args.set, base=saved.to_dict(), where=str(ckpt))
     else:
         cfg = load_config(args.config, args.set)
-    result = Trainer(cfg, out, resume=args.resume, quiet=args.quiet).run()
+    try:
+        result = Trainer(cfg, out, resume=args.resume, quiet=args.quiet).run()
+        distributed.teardown(wait=True)  # every rank done before the group goes
+    finally:
+        distributed.teardown()
+    if not distributed.env_from_environment().is_main:
+        return 0
     if result["interrupted"]:
         print(f"stopped by {result['interrupted']} at step {result['step']} (checkpoint saved); "
               f"resume with: continuumlm train --out {out} --resume")
@@ -285,3 +328,13 @@ def _stream(model, tok, idx, args, kwargs) -> None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---------------------------------------------------------------------------- export
+
+def cmd_export(args) -> int:
+    from .train.checkpoint import export_sharded
+
+    ckpt = export_sharded(args.checkpoint, args.which)
+    print(f"wrote {ckpt / 'model.safetensors'} (consolidated from {ckpt / 'sharded'})")
+    return 0

@@ -30,7 +30,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "vocab_source": ("train", "all"),
     "errors": ("strict", "replace"),
     "device": ("auto", "cpu", "cuda", "mps"),
-    "dtype": ("auto", "float32", "bfloat16"),
+    "dtype": ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+    "strategy": ("ddp", "fsdp"),
     "ode_time_embedding": ("none", "sinusoidal"),
     "cat_basis": ("fourier", "cheb"),
 }
@@ -39,7 +40,7 @@ POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps", "max_bad_steps",
-    "lr", "ode_rtol", "ode_atol", "ode_max_steps", "cat_n_freq", "cat_n_quad",
+    "dist_timeout_s", "lr", "ode_rtol", "ode_atol", "ode_max_steps", "cat_n_freq", "cat_n_quad",
     "num_kv_pairs", "train_examples", "test_examples", "power_a",
 }
 NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size",
@@ -186,7 +187,15 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"
     dtype: str = "auto"
-    """"auto": bf16 autocast on CUDA, fp32 elsewhere."""
+    """Autocast precision: "bf16"/"bfloat16", "fp16"/"float16" (with a gradient scaler),
+    "fp32"/"float32", or "auto" (bf16 on CUDA, fp32 elsewhere). Weights, optimizer state and the
+    ODE solvers' time variables stay fp32."""
+    compile: bool = False
+    """Compile the model with torch.compile (falls back to eager with one warning if it fails)."""
+    strategy: str = "ddp"
+    """Under torchrun: "ddp" (replicated weights) or "fsdp" (FSDP2, sharded weights and state)."""
+    dist_timeout_s: float = 600.0
+    """Collective timeout under torchrun: a rank stuck this long fails the job instead of hanging."""
 
     def __post_init__(self) -> None:
         _validate(self, "train")

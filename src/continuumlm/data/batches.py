@@ -12,25 +12,56 @@ from collections.abc import Iterator
 import torch
 
 
+def stream_seed(seed: int, stream: int) -> int:
+    """Seed of batch stream ``stream``: stream 0 uses ``seed`` itself, so a single-process run
+    without accumulation draws exactly the batches of one generator seeded with ``seed``."""
+    return (seed + stream * 1_000_003) % (2**63)
+
+
 class BatchSampler:
-    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
+    """Random training windows from independent, seeded streams.
+
+    A training step consumes one micro-batch from each stream this process owns. Stream
+    ``m = rank * grad_accum + j`` feeds micro-step ``j`` of rank ``rank``, so every rank draws
+    its own windows (streams are seeded from (seed, m)), and a run with ``world_size`` ranks and
+    ``grad_accum`` micro-steps sees the same global batch as a single process with
+    ``world_size * grad_accum`` micro-steps.
+    """
+
+    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int,
+                 streams: range | list[int] = range(1)):
         if len(data) < seq_len + 1:
             raise ValueError(f"{len(data)} tokens cannot fill one window of {seq_len} + 1.")
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
-        self.generator = torch.Generator().manual_seed(seed)
+        self.streams = list(streams)
+        self.generators = {m: torch.Generator().manual_seed(stream_seed(seed, m))
+                           for m in self.streams}
         self._offsets = torch.arange(seq_len + 1)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(self.data) - self.seq_len, (self.batch_size,),
-                               generator=self.generator)
+    @property
+    def generator(self) -> torch.Generator:
+        return self.generators[self.streams[0]]
+
+    def next(self, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.generators[self.streams[micro_step]]
+        starts = torch.randint(len(self.data) - self.seq_len, (self.batch_size,), generator=g)
         win = self.data[starts[:, None] + self._offsets].long()
         return win[:, :-1], win[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"streams": {m: g.get_state() for m, g in self.generators.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        """Accepts the states of any superset of this sampler's streams (a checkpoint holds those
+        of every rank), and the single-generator format of earlier checkpoints."""
+        streams = state.get("streams", {0: state["generator"]} if "generator" in state else {})
+        missing = [m for m in self.streams if m not in streams]
+        if missing:
+            raise ValueError(f"the checkpoint holds batch streams {sorted(streams)} but this run "
+                             f"needs {missing}: resume with the same number of processes and "
+                             f"train.grad_accum as the run that wrote it.")
+        for m in self.streams:
+            self.generators[m].set_state(streams[m])
 
 
 def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> torch.Tensor:

@@ -7,6 +7,11 @@ Layout of a run folder's ``checkpoints/``::
     last -> step-...   (symlink, swapped atomically)
     best -> step-...
 
+A run trained with ``train.strategy = "fsdp"`` keeps its weights and optimizer state as
+per-rank shards in ``sharded/`` (torch.distributed.checkpoint) instead of
+``model.safetensors``; ``continuumlm export`` consolidates them into an ordinary
+``model.safetensors`` that eval, generate and ``from_pretrained`` read.
+
 A checkpoint is written into a hidden temporary folder, every file is fsynced, and the folder is
 renamed into place; only then does ``last`` move. A crash at any point leaves the previous
 checkpoint intact. ``manifest.json`` records the sha256 of every file, checked on load.
@@ -18,6 +23,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +38,7 @@ RUN_FILE = "run.json"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
+SHARDS_DIR = "sharded"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -50,8 +57,30 @@ def _point(link: Path, target_name: str) -> None:
     os.replace(tmp, link)
 
 
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _write_manifest(folder: Path, step: int) -> None:
+    files = [f for f in _files(folder) if f != MANIFEST]
+    for f in files:
+        with open(folder / f, "rb") as fh:
+            os.fsync(fh.fileno())
+    manifest = {"step": step, "files": {f: sha256_file(folder / f) for f in files}}
+    tmp = folder / (MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    _fsync_dir(folder)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer, run_cfg: RunConfig,
-                    trainer_state: dict, best: bool = False, keep: int = 3) -> Path:
+                    trainer_state: dict, best: bool = False, keep: int = 3,
+                    shards: Path | None = None) -> Path:
+    """Write ``step-NNNNNNNN`` atomically. ``shards``: a torch.distributed.checkpoint folder
+    (FSDP) moved in as ``sharded/`` in place of ``model.safetensors``."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"{STEP_PREFIX}{step:08d}"
     final = ckpt_root / name
@@ -61,20 +90,15 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
     tmp.mkdir()
     try:
         raw = model.module if hasattr(model, "module") else model
-        raw.save_pretrained(tmp)
+        if shards is None:
+            raw.save_pretrained(tmp)
+        else:
+            (tmp / CONFIG_FILE).write_text(json.dumps(raw.config.to_dict(), indent=2) + "\n")
+            os.rename(shards, tmp / SHARDS_DIR)
         save_tokenizer(tokenizer, tmp)
         (tmp / RUN_FILE).write_text(json.dumps(run_cfg.to_dict(), indent=2) + "\n")
         torch.save(trainer_state, tmp / STATE_FILE)
-        files = sorted(p.name for p in tmp.iterdir())
-        for f in files:
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
-        manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
-        with open(tmp / MANIFEST, "w") as fh:
-            json.dump(manifest, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        _write_manifest(tmp, step)
         if final.exists():  # the same step saved again (e.g. best and last at one step)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -131,9 +155,38 @@ def verify_checkpoint(ckpt: Path) -> None:
                                   f"or truncated.")
 
 
+def export_sharded(path: str | Path, which: str = "last") -> Path:
+    """Consolidate an FSDP checkpoint's ``sharded/`` weights into ``model.safetensors`` in the
+    same folder (no process group needed) and add it to the manifest."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_model
+
+    ckpt = resolve_checkpoint(path, which).resolve()
+    verify_checkpoint(ckpt)
+    if not (ckpt / SHARDS_DIR).is_dir():
+        raise CheckpointError(f"{ckpt} holds no {SHARDS_DIR}/ folder: it is not an FSDP "
+                              f"checkpoint, and its {WEIGHTS_FILE} can be used as it is.")
+    cfg = load_run_config(ckpt)
+    model = LanguageModel(cfg.model)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt / SHARDS_DIR))
+    model.load_state_dict(state["model"])
+    tmp = ckpt / (WEIGHTS_FILE + ".tmp")
+    save_model(model, str(tmp))
+    os.replace(tmp, ckpt / WEIGHTS_FILE)
+    manifest = json.loads((ckpt / MANIFEST).read_text()) if (ckpt / MANIFEST).exists() else {}
+    _write_manifest(ckpt, manifest.get("step", 0))
+    return ckpt
+
+
 def load_model_and_tokenizer(path: str | Path, which: str = "last", map_location="cpu"):
     ckpt = resolve_checkpoint(path, which)
     verify_checkpoint(ckpt)
+    if not (ckpt / WEIGHTS_FILE).exists() and (ckpt / SHARDS_DIR).is_dir():
+        raise CheckpointError(f"{ckpt} holds FSDP shards, not {WEIGHTS_FILE}; consolidate them "
+                              f"first with: continuumlm export --checkpoint {ckpt}")
     model = LanguageModel.from_pretrained(ckpt, map_location=map_location)
     tok = load_tokenizer(ckpt)
     if tok.vocab_size != model.config.vocab_size:

@@ -17,10 +17,13 @@ from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
 from ..data import BatchSampler, Dataset, eval_batches, load_tokenizer, prepare_data
+from ..data.batches import stream_seed
 from ..errors import CheckpointError, ConfigError, DataError, TrainingError
 from ..model.lm import LanguageModel
 from ..ode import ODESolverError
+from . import distributed as D
 from .checkpoint import (
+    SHARDS_DIR,
     load_run_config,
     load_trainer_state,
     save_checkpoint,
@@ -44,25 +47,54 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def resolve_dtype(device: torch.device, dtype: str) -> str:
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return dtype
+
+
 def autocast_for(device: torch.device, dtype: str):
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """Autocast context for ``train.dtype``; parameters and optimizer state stay fp32."""
+    dtype = resolve_dtype(device, dtype)
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+class _NullLogger:
+    """What ranks other than 0 log to: nothing."""
+
+    def log(self, event: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @torch.no_grad()
 def evaluate_loss(model: LanguageModel, data: torch.Tensor, seq_len: int, batch_size: int,
-                  max_windows: int | None, device: torch.device, amp=None) -> float:
-    """Mean cross-entropy (nats/token) over fixed, non-overlapping windows."""
+                  max_windows: int | None, device: torch.device, amp=None,
+                  dist_env: D.DistEnv | None = None) -> float:
+    """Mean cross-entropy (nats/token) over fixed, non-overlapping windows. With ``dist_env``
+    the batches are dealt round-robin to the ranks and the sums all-reduced."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for x, y in eval_batches(data, seq_len, batch_size, max_windows):
+    rank, world = (dist_env.rank, dist_env.world_size) if dist_env else (0, 1)
+    for i, (x, y) in enumerate(eval_batches(data, seq_len, batch_size, max_windows)):
+        if i % world != rank:
+            continue
         with amp or contextlib.nullcontext():
             _, loss = model(x.to(device), y.to(device))
         total += loss.item() * y.numel()
         count += y.numel()
     model.train(was_training)
+    if dist_env is not None:
+        total, count = dist_env.all_reduce_sum([total, count], device)
     return total / max(count, 1)
 
 
@@ -87,8 +119,9 @@ def find_resumable(out: Path, announce: bool = True):
             state = load_trainer_state(ckpt)
             from safetensors import safe_open
 
-            with safe_open(str(ckpt / "model.safetensors"), framework="pt"):
-                pass
+            if not (ckpt / SHARDS_DIR).is_dir():  # FSDP checkpoints hold shards instead
+                with safe_open(str(ckpt / "model.safetensors"), framework="pt"):
+                    pass
         except (CheckpointError, ConfigError, OSError, RuntimeError, ValueError) as e:
             problems.append(f"{ckpt.name}: {e}")
             if announce:
@@ -126,9 +159,12 @@ class Trainer:
                               f"to continue it, or choose another --out.")
         self.cfg = cfg
         t = cfg.train
-        self.device = pick_device(t.device)
+        self.dist, device_name = D.setup(t.device, t.dist_timeout_s)
+        self.main = self.dist.is_main
+        self.device = pick_device(device_name)
         self.amp = autocast_for(self.device, t.dtype)
-        torch.manual_seed(t.seed)
+        self.fsdp = t.strategy == "fsdp" and self.dist.enabled
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
 
         self.data: Dataset = prepare_data(cfg.data, tokenizer)
         self.tokenizer = self.data.tokenizer
@@ -146,32 +182,99 @@ class Trainer:
                                 f"train.seq_len + 1 = {t.seq_len + 1}; use a longer corpus or a "
                                 f"shorter train.seq_len.")
 
+        # self.model is the LanguageModel itself (what checkpoints save: never a wrapper's
+        # "module." or torch.compile's "_orig_mod." names); self.wrapped adds DDP/FSDP and
+        # self.forward is what the training step calls (compiled when train.compile is on).
         self.model = LanguageModel(cfg.model).to(self.device)
-        self.optimizer = make_optimizer(self.model, t, self.device.type)
-        self.sampler = BatchSampler(self.data.splits["train"], t.batch_size, t.seq_len, t.seed)
-        self.step = 0
-        self.best_val = math.inf
-        if state is not None:
+        sharded = state is not None and (self.resumed_from / SHARDS_DIR).is_dir()
+        if sharded != (state is not None and self.fsdp):
+            raise ConfigError(
+                f"--resume: {self.resumed_from} was written by a "
+                f"{'sharded (fsdp)' if sharded else 'ddp or single-process'} run, but this run "
+                f"uses {'fsdp' if self.fsdp else 'ddp or one process'}; resume with the same "
+                f"train.strategy, or convert with `continuumlm export` and start a new run.")
+        if state is not None and not sharded:
             from safetensors.torch import load_model
 
             load_model(self.model, str(self.resumed_from / "model.safetensors"),
                        device=str(self.device))
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.sampler.load_state_dict(state["sampler"])
-            torch.set_rng_state(state["torch_rng"])
-            if "cuda_rng" in state and torch.cuda.is_available():
+        self.wrapped = D.wrap(self.model, t.strategy, self.dist, self.device)
+        self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
+        self.optimizer = make_optimizer(self.model, t, self.device.type)
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=resolve_dtype(self.device, t.dtype) == "float16")
+        streams = range(self.dist.rank * t.grad_accum, (self.dist.rank + 1) * t.grad_accum)
+        self.sampler = BatchSampler(self.data.splits["train"], t.batch_size, t.seq_len, t.seed,
+                                    streams)
+        if self.dist.rank > 0:  # dropout masks differ between ranks
+            torch.manual_seed(stream_seed(t.seed, 10**6 + self.dist.rank))
+        self.step = 0
+        self.best_val = math.inf
+        if state is not None:
+            if sharded:
+                self._load_shards(self.resumed_from / SHARDS_DIR)
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
+            try:
+                self.sampler.load_state_dict(state["sampler"])
+            except ValueError as e:
+                raise CheckpointError(f"--resume from {self.resumed_from}: {e}") from None
+            rngs = state.get("rank_rng") or [state["torch_rng"]]
+            if self.dist.rank < len(rngs):
+                torch.set_rng_state(rngs[self.dist.rank])
+            if "cuda_rng" in state and torch.cuda.is_available() and not self.dist.enabled:
                 torch.cuda.set_rng_state_all(state["cuda_rng"])
+            if "scaler" in state and self.scaler.is_enabled():
+                self.scaler.load_state_dict(state["scaler"])
             self.step = int(state["step"])
             self.best_val = float(state["best_val"])
         self.bad_steps = 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
         self._stop_signal: str | None = None
 
-        self._probe_writable()
-        for stale in ckpt_root.glob(".tmp-*"):  # left by a crash while saving; never complete
-            shutil.rmtree(stale, ignore_errors=True)
-        (self.out / "config.toml").write_text(dump_toml(cfg))
-        self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None)
+        if self.main:
+            self._probe_writable()
+            for stale in [*ckpt_root.glob(".tmp-*"), *ckpt_root.glob(".shards-*")]:
+                shutil.rmtree(stale, ignore_errors=True)  # left by a crash while saving
+            (self.out / "config.toml").write_text(dump_toml(cfg))
+            self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None)
+        else:
+            self.logger = _NullLogger()
+        self.dist.barrier()
+
+    def _compile(self, module):
+        """torch.compile ``module``; if compiling fails (at wrap time or, as usual, at the first
+        call), warn once and run eagerly from then on."""
+        try:
+            compiled = torch.compile(module)
+        except Exception as e:  # noqa: BLE001 - any backend failure means "run eagerly"
+            self._compile_failed(e)
+            return module
+
+        def forward(*args, **kwargs):
+            if self.forward is not module:
+                try:
+                    return compiled(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001
+                    self._compile_failed(e)
+                    self.forward = module
+            return module(*args, **kwargs)
+
+        return forward
+
+    def _compile_failed(self, e: Exception) -> None:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"warning: torch.compile failed ({type(e).__name__}: {first[:300]}); training "
+              f"continues without compiling (set train.compile = false to silence this).",
+              file=sys.stderr)
+
+    def _load_shards(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
 
     def _install_signal_handlers(self) -> dict:
         """SIGINT/SIGTERM: finish the current step, save, exit cleanly. A second SIGINT stops
@@ -206,23 +309,53 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
 
     def trainer_state(self) -> dict:
+        """Everything but the weights; a collective under torchrun (every rank's batch streams
+        and RNG state are gathered so that each rank resumes its own)."""
+        per_rank = self.dist.gather((self.sampler.state_dict(), torch.get_rng_state()))
+        streams = {m: g for sampler, _ in per_rank for m, g in sampler["streams"].items()}
         state = {
             "step": self.step,
             "best_val": self.best_val,
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
+            "sampler": {"streams": streams},
+            "torch_rng": per_rank[0][1],
+            "rank_rng": [rng for _, rng in per_rank],
+            "world_size": self.dist.world_size,
             "skipped_steps": self.skipped_steps,
         }
-        if torch.cuda.is_available():
+        if not self.fsdp:  # FSDP keeps the optimizer state in the shards
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.scaler.is_enabled():
+            state["scaler"] = self.scaler.state_dict()
+        if torch.cuda.is_available() and not self.dist.enabled:
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         return state
 
-    def save(self, best: bool = False) -> Path:
+    def save(self, best: bool = False) -> Path | None:
+        """Write a checkpoint (rank 0 writes; every rank must call this)."""
+        state = self.trainer_state()
+        shards = None
+        if self.fsdp:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            shards = self.ckpt_root / f".shards-{self.step:08d}"
+            if self.main and shards.exists():
+                shutil.rmtree(shards)
+            self.dist.barrier()
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(shards))
+            self.dist.barrier()
+        path = None
+        if self.main:
+            path = self._write_checkpoint(state, best, shards)
+        self.dist.barrier()
+        return path
+
+    def _write_checkpoint(self, state: dict, best: bool, shards: Path | None) -> Path:
         try:
             return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer,
-                                   self.cfg, self.trainer_state(), best=best,
-                                   keep=self.cfg.train.keep_checkpoints)
+                                   self.cfg, state, best=best,
+                                   keep=self.cfg.train.keep_checkpoints, shards=shards)
         except OSError as e:
             last = self.ckpt_root / "last"
             kept = f"the previous checkpoint {last.resolve()} is intact" if last.exists() else \
@@ -233,8 +366,11 @@ class Trainer:
 
     def evaluate(self) -> float:
         t = self.cfg.train
+        # DDP: each rank scores its share of the windows. FSDP: every forward is a collective,
+        # so every rank runs all of them.
         return evaluate_loss(self.model, self.data.splits["val"], t.seq_len, t.batch_size,
-                             t.eval_iters * t.batch_size, self.device, self.amp)
+                             t.eval_iters * t.batch_size, self.device, self.amp,
+                             None if self.fsdp or not self.dist.enabled else self.dist)
 
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.train
@@ -245,26 +381,38 @@ class Trainer:
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT
         anneal = max(0.2, 1.0 - self.step / t.max_steps)
         solver_error = None
-        for _ in range(t.grad_accum):
-            x, y = self.sampler.next()
+        for j in range(t.grad_accum):
+            x, y = self.sampler.next(j)
             x, y = x.to(self.device), y.to(self.device)
             try:
-                with self.amp:
-                    _, loss = self.model(x, y)
-                    penalty = self.model.penalty()
-                    objective = loss + anneal * penalty
-                (objective / t.grad_accum).backward()
+                # gradients are all-reduced only on the last micro-step
+                with D.no_grad_sync(self.wrapped, self.model, sync=j == t.grad_accum - 1):
+                    with self.amp:
+                        _, loss = self.forward(x, y)
+                        penalty = self.model.penalty()
+                        objective = loss + anneal * penalty
+                    self.scaler.scale(objective / t.grad_accum).backward()
             except ODESolverError as e:  # an adaptive solve gave up: a bad step like a NaN
+                if self.dist.enabled:  # the other ranks wait in the gradient all-reduce
+                    raise TrainingError(f"rank {self.dist.rank}, step {self.step + 1}: {e}") from None
                 solver_error = str(e)
                 total = math.nan
                 break
             total += loss.item()
         self.last_penalty = penalty.item() if solver_error is None else math.nan
+        total = self.dist.all_reduce_sum([total], self.device)[0] / self.dist.world_size
+        self.scaler.unscale_(self.optimizer)
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
         loss_value = total / t.grad_accum
-        if math.isfinite(loss_value) and math.isfinite(grad_norm):
-            self.optimizer.step()
+        # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
+        scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)
+        if math.isfinite(loss_value) and (math.isfinite(grad_norm) or scaler_skips):
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
             self.bad_steps = 0
         else:  # skip the update, keep the weights; stop after max_bad_steps in a row
             culprit = solver_error or self._first_non_finite(x, y, loss_value)
@@ -324,11 +472,18 @@ class Trainer:
 
     def run(self) -> dict:
         t = self.cfg.train
-        tty = sys.stdout.isatty() and not self.quiet
+        quiet = self.quiet or not self.main  # only rank 0 speaks
+        tty = sys.stdout.isatty() and not quiet
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not tty, dynamic_ncols=True,
                    file=sys.stdout)
-        say = (lambda msg: bar.write(msg)) if tty else (lambda msg: None if self.quiet else print(msg, flush=True))
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
+        say = (lambda msg: bar.write(msg)) if tty else (lambda msg: None if quiet else print(msg, flush=True))
+        world = self.dist.world_size
+        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * world
+        if self.dist.enabled:
+            say(f"{world} processes ({self.cfg.train.strategy}, "
+                f"{'nccl' if self.device.type == 'cuda' else 'gloo'}); effective batch = "
+                f"batch_size {t.batch_size} x grad_accum {t.grad_accum} x world_size {world} = "
+                f"{t.batch_size * t.grad_accum * world} sequences")
         if self.step == 0:
             say(f"training {self.model.num_parameters():,} parameters on {self.device.type}; "
                 f"{tokens_per_step} tokens per step; run folder {self.out}")
@@ -359,8 +514,8 @@ class Trainer:
                     window_start = time.perf_counter()
                 if self.step >= t.max_steps:
                     break
-                if self._stop_signal is not None:
-                    interrupted = self._stop_signal
+                if self.dist.any(self._stop_signal is not None, self.device):  # all ranks stop
+                    interrupted = self._stop_signal or "SIGTERM"
                     break
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step()

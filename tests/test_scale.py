@@ -1,0 +1,242 @@
+"""Scale-out: torchrun (DDP, FSDP) on CPU with gloo, torch.compile, mixed precision."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import small_model
+from continuumlm.data.batches import BatchSampler
+from continuumlm.train import Trainer
+from continuumlm.train.logging import read_metrics
+from test_train import tiny_cfg
+
+CLI = str(Path(sys.executable).parent / "continuumlm")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "continuumlm"]
+
+
+def tiny_args(corpus, *extra):
+    sets = ["data.dataset=text", f"data.path=\"{corpus}\"", "model.hidden_size=32",
+            "model.num_heads=2", "model.num_layers=2", "model.dropout=0.0", "train.batch_size=4",
+            "train.seq_len=16", "train.max_steps=6", "train.lr_decay_steps=6",
+            "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=3",
+            "train.eval_iters=2", "train.checkpoint_interval=3", "train.device=cpu",
+            "train.dist_timeout_s=60", *extra]
+    return sum((["--set", s] for s in sets), [])
+
+
+def run(cmd, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, **kw)
+    if r.returncode not in (0, 2):
+        Path("/tmp/scale_fail.log").open("a").write(r.stdout + r.stderr)
+    return r
+
+
+def weights(run_dir):
+    return load_file(str(Path(run_dir) / "checkpoints" / "last" / "model.safetensors"))
+
+
+def losses(run_dir):
+    return [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """One single-process run with grad_accum 2 and the two-process runs that should match it
+    (same global batch of 2 x 4 sequences per step)."""
+    tmp = tmp_path_factory.mktemp("dist")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the cat sat on the mat {i * 7 % 13}\n"
+                              for i in range(400)))
+    out = {}
+    r = run([CLI, "train", "--quiet", "--out", str(tmp / "one"),
+             *tiny_args(corpus, "train.grad_accum=2")])
+    assert r.returncode == 0, r.stderr
+    out["one"] = tmp / "one"
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(tmp / "ddp"), *tiny_args(corpus)])
+    assert r.returncode == 0, r.stderr
+    out["ddp"] = tmp / "ddp"
+    out["corpus"], out["tmp"] = corpus, tmp
+    return out
+
+
+def test_two_processes_equal_one_process_with_the_same_global_batch(two_process_runs):
+    assert_same_weights(weights(two_process_runs["one"]), weights(two_process_runs["ddp"]))
+    a, b = losses(two_process_runs["one"]), losses(two_process_runs["ddp"])
+    assert len(a) == len(b) == 6
+    assert a == pytest.approx(b, abs=1e-5)  # rank 0 logs the mean over both ranks
+
+
+def test_only_rank_zero_writes(two_process_runs):
+    ddp = two_process_runs["ddp"]
+    assert len(read_metrics(ddp)) == len([e for e in read_metrics(two_process_runs["one"])])
+    state = torch.load(ddp / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2 and sorted(state["sampler"]["streams"]) == [0, 1]
+    assert len(state["rank_rng"]) == 2
+
+
+def test_two_process_resume_continues_the_same_losses(two_process_runs):
+    tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
+    cut = tmp / "cut"
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(cut),
+             *tiny_args(corpus, "train.max_steps=3")])
+    assert r.returncode == 0, r.stderr
+    # through the --nproc launcher this time
+    r = run([CLI, "train", "--nproc", "2", "--quiet", "--out", str(cut), "--resume",
+             "--set", "train.max_steps=6"])
+    assert r.returncode == 0, r.stderr
+    assert losses(cut) == losses(two_process_runs["ddp"])
+    assert_same_weights(weights(cut), weights(two_process_runs["ddp"]), atol=0)
+
+
+def test_fsdp_shards_and_export(two_process_runs):
+    tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
+    run_dir = tmp / "fsdp"
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(run_dir),
+             *tiny_args(corpus, "train.strategy=fsdp")])
+    assert r.returncode == 0, r.stderr
+    last = run_dir / "checkpoints" / "last"
+    assert (last / "sharded").is_dir() and not (last / "model.safetensors").exists()
+    r = run([CLI, "eval", "--checkpoint", str(run_dir), "--which", "last"])
+    assert r.returncode == 2 and "continuumlm export" in r.stderr
+    r = run([CLI, "export", "--checkpoint", str(run_dir)])
+    assert r.returncode == 0, r.stderr
+    assert_same_weights(weights(run_dir), weights(two_process_runs["ddp"]))
+    r = run([CLI, "eval", "--checkpoint", str(run_dir), "--which", "last", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["results"][0]["loss"] > 0
+
+
+def test_a_failing_rank_fails_the_job_with_its_error(two_process_runs, tmp_path):
+    """Rank 0 cannot write its run folder (a file stands where a folder must be); rank 1 waits
+    for it at a collective. The job must end non-zero with rank 0's message, not hang."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(blocker / "run"),
+             *tiny_args(two_process_runs["corpus"])])
+    assert r.returncode != 0
+    assert "cannot write to the run folder" in r.stderr + r.stdout
+
+
+def test_nproc_reports_a_bad_config_once_with_status_2(tiny_corpus, tmp_path):
+    r = run([CLI, "train", "--nproc", "2", "--out", str(tmp_path / "x"),
+             *tiny_args(tiny_corpus, "train.strategy=zero3")])
+    assert r.returncode == 2 and "strategy" in r.stderr and "launching" not in r.stdout
+
+
+# ------------------------------------------------------------------ batch streams
+
+def test_batch_streams_are_distinct_and_stream_zero_is_the_seed():
+    data = torch.arange(10_000)
+    one = BatchSampler(data, 4, 8, seed=5)
+    g = torch.Generator().manual_seed(5)  # what a single generator seeded with 5 draws
+    starts = torch.randint(len(data) - 8, (4,), generator=g)
+    assert torch.equal(one.next()[0][:, 0], starts)
+    r0, r1 = BatchSampler(data, 4, 8, 5, range(0, 1)), BatchSampler(data, 4, 8, 5, range(1, 2))
+    assert not torch.equal(r0.next()[0], r1.next()[0])
+    with pytest.raises(ValueError, match="same number of processes"):
+        BatchSampler(data, 4, 8, 5, range(2, 4)).load_state_dict(r0.state_dict())
+
+
+# ------------------------------------------------------------------ compile
+
+def _compile_works() -> bool:
+    try:
+        f = torch.compile(lambda x: x * 2)
+        return bool((f(torch.ones(2)) == 2).all())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(not _compile_works(), reason="torch.compile is unavailable here")
+def test_compiled_forward_matches_eager():
+    m = small_model(num_layers=1, depth="ode", ode_solver="rk4", ode_steps=2)
+    x = torch.randint(0, 37, (2, 12))
+    with torch.no_grad():
+        eager, _ = m(x)
+        compiled, _ = torch.compile(m)(x)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+def test_compiled_training_saves_plain_parameter_names(tiny_corpus, tmp_path):
+    tr = Trainer(tiny_cfg(tiny_corpus, "train.compile=true"), tmp_path / "c", quiet=True)
+    assert tr.forward is not tr.wrapped  # compiled lazily; nothing compiled yet
+    path = tr.save()
+    keys = load_file(str(path / "model.safetensors")).keys()
+    assert set(keys) <= set(tr.model.state_dict()) and len(keys) > 5  # tied embedding once
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in keys)
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(tiny_corpus, tmp_path, monkeypatch,
+                                                              capsys):
+    def broken_compile(module, *a, **k):
+        def call(*args, **kwargs):
+            raise RuntimeError("backend exploded")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    cfg = tiny_cfg(tiny_corpus, "train.compile=true", "train.max_steps=3", "model.dropout=0")
+    res = Trainer(cfg, tmp_path / "c", quiet=True).run()
+    ref = Trainer(tiny_cfg(tiny_corpus, "train.max_steps=3", "model.dropout=0"),
+                  tmp_path / "e", quiet=True).run()
+    err = capsys.readouterr().err
+    assert err.count("torch.compile failed") == 1 and "backend exploded" in err
+    assert res["val_loss"] == ref["val_loss"]
+
+
+# ------------------------------------------------------------------ mixed precision
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_trains_with_fp32_master_weights(tiny_corpus, tmp_path, dtype):
+    cfg = tiny_cfg(tiny_corpus, f"train.dtype={dtype}", "train.max_steps=4",
+                   "model.depth=ode", "model.num_layers=1", "model.ode_solver=rk4",
+                   "model.ode_steps=2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = Trainer(cfg, tmp_path / dtype, quiet=True)
+        before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        res = tr.run()
+    assert torch.isfinite(torch.tensor(res["val_loss"]))
+    assert all(p.dtype == torch.float32 for p in tr.model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+    assert tr.scaler.is_enabled() == (dtype == "fp16")
+    if dtype == "fp16":
+        assert "scaler" in torch.load(tmp_path / dtype / "checkpoints" / "last" /
+                                      "trainer_state.pt", weights_only=True)
+
+
+def test_autocast_keeps_the_ode_state_and_times_fp32():
+    m = small_model(num_layers=1, depth="ode", ode_solver="rk4", ode_steps=2,
+                    ode_time_embedding="sinusoidal")
+    x = torch.randint(0, 37, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = m.hidden_states(x)
+    assert h.dtype == torch.float32
+    ref = m.hidden_states(x)
+    assert (h - ref).abs().max() < 0.1  # bf16 matmuls, fp32 accumulation of the solve
+
+
+# ------------------------------------------------------------------ GPU only
+
+@pytest.mark.cuda
+def test_cuda_training_matches_cpu_closely(tiny_corpus, tmp_path):
+    cpu = Trainer(tiny_cfg(tiny_corpus, "train.max_steps=4", "model.dropout=0"),
+                  tmp_path / "cpu", quiet=True).run()
+    gpu = Trainer(tiny_cfg(tiny_corpus, "train.max_steps=4", "model.dropout=0",
+                           "train.device=cuda", "train.dtype=fp32"),
+                  tmp_path / "gpu", quiet=True).run()
+    assert abs(cpu["val_loss"] - gpu["val_loss"]) < 1e-3
