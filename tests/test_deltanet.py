@@ -85,3 +85,24 @@ def test_split_sequence_carries_state():
     o2, S2 = delta_rule_recurrent(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], beta[:, :, 23:], S1)
     torch.testing.assert_close(torch.cat([o1, o2], 2), o_full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(S2, S_full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_chunkwise_on_cuda_matches_cpu_and_fla_when_installed():
+    from continuumlm.mixers.deltanet import fla_available
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 2, 100, 16
+    q, k = (F.normalize(torch.randn(B, H, T, D, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, D, generator=g)
+    beta = torch.rand(B, H, T, generator=g)
+    S0 = torch.randn(B, H, D, D, generator=g) * 0.1
+    ref_o, ref_S = delta_rule_chunkwise(q, k, v, beta, initial_state=S0)
+    cuda = [x.cuda() for x in (q, k, v, beta, S0)]
+    o, S = delta_rule_chunkwise(*cuda[:4], initial_state=cuda[4], backend="torch")
+    torch.testing.assert_close(o.cpu(), ref_o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(S.cpu(), ref_S, rtol=1e-4, atol=1e-4)
+    if fla_available():
+        o, S = delta_rule_chunkwise(*cuda[:4], initial_state=cuda[4], backend="fla")
+        torch.testing.assert_close(o.cpu(), ref_o, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(S.cpu(), ref_S, rtol=2e-2, atol=2e-2)

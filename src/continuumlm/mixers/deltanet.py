@@ -41,7 +41,38 @@ def delta_rule_recurrent(q, k, v, beta, initial_state=None):
     return o, S
 
 
-def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None):
+def fla_available() -> bool:
+    try:
+        import fla.ops.delta_rule  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or broken (e.g. no triton): use our kernel
+        return False
+    return True
+
+
+def _fla_chunkwise(q, k, v, beta, initial_state=None):
+    """flash-linear-attention's fused chunk kernel (CUDA, Triton) in this module's conventions:
+    fla takes (B, T, H, D) tensors, scales q by ``scale`` (1 here: q is given) and keeps the
+    state as (B, H, Dk, Dv), the transpose of ours."""
+    from fla.ops.delta_rule import chunk_delta_rule
+
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    bt = beta.transpose(1, 2).contiguous()
+    h0 = initial_state.transpose(-1, -2).contiguous() if initial_state is not None else None
+    kwargs = dict(scale=1.0, initial_state=h0, output_final_state=True)
+    try:
+        o, S = chunk_delta_rule(qt, kt, vt, bt, head_first=False, **kwargs)
+    except TypeError:  # releases without the head_first switch are (B, T, H, D) only
+        o, S = chunk_delta_rule(qt, kt, vt, bt, **kwargs)
+    return o.transpose(1, 2), S.transpose(-1, -2)
+
+
+def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None,
+                         backend: str = "auto"):
+    """Chunkwise-parallel delta rule. ``backend``: "torch" (the code below), "fla" (the fused
+    CUDA kernel of flash-linear-attention) or "auto" (fla for CUDA tensors when the package is
+    installed, else torch)."""
+    if backend == "fla" or (backend == "auto" and q.is_cuda and fla_available()):
+        return _fla_chunkwise(q, k, v, beta, initial_state)
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     C = chunk_size
