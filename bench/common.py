@@ -11,7 +11,12 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+# `continuumlm experiment NAME --quick` points these elsewhere so smoke runs never mix with the
+# committed results.
+RESULTS = Path(os.environ.get("CONTINUUMLM_RESULTS_DIR", ROOT / "bench" / "results"))
+RUNS = Path(os.environ.get("CONTINUUMLM_RUNS_DIR", ROOT / "runs" / "bench"))
+DOCS_DIR = Path(os.environ.get("CONTINUUMLM_DOCS_DIR", ROOT / "docs"))
 
 
 def machine() -> str:

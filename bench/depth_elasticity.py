@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import markdown_table, write_json
+from common import RUNS, markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
@@ -24,7 +24,7 @@ MODELS = ["shakespeare_char-ode_euler_seed1337", "shakespeare_char-ode_rk4_seed1
 def main() -> None:
     rows = []
     for name in MODELS:
-        run = ROOT / "runs" / "bench" / name
+        run = RUNS / name
         if not (run / "checkpoints" / "last").exists():
             print(f"skip {name}: no checkpoint (run bench/train_seeds.py first)")
             continue

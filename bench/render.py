@@ -10,9 +10,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from common import RESULTS, markdown_table
+from common import DOCS_DIR, RESULTS, markdown_table
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+DOCS = DOCS_DIR / "results.md"
 
 
 def _load() -> dict[str, dict]:

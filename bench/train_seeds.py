@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import RESULTS, RUNS
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
@@ -28,21 +30,28 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
     ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--contexts", help="also evaluate at these context lengths, e.g. "
                     "128,512,1024,5000 (CAT's protocol)")
     ap.add_argument("--split", default="val")
+    ap.add_argument("--max-windows", type=int, help="score at most this many evenly spread "
+                    "windows instead of the whole split (smoke tests)")
+    ap.add_argument("--also-test", action="store_true",
+                    help="also report the test split once, at the end (PTB); added to existing "
+                    "JSON whose run folder is still there")
     args = ap.parse_args()
     config = Path(args.config).resolve()
     args.config = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
     name = f"{config.parent.name}-{config.stem}"  # e.g. shakespeare_char-cat_fourier
     for seed in args.seeds:
         dest = Path(args.out) / f"{name}_seed{seed}.json"
+        run = RUNS / f"{name}_seed{seed}"
         if dest.exists() and not args.force:
             print(f"skip {dest} (exists)")
+            if args.also_test:
+                add_test(dest, run, args.max_windows)
             continue
-        run = ROOT / "runs" / "bench" / f"{name}_seed{seed}"
         cmd = [CLI, "train", "--config", str(config), "--out", str(run), "--quiet",
                "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
         resumed = (run / "checkpoints" / "last").exists()
@@ -51,14 +60,17 @@ def main() -> None:
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
+        limit = ["--max-windows", str(args.max_windows)] if args.max_windows else []
         ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
-                             "--split", args.split], check=True, capture_output=True, text=True)
+                             "--split", args.split, *limit], check=True, capture_output=True,
+                            text=True)
         row = json.loads(ev.stdout)["results"][0]
         contexts = None
         if args.contexts:
             ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last",
                                  "--json", "--split", args.split, "--context-lengths",
-                                 args.contexts], check=True, capture_output=True, text=True)
+                                 args.contexts, *limit], check=True, capture_output=True,
+                                text=True)
             contexts = json.loads(ev.stdout)["results"]
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
@@ -89,7 +101,24 @@ def main() -> None:
         result["parameters"] = model.num_parameters()
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(json.dumps(result, indent=2) + "\n")
+        if args.also_test:
+            add_test(dest, run, args.max_windows)
         print(json.dumps(result))
+
+
+def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:
+    """Score the final checkpoint on the test split once and add it to the JSON."""
+    result = json.loads(dest.read_text())
+    if "test_loss_full_split" in result:
+        return
+    if not (run / "checkpoints" / "last").exists():
+        print(f"cannot add the test split to {dest}: {run} is gone")
+        return
+    limit = ["--max-windows", str(max_windows)] if max_windows else []
+    ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
+                         "--split", "test", *limit], check=True, capture_output=True, text=True)
+    result["test_loss_full_split"] = json.loads(ev.stdout)["results"][0]["loss"]
+    dest.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

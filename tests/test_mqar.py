@@ -68,3 +68,60 @@ device = "cpu"
     r = subprocess.run([CLI, "mqar", "--config", str(cfg), "--set", "mqar.seq_len=8"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2 and "too short" in r.stderr
+
+
+def test_query_loss_equals_the_full_forward_loss():
+    from conftest import small_model
+
+    from continuumlm.train.mqar import query_loss
+
+    m = small_model(vocab_size=64)
+    x, y = mqar_batch(4, 64, 32, 4, generator=torch.Generator().manual_seed(0))
+    _, full = m(x, y)
+    torch.testing.assert_close(query_loss(m, x, y), full, rtol=1e-6, atol=1e-6)
+
+
+def _mqar_cfg(*extra):
+    from continuumlm import load_config
+
+    return load_config(None, [
+        "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1", "mqar.vocab_size=64",
+        "mqar.seq_len=32", "mqar.num_kv_pairs=4", "mqar.train_examples=96",
+        "mqar.test_examples=32", "train.max_steps=8", "train.batch_size=16",
+        "train.eval_interval=4", "train.log_interval=1", "train.device=cpu", *extra])
+
+
+def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    import continuumlm.train.mqar as M
+    from continuumlm.train.logging import read_metrics
+
+    full = M.run_mqar(_mqar_cfg(), tmp_path / "full", quiet=True)
+    real, calls = M.recall_accuracy, []
+
+    def crash_on_second(*a, **k):  # the process dies at the second evaluation (step 8)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(M, "recall_accuracy", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
+    monkeypatch.setattr(M, "recall_accuracy", real)
+    assert torch.load(tmp_path / "cut" / "state.pt", weights_only=True)["step"] == 4
+    resumed = M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
+    assert resumed["history"] == full["history"] and resumed["steps"] == 8
+
+    def losses(d):
+        return [(e["step"], e["loss"]) for e in read_metrics(d) if "loss" in e]
+
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    with pytest.raises(ValueError, match="other settings"):
+        M.run_mqar(_mqar_cfg("train.lr=0.5"), tmp_path / "cut", quiet=True)
+
+
+def test_mqar_stops_at_the_target_accuracy(tmp_path):
+    from continuumlm.train.mqar import run_mqar
+
+    r = run_mqar(_mqar_cfg("mqar.stop_accuracy=0.0"), tmp_path / "s", quiet=True)
+    assert r["steps"] == 4 and r["stopped_early"]

@@ -247,3 +247,29 @@ def test_no_pickle_on_the_loading_path():
         for line in text.splitlines():
             if "torch.load(" in line:
                 assert "weights_only=True" in line, f"{f}: {line.strip()}"
+
+
+def test_experiment_quick_runs_end_to_end(data_dir, tmp_path):
+    """`continuumlm experiment ptb --quick`: every run of the experiment at smoke size, its JSON,
+    the n-gram references and a rendered results page, all outside the committed results."""
+    import os
+
+    if not (data_dir / "ptb.train.txt").is_file():
+        pytest.skip("PTB not available")
+    cli = str(Path(sys.executable).parent / "continuumlm")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CONTINUUMLM_DATA": str(data_dir)}
+    r = subprocess.run([cli, "experiment", "ptb", "--quick", "--quick-dir", str(tmp_path)],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json")}
+    assert {"ptb-transformer_seed42", "ptb-ode_rk4_seed42", "ptb-ode_rk4_wide_seed42",
+            "ptb-ngram"} <= set(results)
+    assert all("test_loss_full_split" in v for k, v in results.items() if "seed" in k)
+    assert results["ptb-ode_rk4_seed42"]["final_step"] == 6
+    page = (tmp_path / "docs" / "results.md").read_text()
+    assert "Penn Treebank" in page and "ode_rk4_wide" in page
+    # a second run skips what exists
+    r = subprocess.run([cli, "experiment", "ptb", "--quick", "--quick-dir", str(tmp_path)],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.count("skip ") == 3

@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(runs torchrun --standalone --nproc_per_node=N for you; DDP, or FSDP with "
                    "train.strategy = 'fsdp')")
 
+    r = sub.add_parser("experiment", help="run an experiment behind docs/results.md (in a "
+                       "repository checkout) and regenerate the page")
+    r.add_argument("name", nargs="?", help="shakespeare, elasticity, cat_protocol, ptb, mqar, "
+                   "bench, or all")
+    r.add_argument("--quick", action="store_true", help="smoke-test size, into runs/quick/")
+    r.add_argument("--quick-dir", help="where --quick writes (default runs/quick)")
+    r.add_argument("--list", action="store_true", help="list the experiments and their commands")
+
     x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
     x.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -106,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-                    "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export}
+                    "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export,
+                    "experiment": cmd_experiment}
         return commands[args.command](args)
     except ContinuumLMError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -337,4 +346,24 @@ def cmd_export(args) -> int:
 
     ckpt = export_sharded(args.checkpoint, args.which)
     print(f"wrote {ckpt / 'model.safetensors'} (consolidated from {ckpt / 'sharded'})")
+    return 0
+
+
+# ---------------------------------------------------------------------------- experiment
+
+def cmd_experiment(args) -> int:
+    from .experiments import EXPERIMENTS, ORDER, commands, run_experiment
+
+    if args.list or not args.name:
+        for n in ORDER:
+            print(f"{n}: {EXPERIMENTS[n][0]}")
+            for c in commands(n, args.quick):
+                print("    python bench/" + " ".join(c))
+        return 0
+    if args.quick_dir and not args.quick:
+        raise UsageError("--quick-dir goes with --quick; full-size results always go to "
+                         "bench/results and docs/.")
+    page = run_experiment(args.name, quick=args.quick,
+                          quick_dir=Path(args.quick_dir).resolve() if args.quick_dir else None)
+    print(f"results page: {page}")
     return 0

@@ -212,9 +212,13 @@ class MQARConfig:
     train_examples: int = 100_000
     """Size of the fixed training set (sampled once, reused every epoch, as in Zoology)."""
     test_examples: int = 1000
+    stop_accuracy: float = 1.0
+    """Stop at the first evaluation whose recall accuracy reaches this (1.0: run max_steps)."""
 
     def __post_init__(self) -> None:
         _validate(self, "mqar")
+        if not 0.0 <= self.stop_accuracy <= 1.0:
+            raise ConfigError(f"mqar.stop_accuracy must lie in [0, 1], got {self.stop_accuracy}.")
 
 
 SECTIONS = ("model", "data", "train", "mqar")

@@ -3,6 +3,11 @@
 A fixed training set is sampled once from a seeded generator and visited in shuffled epochs;
 recall accuracy is measured on a held-out set drawn from a different seed. Results go to
 ``metrics.jsonl`` and ``result.json`` in the run folder.
+
+The loss is the cross-entropy at the query positions only (every other target is ignored), so
+the output layer is applied to those positions alone: the same loss as a full forward at a
+fraction of the vocabulary-sized work. The run saves ``state.pt`` at every evaluation; running
+the same command again continues from it (same batches, same result as an uninterrupted run).
 """
 
 from __future__ import annotations
@@ -14,14 +19,25 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
 from ..data.mqar import mqar_batch, recall_accuracy
+from ..errors import CheckpointError, ConfigError
 from ..model.lm import LanguageModel
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
 from .trainer import pick_device
+
+STATE = "state.pt"
+
+
+def query_loss(model: LanguageModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the positions with a target (y >= 0), the head applied only there."""
+    h = model.hidden_states(x)
+    mask = y >= 0
+    return F.cross_entropy(model.lm_head(h[mask]).float(), y[mask])
 
 
 def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
@@ -30,7 +46,6 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     t, q = cfg.train, cfg.mqar
     cfg.model = dataclasses.replace(cfg.model, vocab_size=q.vocab_size,
                                     max_seq_len=max(cfg.model.max_seq_len, q.seq_len))
-    (out / "config.toml").write_text(dump_toml(cfg))
     device = pick_device(t.device)
     torch.manual_seed(t.seed)
     train_x, train_y = mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs,
@@ -40,38 +55,73 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     model = LanguageModel(cfg.model).to(device)
     opt = make_optimizer(model, t, device.type)
     order = torch.Generator().manual_seed(t.seed + 1)
-    perm, cursor = torch.randperm(q.train_examples, generator=order), 0
-    logger = MetricsLogger(out, tensorboard=False)
+    perm, cursor, step = torch.randperm(q.train_examples, generator=order), 0, 0
+    acc, best, elapsed, history = 0.0, 0.0, 0.0, []
+    state_path = out / STATE
+    resumed = state_path.exists()
+    if resumed:
+        try:
+            st = torch.load(state_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{state_path} cannot be read ({e}); delete it to start the "
+                                  f"run afresh.") from None
+        if st["config"] != cfg.to_dict():
+            raise ConfigError(f"{out} holds an MQAR run with other settings (its "
+                              f"{STATE}); use another --out, or delete the folder to restart.")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        order.set_state(st["order"])
+        torch.set_rng_state(st["torch_rng"])
+        perm, cursor, step = st["perm"], st["cursor"], st["step"]
+        acc, best, elapsed, history = st["accuracy"], st["best"], st["elapsed"], st["history"]
+    (out / "config.toml").write_text(dump_toml(cfg))
+    logger = MetricsLogger(out, resume_step=step if resumed else None, tensorboard=False)
     tty = sys.stdout.isatty() and not quiet
-    bar = tqdm(total=t.max_steps, disable=not tty, file=sys.stdout)
-    acc, best, start = 0.0, 0.0, time.perf_counter()
-    for step in range(t.max_steps):
+    say = (lambda m: None) if quiet else (lambda m: print(m, flush=True))
+    if resumed:
+        say(f"resuming at step {step} from {state_path}")
+    bar = tqdm(total=t.max_steps, initial=step, disable=not tty, file=sys.stdout)
+    start = time.perf_counter() - elapsed
+    done = acc >= q.stop_accuracy and step > 0
+    while step < t.max_steps and not done:
         if cursor + t.batch_size > q.train_examples:
             perm, cursor = torch.randperm(q.train_examples, generator=order), 0
         idx = perm[cursor:cursor + t.batch_size]
         cursor += t.batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t)
-        _, loss = model(train_x[idx].to(device), train_y[idx].to(device))
+        loss = query_loss(model, train_x[idx].to(device), train_y[idx].to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
+        step += 1
         bar.update(1)
-        if (step + 1) % t.log_interval == 0:
-            logger.log({"step": step + 1, "loss": loss.item(), "lr": lr_at(step, t)})
-        if (step + 1) % t.eval_interval == 0 or step + 1 == t.max_steps:
+        if step % t.log_interval == 0:
+            logger.log({"step": step, "loss": loss.item(), "lr": lr_at(step - 1, t)})
+        if step % t.eval_interval == 0 or step == t.max_steps:
             acc = recall_accuracy(model, test_x.to(device), test_y.to(device))
             best = max(best, acc)
-            logger.log({"step": step + 1, "val_loss": float("nan"), "accuracy": acc})
-            msg = f"step {step + 1}: loss {loss.item():.4f}, recall accuracy {acc:.4f}"
-            bar.write(msg) if tty else (None if quiet else print(msg, flush=True))
+            history.append([step, acc])
+            logger.log({"step": step, "val_loss": float("nan"), "accuracy": acc})
+            msg = f"step {step}: loss {loss.item():.4f}, recall accuracy {acc:.4f}"
+            bar.write(msg) if tty else say(msg)
+            done = acc >= q.stop_accuracy
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"config": cfg.to_dict(), "model": model.state_dict(),
+                        "optimizer": opt.state_dict(), "order": order.get_state(),
+                        "torch_rng": torch.get_rng_state(), "perm": perm, "cursor": cursor,
+                        "step": step, "accuracy": acc, "best": best,
+                        "elapsed": time.perf_counter() - start, "history": history}, tmp)
+            tmp.replace(state_path)
     bar.close()
     logger.close()
-    result = {"accuracy": acc, "best_accuracy": best, "steps": t.max_steps,
+    result = {"accuracy": acc, "best_accuracy": best, "steps": step, "max_steps": t.max_steps,
+              "stopped_early": step < t.max_steps,
               "parameters": model.num_parameters(), "seconds": time.perf_counter() - start,
               "mixer": cfg.model.mixer, "depth": cfg.model.depth,
-              "num_kv_pairs": q.num_kv_pairs, "seq_len": q.seq_len}
+              "num_kv_pairs": q.num_kv_pairs, "seq_len": q.seq_len, "history": history,
+              "examples_seen": step * t.batch_size}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -1,0 +1,155 @@
+"""``continuumlm experiment NAME [--quick]``: run one of the experiments behind docs/results.md.
+
+Each experiment is a list of benchmark commands from the repository's ``bench/`` folder; every
+training run writes one JSON into ``bench/results/`` and is skipped when that JSON exists, and
+an interrupted run resumes from its checkpoints, so a full-size experiment (hours on 2 CPU
+cores) can be finished over several sittings. ``docs/results.md`` and ``docs/img/`` are then
+regenerated from the JSON files.
+
+``--quick`` runs the same commands at smoke-test size (a few training steps, one seed, small
+MQAR sets) into ``runs/quick/`` (results, run folders and a results page of their own), never
+touching the committed results.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ContinuumLMError
+
+SH = "configs/shakespeare_char"
+QUICK_TRAIN = ["train.max_steps=6", "train.eval_interval=3", "train.eval_iters=2",
+               "train.checkpoint_interval=3", "train.log_interval=1", "train.lr_decay_steps=6",
+               "train.warmup_steps=2"]
+QUICK_MQAR = ["train.max_steps=6", "train.eval_interval=3", "train.log_interval=1",
+              "mqar.train_examples=256", "mqar.test_examples=64", "train.warmup_steps=2"]
+
+
+@dataclass
+class Step:
+    script: str                      # a file in bench/
+    args: list[str] = field(default_factory=list)
+    seeds: list[int] | None = None   # train_seeds.py: seeds (the first alone under --quick)
+    quick_args: list[str] | None = None  # replaces args under --quick (None: keep them)
+    quick: bool = True               # False: skipped under --quick (machine-wide benchmarks)
+
+
+def _train(config: str, seeds: list[int], *extra: str) -> Step:
+    return Step("train_seeds.py", [config, *extra], seeds=seeds)
+
+
+def _mqar(name: str) -> Step:
+    return Step("mqar_runs.py", [f"configs/mqar/{name}.toml"])
+
+
+EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
+    "shakespeare": ("Tiny Shakespeare at nanoGPT's baby-GPT budget: discrete, ODE (fields, "
+                    "solvers, parameter-matched), DeltaNet, continuous attention", [
+        _train(f"{SH}/transformer_baby.toml", [1337, 1, 2]),
+        _train(f"{SH}/ode_rk4.toml", [1337, 1, 2]),
+        _train(f"{SH}/deltanet.toml", [1337, 1, 2]),
+        *[_train(f"{SH}/{c}.toml", [1337]) for c in (
+            "ode_euler", "ode_rk4x1", "ode_parallel_euler", "ode_parallel_rk4x1", "ode_parallel",
+            "ode_wide_rk4x1", "ode_attention", "ode_deltanet", "deltanet_conv", "cat_fourier",
+            "cat_cheb")],
+    ]),
+    "cat_protocol": ("CAT's context-length protocol: train at 256, evaluate at 128-5000", [
+        _train(f"configs/cat_protocol/{c}.toml", [1337], "--contexts", "128,512,1024,5000")
+        for c in ("cat_fourier", "softmax_rope", "softmax_nope")
+    ]),
+    "ptb": ("Penn Treebank word level: discrete vs ODE RK4x4 vs parameter-matched ODE, with "
+            "unigram/bigram references and the test split reported once", [
+        *[_train(f"configs/ptb/{c}.toml", [42], "--also-test")
+          for c in ("transformer", "ode_rk4", "ode_rk4_wide")],
+        Step("ngram_ref.py"),
+    ]),
+    "elasticity": ("Anytime depth: the trained ODE models re-integrated with other solvers and "
+                   "step counts, no retraining (needs the shakespeare experiment's runs)", [
+        Step("depth_elasticity.py"),
+    ]),
+    "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
+             "and 64 key-value pairs", [
+        _mqar(f"{m}_kv{n}") for n in (16, 64) for m in ("softmax", "deltanet", "ode_deltanet")
+    ]),
+    "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
+              "steps, decoding, 1 vs 2 processes and compile, MFU", [
+        Step("ode_cost.py", quick=False), Step("ode_memory.py", quick=False),
+        Step("deltanet_kernels.py", quick=False), Step("mixer_step.py", quick=False),
+        Step("decode_speed.py", quick=False), Step("scale.py", quick=False),
+        Step("mfu.py", quick=False),
+    ]),
+}
+ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "mqar", "bench"]
+
+
+def find_repo(start: Path | None = None) -> Path:
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "bench" / "train_seeds.py").is_file() and (d / "configs").is_dir():
+            return d
+    raise ContinuumLMError(
+        f"`continuumlm experiment` runs the benchmark scripts and configs of a ContinuumLM "
+        f"checkout, and none was found at or above {here}; cd into the repository first.")
+
+
+def commands(name: str, quick: bool) -> list[list[str]]:
+    out = []
+    for step in EXPERIMENTS[name][1]:
+        if quick and not step.quick:
+            continue
+        args = list(step.args if not (quick and step.quick_args is not None) else step.quick_args)
+        if step.seeds is not None:
+            seeds = step.seeds[:1] if quick else step.seeds
+            args += ["--seeds", *map(str, seeds)]
+        if quick and step.script == "train_seeds.py":
+            args += sum((["--set", s] for s in QUICK_TRAIN), []) + ["--max-windows", "16"]
+            if "--contexts" in args:  # smoke size: one short extra context
+                args[args.index("--contexts") + 1] = "128"
+        if quick and step.script == "mqar_runs.py":
+            args += sum((["--set", s] for s in QUICK_MQAR), [])
+        if quick and step.script == "ngram_ref.py":
+            args += ["--quick"]
+        out.append([step.script, *args])
+    return out
+
+
+def run_experiment(name: str, quick: bool = False, repo: Path | None = None,
+                   render: bool = True, quick_dir: Path | None = None) -> Path:
+    """Run experiment ``name`` ("all" for every one) and regenerate the results page; returns
+    its path. Quick runs go to ``quick_dir`` (default runs/quick)."""
+    names = ORDER if name == "all" else [name]
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise ContinuumLMError(f"unknown experiment {unknown[0]!r}; choose one of "
+                               f"{', '.join(ORDER)} or 'all' (`continuumlm experiment --list`).")
+    repo = repo or find_repo()
+    env = dict(os.environ)
+    if quick:
+        base = Path(quick_dir) if quick_dir else repo / "runs" / "quick"
+        env.update(CONTINUUMLM_RESULTS_DIR=str(base / "results"),
+                   CONTINUUMLM_RUNS_DIR=str(base / "runs"), CONTINUUMLM_DOCS_DIR=str(base / "docs"))
+    env.setdefault("CONTINUUMLM_DATA", str(repo.parent / "shared" / "data"))
+    bench = repo / "bench"
+    for n in names:
+        t0 = time.perf_counter()
+        print(f"== experiment {n}{' (quick)' if quick else ''}: {EXPERIMENTS[n][0]}", flush=True)
+        for cmd in commands(n, quick):
+            print("$ python bench/" + " ".join(cmd), flush=True)
+            r = subprocess.run([sys.executable, str(bench / cmd[0]), *cmd[1:]], cwd=repo, env=env)
+            if r.returncode != 0:
+                raise ContinuumLMError(f"experiment {n}: `python bench/{' '.join(cmd)}` failed "
+                                       f"with exit status {r.returncode} (its output is above); "
+                                       f"fix the cause and run the experiment again: finished "
+                                       f"runs are kept and skipped.")
+        print(f"== experiment {n} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    page = Path(env.get("CONTINUUMLM_DOCS_DIR", repo / "docs")) / "results.md"
+    if render:
+        r = subprocess.run([sys.executable, str(bench / "render.py")], cwd=repo, env=env)
+        if r.returncode != 0:
+            raise ContinuumLMError(f"rendering {page} failed (exit status {r.returncode}).")
+    return page
