@@ -72,7 +72,6 @@ device = "cpu"
 
 def test_query_loss_equals_the_full_forward_loss():
     from conftest import small_model
-
     from continuumlm.train.mqar import query_loss
 
     m = small_model(vocab_size=64)
