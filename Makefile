@@ -43,15 +43,17 @@ test: $(VENV)/.installed-dev
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -m slow
 
-# Every benchmark and training run behind docs/results.md (about an hour on 2 CPU cores).
+# The performance suite (ODE cost, memory, kernels, mixers, decoding, processes/compile, MFU).
 bench: $(VENV)/.installed-dev
 	$(BIN)/pip install -q -e ".[plot]"
-	bash bench/run_all.sh
+	$(BIN)/continuumlm experiment bench --redo
 
-# Only regenerate docs/results.md and docs/img from the JSON in bench/results.
+# Every experiment behind docs/results.md, then the page and its figures. Runs whose JSON is in
+# bench/results/ are skipped, so with the committed results this only re-renders; delete a JSON
+# to redo its run (the whole set from scratch takes several hours on 2 CPU cores).
 results: $(VENV)/.installed-dev
 	$(BIN)/pip install -q -e ".[plot]"
-	cd bench && ../$(BIN)/python render.py
+	$(BIN)/continuumlm experiment all
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests bench

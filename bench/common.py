@@ -19,8 +19,18 @@ RUNS = Path(os.environ.get("CONTINUUMLM_RUNS_DIR", ROOT / "runs" / "bench"))
 DOCS_DIR = Path(os.environ.get("CONTINUUMLM_DOCS_DIR", ROOT / "docs"))
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
-    return (f"{platform.machine()}, {os.cpu_count()} cores, CPU, torch {torch.__version__}, "
+    return (f"{cpu_model()}, {os.cpu_count()} cores, CPU, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")
 
 

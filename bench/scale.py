@@ -72,7 +72,13 @@ def main() -> None:
                "compile_speedup": rows[3]["tokens_per_s"] / rows[1]["tokens_per_s"]}
     table = markdown_table(rows, [("setup", "setup"), ("tokens_per_s", "tokens/s"),
                                   ("wall_s", "wall s (incl. start-up)")])
-    write_json("scale", {"config": str(CONFIG.relative_to(ROOT)), "rows": rows, **summary,
+    setup = (f"{CONFIG.relative_to(ROOT)}, {args.steps} steps, batch 12 x 64 per process; "
+             f"scaling efficiency {summary['scaling_efficiency_2proc']:.2f} (2 processes vs 2x "
+             f"one single-thread process), 2 processes vs the best single process "
+             f"{summary['speedup_2proc_vs_best_1proc']:.2f}x, compile speedup "
+             f"{summary['compile_speedup']:.2f}x")
+    write_json("scale", {"command": "python bench/scale.py", "setup": setup,
+                         "config": str(CONFIG.relative_to(ROOT)), "rows": rows, **summary,
                          "table": table})
     print(table)
     print(json.dumps(summary))

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="smoke-test size, into runs/quick/")
     r.add_argument("--quick-dir", help="where --quick writes (default runs/quick)")
     r.add_argument("--list", action="store_true", help="list the experiments and their commands")
+    r.add_argument("--redo", action="store_true", help="re-run benchmarks whose JSON exists "
+                   "(training runs are redone by deleting their JSON)")
 
     x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
@@ -363,7 +365,7 @@ def cmd_experiment(args) -> int:
     if args.quick_dir and not args.quick:
         raise UsageError("--quick-dir goes with --quick; full-size results always go to "
                          "bench/results and docs/.")
-    page = run_experiment(args.name, quick=args.quick,
+    page = run_experiment(args.name, quick=args.quick, redo=args.redo,
                           quick_dir=Path(args.quick_dir).resolve() if args.quick_dir else None)
     print(f"results page: {page}")
     return 0

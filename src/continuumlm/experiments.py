@@ -37,6 +37,7 @@ class Step:
     seeds: list[int] | None = None   # train_seeds.py: seeds (the first alone under --quick)
     quick_args: list[str] | None = None  # replaces args under --quick (None: keep them)
     quick: bool = True               # False: skipped under --quick (machine-wide benchmarks)
+    output: str | None = None        # the JSON it writes (skipped when present, unless redo)
 
 
 def _train(config: str, seeds: list[int], *extra: str) -> Step:
@@ -66,11 +67,11 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
             "unigram/bigram references and the test split reported once", [
         *[_train(f"configs/ptb/{c}.toml", [42], "--also-test")
           for c in ("transformer", "ode_rk4", "ode_rk4_wide")],
-        Step("ngram_ref.py"),
+        Step("ngram_ref.py", output="ptb-ngram"),
     ]),
     "elasticity": ("Anytime depth: the trained ODE models re-integrated with other solvers and "
                    "step counts, no retraining (needs the shakespeare experiment's runs)", [
-        Step("depth_elasticity.py"),
+        Step("depth_elasticity.py", output="depth_elasticity"),
     ]),
     "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
              "and 64 key-value pairs", [
@@ -78,10 +79,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
               "steps, decoding, 1 vs 2 processes and compile, MFU", [
-        Step("ode_cost.py", quick=False), Step("ode_memory.py", quick=False),
-        Step("deltanet_kernels.py", quick=False), Step("mixer_step.py", quick=False),
-        Step("decode_speed.py", quick=False), Step("scale.py", quick=False),
-        Step("mfu.py", quick=False),
+        *[Step(f"{b}.py", quick=False, output=b) for b in (
+            "ode_cost", "ode_memory", "deltanet_kernels", "mixer_step", "decode_speed", "scale",
+            "mfu")],
     ]),
 }
 ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "mqar", "bench"]
@@ -97,10 +97,12 @@ def find_repo(start: Path | None = None) -> Path:
         f"checkout, and none was found at or above {here}; cd into the repository first.")
 
 
-def commands(name: str, quick: bool) -> list[list[str]]:
+def commands(name: str, quick: bool, done: set[str] = frozenset()) -> list[list[str]]:
+    """The bench/ commands of experiment ``name``; steps whose output JSON is in ``done`` are
+    left out (training scripts skip their finished runs themselves)."""
     out = []
     for step in EXPERIMENTS[name][1]:
-        if quick and not step.quick:
+        if (quick and not step.quick) or (step.output and step.output in done):
             continue
         args = list(step.args if not (quick and step.quick_args is not None) else step.quick_args)
         if step.seeds is not None:
@@ -119,9 +121,10 @@ def commands(name: str, quick: bool) -> list[list[str]]:
 
 
 def run_experiment(name: str, quick: bool = False, repo: Path | None = None,
-                   render: bool = True, quick_dir: Path | None = None) -> Path:
+                   render: bool = True, quick_dir: Path | None = None, redo: bool = False) -> Path:
     """Run experiment ``name`` ("all" for every one) and regenerate the results page; returns
-    its path. Quick runs go to ``quick_dir`` (default runs/quick)."""
+    its path. Quick runs go to ``quick_dir`` (default runs/quick). Benchmarks whose JSON exists
+    are skipped unless ``redo``."""
     names = ORDER if name == "all" else [name]
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
@@ -135,10 +138,12 @@ def run_experiment(name: str, quick: bool = False, repo: Path | None = None,
                    CONTINUUMLM_RUNS_DIR=str(base / "runs"), CONTINUUMLM_DOCS_DIR=str(base / "docs"))
     env.setdefault("CONTINUUMLM_DATA", str(repo.parent / "shared" / "data"))
     bench = repo / "bench"
+    results = Path(env.get("CONTINUUMLM_RESULTS_DIR", repo / "bench" / "results"))
+    done = set() if redo else {p.stem for p in results.glob("*.json")}
     for n in names:
         t0 = time.perf_counter()
         print(f"== experiment {n}{' (quick)' if quick else ''}: {EXPERIMENTS[n][0]}", flush=True)
-        for cmd in commands(n, quick):
+        for cmd in commands(n, quick, done):
             print("$ python bench/" + " ".join(cmd), flush=True)
             r = subprocess.run([sys.executable, str(bench / cmd[0]), *cmd[1:]], cwd=repo, env=env)
             if r.returncode != 0:
