@@ -29,16 +29,18 @@ class SoftmaxAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         offset = 0
         if cache is not None:
             if not self.causal:
                 raise ValueError("incremental decoding needs mode = 'decoder'; an encoder "
                                  "attends to future tokens, which do not exist yet.")
             offset = cache.length
-        if self.rope is not None:
-            q, k = self.rope(q, offset), self.rope(k, offset)
+        if self.rope is not None:  # q and k rotated in one call
+            q, k = self.rope(qkv[:2], offset).unbind(0)
+            v = qkv[2]
+        else:
+            q, k, v = qkv.unbind(0)
         if cache is not None:
             k, v = cache.append(k, v)
         mask, is_causal = None, False
@@ -54,8 +56,8 @@ class SoftmaxAttention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal,
                 dropout_p=self.attn_drop.p if self.attn_drop.active() else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.out_proj(y))
+        y = self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_dropout(y) if self.resid_dropout.p else y
 
     def _attend_frozen_dropout(self, q, k, v, mask, is_causal):
         # scaled_dot_product_attention draws its own dropout mask on every call; inside an ODE

@@ -19,4 +19,5 @@ class MLP(nn.Module):
         self.dropout = SharedDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        y = self.proj(F.gelu(self.fc(x)))
+        return self.dropout(y) if self.dropout.p else y

@@ -21,15 +21,19 @@ class RotaryEmbedding(nn.Module):
     def _build(self, length: int) -> None:
         t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
         angles = torch.outer(t, self.inv_freq)  # (T, D/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        # full-width tables: x * cos + swap_halves(x) * sin_signed rotates (x1, x2) into
+        # (x1 cos - x2 sin, x2 cos + x1 sin) in three elementwise ops
+        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x: (B, H, T, D) at absolute positions offset .. offset+T-1."""
+        """x: (..., T, D) at absolute positions offset .. offset+T-1 (q and k may be stacked
+        in the leading dimensions and rotated in one call)."""
         T = x.shape[-2]
         if offset + T > self.cos.shape[0]:
             self._build(max(offset + T, 2 * self.cos.shape[0]))
-        cos = self.cos[offset:offset + T].to(x.dtype)
-        sin = self.sin[offset:offset + T].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        cos, sin = self.cos[offset:offset + T], self.sin[offset:offset + T]
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -47,7 +47,11 @@ class _Field(nn.Module):
                      if cfg.ode_time_embedding == "sinusoidal" else None)
 
     def temb(self, t: float, like: torch.Tensor):
-        return 0.0 if self.time is None else self.time(t).to(like.dtype)
+        return None if self.time is None else self.time(t).to(like.dtype)
+
+    @staticmethod
+    def _plus(x: torch.Tensor, te) -> torch.Tensor:
+        return x if te is None else x + te
 
 
 class AttentionField(_Field):
@@ -59,7 +63,7 @@ class AttentionField(_Field):
         self.mixer = MIXERS[cfg.mixer](cfg)
 
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
-        return self.mixer(self.norm(h) + self.temb(t, h), cache)
+        return self.mixer(self._plus(self.norm(h), self.temb(t, h)), cache)
 
 
 class _TransformerField(_Field):
@@ -76,11 +80,12 @@ class _TransformerField(_Field):
 class SequentialField(_TransformerField):
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
         te = self.temb(t, h)
-        a = self.mixer(self.norm1(h) + te, cache)
-        return a + self.mlp(self.norm2(h + a) + te)
+        a = self.mixer(self._plus(self.norm1(h), te), cache)
+        return a + self.mlp(self._plus(self.norm2(h + a), te))
 
 
 class ParallelField(_TransformerField):
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
         te = self.temb(t, h)
-        return self.mixer(self.norm1(h) + te, cache) + self.mlp(self.norm2(h) + te)
+        return (self.mixer(self._plus(self.norm1(h), te), cache)
+                + self.mlp(self._plus(self.norm2(h), te)))
