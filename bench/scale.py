@@ -1,5 +1,5 @@
 """Training throughput on this machine: 1 vs 2 processes (torchrun, DDP over gloo) and
-torch.compile vs eager, on the baby-GPT config.
+torch.compile vs eager and bf16 autocast vs fp32, on the baby-GPT config.
 
     python bench/scale.py [--steps 300]
 
@@ -64,19 +64,22 @@ def main() -> None:
         train("2 processes (DDP, gloo), 1 thread each", args.steps, 1, nproc=2),
         train(f"1 process, {cores} threads, torch.compile", args.steps, cores,
               extra=("train.compile=true",)),
+        train(f"1 process, {cores} threads, bf16 autocast", args.steps, cores,
+              extra=("train.dtype=bf16",)),
     ]
     one, two = rows[0]["tokens_per_s"], rows[2]["tokens_per_s"]
     summary = {"scaling_efficiency_2proc": two / (2 * one),
                "speedup_2proc_vs_best_1proc": two / max(rows[0]["tokens_per_s"],
                                                         rows[1]["tokens_per_s"]),
-               "compile_speedup": rows[3]["tokens_per_s"] / rows[1]["tokens_per_s"]}
+               "compile_speedup": rows[3]["tokens_per_s"] / rows[1]["tokens_per_s"],
+               "bf16_speedup": rows[4]["tokens_per_s"] / rows[1]["tokens_per_s"]}
     table = markdown_table(rows, [("setup", "setup"), ("tokens_per_s", "tokens/s"),
                                   ("wall_s", "wall s (incl. start-up)")])
     setup = (f"{CONFIG.relative_to(ROOT)}, {args.steps} steps, batch 12 x 64 per process; "
              f"scaling efficiency {summary['scaling_efficiency_2proc']:.2f} (2 processes vs 2x "
              f"one single-thread process), 2 processes vs the best single process "
              f"{summary['speedup_2proc_vs_best_1proc']:.2f}x, compile speedup "
-             f"{summary['compile_speedup']:.2f}x")
+             f"{summary['compile_speedup']:.2f}x, bf16 autocast {summary['bf16_speedup']:.2f}x")
     write_json("scale", {"command": "python bench/scale.py", "setup": setup,
                          "config": str(CONFIG.relative_to(ROOT)), "rows": rows, **summary,
                          "table": table})
