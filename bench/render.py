@@ -90,7 +90,8 @@ def mqar_table(results: dict[str, dict]) -> str:
 
 def baseline_sentence(results: dict[str, dict]) -> list[str]:
     base = [r["val_loss_full_split"] for r in results.values()
-            if r.get("config") == "configs/shakespeare_char/transformer_baby.toml"]
+            if r.get("config") == "configs/shakespeare_char/transformer_baby.toml"
+            and "val_loss_full_split" in r]
     if not base:
         return []
     mean = statistics.mean(base)

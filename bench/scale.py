@@ -47,7 +47,8 @@ def train(label: str, steps: int, threads: int, nproc: int = 1, extra: tuple = (
         metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m][1:]
     row = {"setup": label, "processes": nproc, "threads_per_process": threads,
-           "tokens_per_s": statistics.median(tps), "wall_s": wall, "steps": steps,
+           "tokens_per_s": round(statistics.median(tps)), "wall_s": round(wall, 1),
+           "steps": steps,
            "command": " ".join(["continuumlm" if c == CLI else c for c in cmd[:2]]) + " ..."}
     print(json.dumps(row), flush=True)
     return row
