@@ -273,3 +273,31 @@ def test_experiment_quick_runs_end_to_end(data_dir, tmp_path):
     r = subprocess.run([cli, "experiment", "ptb", "--quick", "--quick-dir", str(tmp_path)],
                        cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.count("skip ") == 3
+
+
+def test_experiment_command_lists():
+    from continuumlm.experiments import EXPERIMENTS, ORDER, commands
+
+    assert set(ORDER) == set(EXPERIMENTS)
+    full = commands("shakespeare", quick=False)
+    baby = next(c for c in full if "transformer_baby.toml" in c[1])
+    assert baby[baby.index("--seeds") + 1:] == ["1337", "1", "2"]
+    quick = commands("shakespeare", quick=True)
+    assert len(quick) == len(full)
+    qbaby = next(c for c in quick if "transformer_baby.toml" in c[1])
+    assert "train.max_steps=6" in qbaby and qbaby[qbaby.index("--seeds") + 1] == "1337"
+    assert commands("bench", quick=True) == []  # machine-wide timings have no smoke size
+    assert commands("bench", quick=False, done={"ode_cost", "mfu"}) == [
+        [f"{b}.py"] for b in ("ode_memory", "deltanet_kernels", "mixer_step", "decode_speed",
+                              "scale")]
+    repo = Path(__file__).resolve().parents[1]
+    for name in ORDER:  # every config and script named exists
+        for cmd in commands(name, quick=False):
+            assert (repo / "bench" / cmd[0]).is_file(), cmd
+            assert all((repo / a).is_file() for a in cmd[1:] if a.startswith("configs/")), cmd
+
+
+def test_experiment_outside_a_checkout_is_a_clear_error(tmp_path):
+    r = subprocess.run([str(Path(sys.executable).parent / "continuumlm"), "experiment", "ptb"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "checkout" in r.stderr
