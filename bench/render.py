@@ -75,6 +75,37 @@ BUSY_NOTE = ("Throughput marked * was measured while other jobs shared the 2 cor
              "wall times understate what the model reaches alone; the losses are unaffected.")
 
 
+def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> list[str]:
+    """One sentence, computed from the JSON, on where each ODE row stands against its discrete
+    counterpart (quality and time per token), so the page says so when they lose."""
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for r in results.values():
+        if "val_loss_full_split" in r and r["config"].startswith(folder):
+            runs[Path(r["config"]).stem].append(r)
+
+    def mean(name, key):
+        return statistics.mean(r[key] for r in runs[name])
+
+    def show(loss):
+        return f"{math.exp(loss):.1f}" if ppl else f"{loss:.3f}"
+
+    clauses = []
+    for n in sorted(x for x in runs if x.startswith("ode_")):
+        ref = "deltanet" if "deltanet" in n and "deltanet" in runs else baseline
+        if ref not in runs:
+            continue
+        loss, ref_loss = mean(n, "val_loss_full_split"), mean(ref, "val_loss_full_split")
+        slower = mean(ref, "tokens_per_s_median") / mean(n, "tokens_per_s_median")
+        clauses.append(f"`{n}` {show(loss)} vs `{ref}` {show(ref_loss)} "
+                       f"({'better' if loss < ref_loss else 'worse'}, {slower:.1f}x the time "
+                       f"per token)")
+    if not clauses:
+        return []
+    what = "val perplexity" if ppl else "val loss"
+    return [f"ODE rows against their discrete counterparts ({what}): " + "; ".join(clauses)
+            + ".", ""]
+
+
 def mqar_table(results: dict[str, dict]) -> str:
     rows = []
     for r in sorted((r for k, r in results.items() if k.startswith("mqar-")),
@@ -150,6 +181,7 @@ def main() -> None:
         "attention.",
         "",
         *baseline_sentence(results),
+        *verdict(results, "configs/shakespeare_char/", "transformer_baby", ppl=False),
     ]
     cat = context_table(results, "configs/cat_protocol/")
     if cat:
@@ -171,6 +203,7 @@ def main() -> None:
                   "(`python bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 --also-test`). "
                   "`ode_rk4_wide` is the parameter-matched ODE row (d 180, as many parameters "
                   "as the 3-layer baseline).", "", ptb, ""]
+        parts += verdict(results, "configs/ptb/", "transformer", ppl=True)
         if "ptb-ngram" in results:
             parts += ["N-gram references fitted on the training file with the same vocabulary "
                       "(`python bench/ngram_ref.py`):", "", results["ptb-ngram"]["table"], ""]
