@@ -34,8 +34,6 @@ def laplace_perplexities(train: torch.Tensor, stream: torch.Tensor, V: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(ROOT / "configs" / "ptb" / "transformer.toml"))
-    ap.add_argument("--quick", action="store_true", help="accepted for the experiment runner; "
-                    "the computation takes seconds at full size")
     args = ap.parse_args()
     cfg = load_config(args.config)
     data = prepare_data(cfg.data)

@@ -60,18 +60,11 @@ def main() -> None:
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
-        limit = ["--max-windows", str(args.max_windows)] if args.max_windows else []
-        ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
-                             "--split", args.split, *limit], check=True, capture_output=True,
-                            text=True)
-        row = json.loads(ev.stdout)["results"][0]
+        row = evaluate(run, args.split, args.max_windows)[0]
         contexts = None
         if args.contexts:
-            ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last",
-                                 "--json", "--split", args.split, "--context-lengths",
-                                 args.contexts, *limit], check=True, capture_output=True,
-                                text=True)
-            contexts = json.loads(ev.stdout)["results"]
+            contexts = evaluate(run, args.split, args.max_windows,
+                                "--context-lengths", args.contexts)
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
         nfe = [m["nfe"] for m in metrics if "nfe" in m]
@@ -106,6 +99,15 @@ def main() -> None:
         print(json.dumps(result))
 
 
+def evaluate(run: Path, split: str, max_windows: int | None, *extra: str) -> list[dict]:
+    """`continuumlm eval --json` of the run's last checkpoint: one result per context length."""
+    limit = ["--max-windows", str(max_windows)] if max_windows else []
+    ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
+                         "--split", split, *limit, *extra], check=True, capture_output=True,
+                        text=True)
+    return json.loads(ev.stdout)["results"]
+
+
 def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:
     """Score the final checkpoint on the test split once and add it to the JSON."""
     result = json.loads(dest.read_text())
@@ -114,10 +116,7 @@ def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:
     if not (run / "checkpoints" / "last").exists():
         print(f"cannot add the test split to {dest}: {run} is gone")
         return
-    limit = ["--max-windows", str(max_windows)] if max_windows else []
-    ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
-                         "--split", "test", *limit], check=True, capture_output=True, text=True)
-    result["test_loss_full_split"] = json.loads(ev.stdout)["results"][0]["loss"]
+    result["test_loss_full_split"] = evaluate(run, "test", max_windows)[0]["loss"]
     dest.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -35,7 +35,6 @@ class Step:
     script: str                      # a file in bench/
     args: list[str] = field(default_factory=list)
     seeds: list[int] | None = None   # train_seeds.py: seeds (the first alone under --quick)
-    quick_args: list[str] | None = None  # replaces args under --quick (None: keep them)
     quick: bool = True               # False: skipped under --quick (machine-wide benchmarks)
     output: str | None = None        # the JSON it writes (skipped when present, unless redo)
 
@@ -104,7 +103,7 @@ def commands(name: str, quick: bool, done: set[str] = frozenset()) -> list[list[
     for step in EXPERIMENTS[name][1]:
         if (quick and not step.quick) or (step.output and step.output in done):
             continue
-        args = list(step.args if not (quick and step.quick_args is not None) else step.quick_args)
+        args = list(step.args)
         if step.seeds is not None:
             seeds = step.seeds[:1] if quick else step.seeds
             args += ["--seeds", *map(str, seeds)]
@@ -114,8 +113,6 @@ def commands(name: str, quick: bool, done: set[str] = frozenset()) -> list[list[
                 args[args.index("--contexts") + 1] = "128"
         if quick and step.script == "mqar_runs.py":
             args += sum((["--set", s] for s in QUICK_MQAR), [])
-        if quick and step.script == "ngram_ref.py":
-            args += ["--quick"]
         out.append([step.script, *args])
     return out
 
