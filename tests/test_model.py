@@ -86,6 +86,70 @@ def test_kv_cache_growth():
     assert c.length == 25
 
 
+def test_static_cache_write_and_advance():
+    from continuumlm.model.cache import DecodeState
+
+    state = DecodeState(1)
+    c = state.cache("a", KVCache)
+    k = torch.randn(1, 2, 3, 4)
+    c.append(k, -k)
+    state.pos = 3
+    state.freeze(8, torch.device("cpu"))
+    assert c.buffers[0].shape[-2] == 8 and state.static.mask.tolist() == [[True] * 4 + [False] * 4]
+    new = torch.randn(1, 2, 1, 4)
+    k_all, v_all = c.write(new, -new)
+    state.advance()
+    torch.testing.assert_close(k_all[..., :4, :], torch.cat([k, new], 2))
+    assert c.length == 4 and state.pos == 4 and int(state.static.pos) == 4
+    assert state.static.mask.sum() == 5 and not k_all[..., 4:, :].any()  # tail zeros, not garbage
+    with pytest.raises(RuntimeError, match="frozen"):
+        c.append(new, new)
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+def test_compiled_decoding_equals_eager(mixer):
+    """generate(compile=True): one torch.compile graph serves every position; its logits equal
+    a full forward's, and a second generation of a similar length reuses the graph."""
+    if not hasattr(torch, "compile"):
+        pytest.skip("torch.compile unavailable")
+    m = small_model(mixer=mixer, depth="ode", ode_solver="midpoint", ode_steps=1, num_layers=1,
+                    position="rope")
+    prompt = torch.randint(0, 37, (2, 5))
+    a = m.generate(prompt, 30, greedy=True)
+    state = m.init_state(2)
+    steps = [m.step(a[:, :5], state)[0]]
+    fn = m._static_decoder(state, a.shape[1] - 1)
+    with torch.no_grad():  # as in generate (grad mode is part of what a graph is valid for)
+        for t in range(5, a.shape[1] - 1):
+            steps.append(fn(a[:, t:t + 1], state))
+            state.advance()
+    full, _ = m(a[:, :-1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
+    torch._dynamo.utils.counters.clear()
+    b = m.generate(prompt, 20, greedy=True, compile=True)   # same capacity (64): no recompile
+    assert torch.equal(b, a[:, :25])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
+    m = small_model()
+    prompt = torch.randint(0, 37, (1, 4))
+    ref = m.generate(prompt, 12, greedy=True)
+
+    def broken(fn, **kw):
+        def call(*a, **k):
+            raise RuntimeError("no compiler here")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        out = m.generate(prompt, 12, greedy=True, compile=True)
+        again = m.generate(prompt, 12, greedy=True, compile=True)
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "no compiler here" in caplog.records[0].message
+
+
 def test_sampling_reproducible_with_seed():
     m = small_model()
     p = torch.randint(0, 37, (1, 4))

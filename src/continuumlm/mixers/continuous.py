@@ -33,20 +33,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..model.cache import SeqCache
 from ..nn import SharedDropout, make_linear
 
 
-class ValueCache:
+class ValueCache(SeqCache):
     """The projected values of every token so far, (B, H, T, D)."""
-
-    def __init__(self) -> None:
-        self.v: torch.Tensor | None = None
-        self.length = 0
-
-    def append(self, v: torch.Tensor) -> torch.Tensor:
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.length = self.v.shape[2]
-        return self.v
 
 
 class ContinuousAttention(nn.Module):
@@ -124,9 +116,16 @@ class ContinuousAttention(nn.Module):
             if not self.causal:
                 raise ValueError("incremental decoding needs mode = 'decoder'.")
             offset = cache.length
-            v = cache.append(v)
+        if cache is not None and cache.static is not None:
+            # one token, fixed-capacity buffer, position as a tensor: causal quadrature reads
+            # only tokens <= pos, so the unwritten tail of the buffer is never touched
+            (v,) = cache.write(v)
+            q_pos = cache.static.pos
+        else:
+            if cache is not None:
+                (v,) = cache.append(v)
+            q_pos = torch.arange(offset, offset + T, device=x.device)
         n_keys = v.shape[2]
-        q_pos = torch.arange(offset, offset + T, device=x.device)
         if T <= 4 or n_keys > self.dense_limit:
             # gather the 2 * n_quad values each query reads: O(T * n_quad * D) per head, which
             # beats the dense (T x n_keys) mixing matrix for decoding and long contexts

@@ -120,6 +120,26 @@ class DeltaNetCache:
         self.state: torch.Tensor | None = None
         self.conv: dict[str, torch.Tensor] = {}
         self.length = 0
+        self.static = None
+
+    def freeze(self, step) -> None:
+        """Static one-token steps update the state and history in place (fixed shapes)."""
+        if self.state is None:
+            raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
+        self.conv = {n: h.clone() for n, h in self.conv.items()}  # own storage, updated in place
+        self.static = step
+
+    def update(self, state: torch.Tensor, T: int) -> None:
+        if self.static is not None:
+            self.state.copy_(state)
+        else:
+            self.state, self.length = state, self.length + T
+
+    def update_conv(self, name: str, history: torch.Tensor) -> None:
+        if self.static is not None:
+            self.conv[name].copy_(history)
+        else:
+            self.conv[name] = history
 
 
 class ShortConv(nn.Module):
@@ -185,7 +205,7 @@ class DeltaNetAttention(nn.Module):
                 y, new_hist = conv(proj[name], hist)
                 proj[name] = F.silu(y)
                 if cache is not None:
-                    cache.conv[name] = new_hist
+                    cache.update_conv(name, new_hist)
         q = F.normalize(self._heads(proj["q"]), dim=-1)
         k = F.normalize(self._heads(proj["k"]), dim=-1)
         v = self._heads(proj["v"])
@@ -194,7 +214,7 @@ class DeltaNetAttention(nn.Module):
             init = cache.state if cache is not None else None
             o, state = self._kernel(q, k, v, beta, init)
             if cache is not None:
-                cache.state, cache.length = state, cache.length + T
+                cache.update(state, T)
         else:
             o, _ = self._kernel(q, k, v, beta)
             o_rev, _ = self._kernel(q.flip(2), k.flip(2), v.flip(2), beta.flip(2))

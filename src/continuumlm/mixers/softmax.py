@@ -30,6 +30,8 @@ class SoftmaxAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if cache is not None and cache.static is not None:
+            return self._static_step(qkv, cache)
         offset = 0
         if cache is not None:
             if not self.causal:
@@ -58,6 +60,22 @@ class SoftmaxAttention(nn.Module):
                 dropout_p=self.attn_drop.p if self.attn_drop.active() else 0.0)
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_dropout(y) if self.resid_dropout.p else y
+
+    def _static_step(self, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token against a fixed-capacity cache, its position a tensor (see cache.py)."""
+        _, B, H, T, D = qkv.shape
+        st = cache.static
+        if self.rope is not None:
+            q, k = self.rope.at(qkv[:2], st.pos).unbind(0)
+            v = qkv[2]
+        else:
+            q, k, v = qkv.unbind(0)
+        k, v = cache.write(k, v)
+        # written out rather than scaled_dot_product_attention: for one query the CPU kernel's
+        # fixed cost dominates, while these few ops fuse into the compiled step
+        scores = (q @ k.transpose(-2, -1)) * D ** -0.5
+        y = torch.softmax(scores.masked_fill(~st.mask, float("-inf")), dim=-1) @ v
+        return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, H * D)))
 
     def _attend_frozen_dropout(self, q, k, v, mask, is_causal):
         # scaled_dot_product_attention draws its own dropout mask on every call; inside an ODE

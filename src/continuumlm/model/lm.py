@@ -150,8 +150,15 @@ class LanguageModel(nn.Module):
                         top_k: int | None = None, top_p: float | None = None,
                         greedy: bool = False, use_cache: bool = True,
                         generator: torch.Generator | None = None,
-                        eos_token_id: int | None = None) -> Iterator[torch.Tensor]:
-        """Yield the next token ids (B,) one step at a time."""
+                        eos_token_id: int | None = None,
+                        compile: bool = False) -> Iterator[torch.Tensor]:
+        """Yield the next token ids (B,) one step at a time.
+
+        ``compile=True`` (with the cache) decodes through one ``torch.compile`` graph per
+        (batch size, capacity): after the prompt, the state is frozen to fixed-capacity buffers
+        with the position held in tensors, so the same graph serves every token. The first
+        call pays the compilation; a compiler failure warns once and decodes eagerly.
+        """
         cfg = self.config
         if cfg.mode != "decoder":
             raise ValueError("generation needs mode = 'decoder'; this model is an encoder.")
@@ -175,6 +182,9 @@ class LanguageModel(nn.Module):
             done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
             state = self.init_state(idx.shape[0]) if use_cache else None
             logits = self.step(idx, state)[0] if use_cache else None
+            token_fn = None
+            if use_cache and compile and max_new_tokens > 1:
+                token_fn = self._static_decoder(state, idx.shape[1] + max_new_tokens - 1)
             for i in range(max_new_tokens):
                 if not use_cache:
                     logits = self.lm_head(self.hidden_states(seq)[:, -1])
@@ -185,7 +195,10 @@ class LanguageModel(nn.Module):
                 yield nxt
                 if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                     break
-                if use_cache:
+                if token_fn is not None:
+                    logits = token_fn(nxt[:, None], state)
+                    state.advance()
+                elif use_cache:
                     logits = self.step(nxt[:, None], state)[0]
                 else:
                     seq = torch.cat([seq, nxt[:, None]], dim=1)
@@ -195,12 +208,55 @@ class LanguageModel(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
                  use_cache: bool = True, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
+                 eos_token_id: int | None = None, compile: bool = False) -> torch.Tensor:
         """Return (B, T + new) token ids: the prompt followed by sampled tokens (fewer than
-        max_new_tokens only when every row produced ``eos_token_id``)."""
+        max_new_tokens only when every row produced ``eos_token_id``). ``compile``: see
+        :meth:`generate_stream`."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
-                                        use_cache, generator, eos_token_id))
+                                        use_cache, generator, eos_token_id, compile))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
+
+    @torch.no_grad()
+    def _static_token_logits(self, idx: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One token (B, 1) through a frozen state: logits (B, vocab). No Python value read
+        here depends on the position, so a compiled graph of it serves every token. The
+        caller moves the state on with ``state.advance()``."""
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(state.static.pos)
+        x = self.depth(x, state)
+        return self.lm_head(self.norm_f(x)[:, -1])
+
+    def _static_decoder(self, state: DecodeState, total: int, compile: bool = True):
+        """Freeze ``state`` for ``total`` tokens in all and return the (compiled, unless
+        ``compile`` is False) one-token step ``fn(ids (B, 1), state) -> logits (B, vocab)``.
+
+        The capacity is rounded up to a power of two (at least 64) so that generations of
+        similar length share one compiled graph (the attention mask hides the unused tail);
+        a new capacity or batch size compiles once more. Static shapes: on CPU a graph with a
+        symbolic capacity compiled twice as slowly and decoded a third slower."""
+        capacity = max(64, 1 << (total - 1).bit_length())
+        state.freeze(capacity, self.tok_emb.weight.device)
+        if not compile:
+            return self._static_token_logits
+        if "_compiled_token_fn" not in self.__dict__:
+            self.__dict__["_compiled_token_fn"] = torch.compile(self._static_token_logits,
+                                                                dynamic=False)
+        compiled, eager = self.__dict__["_compiled_token_fn"], self._static_token_logits
+
+        def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+            nonlocal compiled
+            if compiled is not None:
+                try:
+                    return compiled(ids.contiguous(), st)  # (strides are part of the guards)
+                except Exception as e:  # noqa: BLE001 - any compiler failure: decode eagerly
+                    log.warning("generate(compile=True): torch.compile failed (%s: %s); "
+                                "decoding eagerly.", type(e).__name__, str(e).splitlines()[0]
+                                if str(e) else "")
+                    compiled = self.__dict__["_compiled_token_fn"] = None  # not again
+            return eager(ids, st)
+
+        return step
 
     # ------------------------------------------------------------------ persistence
 

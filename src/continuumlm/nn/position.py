@@ -37,3 +37,12 @@ class RotaryEmbedding(nn.Module):
         if cos.dtype != x.dtype:
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+    def at(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x: (..., 1, D), one token at the position held in the (1,) tensor ``pos`` (the
+        static decoding step: no Python value or table size depends on the position, so the
+        angles are computed here rather than read from the tables)."""
+        angles = pos.float()[:, None] * self.inv_freq                  # (1, D/2)
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
