@@ -243,12 +243,24 @@ class LanguageModel(nn.Module):
             self.__dict__["_compiled_token_fn"] = torch.compile(self._static_token_logits,
                                                                 dynamic=False)
         compiled, eager = self.__dict__["_compiled_token_fn"], self._static_token_logits
+        checked = False
 
         def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-            nonlocal compiled
+            nonlocal compiled, checked
             if compiled is not None:
                 try:
-                    return compiled(ids.contiguous(), st)  # (strides are part of the guards)
+                    if checked:
+                        # Guard evaluation (hundreds of cache tensors and parameters) cost about
+                        # a tenth of a token step on CPU. After the first call of this frozen
+                        # state has passed every guard, later calls differ only in tensor
+                        # *values* (the token ids, the position): same model, state object,
+                        # shapes and grad mode, so the guards cannot fail; only the guards that
+                        # tell cached graphs apart are run.
+                        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                            return compiled(ids.contiguous(), st)
+                    out = compiled(ids.contiguous(), st)  # (strides are part of the guards)
+                    checked = True
+                    return out
                 except Exception as e:  # noqa: BLE001 - any compiler failure: decode eagerly
                     log.warning("generate(compile=True): torch.compile failed (%s: %s); "
                                 "decoding eagerly.", type(e).__name__, str(e).splitlines()[0]
