@@ -152,6 +152,11 @@ device = "cpu"
     r2 = _cli("generate", "--checkpoint", str(out), "--prompt", "the cat", "--max-new-tokens", "30",
               "--seed", "3", "--no-cache")
     assert r2.stdout == r.stdout
+    greedy = ["generate", "--checkpoint", str(out), "--prompt", "the", "--max-new-tokens", "20",
+              "--greedy"]
+    r3, r4 = _cli(*greedy), _cli(*greedy, "--compile")
+    assert r4.returncode == 0 and r4.stdout == r3.stdout, r4.stderr
+    assert "decoding eagerly" not in r4.stderr  # the compiled graph ran
     r = _cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
     assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
 
