@@ -95,15 +95,7 @@ class SeqCache:
 
 
 class KVCache(SeqCache):
-    """Keys and values of one attention evaluation."""
-
-    @property
-    def k(self) -> torch.Tensor | None:
-        return None if self.buffers is None else self.buffers[0][..., : self.length, :]
-
-    @property
-    def v(self) -> torch.Tensor | None:
-        return None if self.buffers is None else self.buffers[1][..., : self.length, :]
+    """Keys and values of one attention evaluation (``append(k, v)``, ``write(k, v)``)."""
 
 
 class DecodeState:
