@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     g.add_argument("--compile", action="store_true",
                    help="decode through one torch.compile graph (faster per token after a "
-                        "one-off compilation of about a minute on a small CPU)")
+                        "one-off compilation, 1-2 minutes on a 2-core CPU)")
     g.add_argument("--device", default="cpu")
     return p
 
