@@ -37,9 +37,10 @@ class StaticStep:
         self.pos = torch.tensor([pos], device=device)
         self.mask = (torch.arange(capacity, device=device) <= pos)[None, :]
 
-    def advance(self) -> None:
+    def advance(self, new_pos: int) -> None:
+        """Move to ``new_pos`` (the caller's integer copy, so no device sync is needed)."""
         self.pos += 1
-        if int(self.pos) < self.capacity:
+        if new_pos < self.capacity:
             self.mask.index_fill_(1, self.pos, True)
 
 
@@ -131,7 +132,7 @@ class DecodeState:
         self.pos += 1
         for c in self._caches.values():
             c.length += 1
-        self.static.advance()
+        self.static.advance(self.pos)
 
     def __len__(self) -> int:
         return len(self._caches)

@@ -32,6 +32,8 @@ class LanguageModel(nn.Module):
     cross-entropy over targets (ignoring -1), or None without targets.
     """
 
+    _compile_failed = False  # set when compiled decoding failed once: decode eagerly after
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.vocab_size <= 0:
@@ -142,6 +144,9 @@ class LanguageModel(nn.Module):
         last one, (B, vocab), together with the extended state."""
         if idx.shape[0] != state.batch_size:
             raise ValueError(f"state was made for batch size {state.batch_size}, got {idx.shape[0]}.")
+        if state.static is not None:
+            raise ValueError("this decoding state is frozen for generate(compile=True)'s one-token "
+                             "steps; start a new one with init_state() to use step().")
         h = self.hidden_states(idx, state)
         return self.lm_head(h[:, -1]), state
 
@@ -234,39 +239,27 @@ class LanguageModel(nn.Module):
         The capacity is rounded up to a power of two (at least 64) so that generations of
         similar length share one compiled graph (the attention mask hides the unused tail);
         a new capacity or batch size compiles once more. Static shapes: on CPU a graph with a
-        symbolic capacity compiled twice as slowly and decoded a third slower."""
+        symbolic capacity compiled twice as slowly and decoded a third slower. The capacity
+        follows ``total`` (prompt + max_new_tokens), whether or not an end token stops the
+        generation earlier."""
         capacity = max(64, 1 << (total - 1).bit_length())
         state.freeze(capacity, self.tok_emb.weight.device)
         if not compile:
             return self._static_token_logits
-        if "_compiled_token_fn" not in self.__dict__:
-            self.__dict__["_compiled_token_fn"] = torch.compile(self._static_token_logits,
-                                                                dynamic=False)
-        compiled, eager = self.__dict__["_compiled_token_fn"], self._static_token_logits
-        checked = False
 
         def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-            nonlocal compiled, checked
-            if compiled is not None:
+            if not self._compile_failed:
                 try:
-                    if checked:
-                        # Guard evaluation (hundreds of cache tensors and parameters) cost about
-                        # a tenth of a token step on CPU. After the first call of this frozen
-                        # state has passed every guard, later calls differ only in tensor
-                        # *values* (the token ids, the position): same model, state object,
-                        # shapes and grad mode, so the guards cannot fail; only the guards that
-                        # tell cached graphs apart are run.
-                        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                            return compiled(ids.contiguous(), st)
-                    out = compiled(ids.contiguous(), st)  # (strides are part of the guards)
-                    checked = True
-                    return out
-                except Exception as e:  # noqa: BLE001 - any compiler failure: decode eagerly
+                    # strides are part of the guards: a contiguous (B, 1) every time
+                    return _compiled_token_logits()(self, ids.contiguous(), st)
+                except torch._dynamo.exc.TorchDynamoException as e:
+                    # fullgraph: tracing and compiling end before anything runs, so the state
+                    # is untouched and the eager step below consumes this token exactly once
                     log.warning("generate(compile=True): torch.compile failed (%s: %s); "
-                                "decoding eagerly.", type(e).__name__, str(e).splitlines()[0]
-                                if str(e) else "")
-                    compiled = self.__dict__["_compiled_token_fn"] = None  # not again
-            return eager(ids, st)
+                                "decoding eagerly.", type(e).__name__,
+                                str(e).strip().splitlines()[0] if str(e).strip() else "")
+                    self._compile_failed = True  # not again for this model
+            return self._static_token_logits(ids, st)
 
         return step
 
@@ -309,3 +302,21 @@ class LanguageModel(nn.Module):
             raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
         return model
+
+
+def _static_token_logits(model: LanguageModel, idx: torch.Tensor, state: DecodeState):
+    return model._static_token_logits(idx, state)
+
+
+_COMPILED = None
+
+
+def _compiled_token_logits():
+    """One compiled function for every model, built on first use (nothing compiled is stored on
+    a model, so copies and pickles of a model are unaffected); dynamo's guards tell models,
+    batch sizes and capacities apart. fullgraph: no graph breaks, so a failure to compile
+    happens before any cache has moved."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_static_token_logits, dynamic=False, fullgraph=True)
+    return _COMPILED
