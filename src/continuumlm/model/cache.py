@@ -89,7 +89,7 @@ class SeqCache:
 
     def write(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Static step: store one token's (B, H, 1, D) tensors at ``static.pos``; return the
-        whole fixed-capacity buffers (positions past ``pos`` hold garbage: mask them)."""
+        whole fixed-capacity buffers (positions past ``pos`` hold zeros: mask them)."""
         for buf, x in zip(self.buffers, xs):
             buf[..., self.static.pos, :] = x  # index_put_: updated in place inside a graph
         return tuple(self.buffers)

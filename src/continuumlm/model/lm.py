@@ -238,8 +238,8 @@ class LanguageModel(nn.Module):
 
         The capacity is rounded up to a power of two (at least 64) so that generations of
         similar length share one compiled graph (the attention mask hides the unused tail);
-        a new capacity or batch size compiles once more. Static shapes: on CPU a graph with a
-        symbolic capacity compiled twice as slowly and decoded a third slower. The capacity
+        a new capacity or batch size compiles once more. Shapes are static (a symbolic-capacity
+        graph was slower to compile and to run on CPU). The capacity
         follows ``total`` (prompt + max_new_tokens), whether or not an end token stops the
         generation earlier."""
         capacity = max(64, 1 << (total - 1).bit_length())

@@ -20,12 +20,9 @@ class RotaryEmbedding(nn.Module):
 
     def _build(self, length: int) -> None:
         t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
-        angles = torch.outer(t, self.inv_freq)  # (T, D/2)
-        cos, sin = angles.cos(), angles.sin()
-        # full-width tables: x * cos + swap_halves(x) * sin_signed rotates (x1, x2) into
-        # (x1 cos - x2 sin, x2 cos + x1 sin) in three elementwise ops
-        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
+        cos, sin = _full_width(torch.outer(t, self.inv_freq))  # angles (T, D/2)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """x: (..., T, D) at absolute positions offset .. offset+T-1 (q and k may be stacked
@@ -33,16 +30,23 @@ class RotaryEmbedding(nn.Module):
         T = x.shape[-2]
         if offset + T > self.cos.shape[0]:
             self._build(max(offset + T, 2 * self.cos.shape[0]))
-        cos, sin = self.cos[offset:offset + T], self.sin[offset:offset + T]
-        if cos.dtype != x.dtype:
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        return _rotate(x, self.cos[offset:offset + T], self.sin[offset:offset + T])
 
     def at(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (..., 1, D), one token at the position held in the (1,) tensor ``pos`` (the
         static decoding step: no Python value or table size depends on the position, so the
         angles are computed here rather than read from the tables)."""
-        angles = pos.float()[:, None] * self.inv_freq                  # (1, D/2)
-        cos, sin = angles.cos(), angles.sin()
-        cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        return _rotate(x, *_full_width(pos.float()[:, None] * self.inv_freq))
+
+
+def _full_width(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) of angles (..., D/2), each widened to D: x * cos + swap_halves(x) * sin
+    rotates (x1, x2) into (x1 cos - x2 sin, x2 cos + x1 sin) in three elementwise ops."""
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
