@@ -1,10 +1,13 @@
 """One MQAR config: train (resumable), score, and record the result.
 
     python bench/mqar_runs.py configs/mqar/deltanet_kv64.toml [--set SECTION.KEY=VALUE ...]
+    python bench/mqar_runs.py --snapshot configs/mqar/deltanet_kv64.toml
 
 Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its state file when
 interrupted) and writes bench/results/mqar-<name>.json once the run is complete; a config whose
-JSON exists is skipped.
+complete JSON exists is skipped. ``--snapshot`` (safe while the run is going) records how far an
+unfinished run has got, marked ``"complete": false``, unless the JSON already holds a record
+from further along: a run that cannot finish in one sitting still leaves a committed figure.
 """
 
 from __future__ import annotations
@@ -19,29 +22,47 @@ from pathlib import Path
 
 from common import RESULTS, ROOT, RUNS
 
+from continuumlm.train.mqar import progress
+
 CLI = str(Path(sys.executable).parent / "continuumlm")
+
+
+def _record(result: dict, config: Path, overrides: list[str], cmd: list[str]) -> dict:
+    result.update(config=str(config.relative_to(ROOT)), overrides=overrides,
+                  command="continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
+                  machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU")
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--snapshot", action="store_true",
+                    help="record an unfinished run's progress and exit")
     args = ap.parse_args()
     config = Path(args.config)
     config = config if config.is_absolute() else (ROOT / config)
     name = f"mqar-{config.stem}"
     dest = RESULTS / f"{name}.json"
-    if dest.exists():
-        print(f"skip {dest} (exists)")
+    old = json.loads(dest.read_text()) if dest.exists() else None
+    if old is not None and old.get("complete", True):
+        print(f"skip {dest} (complete)")
         return
     run = RUNS / name
     cmd = [CLI, "mqar", "--config", str(config), "--out", str(run),
            *sum((["--set", s] for s in args.set), [])]
-    subprocess.run(cmd, check=True)
-    result = json.loads((run / "result.json").read_text())
-    result.update(config=str(config.relative_to(ROOT)), overrides=args.set,
-                  command="continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
-                  machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU")
+    if args.snapshot:
+        result = progress(run)
+        if result is None:
+            sys.exit(f"{run} has no evaluation to record yet")
+        if old is not None and not result["complete"] and old["steps"] >= result["steps"]:
+            print(f"keep {dest}: it records step {old['steps']}, the run is at {result['steps']}")
+            return
+    else:
+        subprocess.run(cmd, check=True)
+        result = json.loads((run / "result.json").read_text())
+    result = _record(result, config, args.set, cmd)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))

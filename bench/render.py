@@ -113,7 +113,9 @@ def mqar_table(results: dict[str, dict]) -> str:
         rows.append({"config": f"`{r['config']}`", "mixer": r["mixer"], "depth": r["depth"],
                      "pairs": r["num_kv_pairs"], "acc": f"{100 * r['accuracy']:.1f}%",
                      "best": f"{100 * r['best_accuracy']:.1f}%",
-                     "steps": f"{r['steps']} of {r['max_steps']}", "min": f"{r['seconds'] / 60:.0f}"})
+                     "steps": f"{r['steps']} of {r['max_steps']}"
+                     + ("" if r.get("complete", True) else " (unfinished)"),
+                     "min": f"{r['seconds'] / 60:.0f}"})
     return markdown_table(rows, [("config", "config"), ("mixer", "mixer"), ("depth", "depth"),
                                  ("pairs", "key-value pairs"), ("acc", "recall (final)"),
                                  ("best", "best"), ("steps", "steps"), ("min", "minutes")])
@@ -218,7 +220,10 @@ def main() -> None:
                   "Zoology's task: vocabulary 8192, sequence 256, 2 layers (or one ODE block), "
                   "hidden 128; recall accuracy on 1,000 held-out sequences. Each run stops at "
                   "99% or after 20,000 steps of batch 64. Produced by `continuumlm experiment "
-                  "mqar` (`python bench/mqar_runs.py configs/mqar/NAME.toml`).", "", mq, ""]
+                  "mqar` (`python bench/mqar_runs.py configs/mqar/NAME.toml`). A run marked "
+                  "unfinished was interrupted there (its record written by `python "
+                  "bench/mqar_runs.py --snapshot configs/mqar/NAME.toml`); its recall is where "
+                  "it stood, not a final figure.", "", mq, ""]
     for key, title in (("ode_cost", "Cost per function evaluation"),
                        ("ode_memory", "Memory and time vs solver steps"),
                        ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -108,8 +109,16 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
         M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
     monkeypatch.setattr(M, "recall_accuracy", real)
     assert torch.load(tmp_path / "cut" / "state.pt", weights_only=True)["step"] == 4
+    # the interrupted run leaves a record of how far it got, marked unfinished
+    part = M.progress(tmp_path / "cut")
+    assert not part["complete"] and not part["stopped_early"]
+    assert part["steps"] == 4 and part["history"] == full["history"][:1]
+    assert part["parameters"] == full["parameters"] and part["accuracy"] == full["history"][0][1]
+    assert json.loads((tmp_path / "cut" / "result.json").read_text())["steps"] == 4
+    assert M.progress(tmp_path / "nothing") is None
     resumed = M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
     assert resumed["history"] == full["history"] and resumed["steps"] == 8
+    assert resumed["complete"] and M.progress(tmp_path / "cut") == resumed
 
     def losses(d):
         return [(e["step"], e["loss"]) for e in read_metrics(d) if "loss" in e]

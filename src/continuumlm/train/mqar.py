@@ -8,6 +8,8 @@ The loss is the cross-entropy at the query positions only (every other target is
 the output layer is applied to those positions alone: the same loss as a full forward at a
 fraction of the vocabulary-sized work. The run saves ``state.pt`` at every evaluation; running
 the same command again continues from it (same batches, same result as an uninterrupted run).
+``result.json`` is rewritten at every evaluation too, with ``"complete": false`` until the run
+stops, so an interrupted run still leaves a record of how far it got (:func:`progress`).
 """
 
 from __future__ import annotations
@@ -115,13 +117,54 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
                         "step": step, "accuracy": acc, "best": best,
                         "elapsed": time.perf_counter() - start, "history": history}, tmp)
             tmp.replace(state_path)
+            if not done and step < t.max_steps:
+                _write_result(out, _result(cfg, model.num_parameters(), step, acc, best,
+                                           history, time.perf_counter() - start,
+                                           complete=False))
     bar.close()
     logger.close()
-    result = {"accuracy": acc, "best_accuracy": best, "steps": step, "max_steps": t.max_steps,
-              "stopped_early": step < t.max_steps,
-              "parameters": model.num_parameters(), "seconds": time.perf_counter() - start,
-              "mixer": cfg.model.mixer, "depth": cfg.model.depth,
-              "num_kv_pairs": q.num_kv_pairs, "seq_len": q.seq_len, "history": history,
-              "examples_seen": step * t.batch_size}
-    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    result = _result(cfg, model.num_parameters(), step, acc, best, history,
+                     time.perf_counter() - start, complete=True)
+    _write_result(out, result)
     return result
+
+
+def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
+            history: list, seconds: float, complete: bool) -> dict:
+    t, q = cfg.train, cfg.mqar
+    return {"accuracy": acc, "best_accuracy": best, "steps": step, "max_steps": t.max_steps,
+            "complete": complete, "stopped_early": complete and step < t.max_steps,
+            "parameters": parameters, "seconds": seconds,
+            "mixer": cfg.model.mixer, "depth": cfg.model.depth,
+            "num_kv_pairs": q.num_kv_pairs, "seq_len": q.seq_len, "history": history,
+            "examples_seen": step * t.batch_size}
+
+
+def _write_result(out: Path, result: dict) -> None:
+    tmp = out / "result.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out / "result.json")
+
+
+def progress(out: str | Path) -> dict | None:
+    """The result record of the run in ``out`` as far as it got, or None before its first
+    evaluation. Read from ``state.pt`` (written at every evaluation), so it also works while the
+    run is still going."""
+    out = Path(out)
+    done = out / "result.json"
+    if done.exists():
+        result = json.loads(done.read_text())
+        if result.get("complete", True):
+            return {**result, "complete": True}
+    state_path = out / STATE
+    if not state_path.exists():
+        return None
+    try:
+        st = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{state_path} cannot be read ({e}); it is being written or is "
+                              f"damaged: try again after the next evaluation.") from None
+    cfg = RunConfig.from_dict(st["config"])
+    params = LanguageModel(cfg.model).num_parameters()  # tied weights counted once
+    return _result(cfg, params, st["step"], st["accuracy"], st["best"], st["history"],
+                   st["elapsed"], complete=False)
