@@ -66,13 +66,16 @@ def assert_cached_decoding_exact(m: LanguageModel, prompt: torch.Tensor, n_new: 
     full, _ = m(a[:, :-1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol)
     if getattr(m.depth, "exact_cache", True):
-        # the static one-token path that generate(compile=True) compiles, run eagerly here
+        # the static one-token path that generate(compile=True) compiles, run eagerly here;
+        # with the smallest first capacity, so that the buffers are refrozen larger on the way
         state = m.init_state(prompt.shape[0])
         steps = [m.step(a[:, :P], state)[0]]
-        fn = m._static_decoder(state, a.shape[1] - 1, compile=False)
+        fn = m._static_decoder(state, compile=False, min_capacity=1)
+        first = state.static.capacity
         for t in range(P, a.shape[1] - 1):
             steps.append(fn(a[:, t:t + 1], state))
             state.advance()
+        assert first == 1 << P.bit_length() and state.static.capacity >= a.shape[1] - 1
         torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol)
     return a
 

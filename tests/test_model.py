@@ -108,23 +108,30 @@ def test_static_cache_write_and_advance():
 
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
 def test_compiled_decoding_equals_eager(mixer):
-    """generate(compile=True): one torch.compile graph serves every position; its logits equal
-    a full forward's, and a second generation of a similar length reuses the graph."""
+    """generate(compile=True): one torch.compile graph per capacity serves every position; the
+    buffers double when full; logits equal a full forward's, and later generations reuse the
+    graphs. DeltaNet's step does not read the buffers' length, so growing never recompiles."""
     m = small_model(mixer=mixer, depth="ode", ode_solver="midpoint", ode_steps=1, num_layers=1,
                     position="rope")
     prompt = torch.randint(0, 37, (2, 5))
     a = m.generate(prompt, 30, greedy=True)
     state = m.init_state(2)
     steps = [m.step(a[:, :5], state)[0]]
-    fn = m._static_decoder(state, a.shape[1] - 1)
+    torch._dynamo.utils.counters.clear()
+    fn = m._static_decoder(state, min_capacity=16)
+    capacities = set()
     with torch.no_grad():  # as in generate (grad mode is part of what a graph is valid for)
         for t in range(5, a.shape[1] - 1):
             steps.append(fn(a[:, t:t + 1], state))
+            capacities.add(state.static.capacity)
             state.advance()
+    assert capacities == {16, 32, 64}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == (3 if mixer == "softmax" else 1)
     full, _ = m(a[:, :-1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
     torch._dynamo.utils.counters.clear()
-    b = m.generate(prompt, 20, greedy=True, compile=True)   # same capacity (64): no recompile
+    b = m.generate(prompt, 20, greedy=True, compile=True)   # capacity 64 again: no recompile
     assert torch.equal(b, a[:, :25])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
@@ -154,7 +161,7 @@ def test_frozen_state_refuses_step():
     m = small_model()
     state = m.init_state(1)
     m.step(torch.zeros(1, 3, dtype=torch.long), state)
-    m._static_decoder(state, 10, compile=False)
+    m._static_decoder(state, compile=False)
     with pytest.raises(ValueError, match="frozen"):
         m.step(torch.zeros(1, 1, dtype=torch.long), state)
 

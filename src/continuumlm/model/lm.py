@@ -159,10 +159,11 @@ class LanguageModel(nn.Module):
                         compile: bool = False) -> Iterator[torch.Tensor]:
         """Yield the next token ids (B,) one step at a time.
 
-        ``compile=True`` (with the cache) decodes through one ``torch.compile`` graph per
-        (batch size, capacity): after the prompt, the state is frozen to fixed-capacity buffers
-        with the position held in tensors, so the same graph serves every token. The first
-        call pays the compilation; a compiler failure warns once and decodes eagerly.
+        ``compile=True`` (with the cache) decodes through ``torch.compile`` graphs: after the
+        prompt, the state is frozen to fixed-capacity buffers with the position held in
+        tensors, so one graph serves every token until the buffers are full; they then double,
+        and the next capacity has a graph of its own (per batch size; compiled on first use,
+        kept for later generations). A compiler failure warns once and decodes eagerly.
         """
         cfg = self.config
         if cfg.mode != "decoder":
@@ -189,7 +190,7 @@ class LanguageModel(nn.Module):
             logits = self.step(idx, state)[0] if use_cache else None
             token_fn = None
             if use_cache and compile and max_new_tokens > 1:
-                token_fn = self._static_decoder(state, idx.shape[1] + max_new_tokens - 1)
+                token_fn = self._static_decoder(state)
             for i in range(max_new_tokens):
                 if not use_cache:
                     logits = self.lm_head(self.hidden_states(seq)[:, -1])
@@ -232,26 +233,49 @@ class LanguageModel(nn.Module):
         x = self.depth(x, state)
         return self.lm_head(self.norm_f(x)[:, -1])
 
-    def _static_decoder(self, state: DecodeState, total: int, compile: bool = True):
-        """Freeze ``state`` for ``total`` tokens in all and return the (compiled, unless
-        ``compile`` is False) one-token step ``fn(ids (B, 1), state) -> logits (B, vocab)``.
+    def _static_decoder(self, state: DecodeState, compile: bool = True,
+                        min_capacity: int = 64):
+        """Freeze ``state`` and return the (compiled, unless ``compile`` is False) one-token
+        step ``fn(ids (B, 1), state) -> logits (B, vocab)``.
 
-        The capacity is rounded up to a power of two (at least 64) so that generations of
-        similar length share one compiled graph (the attention mask hides the unused tail);
-        a new capacity or batch size compiles once more. Shapes are static (a symbolic-capacity
-        graph was slower to compile and to run on CPU). The capacity
-        follows ``total`` (prompt + max_new_tokens), whether or not an end token stops the
-        generation earlier."""
-        capacity = max(64, 1 << (total - 1).bit_length())
-        state.freeze(capacity, self.tok_emb.weight.device)
+        Capacities are powers of two (at least ``min_capacity``) that grow with the sequence:
+        the state is frozen at the smallest one that holds the next token and refrozen at twice
+        the size when it is full. A frozen attention step reads its whole buffer (the mask
+        hides the tail), and on CPU reading the caches of every stage evaluation is most of a
+        token's time, so a buffer sized to the final length would make every early token pay
+        for the last; with doubling, each token reads fewer than twice the positions it needs.
+        Each capacity is one static-shape graph (a symbolic-capacity graph was slower to
+        compile and to run on CPU), shared by every generation that reaches it: generations of
+        any length compile at most one graph per power of two. A mixer whose step does not
+        read the buffers' length (DeltaNet) keeps one graph throughout."""
+        device = self.tok_emb.weight.device
+        state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
+        fresh = [True]  # the first call at a capacity may compile
+
+        def grow(st: DecodeState) -> None:
+            if st.pos >= st.static.capacity:
+                st.freeze(2 * st.static.capacity, device)
+                fresh[0] = True
+
         if not compile:
-            return self._static_token_logits
+            def eager(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+                grow(st)
+                return self._static_token_logits(ids, st)
+            return eager
 
         def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+            grow(st)
             if not self._compile_failed:
                 try:
                     # strides are part of the guards: a contiguous (B, 1) every time
-                    return _compiled_token_logits()(self, ids.contiguous(), st)
+                    if not fresh[0]:
+                        return _compiled_token_logits()(self, ids.contiguous(), st)
+                    # one function serves every model, batch size and capacity: allow more
+                    # graphs than dynamo's default of 8 before it would give up on compiling
+                    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                        out = _compiled_token_logits()(self, ids.contiguous(), st)
+                    fresh[0] = False
+                    return out
                 except torch._dynamo.exc.TorchDynamoException as e:
                     # fullgraph: tracing and compiling end before anything runs, so the state
                     # is untouched and the eager step below consumes this token exactly once
@@ -309,6 +333,12 @@ def _static_token_logits(model: LanguageModel, idx: torch.Tensor, state: DecodeS
 
 
 _COMPILED = None
+_RECOMPILE_LIMIT = 64
+
+
+def _capacity_for(n: int, minimum: int = 64) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
 
 
 def _compiled_token_logits():
