@@ -117,7 +117,7 @@ def mqar_table(results: dict[str, dict]) -> str:
                      + ("" if r.get("complete", True) else " (unfinished)"),
                      "min": f"{r['seconds'] / 60:.0f}"})
     return markdown_table(rows, [("config", "config"), ("mixer", "mixer"), ("depth", "depth"),
-                                 ("pairs", "key-value pairs"), ("acc", "recall (final)"),
+                                 ("pairs", "key-value pairs"), ("acc", "recall (last evaluation)"),
                                  ("best", "best"), ("steps", "steps"), ("min", "minutes")])
 
 
@@ -223,7 +223,9 @@ def main() -> None:
                   "mqar` (`python bench/mqar_runs.py configs/mqar/NAME.toml`). A run marked "
                   "unfinished was interrupted there (its record written by `python "
                   "bench/mqar_runs.py --snapshot configs/mqar/NAME.toml`); its recall is where "
-                  "it stood, not a final figure.", "", mq, ""]
+                  "it stood, not a final figure. Minutes are wall-clock time on a 2-core "
+                  "machine shared with other jobs (two runs at a time, one thread each).", "",
+                  mq, ""]
     for key, title in (("ode_cost", "Cost per function evaluation"),
                        ("ode_memory", "Memory and time vs solver steps"),
                        ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),
