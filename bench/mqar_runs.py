@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common import RESULTS, ROOT, RUNS
 
+from continuumlm.config import load_config
 from continuumlm.train.mqar import progress
 
 CLI = str(Path(sys.executable).parent / "continuumlm")
@@ -45,7 +46,11 @@ def main() -> None:
     config = config if config.is_absolute() else (ROOT / config)
     name = f"mqar-{config.stem}"
     dest = RESULTS / f"{name}.json"
-    old = json.loads(dest.read_text()) if dest.exists() else None
+
+    def recorded() -> dict | None:
+        return json.loads(dest.read_text()) if dest.exists() else None
+
+    old = recorded()
     if old is not None and old.get("complete", True):
         print(f"skip {dest} (complete)")
         return
@@ -53,10 +58,13 @@ def main() -> None:
     cmd = [CLI, "mqar", "--config", str(config), "--out", str(run),
            *sum((["--set", s] for s in args.set), [])]
     if args.snapshot:
-        result = progress(run)
+        # refuses a run folder whose settings differ from this config and these --set options
+        result = progress(run, load_config(config, args.set))
         if result is None:
             sys.exit(f"{run} has no evaluation to record yet")
-        if old is not None and not result["complete"] and old["steps"] >= result["steps"]:
+        old = recorded()  # again: the run itself may have just written its complete record
+        if old is not None and (old.get("complete", True) or (
+                not result["complete"] and old["steps"] >= result["steps"])):
             print(f"keep {dest}: it records step {old['steps']}, the run is at {result['steps']}")
             return
     else:
@@ -64,7 +72,9 @@ def main() -> None:
         result = json.loads((run / "result.json").read_text())
     result = _record(result, config, args.set, cmd)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(result, indent=2) + "\n")
+    tmp = dest.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(dest)
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))
 
 

@@ -130,6 +130,19 @@ def test_compiled_decoding_equals_eager(mixer):
     assert graphs == (3 if mixer == "softmax" else 1)
     full, _ = m(a[:, :-1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
+    # two states at different capacities, stepped in turn, through the same graphs
+    states, outs = [m.init_state(2), m.init_state(2)], [[], []]
+    for st, n in zip(states, (5, 20)):
+        m.step(a[:, :n], st)
+    fns = [m._static_decoder(st, min_capacity=16) for st in states]
+    with torch.no_grad():
+        for t in range(8):
+            for i, n in enumerate((5, 20)):
+                outs[i].append(fns[i](a[:, n + t:n + t + 1], states[i]))
+                states[i].advance()
+    assert [st.static.capacity for st in states] == [16, 32]
+    for i, n in enumerate((5, 20)):
+        torch.testing.assert_close(torch.stack(outs[i], 1), full[:, n:n + 8], rtol=0, atol=1e-4)
     torch._dynamo.utils.counters.clear()
     b = m.generate(prompt, 20, greedy=True, compile=True)   # capacity 64 again: no recompile
     assert torch.equal(b, a[:, :25])
@@ -155,6 +168,41 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert len(caplog.records) == 1 and "no compiler here" in caplog.records[0].message
     copy.deepcopy(m)  # nothing compiled is stored on the model
+
+
+def test_running_out_of_graphs_decodes_eagerly(monkeypatch, caplog):
+    """Dynamo refuses to compile past its graph limit (under fullgraph, by raising): that model
+    warns once and decodes eagerly, with the same tokens."""
+    from continuumlm.model import lm
+
+    m = small_model()
+    prompt = torch.randint(0, 37, (1, 4))
+    ref = m.generate(prompt, 70, greedy=True)
+    monkeypatch.setattr(lm, "_RECOMPILE_LIMIT", 0)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    try:
+        with caplog.at_level("WARNING", logger="continuumlm"):
+            out = m.generate(prompt, 70, greedy=True, compile=True)  # capacities 64, then 128
+    finally:
+        torch._dynamo.reset()  # later tests start from no graphs whatever happened here
+    assert torch.equal(out, ref)
+    ours = [r for r in caplog.records if r.name == "continuumlm"]
+    assert len(ours) == 1 and "RecompileLimit" in ours[0].getMessage()
+
+
+def test_interleaved_streams_keep_eval_mode_until_the_last_ends():
+    m = small_model(dropout=0.5)
+    m.train()
+    prompt = torch.randint(0, 37, (1, 4))
+    ref = m.eval().generate(prompt, 6, greedy=True)
+    m.train()
+    a, b = m.generate_stream(prompt, 3, greedy=True), m.generate_stream(prompt, 6, greedy=True)
+    got_a, got_b = [next(a)], [next(b)]
+    got_a += list(a)            # a ends while b is still going: b must not see dropout
+    got_b += list(b)
+    assert torch.equal(torch.cat([prompt] + [t[:, None] for t in got_b], 1), ref)
+    assert torch.equal(torch.cat([prompt] + [t[:, None] for t in got_a], 1), ref[:, :7])
+    assert m.training
 
 
 def test_frozen_state_refuses_step():

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,11 +115,18 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert not part["complete"] and not part["stopped_early"]
     assert part["steps"] == 4 and part["history"] == full["history"][:1]
     assert part["parameters"] == full["parameters"] and part["accuracy"] == full["history"][0][1]
-    assert json.loads((tmp_path / "cut" / "result.json").read_text())["steps"] == 4
+    assert json.loads((tmp_path / "cut" / "result.json").read_text())["complete"] is False
     assert M.progress(tmp_path / "nothing") is None
+    assert M.progress(tmp_path / "cut", _mqar_cfg())["steps"] == 4
+    with pytest.raises(ValueError, match="other settings"):
+        M.progress(tmp_path / "cut", _mqar_cfg("train.lr=0.5"))
     resumed = M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
     assert resumed["history"] == full["history"] and resumed["steps"] == 8
     assert resumed["complete"] and M.progress(tmp_path / "cut") == resumed
+    # a run that ended but died before writing its record is reported complete from its state
+    (tmp_path / "cut" / "result.json").unlink()
+    again = M.progress(tmp_path / "cut")
+    assert again["complete"] and again["steps"] == 8 and again["history"] == full["history"]
 
     def losses(d):
         return [(e["step"], e["loss"]) for e in read_metrics(d) if "loss" in e]
@@ -126,6 +134,50 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
     with pytest.raises(ValueError, match="other settings"):
         M.run_mqar(_mqar_cfg("train.lr=0.5"), tmp_path / "cut", quiet=True)
+
+
+def test_mqar_snapshot_records_unfinished_runs(tmp_path, monkeypatch):
+    """bench/mqar_runs.py --snapshot: records an interrupted run as unfinished, keeps a record
+    from further along, and refuses a run made with other settings."""
+    import continuumlm.train.mqar as M
+    from continuumlm import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    config = root / "configs" / "mqar" / "softmax_kv16.toml"
+    sets = ["model.hidden_size=32", "mqar.vocab_size=64", "mqar.seq_len=32",
+            "mqar.num_kv_pairs=4", "mqar.train_examples=96", "mqar.test_examples=32",
+            "train.max_steps=12", "train.batch_size=16", "train.eval_interval=4",
+            "train.warmup_steps=2", "train.device=cpu"]
+    real, calls = M.recall_accuracy, []
+
+    def crash_on_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(M, "recall_accuracy", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        M.run_mqar(load_config(config, sets), tmp_path / "runs" / "mqar-softmax_kv16",
+                   quiet=True)
+    env = {**os.environ, "CONTINUUMLM_RUNS_DIR": str(tmp_path / "runs"),
+           "CONTINUUMLM_RESULTS_DIR": str(tmp_path / "results")}
+
+    def snapshot(*extra):
+        return subprocess.run([sys.executable, str(root / "bench" / "mqar_runs.py"), "--snapshot",
+                               str(config), *sum((["--set", x] for x in sets), []), *extra],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    r = snapshot()
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((tmp_path / "results" / "mqar-softmax_kv16.json").read_text())
+    assert rec["steps"] == 8 and rec["complete"] is False and rec["overrides"] == sets
+    rec["steps"] = 100  # a record from further along (an earlier, longer sitting) is kept
+    (tmp_path / "results" / "mqar-softmax_kv16.json").write_text(json.dumps(rec))
+    r = snapshot()
+    assert r.returncode == 0 and "keep" in r.stdout, r.stderr
+    r = snapshot("--set", "train.lr=0.5")
+    assert r.returncode != 0 and "other settings" in r.stderr
 
 
 def test_mqar_stops_at_the_target_accuracy(tmp_path):

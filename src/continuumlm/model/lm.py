@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,6 +34,8 @@ class LanguageModel(nn.Module):
     """
 
     _compile_failed = False  # set when compiled decoding failed once: decode eagerly after
+    _open_streams = 0  # generations in progress (see generate_stream)
+    _mode_before_streams = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -181,7 +184,10 @@ class LanguageModel(nn.Module):
             log.debug("generate: %s solves cannot be cached exactly; recomputing the whole "
                       "context for every token", cfg.ode_solver)
             use_cache = False
-        was_training = self.training
+        # streams may interleave: the model leaves eval mode only when the last one ends
+        if self._open_streams == 0:
+            self._mode_before_streams = self.training
+        self._open_streams += 1
         self.eval()
         try:
             seq = idx
@@ -209,7 +215,9 @@ class LanguageModel(nn.Module):
                 else:
                     seq = torch.cat([seq, nxt[:, None]], dim=1)
         finally:
-            self.train(was_training)
+            self._open_streams -= 1
+            if self._open_streams == 0:
+                self.train(self._mode_before_streams)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
@@ -250,12 +258,10 @@ class LanguageModel(nn.Module):
         read the buffers' length (DeltaNet) keeps one graph throughout."""
         device = self.tok_emb.weight.device
         state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
-        fresh = [True]  # the first call at a capacity may compile
 
         def grow(st: DecodeState) -> None:
             if st.pos >= st.static.capacity:
                 st.freeze(2 * st.static.capacity, device)
-                fresh[0] = True
 
         if not compile:
             def eager(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
@@ -268,15 +274,9 @@ class LanguageModel(nn.Module):
             if not self._compile_failed:
                 try:
                     # strides are part of the guards: a contiguous (B, 1) every time
-                    if not fresh[0]:
+                    with _recompile_limit(_RECOMPILE_LIMIT):
                         return _compiled_token_logits()(self, ids.contiguous(), st)
-                    # one function serves every model, batch size and capacity: allow more
-                    # graphs than dynamo's default of 8 before it would give up on compiling
-                    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                        out = _compiled_token_logits()(self, ids.contiguous(), st)
-                    fresh[0] = False
-                    return out
-                except torch._dynamo.exc.TorchDynamoException as e:
+                except _compile_errors() as e:
                     # fullgraph: tracing and compiling end before anything runs, so the state
                     # is untouched and the eager step below consumes this token exactly once
                     log.warning("generate(compile=True): torch.compile failed (%s: %s); "
@@ -333,7 +333,33 @@ def _static_token_logits(model: LanguageModel, idx: torch.Tensor, state: DecodeS
 
 
 _COMPILED = None
+# one compiled function serves every model, batch size and capacity: allow more graphs than
+# dynamo's default of 8 before it refuses to compile another (it then raises, under fullgraph,
+# and that model decodes eagerly)
 _RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def _recompile_limit(n: int):
+    """Raise dynamo's per-function graph limit to at least ``n`` for one call (a plain
+    attribute swap: ~3 us, against milliseconds per token)."""
+    cfg = torch._dynamo.config
+    # renamed from cache_size_limit in torch 2.7, which keeps the old name as an alias
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old = getattr(cfg, name)
+    setattr(cfg, name, max(old, n))
+    try:
+        yield
+    finally:
+        setattr(cfg, name, old)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises before anything runs: dynamo's errors, and (under
+    fullgraph, where it exists) running out of graphs for the function."""
+    exc = torch._dynamo.exc
+    return tuple(e for e in (exc.TorchDynamoException,
+                             getattr(exc, "FailOnRecompileLimitHit", None)) if e is not None)
 
 
 def _capacity_for(n: int, minimum: int = 64) -> int:

@@ -42,12 +42,18 @@ def query_loss(model: LanguageModel, x: torch.Tensor, y: torch.Tensor) -> torch.
     return F.cross_entropy(model.lm_head(h[mask]).float(), y[mask])
 
 
+def _task_model(cfg: RunConfig):
+    """The model settings the task imposes: its vocabulary, room for its sequences."""
+    q = cfg.mqar
+    return dataclasses.replace(cfg.model, vocab_size=q.vocab_size,
+                               max_seq_len=max(cfg.model.max_seq_len, q.seq_len))
+
+
 def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t, q = cfg.train, cfg.mqar
-    cfg.model = dataclasses.replace(cfg.model, vocab_size=q.vocab_size,
-                                    max_seq_len=max(cfg.model.max_seq_len, q.seq_len))
+    cfg.model = _task_model(cfg)
     device = pick_device(t.device)
     torch.manual_seed(t.seed)
     train_x, train_y = mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs,
@@ -146,16 +152,12 @@ def _write_result(out: Path, result: dict) -> None:
     tmp.replace(out / "result.json")
 
 
-def progress(out: str | Path) -> dict | None:
+def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     """The result record of the run in ``out`` as far as it got, or None before its first
     evaluation. Read from ``state.pt`` (written at every evaluation), so it also works while the
-    run is still going."""
+    run is still going. With ``cfg``, a run with other settings is refused (ConfigError)."""
     out = Path(out)
     done = out / "result.json"
-    if done.exists():
-        result = json.loads(done.read_text())
-        if result.get("complete", True):
-            return {**result, "complete": True}
     state_path = out / STATE
     if not state_path.exists():
         return None
@@ -164,7 +166,19 @@ def progress(out: str | Path) -> dict | None:
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{state_path} cannot be read ({e}); it is being written or is "
                               f"damaged: try again after the next evaluation.") from None
+    if cfg is not None:
+        cfg = dataclasses.replace(cfg, model=_task_model(cfg))
+        if st["config"] != cfg.to_dict():
+            raise ConfigError(f"{out} holds an MQAR run with other settings than the config "
+                              f"and --set options given; record it with the ones it ran with.")
+    if done.exists():
+        result = json.loads(done.read_text())
+        if result.get("complete", True) and result["steps"] == st["step"]:
+            return {**result, "complete": True}
     cfg = RunConfig.from_dict(st["config"])
-    params = LanguageModel(cfg.model).num_parameters()  # tied weights counted once
+    with torch.random.fork_rng(devices=[]):  # building a model draws from the global RNG
+        params = LanguageModel(cfg.model).num_parameters()  # tied weights counted once
+    # the last evaluation reached the target or the last step: only result.json was missing
+    complete = st["step"] >= cfg.train.max_steps or st["accuracy"] >= cfg.mqar.stop_accuracy
     return _result(cfg, params, st["step"], st["accuracy"], st["best"], st["history"],
-                   st["elapsed"], complete=False)
+                   st["elapsed"], complete=complete)
