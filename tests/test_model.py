@@ -179,9 +179,9 @@ def test_running_out_of_graphs_decodes_eagerly(monkeypatch, caplog):
     prompt = torch.randint(0, 37, (1, 4))
     ref = m.generate(prompt, 70, greedy=True)
     monkeypatch.setattr(lm, "_RECOMPILE_LIMIT", 0)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    try:
-        with caplog.at_level("WARNING", logger="continuumlm"):
+    try:  # (not monkeypatch: undoing it on torch's config module hides the setting)
+        with torch._dynamo.config.patch(recompile_limit=1), \
+                caplog.at_level("WARNING", logger="continuumlm"):
             out = m.generate(prompt, 70, greedy=True, compile=True)  # capacities 64, then 128
     finally:
         torch._dynamo.reset()  # later tests start from no graphs whatever happened here
