@@ -92,20 +92,26 @@ def _mqar_cfg(*extra):
         "train.eval_interval=4", "train.log_interval=1", "train.device=cpu", *extra])
 
 
+def _dies_at_evaluation(n: int, evaluate):
+    """``evaluate``, except that its n-th call interrupts the run as a killed process would."""
+    calls = []
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return evaluate(*a, **k)
+    return wrapped
+
+
 def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     import continuumlm.train.mqar as M
     from continuumlm.train.logging import read_metrics
 
     full = M.run_mqar(_mqar_cfg(), tmp_path / "full", quiet=True)
-    real, calls = M.recall_accuracy, []
-
-    def crash_on_second(*a, **k):  # the process dies at the second evaluation (step 8)
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(M, "recall_accuracy", crash_on_second)
+    real = M.recall_accuracy
+    # the process dies at the second evaluation (step 8)
+    monkeypatch.setattr(M, "recall_accuracy", _dies_at_evaluation(2, real))
     with pytest.raises(KeyboardInterrupt):
         M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
     monkeypatch.setattr(M, "recall_accuracy", real)
@@ -148,15 +154,7 @@ def test_mqar_snapshot_records_unfinished_runs(tmp_path, monkeypatch):
             "mqar.num_kv_pairs=4", "mqar.train_examples=96", "mqar.test_examples=32",
             "train.max_steps=12", "train.batch_size=16", "train.eval_interval=4",
             "train.warmup_steps=2", "train.device=cpu"]
-    real, calls = M.recall_accuracy, []
-
-    def crash_on_third(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(M, "recall_accuracy", crash_on_third)
+    monkeypatch.setattr(M, "recall_accuracy", _dies_at_evaluation(3, M.recall_accuracy))
     with pytest.raises(KeyboardInterrupt):
         M.run_mqar(load_config(config, sets), tmp_path / "runs" / "mqar-softmax_kv16",
                    quiet=True)
