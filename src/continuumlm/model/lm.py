@@ -249,9 +249,10 @@ class LanguageModel(nn.Module):
         Capacities are powers of two (at least ``min_capacity``) that grow with the sequence:
         the state is frozen at the smallest one that holds the next token and refrozen at twice
         the size when it is full. A frozen attention step reads its whole buffer (the mask
-        hides the tail), and on CPU reading the caches of every stage evaluation is most of a
-        token's time, so a buffer sized to the final length would make every early token pay
-        for the last; with doubling, each token reads fewer than twice the positions it needs.
+        hides the tail), and on CPU reading the caches of every stage evaluation is a large
+        share of a token's time, so a buffer sized to the final length would make every early
+        token pay for the last; with doubling, each token reads fewer than twice the positions
+        it needs.
         Each capacity is one static-shape graph (a symbolic-capacity graph was slower to
         compile and to run on CPU), shared by every generation that reaches it: generations of
         any length compile at most one graph per power of two. A mixer whose step does not
