@@ -2,12 +2,16 @@
 
     python bench/mqar_runs.py configs/mqar/deltanet_kv64.toml [--set SECTION.KEY=VALUE ...]
     python bench/mqar_runs.py --snapshot configs/mqar/deltanet_kv64.toml
+    python bench/mqar_runs.py --by-distance configs/mqar/deltanet_kv64.toml
 
 Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its state file when
 interrupted) and writes bench/results/mqar-<name>.json once the run is complete; a config whose
 complete JSON exists is skipped. ``--snapshot`` (safe while the run is going) records how far an
 unfinished run has got, marked ``"complete": false``, unless the JSON already holds a record
 from further along: a run that cannot finish in one sitting still leaves a committed figure.
+Each record carries the held-out recall split by the distance from query to key-value pair
+(``recall_by_distance``); ``--by-distance`` adds it to a record made without it, from the run
+folder's state at the record's step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from common import RESULTS, ROOT, RUNS
 
 from continuumlm.config import load_config
-from continuumlm.train.mqar import progress
+from continuumlm.train.mqar import progress, recall_by_distance
 
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
@@ -41,6 +45,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--snapshot", action="store_true",
                     help="record an unfinished run's progress and exit")
+    ap.add_argument("--by-distance", action="store_true",
+                    help="add recall by query distance to the existing record and exit")
     args = ap.parse_args()
     config = Path(args.config)
     config = config if config.is_absolute() else (ROOT / config)
@@ -51,17 +57,33 @@ def main() -> None:
         return json.loads(dest.read_text()) if dest.exists() else None
 
     old = recorded()
+    run = RUNS / name
+    if args.by_distance:
+        if old is None:
+            sys.exit(f"{dest} does not exist: run or snapshot the config first")
+        progress(run, load_config(config, old.get("overrides", [])))  # same settings, or refuse
+        by_distance = recall_by_distance(run)
+        if by_distance["step"] != old["steps"]:
+            sys.exit(f"{run} is at step {by_distance['step']}, {dest} records step "
+                     f"{old['steps']}: snapshot the run instead")
+        _write(dest, {**old, "recall_by_distance": by_distance["buckets"]})
+        return
     if old is not None and old.get("complete", True):
         print(f"skip {dest} (complete)")
         return
-    run = RUNS / name
     cmd = [CLI, "mqar", "--config", str(config), "--out", str(run),
            *sum((["--set", s] for s in args.set), [])]
     if args.snapshot:
         # refuses a run folder whose settings differ from this config and these --set options
-        result = progress(run, load_config(config, args.set))
-        if result is None:
-            sys.exit(f"{run} has no evaluation to record yet")
+        for _ in range(3):  # the run may write a newer state between the two reads
+            result = progress(run, load_config(config, args.set))
+            if result is None:
+                sys.exit(f"{run} has no evaluation to record yet")
+            by_distance = recall_by_distance(run)
+            if by_distance["step"] == result["steps"]:
+                break
+        else:
+            sys.exit(f"{run} kept changing while being read; try again")
         old = recorded()  # again: the run itself may have just written its complete record
         if old is not None and (old.get("complete", True) or (
                 not result["complete"] and old["steps"] >= result["steps"])):
@@ -70,7 +92,13 @@ def main() -> None:
     else:
         subprocess.run(cmd, check=True)
         result = json.loads((run / "result.json").read_text())
+        by_distance = recall_by_distance(run)
     result = _record(result, config, args.set, cmd)
+    result["recall_by_distance"] = by_distance["buckets"]
+    _write(dest, result)
+
+
+def _write(dest: Path, result: dict) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")

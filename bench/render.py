@@ -121,6 +121,29 @@ def mqar_table(results: dict[str, dict]) -> str:
                                  ("best", "best"), ("steps", "steps"), ("min", "minutes")])
 
 
+def mqar_distance_table(results: dict[str, dict]) -> str:
+    """Recall split by how far a query lies after its key-value pair, one row per record that
+    carries the split (the same evaluation as the main table's last one)."""
+    recs = sorted((r for k, r in results.items()
+                   if k.startswith("mqar-") and r.get("recall_by_distance")),
+                  key=lambda r: (r["num_kv_pairs"], r["config"]))
+    if not recs:
+        return ""
+    buckets = [(b["from"], b["to"]) for b in recs[0]["recall_by_distance"]]
+    cols = [("config", "config"), ("steps", "step")]
+    for lo, hi in buckets:
+        cols.append((f"{lo}", f"{lo}–{hi - 1}" if hi is not None else f"≥ {lo}"))
+    rows = []
+    for r in recs:
+        row = {"config": f"`{r['config']}`", "steps": str(r["steps"])}
+        for b in r["recall_by_distance"]:
+            if (b["from"], b["to"]) in buckets:
+                row[f"{b['from']}"] = ("–" if b["accuracy"] is None else
+                                       f"{100 * b['accuracy']:.1f}% ({b['queries']})")
+        rows.append(row)
+    return markdown_table(rows, cols)
+
+
 def baseline_sentence(results: dict[str, dict]) -> list[str]:
     base = [r["val_loss_full_split"] for r in results.values()
             if r.get("config") == "configs/shakespeare_char/transformer_baby.toml"
@@ -226,6 +249,10 @@ def main() -> None:
                   "it stood, not a final figure. Minutes are wall-clock time on a 2-core "
                   "machine shared with other jobs (two runs at a time, one thread each).", "",
                   mq, ""]
+        md = mqar_distance_table(results)
+        if md:
+            parts += ["Recall at that evaluation split by how far each query lies after its "
+                      "key (in positions; number of queries in brackets).", "", md, ""]
     for key, title in (("ode_cost", "Cost per function evaluation"),
                        ("ode_memory", "Memory and time vs solver steps"),
                        ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),

@@ -43,6 +43,40 @@ def test_mqar_bad_sizes():
         mqar_batch(1, 8, 64, 8)
 
 
+def test_query_distances_match_a_search_for_each_key():
+    from continuumlm.data.mqar import query_distances
+
+    N = 5
+    x, y = mqar_batch(40, 64, 64, N, generator=torch.Generator().manual_seed(1))
+    expected = []
+    for row_x, row_y in zip(x, y):
+        for pos in (row_y >= 0).nonzero().flatten().tolist():
+            key_pos = row_x[:2 * N].tolist().index(row_x[pos].item())
+            expected.append(pos - key_pos)
+    assert query_distances(x, y, N).tolist() == expected
+    assert min(expected) >= 2  # a query comes after every pair, its key at an even position
+    with pytest.raises(ValueError, match="num_kv_pairs"):
+        query_distances(x, y, 2)  # too few pairs: some query keys are not among them
+
+
+def test_recall_accuracy_equals_argmax_of_the_full_logits():
+    from conftest import small_model
+    from continuumlm.data.mqar import query_hits, recall_accuracy
+
+    m = small_model(vocab_size=64)
+    x, y = mqar_batch(10, 64, 32, 4, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, _ = m(x)  # small_model is in eval mode
+    m.train()
+    mask = y >= 0
+    y[:5][mask[:5]] = logits[:5].argmax(-1)[mask[:5]]  # right answers in half the sequences
+    want = (logits.argmax(-1)[mask] == y[mask])
+    assert 0 < want.float().mean() < 1
+    assert torch.equal(query_hits(m, x, y, batch_size=3), want)  # batches not dividing 10
+    assert recall_accuracy(m, x, y) == pytest.approx(want.float().mean().item())
+    assert m.training  # the mode it was in is kept
+
+
 def test_mqar_cli_smoke(tmp_path):
     cfg = tmp_path / "m.toml"
     cfg.write_text("""
@@ -170,12 +204,29 @@ def test_mqar_snapshot_records_unfinished_runs(tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "results" / "mqar-softmax_kv16.json").read_text())
     assert rec["steps"] == 8 and rec["complete"] is False and rec["overrides"] == sets
+    # recall by distance: every held-out query in one bucket, together the recorded accuracy
+    buckets = rec["recall_by_distance"]
+    assert [b["from"] for b in buckets] == list(M.DISTANCE_EDGES) and buckets[-1]["to"] is None
+    assert sum(b["queries"] for b in buckets) == 32 * 4
+    hits = sum(b["accuracy"] * b["queries"] for b in buckets if b["queries"])
+    assert hits / (32 * 4) == pytest.approx(rec["accuracy"], abs=1e-9)
+    # --by-distance adds the split to a record made without it, from the state at its step
+    del rec["recall_by_distance"]
+    (tmp_path / "results" / "mqar-softmax_kv16.json").write_text(json.dumps(rec))
+    r = subprocess.run([sys.executable, str(root / "bench" / "mqar_runs.py"), "--by-distance",
+                        str(config)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    again = json.loads((tmp_path / "results" / "mqar-softmax_kv16.json").read_text())
+    assert again["recall_by_distance"] == buckets and again["steps"] == 8
     rec["steps"] = 100  # a record from further along (an earlier, longer sitting) is kept
     (tmp_path / "results" / "mqar-softmax_kv16.json").write_text(json.dumps(rec))
     r = snapshot()
     assert r.returncode == 0 and "keep" in r.stdout, r.stderr
     r = snapshot("--set", "train.lr=0.5")
     assert r.returncode != 0 and "other settings" in r.stderr
+    r = subprocess.run([sys.executable, str(root / "bench" / "mqar_runs.py"), "--by-distance",
+                        str(config)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "step 8" in r.stderr and "records step 100" in r.stderr
 
 
 def test_mqar_stops_at_the_target_accuracy(tmp_path):

@@ -45,14 +45,38 @@ def mqar_batch(n: int, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a
 
 
 @torch.no_grad()
-def recall_accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64) -> float:
+def query_hits(model, inputs: torch.Tensor, targets: torch.Tensor,
+               batch_size: int = 64) -> torch.Tensor:
+    """Whether the model's most likely next token is the value, for every query, in the order
+    of ``targets[targets >= 0]``. The output layer is applied at the query positions only."""
+    was_training = model.training
     model.eval()
-    correct = total = 0
+    hits = []
     for i in range(0, len(inputs), batch_size):
         x, y = inputs[i:i + batch_size], targets[i:i + batch_size]
-        logits, _ = model(x)
         mask = y >= 0
-        correct += (logits.argmax(-1)[mask] == y[mask]).sum().item()
-        total += mask.sum().item()
-    model.train()
-    return correct / max(total, 1)
+        hits.append((model.lm_head(model.hidden_states(x)[mask]).argmax(-1) == y[mask]).cpu())
+    model.train(was_training)
+    return torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
+
+
+def recall_accuracy(model, inputs: torch.Tensor, targets: torch.Tensor,
+                    batch_size: int = 64) -> float:
+    """Share of queries answered with their value (greedy); a LanguageModel in, 0..1 out."""
+    hits = query_hits(model, inputs, targets, batch_size)
+    return hits.float().mean().item() if len(hits) else 0.0
+
+
+def query_distances(inputs: torch.Tensor, targets: torch.Tensor,
+                    num_kv_pairs: int) -> torch.Tensor:
+    """How many positions each query lies after its key in the key-value pairs at the start,
+    in the order of ``targets[targets >= 0]``."""
+    rows, pos = (targets >= 0).nonzero(as_tuple=True)
+    keys = inputs[rows, pos]
+    pair_keys = inputs[rows, 0:2 * num_kv_pairs:2]                 # (queries, num_kv_pairs)
+    match = pair_keys == keys[:, None]
+    if not match.any(1).all():
+        raise ValueError("a query key does not appear among the key-value pairs at the start of "
+                         "its sequence: these are not MQAR sequences with num_kv_pairs = "
+                         f"{num_kv_pairs}.")
+    return pos - 2 * match.int().argmax(1)

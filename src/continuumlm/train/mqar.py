@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
-from ..data.mqar import mqar_batch, recall_accuracy
+from ..data.mqar import mqar_batch, query_distances, query_hits, recall_accuracy
 from ..errors import CheckpointError, ConfigError
 from ..model.lm import LanguageModel
 from .logging import MetricsLogger
@@ -40,6 +40,20 @@ def query_loss(model: LanguageModel, x: torch.Tensor, y: torch.Tensor) -> torch.
     h = model.hidden_states(x)
     mask = y >= 0
     return F.cross_entropy(model.lm_head(h[mask]).float(), y[mask])
+
+
+def _test_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out sequences: drawn from their own seed, never from the training set's."""
+    q = cfg.mqar
+    return mqar_batch(q.test_examples, q.vocab_size, q.seq_len, q.num_kv_pairs, q.power_a,
+                      torch.Generator().manual_seed(cfg.train.seed + 10_000))
+
+
+def _load_state(path: Path, advice: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path} cannot be read ({e}); {advice}.") from None
 
 
 def _task_model(cfg: RunConfig):
@@ -58,8 +72,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     torch.manual_seed(t.seed)
     train_x, train_y = mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs,
                                   q.power_a, torch.Generator().manual_seed(t.seed))
-    test_x, test_y = mqar_batch(q.test_examples, q.vocab_size, q.seq_len, q.num_kv_pairs,
-                                q.power_a, torch.Generator().manual_seed(t.seed + 10_000))
+    test_x, test_y = _test_set(cfg)
     model = LanguageModel(cfg.model).to(device)
     opt = make_optimizer(model, t, device.type)
     order = torch.Generator().manual_seed(t.seed + 1)
@@ -68,11 +81,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     state_path = out / STATE
     resumed = state_path.exists()
     if resumed:
-        try:
-            st = torch.load(state_path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{state_path} cannot be read ({e}); delete it to start the "
-                                  f"run afresh.") from None
+        st = _load_state(state_path, "delete it to start the run afresh")
         if st["config"] != cfg.to_dict():
             raise ConfigError(f"{out} holds an MQAR run with other settings (its "
                               f"{STATE}); use another --out, or delete the folder to restart.")
@@ -161,11 +170,8 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     state_path = out / STATE
     if not state_path.exists():
         return None
-    try:
-        st = torch.load(state_path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{state_path} cannot be read ({e}); it is being written or is "
-                              f"damaged: try again after the next evaluation.") from None
+    st = _load_state(state_path, "it is being written or is damaged: try again after the "
+                                 "next evaluation")
     if cfg is not None:
         cfg = dataclasses.replace(cfg, model=_task_model(cfg))
         if st["config"] != cfg.to_dict():
@@ -182,3 +188,31 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     complete = st["step"] >= cfg.train.max_steps or st["accuracy"] >= cfg.mqar.stop_accuracy
     return _result(cfg, params, st["step"], st["accuracy"], st["best"], st["history"],
                    st["elapsed"], complete=complete)
+
+
+DISTANCE_EDGES = (0, 32, 64, 128)
+
+
+def recall_by_distance(out: str | Path, edges: tuple[int, ...] = DISTANCE_EDGES) -> dict:
+    """Held-out recall of the model in ``out/state.pt`` (its last evaluation) split by how far
+    each query lies after its key-value pair: buckets [edges[i], edges[i+1]), the last one
+    open-ended. Shows whether errors come from long distances or everywhere. Returns
+    ``{"step": step of that evaluation, "buckets": [{"from", "to", "queries", "accuracy"}]}``."""
+    out = Path(out)
+    st = _load_state(out / STATE, "it is being written or is damaged: try again after the "
+                                  "next evaluation")
+    cfg = RunConfig.from_dict(st["config"])
+    with torch.random.fork_rng(devices=[]):  # building a model draws from the global RNG
+        model = LanguageModel(cfg.model)
+    model.load_state_dict(st["model"])
+    x, y = _test_set(cfg)
+    hits = query_hits(model, x, y)
+    dist = query_distances(x, y, cfg.mqar.num_kv_pairs)
+    rows = []
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else None
+        sel = (dist >= lo) & (dist < hi) if hi is not None else dist >= lo
+        n = int(sel.sum())
+        rows.append({"from": lo, "to": hi, "queries": n,
+                     "accuracy": hits[sel].float().mean().item() if n else None})
+    return {"step": st["step"], "buckets": rows}
