@@ -56,6 +56,17 @@ def _load_state(path: Path, advice: str) -> dict:
         raise CheckpointError(f"{path} cannot be read ({e}); {advice}.") from None
 
 
+# advice for a state file read from outside the run (it may be mid-write)
+_WHILE_RUNNING = "it is being written or is damaged: try again after the next evaluation"
+
+
+def _quiet_model(cfg: RunConfig) -> LanguageModel:
+    """The run's model, built without drawing from the global RNG (a caller's seeded stream,
+    or a run going on in the same process, stays as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        return LanguageModel(cfg.model)
+
+
 def _task_model(cfg: RunConfig):
     """The model settings the task imposes: its vocabulary, room for its sequences."""
     q = cfg.mqar
@@ -170,8 +181,7 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     state_path = out / STATE
     if not state_path.exists():
         return None
-    st = _load_state(state_path, "it is being written or is damaged: try again after the "
-                                 "next evaluation")
+    st = _load_state(state_path, _WHILE_RUNNING)
     if cfg is not None:
         cfg = dataclasses.replace(cfg, model=_task_model(cfg))
         if st["config"] != cfg.to_dict():
@@ -182,8 +192,7 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
         if result.get("complete", True) and result["steps"] == st["step"]:
             return {**result, "complete": True}
     cfg = RunConfig.from_dict(st["config"])
-    with torch.random.fork_rng(devices=[]):  # building a model draws from the global RNG
-        params = LanguageModel(cfg.model).num_parameters()  # tied weights counted once
+    params = _quiet_model(cfg).num_parameters()  # tied weights counted once
     # the last evaluation reached the target or the last step: only result.json was missing
     complete = st["step"] >= cfg.train.max_steps or st["accuracy"] >= cfg.mqar.stop_accuracy
     return _result(cfg, params, st["step"], st["accuracy"], st["best"], st["history"],
@@ -199,11 +208,9 @@ def recall_by_distance(out: str | Path, edges: tuple[int, ...] = DISTANCE_EDGES)
     open-ended. Shows whether errors come from long distances or everywhere. Returns
     ``{"step": step of that evaluation, "buckets": [{"from", "to", "queries", "accuracy"}]}``."""
     out = Path(out)
-    st = _load_state(out / STATE, "it is being written or is damaged: try again after the "
-                                  "next evaluation")
+    st = _load_state(out / STATE, _WHILE_RUNNING)
     cfg = RunConfig.from_dict(st["config"])
-    with torch.random.fork_rng(devices=[]):  # building a model draws from the global RNG
-        model = LanguageModel(cfg.model)
+    model = _quiet_model(cfg)
     model.load_state_dict(st["model"])
     x, y = _test_set(cfg)
     hits = query_hits(model, x, y)
