@@ -96,9 +96,9 @@ def _chunk_forward(q, k, v, beta, S0):
 
 
 def _chunk_backward(q, k, v, beta, saved, do, dS):
-    """Gradients of _chunk_forward by hand, in the same chunked layout. Per chunk, with S the
-    incoming state: U' = U - W S^T, O = Q S^T + tril(Q K^T) U', S_next = S + U'^T K. The
-    reverse carry of dS is the only sequential part, again two small products per chunk."""
+    """Gradients of _chunk_forward by hand, in the same chunked layout (the per-chunk equations
+    are in delta_rule_chunkwise's docstring). The reverse carry of dS is the only sequential
+    part, again two small products per chunk."""
     Tinv, Y, Uc, S_all, QK = saved
     N, Dk = k.shape[1], k.shape[-1]
     W = Y[..., :Dk]
