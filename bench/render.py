@@ -111,7 +111,9 @@ def mqar_table(results: dict[str, dict]) -> str:
     for r in sorted((r for k, r in results.items() if k.startswith("mqar-")),
                     key=lambda r: (r["num_kv_pairs"], r["config"])):
         rows.append({"config": f"`{r['config']}`", "mixer": r["mixer"], "depth": r["depth"],
-                     "pairs": r["num_kv_pairs"], "acc": f"{100 * r['accuracy']:.1f}%",
+                     "pairs": str(r["num_kv_pairs"]) + (
+                         f" (trained on {', '.join(map(str, r['train_kv_pairs']))})"
+                         if r.get("train_kv_pairs") else ""), "acc": f"{100 * r['accuracy']:.1f}%",
                      "best": f"{100 * r['best_accuracy']:.1f}%",
                      "steps": f"{r['steps']} of {r['max_steps']}"
                      + ("" if r.get("complete", True) else " (unfinished)"),

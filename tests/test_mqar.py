@@ -234,3 +234,64 @@ def test_mqar_stops_at_the_target_accuracy(tmp_path):
 
     r = run_mqar(_mqar_cfg("mqar.stop_accuracy=0.0"), tmp_path / "s", quiet=True)
     assert r["steps"] == 4 and r["stopped_early"]
+
+
+def test_mixed_training_set_splits_examples_among_pair_counts():
+    from continuumlm.data.mqar import mqar_mixed_batch, query_distances
+
+    x, y = mqar_mixed_batch(11, 64, 48, [2, 4, 6], generator=torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (11, 48)
+    counts = (y >= 0).sum(1).tolist()  # one query per pair
+    assert counts == [2] * 4 + [4] * 4 + [6] * 3
+    for n, sl in ((2, slice(0, 4)), (4, slice(4, 8)), (6, slice(8, 11))):
+        query_distances(x[sl], y[sl], n)  # every query key is among that row's first n pairs
+    # one pair count only: the plain generator's sequences, drawn from the same stream
+    a = mqar_mixed_batch(5, 64, 48, [4], generator=torch.Generator().manual_seed(1))
+    b = mqar_batch(5, 64, 48, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="empty"):
+        mqar_mixed_batch(5, 64, 48, [])
+
+
+def test_mixed_pair_counts_config_and_run(tmp_path):
+    import continuumlm.train.mqar as M
+    from continuumlm import ConfigError, load_config
+    from continuumlm.config import dump_toml
+
+    cfg = _mqar_cfg("mqar.train_kv_pairs=[2, 4]")
+    assert cfg.mqar.train_kv_pairs == [2, 4]
+    assert load_config(None, []).mqar.train_kv_pairs == []
+    text = tmp_path / "c.toml"
+    text.write_text(dump_toml(cfg))  # written and read back as a TOML array
+    assert load_config(text).mqar.train_kv_pairs == [2, 4]
+    for bad, needle in (("[0, 4]", "positive"), ('["a"]', "list of int"), ("4", "list of int"),
+                        ("[true]", "list of int")):
+        with pytest.raises(ConfigError, match=needle):
+            _mqar_cfg(f"mqar.train_kv_pairs={bad}")
+    train_x, train_y = M._train_set(cfg)
+    assert sorted(set((train_y >= 0).sum(1).tolist())) == [2, 4]
+    assert ((M._test_set(cfg)[1] >= 0).sum(1) == 4).all()  # held out at num_kv_pairs
+    result = M.run_mqar(cfg, tmp_path / "run", quiet=True)
+    assert result["train_kv_pairs"] == [2, 4] and result["num_kv_pairs"] == 4
+    with pytest.raises(ValueError, match="other settings"):  # not the same run as 4 pairs only
+        M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)
+
+
+def test_mqar_state_saved_before_a_config_key_existed_still_resumes(tmp_path, monkeypatch):
+    """A state saved by a version without ``train_kv_pairs`` resumes: the missing key takes its
+    default, which is what that version did."""
+    import continuumlm.train.mqar as M
+
+    real = M.recall_accuracy
+    monkeypatch.setattr(M, "recall_accuracy", _dies_at_evaluation(2, real))
+    with pytest.raises(KeyboardInterrupt):
+        M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)
+    monkeypatch.setattr(M, "recall_accuracy", real)
+    path = tmp_path / "run" / "state.pt"
+    st = torch.load(path, weights_only=True)
+    del st["config"]["mqar"]["train_kv_pairs"]
+    torch.save(st, path)
+    assert M.progress(tmp_path / "run", _mqar_cfg())["steps"] == 4
+    assert M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)["steps"] == 8
+    with pytest.raises(ValueError, match="other settings"):  # a changed key is still refused
+        M.progress(tmp_path / "run", _mqar_cfg("mqar.train_kv_pairs=[4]"))

@@ -214,11 +214,23 @@ class MQARConfig:
     test_examples: int = 1000
     stop_accuracy: float = 1.0
     """Stop at the first evaluation whose recall accuracy reaches this (1.0: run max_steps)."""
+    train_kv_pairs: list[int] = field(default_factory=list)
+    """Pair counts of a mixed training set, e.g. [4, 8, 16, 32, 64]: the training examples are
+    split evenly among them (all at ``seq_len``), as in Zoology's training data. Empty: every
+    training sequence has ``num_kv_pairs``. The held-out set always has ``num_kv_pairs``."""
 
     def __post_init__(self) -> None:
         _validate(self, "mqar")
         if not 0.0 <= self.stop_accuracy <= 1.0:
             raise ConfigError(f"mqar.stop_accuracy must lie in [0, 1], got {self.stop_accuracy}.")
+        bad = [n for n in self.train_kv_pairs if n <= 0]
+        if bad:
+            raise ConfigError(f"mqar.train_kv_pairs must hold positive pair counts, got {bad[0]}; "
+                              f"write e.g. train_kv_pairs = [4, 8, 16, 32, 64], or [] for none.")
+        if len(self.train_kv_pairs) > self.train_examples:
+            raise ConfigError(f"mqar.train_kv_pairs lists {len(self.train_kv_pairs)} pair counts "
+                              f"but mqar.train_examples = {self.train_examples} cannot give "
+                              f"each one an example; raise train_examples.")
 
 
 SECTIONS = ("model", "data", "train", "mqar")
@@ -381,13 +393,21 @@ def _coerce(key: str, value: Any, hint) -> Any:
             return None
         raise ConfigError(f"{key} must not be empty.")
     for t in allowed:
+        if typing.get_origin(t) is list:
+            (item,) = typing.get_args(t)
+            if isinstance(value, list) and all(
+                    isinstance(v, item) and not isinstance(v, bool) for v in value):
+                return list(value)
+            continue
         if t is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if t is int and isinstance(value, bool):
             continue
         if t is not type(None) and isinstance(value, t):
             return value
-    names = " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
+    names = " or ".join("none" if t is type(None) else
+                        f"a list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t)
+                        is list else t.__name__ for t in allowed)
     raise ConfigError(f"{key} must be {names}, got {type(value).__name__} {value!r}.")
 
 

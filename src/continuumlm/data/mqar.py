@@ -44,6 +44,20 @@ def mqar_batch(n: int, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a
     return inputs, targets
 
 
+def mqar_mixed_batch(n: int, vocab_size: int, seq_len: int, kv_pairs: list[int],
+                     power_a: float = 0.01, generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` sequences split evenly among the pair counts in ``kv_pairs`` (the first ones get
+    one more when ``n`` does not divide), in that order, all ``seq_len`` long: a training set
+    that mixes easy and hard recall, as Zoology trains. Shuffling is the caller's."""
+    if not kv_pairs:
+        raise ValueError("kv_pairs is empty: give at least one pair count.")
+    share, extra = divmod(n, len(kv_pairs))
+    parts = [mqar_batch(share + (i < extra), vocab_size, seq_len, N, power_a, generator)
+             for i, N in enumerate(kv_pairs)]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
 @torch.no_grad()
 def query_hits(model, inputs: torch.Tensor, targets: torch.Tensor,
                batch_size: int = 64) -> torch.Tensor:

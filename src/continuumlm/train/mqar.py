@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
-from ..data.mqar import mqar_batch, query_distances, query_hits, recall_accuracy
+from ..data.mqar import mqar_batch, mqar_mixed_batch, query_distances, query_hits, recall_accuracy
 from ..errors import CheckpointError, ConfigError
 from ..model.lm import LanguageModel
 from .logging import MetricsLogger
@@ -47,6 +47,20 @@ def _test_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     q = cfg.mqar
     return mqar_batch(q.test_examples, q.vocab_size, q.seq_len, q.num_kv_pairs, q.power_a,
                       torch.Generator().manual_seed(cfg.train.seed + 10_000))
+
+
+def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    q, g = cfg.mqar, torch.Generator().manual_seed(cfg.train.seed)
+    if q.train_kv_pairs:
+        return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len, q.train_kv_pairs,
+                                q.power_a, g)
+    return mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs, q.power_a, g)
+
+
+def _same_settings(saved: dict, cfg: RunConfig) -> bool:
+    """Whether a saved run's config is ``cfg``; keys added to the config since the run was saved
+    take their defaults (which reproduce what the run did before they existed)."""
+    return RunConfig.from_dict(saved).to_dict() == cfg.to_dict()
 
 
 def _load_state(path: Path, advice: str) -> dict:
@@ -81,8 +95,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     cfg.model = _task_model(cfg)
     device = pick_device(t.device)
     torch.manual_seed(t.seed)
-    train_x, train_y = mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs,
-                                  q.power_a, torch.Generator().manual_seed(t.seed))
+    train_x, train_y = _train_set(cfg)
     test_x, test_y = _test_set(cfg)
     model = LanguageModel(cfg.model).to(device)
     opt = make_optimizer(model, t, device.type)
@@ -93,7 +106,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     resumed = state_path.exists()
     if resumed:
         st = _load_state(state_path, "delete it to start the run afresh")
-        if st["config"] != cfg.to_dict():
+        if not _same_settings(st["config"], cfg):
             raise ConfigError(f"{out} holds an MQAR run with other settings (its "
                               f"{STATE}); use another --out, or delete the folder to restart.")
         model.load_state_dict(st["model"])
@@ -162,7 +175,8 @@ def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
             "complete": complete, "stopped_early": complete and step < t.max_steps,
             "parameters": parameters, "seconds": seconds,
             "mixer": cfg.model.mixer, "depth": cfg.model.depth,
-            "num_kv_pairs": q.num_kv_pairs, "seq_len": q.seq_len, "history": history,
+            "num_kv_pairs": q.num_kv_pairs, "train_kv_pairs": q.train_kv_pairs,
+            "seq_len": q.seq_len, "history": history,
             "examples_seen": step * t.batch_size}
 
 
@@ -184,7 +198,7 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     st = _load_state(state_path, _WHILE_RUNNING)
     if cfg is not None:
         cfg = dataclasses.replace(cfg, model=_task_model(cfg))
-        if st["config"] != cfg.to_dict():
+        if not _same_settings(st["config"], cfg):
             raise ConfigError(f"{out} holds an MQAR run with other settings than the config "
                               f"and --set options given; record it with the ones it ran with.")
     if done.exists():
