@@ -102,10 +102,14 @@ def test_chunkwise_on_cuda_matches_cpu_and_fla_when_installed():
     o, S = delta_rule_chunkwise(*cuda[:4], initial_state=cuda[4], backend="torch")
     torch.testing.assert_close(o.cpu(), ref_o, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(S.cpu(), ref_S, rtol=1e-4, atol=1e-4)
-    if fla_available():
-        o, S = delta_rule_chunkwise(*cuda[:4], initial_state=cuda[4], backend="fla")
-        torch.testing.assert_close(o.cpu(), ref_o, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(S.cpu(), ref_S, rtol=2e-2, atol=2e-2)
+    if fla_available():  # fla's kernel is half precision only
+        half = [x.bfloat16() for x in cuda[:4]]
+        o, S = delta_rule_chunkwise(*half, initial_state=cuda[4], backend="fla")
+        assert o.dtype == S.dtype == torch.bfloat16
+        torch.testing.assert_close(o.float().cpu(), ref_o, rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(S.float().cpu(), ref_S, rtol=5e-2, atol=5e-2)
+        o, _ = delta_rule_chunkwise(*half, initial_state=cuda[4])  # auto picks fla for bf16
+        torch.testing.assert_close(o.float().cpu(), ref_o, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("use", ["output", "state", "both"])
@@ -131,3 +135,74 @@ def test_chunkwise_half_precision_accumulates_in_float32():
     torch.testing.assert_close(S.float(), S32, rtol=0.05, atol=0.05)
     (o.float().sum() + S.float().sum()).backward()
     assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in lo)
+
+
+def _fake_fla(monkeypatch, with_head_first=True):
+    """A stand-in ``fla.ops.delta_rule`` that follows fla's documented contract, written as a
+    token loop in fla's own conventions: (B, T, H, D) tensors of one half dtype (float32
+    refused), beta (B, T, H), q scaled by ``scale`` (default Dk^-1/2), state (B, H, Dk, Dv) with
+    o_t = scale * h_t^T q_t. Checks our adapter's layouts, transposes and dtypes on CPU."""
+    import sys
+    import types
+
+    calls = []
+
+    def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None,
+                         output_final_state=False, **kw):
+        if kw and not with_head_first:
+            raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+        assert kw in ({}, {"head_first": False})
+        assert q.dtype == k.dtype == v.dtype and q.dtype != torch.float32
+        assert beta.shape == q.shape[:3]
+        calls.append(q.dtype)
+        B, T, H, K = q.shape
+        scale = K ** -0.5 if scale is None else scale
+        h = torch.zeros(B, H, K, v.shape[-1])
+        if initial_state is not None:
+            h = h + initial_state.float()
+        o = []
+        for t in range(T):
+            kt, qt = k[:, t].float(), q[:, t].float()
+            u = beta[:, t].float()[..., None] * (v[:, t].float()
+                                                 - torch.einsum("bhkv,bhk->bhv", h, kt))
+            h = h + kt[..., :, None] * u[..., None, :]
+            o.append(scale * torch.einsum("bhkv,bhk->bhv", h, qt))
+        return torch.stack(o, 1).to(q.dtype), (h if output_final_state else None)
+
+    mod = types.ModuleType("fla.ops.delta_rule")
+    mod.chunk_delta_rule = chunk_delta_rule
+    for name, m in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                    ("fla.ops.delta_rule", mod)):
+        monkeypatch.setitem(sys.modules, name, m)
+    return calls
+
+
+@pytest.mark.parametrize("with_head_first", [True, False])
+def test_fla_adapter_layouts_against_the_token_loop(monkeypatch, with_head_first):
+    calls = _fake_fla(monkeypatch, with_head_first)
+    q, k, v, beta, init = _inputs(T=21, Dk=5, Dv=3)
+    q, k, v, beta = (x.bfloat16() for x in (q, k, v, beta))
+    ref_o, ref_S = delta_rule_recurrent(*(x.float() for x in (q, k, v, beta)), init)
+    o, S = delta_rule_chunkwise(q, k, v, beta, initial_state=init, backend="fla")
+    assert calls == [torch.bfloat16]
+    assert o.shape == ref_o.shape and S.shape == ref_S.shape and o.dtype == S.dtype == q.dtype
+    torch.testing.assert_close(o.float(), ref_o, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(S.float(), ref_S, rtol=2e-2, atol=2e-2)
+    # mixed precision: q and k in float32 after their norm, v in bf16: all go to bf16
+    o2, _ = delta_rule_chunkwise(q.float(), k.float(), v, beta, initial_state=init,
+                                 backend="fla")
+    torch.testing.assert_close(o2, o)
+
+
+def test_fla_backend_choice_and_refusals(monkeypatch):
+    calls = _fake_fla(monkeypatch)
+    q, k, v, beta, init = _inputs(T=9)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        delta_rule_chunkwise(q, k, v, beta, backend="fla")  # float32: never silently rounded
+    with pytest.raises(ValueError, match="'auto', 'torch' or 'fla'"):
+        delta_rule_chunkwise(q, k, v, beta, backend="cuda")
+    delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)))  # auto on CPU: torch path
+    assert calls == []
+    monkeypatch.setitem(__import__("sys").modules, "fla", None)  # not installed
+    with pytest.raises(ValueError, match="not importable"):
+        delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)), backend="fla")

@@ -49,21 +49,40 @@ def fla_available() -> bool:
     return True
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_dtype(*xs) -> torch.dtype | None:
+    """The first half-precision dtype among the tensors (mixed-precision training hands q and k
+    in float32 after their norm, v in bf16), or None when all are single or double precision."""
+    return next((x.dtype for x in xs if x.dtype in _HALF), None)
+
+
 def _fla_chunkwise(q, k, v, beta, initial_state=None):
     """flash-linear-attention's fused chunk kernel (CUDA, Triton) in this module's conventions:
-    fla takes (B, T, H, D) tensors, scales q by ``scale`` (1 here: q is given) and keeps the
-    state as (B, H, Dk, Dv), the transpose of ours."""
+    fla takes (B, T, H, D) tensors of one half-precision dtype (it refuses float32), scales q by
+    ``scale`` (1 here: q is given) and keeps the state as (B, H, Dk, Dv), the transpose of ours.
+    Output and state come back in that half dtype, as the torch path returns its input dtype."""
+    dt = _half_dtype(q, k, v)
+    if dt is None:
+        raise ValueError(f"backend='fla': flash-linear-attention's chunk kernel takes bfloat16 or "
+                         f"float16 inputs, these are {q.dtype}; train in mixed precision "
+                         f"(train.dtype = \"bf16\") or use backend='torch'.")
+    if not fla_available():
+        raise ValueError("backend='fla': the fla package (flash-linear-attention) is not "
+                         "importable here; install it on a CUDA machine or use backend='torch'.")
     from fla.ops.delta_rule import chunk_delta_rule
 
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    bt = beta.transpose(1, 2).contiguous()
-    h0 = initial_state.transpose(-1, -2).contiguous() if initial_state is not None else None
+    qt, kt, vt = (x.to(dt).transpose(1, 2).contiguous() for x in (q, k, v))
+    bt = beta.to(dt).transpose(1, 2).contiguous()
+    h0 = (initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None
+          else None)
     kwargs = dict(scale=1.0, initial_state=h0, output_final_state=True)
     try:
         o, S = chunk_delta_rule(qt, kt, vt, bt, head_first=False, **kwargs)
     except TypeError:  # releases without the head_first switch are (B, T, H, D) only
         o, S = chunk_delta_rule(qt, kt, vt, bt, **kwargs)
-    return o.transpose(1, 2), S.transpose(-1, -2)
+    return o.transpose(1, 2).to(dt), S.transpose(-1, -2).to(dt)
 
 
 def _chunk_forward(q, k, v, beta, S0):
@@ -150,8 +169,9 @@ class _DeltaRuleChunkwise(torch.autograd.Function):
 def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None,
                          backend: str = "auto"):
     """Chunkwise-parallel delta rule. ``backend``: "torch" (the code above), "fla" (the fused
-    CUDA kernel of flash-linear-attention) or "auto" (fla for CUDA tensors when the package is
-    installed, else torch).
+    CUDA kernel of flash-linear-attention, half precision only) or "auto" (fla for CUDA tensors
+    in mixed or half precision when the package is installed, else torch; float32 inputs stay
+    on the torch path, so float32 numbers are float32 numbers).
 
     Per chunk of C rows (K, Q: C x Dk; V: C x Dv; b the betas; S the incoming state):
     A = strictly lower part of diag(b) K K^T; W = (I + A)^-1 diag(b) K, U = (I + A)^-1 diag(b) V
@@ -160,7 +180,10 @@ def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None
 
     Half-precision inputs are computed in float32 (the state is an accumulator) and the output
     is returned in the input dtype."""
-    if backend == "fla" or (backend == "auto" and q.is_cuda and fla_available()):
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'fla', got {backend!r}.")
+    if backend == "fla" or (backend == "auto" and q.is_cuda and _half_dtype(q, k, v) is not None
+                            and fla_available()):
         return _fla_chunkwise(q, k, v, beta, initial_state)
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
