@@ -268,6 +268,8 @@ def test_mixed_pair_counts_config_and_run(tmp_path):
                         ("[true]", "list of int")):
         with pytest.raises(ConfigError, match=needle):
             _mqar_cfg(f"mqar.train_kv_pairs={bad}")
+    with pytest.raises(ValueError, match=r"train_kv_pairs = \[4, 9\]: seq_len 32 is too short"):
+        M._train_set(_mqar_cfg("mqar.train_kv_pairs=[4, 9]"))
     train_x, train_y = M._train_set(cfg)
     assert sorted(set((train_y >= 0).sum(1).tolist())) == [2, 4]
     assert ((M._test_set(cfg)[1] >= 0).sum(1) == 4).all()  # held out at num_kv_pairs

@@ -52,8 +52,11 @@ def _test_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     q, g = cfg.mqar, torch.Generator().manual_seed(cfg.train.seed)
     if q.train_kv_pairs:
-        return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len, q.train_kv_pairs,
-                                q.power_a, g)
+        try:
+            return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len, q.train_kv_pairs,
+                                    q.power_a, g)
+        except ValueError as e:
+            raise ValueError(f"mqar.train_kv_pairs = {q.train_kv_pairs}: {e}") from None
     return mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs, q.power_a, g)
 
 
