@@ -249,7 +249,10 @@ def main() -> None:
                   "unfinished was interrupted there (its record written by `python "
                   "bench/mqar_runs.py --snapshot configs/mqar/NAME.toml`); its recall is where "
                   "it stood, not a final figure. Minutes are wall-clock time on a 2-core "
-                  "machine shared with other jobs (two runs at a time, one thread each).", "",
+                  "machine shared with other jobs (two runs at a time, one thread each). "
+                  "\"Trained on\" marks a run whose training set mixes pair counts "
+                  "(`mqar.train_kv_pairs`, all at sequence 256; Zoology trains on such a mix); "
+                  "it is still tested on the pairs in the first number.", "",
                   mq, ""]
         md = mqar_distance_table(results)
         if md:
