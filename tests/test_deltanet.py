@@ -195,6 +195,8 @@ def test_fla_adapter_layouts_against_the_token_loop(monkeypatch, with_head_first
 
 
 def test_fla_backend_choice_and_refusals(monkeypatch):
+    import sys
+
     calls = _fake_fla(monkeypatch)
     q, k, v, beta, init = _inputs(T=9)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
@@ -203,6 +205,6 @@ def test_fla_backend_choice_and_refusals(monkeypatch):
         delta_rule_chunkwise(q, k, v, beta, backend="cuda")
     delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)))  # auto on CPU: torch path
     assert calls == []
-    monkeypatch.setitem(__import__("sys").modules, "fla", None)  # not installed
+    monkeypatch.setitem(sys.modules, "fla", None)  # not installed
     with pytest.raises(ValueError, match="not importable"):
         delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)), backend="fla")
