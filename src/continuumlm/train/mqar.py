@@ -50,14 +50,16 @@ def _test_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    q, g = cfg.mqar, torch.Generator().manual_seed(cfg.train.seed)
-    if q.train_kv_pairs:
-        try:
-            return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len, q.train_kv_pairs,
-                                    q.power_a, g)
-        except ValueError as e:
-            raise ValueError(f"mqar.train_kv_pairs = {q.train_kv_pairs}: {e}") from None
-    return mqar_batch(q.train_examples, q.vocab_size, q.seq_len, q.num_kv_pairs, q.power_a, g)
+    # one pair count draws exactly mqar_batch's sequences, so both cases share one call
+    q = cfg.mqar
+    try:
+        return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len,
+                                q.train_kv_pairs or [q.num_kv_pairs], q.power_a,
+                                torch.Generator().manual_seed(cfg.train.seed))
+    except ValueError as e:
+        if not q.train_kv_pairs:
+            raise
+        raise ValueError(f"mqar.train_kv_pairs = {q.train_kv_pairs}: {e}") from None
 
 
 def _same_settings(saved: dict, cfg: RunConfig) -> bool:
