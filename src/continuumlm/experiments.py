@@ -73,9 +73,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         Step("depth_elasticity.py", output="depth_elasticity"),
     ]),
     "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
-             "and 64 key-value pairs; softmax at 64 also trained on Zoology's mix of pair counts", [
+             "and 64 key-value pairs; softmax and ODE-DeltaNet at 64 also trained on Zoology's mix of "
+             "pair counts", [
         *[_mqar(f"{m}_kv{n}") for n in (16, 64) for m in ("softmax", "deltanet", "ode_deltanet")],
-        _mqar("softmax_kv64_mixed"),
+        *[_mqar(f"{m}_kv64_mixed") for m in ("softmax", "ode_deltanet")],
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
               "steps, decoding, 1 vs 2 processes and compile, MFU", [
