@@ -176,7 +176,9 @@ def context_table(results: dict[str, dict], folder: str) -> str:
 
 def main() -> None:
     results = _load()
-    machines = sorted({r.get("machine", "") for r in results.values()})
+    recorded = {r.get("machine", "") for r in results.values()} - {""}
+    # older records carry a shorter form of the same description; keep the fullest one
+    machines = sorted(m for m in recorded if not any(o != m and o.startswith(m) for o in recorded))
     parts = [
         "# Results",
         "",
