@@ -205,6 +205,19 @@ def test_interleaved_streams_keep_eval_mode_until_the_last_ends():
     assert m.training
 
 
+def test_generate_stream_refuses_bad_arguments_when_made():
+    """The CLI prints the prompt before the first token: a bad argument must raise before
+    anything is printed, i.e. when the stream is created, not at its first next()."""
+    m = small_model()
+    prompt = torch.randint(0, 37, (1, 4))
+    for bad in (dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            m.generate_stream(prompt, 3, **bad)
+    with pytest.raises(ValueError, match="at least one token"):
+        m.generate_stream(prompt[:, :0], 3)
+    assert not m._open_streams
+
+
 def test_frozen_state_refuses_step():
     m = small_model()
     state = m.init_state(1)

@@ -222,6 +222,7 @@ def test_generation_input_errors(tiny_corpus, tmp_path, args, needle):
     r = subprocess.run([CLI, "generate", "--checkpoint", str(out), "--prompt", "the", *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""  # refused before the prompt is echoed
 
 
 def test_tokenizer_that_does_not_match_checkpoint(tiny_corpus, tmp_path):

@@ -325,10 +325,11 @@ def cmd_generate(args) -> int:
 
 
 def _stream(model, tok, idx, args, kwargs) -> None:
+    stream = model.generate_stream(idx, args.max_new_tokens, **kwargs)  # bad arguments raise here
     ids = idx[0].tolist()
     printed = tok.decode(ids)
     sys.stdout.write(printed)
-    for nxt in model.generate_stream(idx, args.max_new_tokens, **kwargs):
+    for nxt in stream:
         ids.append(int(nxt[0]))
         text = tok.decode(ids)
         if text.endswith("\ufffd"):

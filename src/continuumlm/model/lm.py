@@ -153,7 +153,6 @@ class LanguageModel(nn.Module):
         h = self.hidden_states(idx, state)
         return self.lm_head(h[:, -1]), state
 
-    @torch.no_grad()
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None,
                         greedy: bool = False, use_cache: bool = True,
@@ -167,6 +166,7 @@ class LanguageModel(nn.Module):
         tensors, so one graph serves every token until the buffers are full; they then double,
         and the next capacity has a graph of its own (per batch size; compiled on first use,
         kept for later generations). A compiler failure warns once and decodes eagerly.
+        Bad arguments raise here, when the stream is made, not at its first token.
         """
         cfg = self.config
         if cfg.mode != "decoder":
@@ -180,6 +180,13 @@ class LanguageModel(nn.Module):
                 f"prompt ({idx.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
                 f"max_seq_len = {cfg.max_seq_len} of this model's learned positions; ask for at most "
                 f"{max(cfg.max_seq_len - idx.shape[1] + 1, 0)} new tokens or use a RoPE model.")
+        return self._token_stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
+                                  use_cache, generator, eos_token_id, compile)
+
+    @torch.no_grad()
+    def _token_stream(self, idx, max_new_tokens, temperature, top_k, top_p, greedy, use_cache,
+                      generator, eos_token_id, compile) -> Iterator[torch.Tensor]:
+        cfg = self.config
         if use_cache and not getattr(self.depth, "exact_cache", True):
             log.debug("generate: %s solves cannot be cached exactly; recomputing the whole "
                       "context for every token", cfg.ode_solver)
