@@ -161,3 +161,32 @@ def test_continuous_gather_path_equals_dense_path():
     att.dense_limit = 8  # force the gather path
     att.query_chunk = 16
     torch.testing.assert_close(att(x), dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
+def test_model_cast_to_another_dtype(mixer, dtype):
+    """`.to(dtype)` works for every mixer, on both paths of the continuous mixer (gather for
+    T <= 4, dense beyond), and gives the float32 model's logits to that dtype's precision."""
+    m = model(mixer)
+    for T in (3, 12):
+        idx = torch.randint(0, 31, (2, T))
+        ref = m(idx)[0]
+        out = m.to(dtype)(idx)[0]
+        m.float()
+        assert out.dtype == dtype
+        tol = 1e-5 if dtype == torch.float64 else 0.15
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_continuous_kernel_ignores_autocast():
+    """Under bf16 autocast the quadrature (positions, nodes, kernel) stays float32: bf16 holds
+    integers exactly only up to 256, so positions in a long context would collide."""
+    att = model("continuous", num_layers=1, max_seq_len=8192).depth.layers[0].mixer
+    q_pos = torch.arange(4000, 4100)
+    ref = att.quadrature(q_pos, 4100)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = att.quadrature(q_pos, 4100)
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

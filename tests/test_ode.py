@@ -117,6 +117,7 @@ def test_unknown_ode_selectors_list_valid_names(key, value, valid):
     (dict(ode_grad="reversible", ode_solver="rk4"), "reversible_heun"),
     (dict(ode_grad="adjoint", ode_solver="rk2_gated"), "adjoint"),
     (dict(ode_grad="checkpoint", ode_solver="dopri5"), "fixed-grid"),
+    (dict(ode_grad="checkpoint", ode_solver="reversible_heun"), "ode_grad = 'reversible'"),
     (dict(ode_t0=1.0, ode_t1=0.5), "greater"),
 ])
 def test_invalid_combinations(kw, needle):
@@ -166,6 +167,23 @@ def test_reversible_gradients_equal_direct(field):
     torch.manual_seed(1)
     g_rev = _grads(rev, idx)
     torch.testing.assert_close(g_rev, g_direct, rtol=1e-5, atol=1e-6)
+
+
+def test_reversible_gradients_equal_direct_under_bf16_autocast():
+    """Mixed precision: the field runs in bf16 but the solver's state stays float32, and the
+    backward re-evaluates f under the forward's autocast, so the rebuilt states and gradients
+    match direct backprop to float32 round-off. (Autocast's weight-cast cache is off here: with
+    it, direct backprop sums the gradients of every evaluation in bf16 at the shared cast.)"""
+    ref = ode_model(ode_solver="reversible_heun", ode_steps=8)
+    rev = _same_weights(ref, ode_solver="reversible_heun", ode_steps=8, ode_grad="reversible")
+    idx = torch.randint(0, 29, (2, 9))
+    grads = []
+    for m in (ref, rev):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            grads.append(_grads(m, idx))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    for block in rev.depth.blocks:
+        assert block.solver.last_reconstruction_error <= 1e-5
 
 
 def test_reversible_reconstruction_error_32_steps():

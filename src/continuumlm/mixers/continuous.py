@@ -79,12 +79,21 @@ class ContinuousAttention(nn.Module):
 
     def quadrature(self, q_pos: torch.Tensor, n_keys: int):
         """Node probabilities p (H, Tq, Q) and the interpolation of each node between tokens
-        lo and hi (Tq, Q) with weight alpha on hi, for queries at absolute positions q_pos."""
-        s = q_pos.float() / self.scale                                 # (Tq,)
+        lo and hi (Tq, Q) with weight alpha on hi, for queries at absolute positions q_pos.
+
+        At least float32, whatever the model's dtype or autocast (float64 stays float64): bf16
+        holds integers exactly only up to 256, so positions, nodes and the kernel would lose
+        their place in a long context. Callers cast p to the values' dtype."""
+        with torch.autocast(q_pos.device.type, enabled=False):
+            return self._quadrature(q_pos, n_keys)
+
+    def _quadrature(self, q_pos: torch.Tensor, n_keys: int):
+        dt = torch.promote_types(self.coef.dtype, torch.float32)
+        s = q_pos.to(dt) / self.scale                                   # (Tq,)
         upper = s if self.causal else torch.full_like(s, (n_keys - 1) / self.scale)
-        t = upper[:, None] * self.nodes[None, :]                        # (Tq, Q) nodes in [0, upper]
-        a = torch.einsum("if,hfg->hig", self.phi(s), self.coef)         # (H, Tq, F)
-        scores = torch.einsum("hig,iqg->hiq", a, self.phi(t)) + self.log_w
+        t = upper[:, None] * self.nodes.to(dt)[None, :]                 # (Tq, Q) nodes in [0, upper]
+        a = torch.einsum("if,hfg->hig", self.phi(s), self.coef.to(dt))  # (H, Tq, F)
+        scores = torch.einsum("hig,iqg->hiq", a, self.phi(t)) + self.log_w.to(dt)
         p = torch.softmax(scores, dim=-1)                               # (H, Tq, Q)
         u = t * self.scale                                              # node in token units
         bound = (q_pos if self.causal else torch.full_like(q_pos, n_keys - 1)).to(u.dtype)
@@ -132,9 +141,9 @@ class ContinuousAttention(nn.Module):
             outs = []
             for i in range(0, T, self.query_chunk):
                 p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], n_keys)
-                p = p.to(v.dtype)
-                outs.append(torch.einsum("hiq,bhiqd->bhid", p * (1 - alpha), v[:, :, lo])
-                            + torch.einsum("hiq,bhiqd->bhid", p * alpha, v[:, :, hi]))
+                w_lo, w_hi = (p * (1 - alpha)).to(v.dtype), (p * alpha).to(v.dtype)
+                outs.append(torch.einsum("hiq,bhiqd->bhid", w_lo, v[:, :, lo])
+                            + torch.einsum("hiq,bhiqd->bhid", w_hi, v[:, :, hi]))
         else:  # training lengths: one dense mixing matrix per chunk, shared by the batch
             outs = []
             for i in range(0, T, self.query_chunk):

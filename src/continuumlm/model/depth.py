@@ -127,6 +127,11 @@ class ODEStack(nn.Module):
                 f"model.ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and "
                 f"the adaptive solvers, not {cfg.ode_solver!r}; use ode_grad = 'direct' or "
                 f"'checkpoint' (or 'reversible' with reversible_heun).")
+        if cfg.ode_grad == "checkpoint" and reversible:
+            raise ConfigError(
+                f"model.ode_grad = 'checkpoint' is not implemented for {cfg.ode_solver!r}: use "
+                f"ode_grad = 'reversible' (exact gradients, memory constant in the steps, less "
+                f"than checkpointing stores) or 'direct'.")
         if cfg.ode_grad == "checkpoint" and adaptive:
             raise ConfigError(
                 "model.ode_grad = 'checkpoint' needs a fixed-grid solver (its steps are known in "

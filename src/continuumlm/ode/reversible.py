@@ -15,7 +15,9 @@ The step is algebraically invertible:
 so the backward pass rebuilds every earlier state from the final one instead of storing the
 trajectory, and back-propagates through one step at a time. The gradient is that of the
 discretized forward pass (not an approximation, as the backsolve adjoint is), up to the
-round-off of the reconstruction. No library offers this for arbitrary PyTorch modules, hence
+round-off of the reconstruction. Under mixed precision (autocast) the field's output is cast to
+the state's dtype before the solver adds it, and the backward re-enters the forward's autocast
+setting, so rebuilding stays exact to the state's round-off rather than to bf16's. No library offers this for arbitrary PyTorch modules, hence
 our own implementation. ``ode_grad = "direct"`` with this solver runs the same arithmetic
 through ordinary autograd, the reference the tests compare against.
 """
@@ -47,10 +49,10 @@ class ReversibleHeun(nn.Module):
 def _forward_states(f, h0: torch.Tensor, times: list[float], dt: float):
     """The forward pass: final (y, z). Under autograd this is the `direct` reference."""
     y, z = h0, h0
-    fz = f(times[0], z)
+    fz = f(times[0], z).to(h0.dtype)
     for t in times:
         z = 2 * y - z + dt * fz
-        f_next = f(t + dt, z)
+        f_next = f(t + dt, z).to(h0.dtype)
         y = y + (0.5 * dt) * (fz + f_next)
         fz = f_next
     return y, z
@@ -62,52 +64,63 @@ class _ReversibleHeunFn(torch.autograd.Function):
         with torch.no_grad():
             y, z = _forward_states(f, h0, times, dt)
         ctx.f, ctx.solver, ctx.times, ctx.dt = f, solver, times, dt
+        # the backward re-evaluates f: under the same autocast setting, or it would rebuild
+        # states from (and differentiate) a different function than the forward ran
+        kind = h0.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.params = params
         ctx.save_for_backward(h0, y, z)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        f, times, dt, params = ctx.f, ctx.times, ctx.dt, ctx.params
-        h0, y, z = ctx.saved_tensors
-        param_grads = [torch.zeros_like(p) if p.requires_grad else None for p in params]
-        wanted = [p for p in params if p.requires_grad]
+        kind, enabled, dtype = ctx.autocast
+        with torch.autocast(kind, dtype=dtype, enabled=enabled):
+            return _backward(ctx, grad_y)
 
-        def eval_with_graph(t, z_value):
-            z_leaf = z_value.detach().requires_grad_(True)
-            with torch.enable_grad():
-                out = f(t, z_leaf)
-            return z_leaf, out
 
-        def vjp(z_leaf, out, cotangent):
-            grads = torch.autograd.grad(out, (z_leaf, *wanted), cotangent, allow_unused=True)
-            it = iter(grads[1:])
-            for i, p in enumerate(params):
-                if p.requires_grad:
-                    g = next(it)
-                    if g is not None:
-                        param_grads[i] += g
-            return grads[0] if grads[0] is not None else torch.zeros_like(z_leaf)
+def _backward(ctx, grad_y):
+    """The reversible backward (see the module docstring), one step at a time."""
+    f, times, dt, params = ctx.f, ctx.times, ctx.dt, ctx.params
+    h0, y, z = ctx.saved_tensors
+    param_grads = [torch.zeros_like(p) if p.requires_grad else None for p in params]
+    wanted = [p for p in params if p.requires_grad]
 
-        a_y = grad_y
-        a_z = torch.zeros_like(grad_y)
-        a_f = torch.zeros_like(grad_y)
-        z_leaf, f_out = eval_with_graph(times[-1] + dt, z)  # f at the final state, with graph
-        for t in reversed(times):
-            f1 = f_out.detach()
-            # back through y' = y + dt (f + f')/2 and f' = f(t + dt, z')
-            dz1 = vjp(z_leaf, f_out, a_f + (0.5 * dt) * a_y)
-            a_z1 = a_z + dz1
-            # rebuild the state before this step
-            z = 2 * y - z - dt * f1
-            z_leaf, f_out = eval_with_graph(t, z)
-            y = y - (0.5 * dt) * (f_out.detach() + f1)
-            # back through z' = 2 y - z + dt f
-            a_y, a_z, a_f = a_y + 2 * a_z1, -a_z1, (0.5 * dt) * a_y + dt * a_z1
-        # at t0: z0 = y0 and f0 = f(t0, z0)
-        dz0 = vjp(z_leaf, f_out, a_f)
-        grad_h0 = a_y + a_z + dz0
-        with torch.no_grad():
-            ctx.solver.last_reconstruction_error = float(
-                torch.maximum((y - h0).abs().max(), (z - h0).abs().max()))
-        return (None, None, None, None, grad_h0, *param_grads)
+    def eval_with_graph(t, z_value):
+        z_leaf = z_value.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = f(t, z_leaf).to(z_leaf.dtype)
+        return z_leaf, out
+
+    def vjp(z_leaf, out, cotangent):
+        grads = torch.autograd.grad(out, (z_leaf, *wanted), cotangent, allow_unused=True)
+        it = iter(grads[1:])
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                g = next(it)
+                if g is not None:
+                    param_grads[i] += g
+        return grads[0] if grads[0] is not None else torch.zeros_like(z_leaf)
+
+    a_y = grad_y
+    a_z = torch.zeros_like(grad_y)
+    a_f = torch.zeros_like(grad_y)
+    z_leaf, f_out = eval_with_graph(times[-1] + dt, z)  # f at the final state, with graph
+    for t in reversed(times):
+        f1 = f_out.detach()
+        # back through y' = y + dt (f + f')/2 and f' = f(t + dt, z')
+        dz1 = vjp(z_leaf, f_out, a_f + (0.5 * dt) * a_y)
+        a_z1 = a_z + dz1
+        # rebuild the state before this step
+        z = 2 * y - z - dt * f1
+        z_leaf, f_out = eval_with_graph(t, z)
+        y = y - (0.5 * dt) * (f_out.detach() + f1)
+        # back through z' = 2 y - z + dt f
+        a_y, a_z, a_f = a_y + 2 * a_z1, -a_z1, (0.5 * dt) * a_y + dt * a_z1
+    # at t0: z0 = y0 and f0 = f(t0, z0)
+    dz0 = vjp(z_leaf, f_out, a_f)
+    grad_h0 = a_y + a_z + dz0
+    with torch.no_grad():
+        ctx.solver.last_reconstruction_error = float(
+            torch.maximum((y - h0).abs().max(), (z - h0).abs().max()))
+    return (None, None, None, None, grad_h0, *param_grads)
