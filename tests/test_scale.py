@@ -85,6 +85,7 @@ def test_only_rank_zero_writes(two_process_runs):
     state = torch.load(ddp / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2 and sorted(state["sampler"]["streams"]) == [0, 1]
     assert len(state["rank_rng"]) == 2
+    assert state["rank_cuda_rng"] == [None, None]  # per-rank CUDA generators, on CUDA only
 
 
 def test_two_process_resume_continues_the_same_losses(two_process_runs):
@@ -242,3 +243,16 @@ def test_cuda_training_matches_cpu_closely(tiny_corpus, tmp_path):
                            "train.device=cuda", "train.dtype=fp32"),
                   tmp_path / "gpu", quiet=True).run()
     assert abs(cpu["val_loss"] - gpu["val_loss"]) < 1e-3
+
+
+@pytest.mark.cuda
+def test_cuda_resume_continues_the_same_losses_with_dropout(tiny_corpus, tmp_path):
+    """The CUDA generator (dropout masks on the GPU) is saved per rank and restored."""
+    args = ("train.device=cuda", "train.dtype=fp32", "model.dropout=0.1")
+    Trainer(tiny_cfg(tiny_corpus, *args), tmp_path / "full", quiet=True).run()
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=6", *args), tmp_path / "cut", quiet=True).run()
+    Trainer(tiny_cfg(tiny_corpus, *args), tmp_path / "cut", resume=True, quiet=True).run()
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "last" / "trainer_state.pt",
+                       weights_only=True)
+    assert state["rank_cuda_rng"][0] is not None
+    assert losses(tmp_path / "cut") == pytest.approx(losses(tmp_path / "full"), abs=1e-5)

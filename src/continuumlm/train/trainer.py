@@ -222,8 +222,12 @@ class Trainer:
             rngs = state.get("rank_rng") or [state["torch_rng"]]
             if self.dist.rank < len(rngs):
                 torch.set_rng_state(rngs[self.dist.rank])
-            if "cuda_rng" in state and torch.cuda.is_available() and not self.dist.enabled:
-                torch.cuda.set_rng_state_all(state["cuda_rng"])
+            cuda_rngs = state.get("rank_cuda_rng") or []
+            if self.device.type == "cuda" and self.dist.rank < len(cuda_rngs) \
+                    and cuda_rngs[self.dist.rank] is not None:
+                torch.cuda.set_rng_state(cuda_rngs[self.dist.rank], self.device)
+            elif "cuda_rng" in state and torch.cuda.is_available() and not self.dist.enabled:
+                torch.cuda.set_rng_state_all(state["cuda_rng"])  # checkpoints before rank_cuda_rng
             if "scaler" in state and self.scaler.is_enabled():
                 self.scaler.load_state_dict(state["scaler"])
             self.step = int(state["step"])
@@ -311,14 +315,17 @@ class Trainer:
     def trainer_state(self) -> dict:
         """Everything but the weights; a collective under torchrun (every rank's batch streams
         and RNG state are gathered so that each rank resumes its own)."""
-        per_rank = self.dist.gather((self.sampler.state_dict(), torch.get_rng_state()))
-        streams = {m: g for sampler, _ in per_rank for m, g in sampler["streams"].items()}
+        # each rank's own CUDA generator too: it draws that rank's dropout masks on a GPU
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        per_rank = self.dist.gather((self.sampler.state_dict(), torch.get_rng_state(), cuda_rng))
+        streams = {m: g for sampler, _, _ in per_rank for m, g in sampler["streams"].items()}
         state = {
             "step": self.step,
             "best_val": self.best_val,
             "sampler": {"streams": streams},
             "torch_rng": per_rank[0][1],
-            "rank_rng": [rng for _, rng in per_rank],
+            "rank_rng": [rng for _, rng, _ in per_rank],
+            "rank_cuda_rng": [rng for _, _, rng in per_rank],
             "world_size": self.dist.world_size,
             "skipped_steps": self.skipped_steps,
         }
@@ -326,8 +333,6 @@ class Trainer:
             state["optimizer"] = self.optimizer.state_dict()
         if self.scaler.is_enabled():
             state["scaler"] = self.scaler.state_dict()
-        if torch.cuda.is_available() and not self.dist.enabled:
-            state["cuda_rng"] = torch.cuda.get_rng_state_all()
         return state
 
     def save(self, best: bool = False) -> Path | None:
