@@ -236,3 +236,24 @@ def test_adaptive_generation_falls_back_to_recompute():
     assert out.shape == (1, 9)
     with pytest.raises(ValueError, match="adaptive"):
         m.step(prompt, m.init_state(1))
+
+
+def test_set_solver_changes_integration_and_validates():
+    """Anytime depth: the same weights integrated with another solver or step count; bad
+    values are refused like any config value (0 steps is not "keep the old count")."""
+    m = ode_model(ode_solver="rk4", ode_steps=3).eval()
+    idx = torch.randint(0, 29, (1, 7))
+    ref = m(idx)[0]
+    m.set_solver(ode_solver="euler", ode_steps=12)
+    euler = m(idx)[0]
+    assert m.last_nfe == 2 * 12 and not torch.equal(euler, ref)
+    m.set_solver(ode_solver="rk4", ode_steps=3)
+    torch.testing.assert_close(m(idx)[0], ref, rtol=0, atol=0)
+    for bad, needle in ((dict(ode_steps=0), "positive"), (dict(ode_solver="rk5"), "rk4")):
+        with pytest.raises(ConfigError, match=needle):
+            m.set_solver(**bad)
+    assert m.config.ode_steps == 3 and m.config.ode_solver == "rk4"  # unchanged by a refusal
+    with pytest.raises(ValueError, match="rk2_gated"):
+        m.set_solver(ode_solver="rk2_gated")
+    with pytest.raises(ValueError, match="discrete"):
+        LanguageModel(ModelConfig(vocab_size=29, hidden_size=32, num_heads=4)).set_solver("rk4")

@@ -124,8 +124,9 @@ class LanguageModel(nn.Module):
 
         if self.config.depth != "ode":
             raise ValueError("set_solver needs depth = 'ode'; a discrete stack has no solver.")
-        new = dataclasses.replace(self.config, ode_solver=ode_solver or self.config.ode_solver,
-                                  ode_steps=ode_steps or self.config.ode_steps)
+        changes = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps))
+                   if v is not None}
+        new = dataclasses.replace(self.config, **changes)  # validated like any config
         for block in self.depth.blocks:
             solver = SOLVERS[new.ode_solver](new)
             if any(True for _ in solver.parameters()) or any(True for _ in block.solver.parameters()):
