@@ -172,6 +172,13 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
         return [(e["step"], e["loss"]) for e in read_metrics(d) if "loss" in e]
 
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+
+    def evaluations(d):  # strict JSON: no NaN placeholders in the metrics file
+        lines = (d / "metrics.jsonl").read_text().splitlines()
+        events = [json.loads(x, parse_constant=lambda c: pytest.fail(f"{c} in metrics")) for x in lines]
+        return [[e["step"], e["accuracy"]] for e in events if "accuracy" in e]
+
+    assert evaluations(tmp_path / "cut") == evaluations(tmp_path / "full") == full["history"]
     with pytest.raises(ValueError, match="other settings"):
         M.run_mqar(_mqar_cfg("train.lr=0.5"), tmp_path / "cut", quiet=True)
 

@@ -6,10 +6,20 @@ import json
 import math
 from pathlib import Path
 
+EVAL_KEYS = ("val_loss", "accuracy")  # an event holding one of these is an evaluation
+
+
+def is_evaluation(event: dict) -> bool:
+    return any(k in event for k in EVAL_KEYS)
+
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True,
+                 state_after_evaluation: bool = False):
+        """``state_after_evaluation``: the state resumed from was saved after its step's
+        evaluation (MQAR saves at evaluations), so that evaluation is kept, not expected again."""
         self.path = run_dir / "metrics.jsonl"
+        self.state_after_evaluation = state_after_evaluation
         if resume_step is not None and self.path.exists():
             self._truncate(resume_step)
         self.file = open(self.path, "a", encoding="utf-8")
@@ -21,7 +31,8 @@ class MetricsLogger:
 
     def _truncate(self, step: int) -> None:
         """Drop events a resumed run will produce again: updates after ``step`` and
-        evaluations at or after it (they ran after the checkpoint was written)."""
+        evaluations at or after it (they ran after the checkpoint was written), unless the
+        state was saved after its step's evaluation."""
         kept = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
@@ -29,7 +40,7 @@ class MetricsLogger:
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
             s = ev.get("step", 0)
-            if s < step or (s == step and "val_loss" not in ev):
+            if s < step or (s == step and (self.state_after_evaluation or not is_evaluation(ev))):
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
@@ -42,7 +53,8 @@ class MetricsLogger:
             step = event["step"]
             for k, v in event.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(("val/" if k.startswith("val") else "train/") + k, v, step)
+                    kind = "val/" if k.startswith("val") or k in EVAL_KEYS else "train/"
+                    self.tb.add_scalar(kind + k, v, step)
 
     def close(self) -> None:
         self.file.close()

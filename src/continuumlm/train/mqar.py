@@ -121,7 +121,8 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
         perm, cursor, step = st["perm"], st["cursor"], st["step"]
         acc, best, elapsed, history = st["accuracy"], st["best"], st["elapsed"], st["history"]
     (out / "config.toml").write_text(dump_toml(cfg))
-    logger = MetricsLogger(out, resume_step=step if resumed else None, tensorboard=False)
+    logger = MetricsLogger(out, resume_step=step if resumed else None, tensorboard=False,
+                           state_after_evaluation=True)
     tty = sys.stdout.isatty() and not quiet
     say = (lambda m: None) if quiet else (lambda m: print(m, flush=True))
     if resumed:
@@ -150,7 +151,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
             acc = recall_accuracy(model, test_x.to(device), test_y.to(device))
             best = max(best, acc)
             history.append([step, acc])
-            logger.log({"step": step, "val_loss": float("nan"), "accuracy": acc})
+            logger.log({"step": step, "accuracy": acc})
             msg = f"step {step}: loss {loss.item():.4f}, recall accuracy {acc:.4f}"
             bar.write(msg) if tty else say(msg)
             done = acc >= q.stop_accuracy
