@@ -152,6 +152,8 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def cmd_train(args) -> int:
+    import gc
+
     from .config import load_config
     from .train import Trainer, distributed
     from .train.trainer import find_resumable
@@ -176,7 +178,12 @@ def cmd_train(args) -> int:
     else:
         cfg = load_config(args.config, args.set)
     try:
-        result = Trainer(cfg, out, resume=args.resume, quiet=args.quiet).run()
+        trainer = Trainer(cfg, out, resume=args.resume, quiet=args.quiet)
+        result = trainer.run()
+        # the model, its FSDP/DDP state and the device mesh go while the process group still
+        # exists, not at interpreter exit (where FSDP's teardown aborted now and then)
+        del trainer
+        gc.collect()
         distributed.teardown(wait=True)  # every rank done before the group goes
     finally:
         distributed.teardown()
