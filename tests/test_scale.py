@@ -120,6 +120,37 @@ def test_fsdp_shards_and_export(two_process_runs):
     assert json.loads(r.stdout)["results"][0]["loss"] > 0
 
 
+def test_sharded_checkpoint_metadata_is_never_unpickled_freely(two_process_runs, tmp_path):
+    """torch reads a sharded checkpoint's .metadata with pickle.load: a file that names
+    anything but checkpoint metadata is refused before torch sees it, and damage is an error
+    with status 2, not a traceback."""
+    import pickle
+    import shutil
+
+    from continuumlm.train.checkpoint import _write_manifest
+
+    src = two_process_runs["tmp"] / "fsdp"
+    if not src.exists():
+        pytest.skip("needs the FSDP run of test_fsdp_shards_and_export")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    for name, content in (("evil", pickle.dumps(Payload())), ("damaged", b"\x80\x04garbage")):
+        run_dir = tmp_path / name
+        shutil.copytree(src, run_dir, symlinks=True)
+        ckpt = (run_dir / "checkpoints" / "last").resolve()
+        (ckpt / "model.safetensors").unlink(missing_ok=True)
+        (ckpt / "sharded" / ".metadata").write_bytes(content)
+        _write_manifest(ckpt, 6)  # as if written so: the manifest is no signature
+        r = run([CLI, "export", "--checkpoint", str(run_dir)])
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert ("not loaded" if name == "evil" else "damaged") in r.stderr
+    assert not marker.exists()
+
+
 def test_a_failing_rank_fails_the_job_with_its_error(two_process_runs, tmp_path):
     """Rank 0 cannot write its run folder (a file stands where a folder must be); rank 1 waits
     for it at a collective. The job must end non-zero with rank 0's message, not hang."""

@@ -155,10 +155,76 @@ def verify_checkpoint(ckpt: Path) -> None:
                                   f"or truncated.")
 
 
+# What a torch.distributed.checkpoint ``.metadata`` file may name. torch reads that file with
+# plain pickle.load (and non-tensor entries with torch.load(weights_only=False)), so it is
+# checked here first with an unpickler that builds nothing else.
+_SHARD_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _ShardMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        allowed = (module == "torch.distributed.checkpoint.metadata"
+                   or (module, name) in _SHARD_METADATA_GLOBALS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise CheckpointError(
+                f"the sharded checkpoint's .metadata names {module}.{name}, which no "
+                f"torch.distributed.checkpoint metadata holds; the file was not written by "
+                f"ContinuumLM and is not loaded (it could run code). Use a checkpoint you "
+                f"trained yourself.")
+        return super().find_class(module, name)
+
+
+def load_shards(state: dict, shards: Path, **kw) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state``, after checking that the shard
+    metadata builds only checkpoint-metadata objects and with non-tensor entries (optimizer
+    hyper-parameters) read through ``torch.load(weights_only=True)``."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                obj = torch.load(value, weights_only=True)  # plain data only
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"{shards}: an entry of the sharded checkpoint is not "
+                                      f"plain data ({e}); it is not loaded.") from None
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            super().load_bytes(read_item, buf)
+
+    try:
+        with open(shards / ".metadata", "rb") as f:
+            _ShardMetadataUnpickler(f).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any damage to the file
+        raise CheckpointError(f"{shards}/.metadata cannot be read ({type(e).__name__}: {e}); the "
+                              f"sharded checkpoint is damaged: use an earlier checkpoint "
+                              f"(--which or a step-* folder).") from None
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(shards), planner=SafeLoadPlanner(), **kw)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's CheckpointException wraps each rank's error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{shards}: the sharded checkpoint cannot be loaded ({first}); it "
+                              f"is damaged or was written for another model: use an earlier "
+                              f"checkpoint (--which or a step-* folder).") from None
+
+
 def export_sharded(path: str | Path, which: str = "last") -> Path:
     """Consolidate an FSDP checkpoint's ``sharded/`` weights into ``model.safetensors`` in the
     same folder (no process group needed) and add it to the manifest."""
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_model
 
     ckpt = resolve_checkpoint(path, which).resolve()
@@ -169,10 +235,13 @@ def export_sharded(path: str | Path, which: str = "last") -> Path:
     cfg = load_run_config(ckpt)
     model = LanguageModel(cfg.model)
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(ckpt / SHARDS_DIR))
-    model.load_state_dict(state["model"])
+    load_shards(state, ckpt / SHARDS_DIR)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{ckpt}: the shards do not fit the model in its config.json "
+                              f"({str(e).strip().splitlines()[0]}); the folder was changed "
+                              f"after it was written.") from None
     tmp = ckpt / (WEIGHTS_FILE + ".tmp")
     save_model(model, str(tmp))
     os.replace(tmp, ckpt / WEIGHTS_FILE)

@@ -273,11 +273,12 @@ class Trainer:
               file=sys.stderr)
 
     def _load_shards(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from .checkpoint import load_shards
+
         msd, osd = get_state_dict(self.model, self.optimizer)
-        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path))
+        load_shards({"model": msd, "optimizer": osd}, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
 
     def _install_signal_handlers(self) -> dict:
