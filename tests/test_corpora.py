@@ -92,3 +92,10 @@ def test_ptb_word_counts(data_dir, monkeypatch):
     ds = prepare_data(DataConfig(dataset="ptb", tokenizer="word"))
     assert ds.tokenizer.vocab_size == 10000
     assert {k: len(v) for k, v in ds.splits.items()} == {"train": 929589, "val": 73760, "test": 82430}
+
+
+def test_one_file_for_a_corpus_with_a_file_per_split_is_refused(tmp_path):
+    one = tmp_path / "ptb.test.txt"
+    one.write_text("the cat sat\n")
+    with pytest.raises(DataError, match="one file.*ptb.train.txt.*folder"):
+        corpora.load_corpus_text("ptb", str(one))

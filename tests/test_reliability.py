@@ -104,7 +104,10 @@ def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
     assert int(saved.split("-")[1]) >= 7
 
 
-def test_corrupt_last_checkpoint_falls_back(reference, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "truncated_no_manifest", "state_no_manifest"])
+def test_corrupt_last_checkpoint_falls_back(reference, tmp_path, damage):
+    """With its manifest the damage is caught by the checksums; without one (a folder put
+    together by hand) by reading the weights and checking the trainer state's entries."""
     cfg, ref = reference
     out = tmp_path / "corrupt"
     r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
@@ -113,7 +116,12 @@ def test_corrupt_last_checkpoint_falls_back(reference, tmp_path):
     last = (out / "checkpoints" / "last").resolve()
     assert last.name == "step-00000020"
     w = last / "model.safetensors"
-    w.write_bytes(w.read_bytes()[:-100])  # truncated
+    if damage.startswith("truncated"):
+        w.write_bytes(w.read_bytes()[:-100])
+    else:
+        torch.save({"step": 20}, last / "trainer_state.pt")
+    if damage.endswith("no_manifest"):
+        (last / "manifest.json").unlink()
     r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

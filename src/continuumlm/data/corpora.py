@@ -145,4 +145,9 @@ def load_corpus_text(dataset: str, data_path: str | None, errors: str = "strict"
             raise DataError(f"data.path = {data_path!r} is not a file; point it at a UTF-8 text file.")
         return {"all": read_text(p, errors)}
     files = CORPORA[dataset]
+    if data_path and len(files) > 1 and Path(data_path).expanduser().is_file():
+        names = ", ".join(cf.name for cf in files.values())
+        raise DataError(f"data.path = {data_path!r} is one file, but data.dataset = {dataset!r} "
+                        f"has a file per split ({names}); point data.path at the folder that "
+                        f"holds them, or use data.dataset = \"text\" for a single file.")
     return {split: read_text(resolve_file(cf, data_path), errors) for split, cf in files.items()}

@@ -117,11 +117,16 @@ def find_resumable(out: Path, announce: bool = True):
             verify_checkpoint(ckpt)
             saved = load_run_config(ckpt)
             state = load_trainer_state(ckpt)
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
+            if not isinstance(state, dict) or not {"step", "best_val", "sampler"} <= state.keys():
+                raise CheckpointError("trainer_state.pt lacks the step, best_val or sampler entry")
             if not (ckpt / SHARDS_DIR).is_dir():  # FSDP checkpoints hold shards instead
-                with safe_open(str(ckpt / "model.safetensors"), framework="pt"):
-                    pass
+                try:
+                    with safe_open(str(ckpt / "model.safetensors"), framework="pt"):
+                        pass
+                except SafetensorError as e:
+                    raise CheckpointError(f"model.safetensors cannot be read ({e})") from None
         except (CheckpointError, ConfigError, OSError, RuntimeError, ValueError) as e:
             problems.append(f"{ckpt.name}: {e}")
             if announce:
