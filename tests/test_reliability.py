@@ -310,3 +310,33 @@ def test_experiment_outside_a_checkout_is_a_clear_error(tmp_path):
     r = subprocess.run([str(Path(sys.executable).parent / "continuumlm"), "experiment", "ptb"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "checkout" in r.stderr
+
+
+def test_device_names_are_checked():
+    from continuumlm import ConfigError
+    from continuumlm.train import pick_device
+
+    for bad in ("foo", "cuda:99", "meta"):
+        with pytest.raises(ConfigError, match="device"):
+            pick_device(bad)
+    assert pick_device("cpu").type == "cpu"
+
+
+def test_missing_best_points_to_last(tmp_path):
+    from continuumlm.train.checkpoint import resolve_checkpoint
+
+    (tmp_path / "checkpoints" / "last").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "last" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="--which last"):
+        resolve_checkpoint(tmp_path, "best")
+    assert resolve_checkpoint(tmp_path, "last") == tmp_path / "checkpoints" / "last"
+
+
+@pytest.mark.parametrize("files", [[], "abc", {"/etc/hostname": "0" * 64},
+                                   {"../x": "0" * 64}])
+def test_malformed_manifest_is_a_checkpoint_error(tmp_path, files):
+    from continuumlm.train.checkpoint import verify_checkpoint
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        verify_checkpoint(tmp_path)

@@ -58,3 +58,9 @@ def test_corrupt_tokenizer_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"format": "continuumlm-tokenizer", "type": "char", "vocab": 3}')
     with pytest.raises(DataError, match="non-empty list"):
         load_tokenizer(tmp_path)
+
+
+def test_bpe_refuses_text_that_is_not_unicode():
+    tok = train_tokenizer("bpe", TEXT, vocab_size=300)
+    with pytest.raises(DataError, match="not valid Unicode"):
+        tok.encode("abc\udcff")  # how argv carries a byte that was not UTF-8

@@ -130,6 +130,12 @@ class BPETokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes from argv
+            raise DataError(f"the text holds {text[e.start:e.end]!r} at offset {e.start}, which "
+                            f"is not valid Unicode (bytes that were not UTF-8); pass UTF-8 "
+                            f"text.") from None
         # Encode line-sized pieces in a batch: much faster than one huge string.
         pieces = text.splitlines(keepends=True) or [text]
         out: list[int] = []

@@ -131,6 +131,13 @@ def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
     for candidate in (p, p / which, p / "checkpoints" / which):
         if (candidate / WEIGHTS_FILE).exists() or (candidate / CONFIG_FILE).exists():
             return candidate
+    others = sorted(w for w in ("best", "last") if w != which and any(
+        (c / CONFIG_FILE).exists() for c in (p / w, p / "checkpoints" / w)))
+    if others:
+        raise CheckpointError(
+            f"{p} has no {which!r} checkpoint (a run whose validation loss never improved on its "
+            f"first evaluation saves no 'best'), but it has {others[0]!r}; pass --which "
+            f"{others[0]}.")
     raise CheckpointError(f"{p} holds no checkpoint (no {WEIGHTS_FILE} in it, in {p / which} or "
                           f"in {p / 'checkpoints' / which}); pass a run folder or a checkpoint folder.")
 
@@ -144,7 +151,11 @@ def verify_checkpoint(ckpt: Path) -> None:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        if not isinstance(files, dict) or not all(
+                isinstance(n, str) and isinstance(d, str) and "/" not in n.replace("sharded/", "", 1)
+                and ".." not in n for n, d in files.items()):
+            raise TypeError("files must map names inside the checkpoint to digests")
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, OSError):
         raise CheckpointError(f"{mpath} is corrupt; the checkpoint {ckpt} cannot be trusted.") from None
     for name, digest in files.items():
         f = ckpt / name

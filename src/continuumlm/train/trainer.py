@@ -44,7 +44,18 @@ def pick_device(name: str) -> torch.device:
         raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'.")
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError("train.device = 'mps' but MPS is not available; use 'auto' or 'cpu'.")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device {name!r} is not a device name; use auto, cpu, cuda, cuda:N "
+                          f"or mps.") from None
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s); use cuda (the first) or an index below that count.")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {name!r}: ContinuumLM runs on cpu, cuda or mps.")
+    return device
 
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
