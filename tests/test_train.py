@@ -172,3 +172,14 @@ def test_cli_user_errors_exit_2(args, needle):
     r = _cli(*args, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_resume_truncation_skips_lines_that_are_not_events(tmp_path):
+    from continuumlm.train.logging import MetricsLogger
+
+    good = [{"step": 1, "loss": 2.0}, {"step": 2, "val_loss": 1.5}, {"step": 4, "loss": 1.0}]
+    lines = [json.dumps(good[0]).encode(), b"[1, 2]", b'{"step": "x"}', b"\xff\xfe junk",
+             json.dumps(good[1]).encode(), json.dumps(good[2]).encode()]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    MetricsLogger(tmp_path, resume_step=3, tensorboard=False).close()
+    assert read_metrics(tmp_path) == good[:2]

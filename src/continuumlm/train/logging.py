@@ -34,12 +34,14 @@ class MetricsLogger:
         evaluations at or after it (they ran after the checkpoint was written), unless the
         state was saved after its step's evaluation."""
         kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
                 ev = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-            s = ev.get("step", 0)
+            s = ev.get("step", 0) if isinstance(ev, dict) else None
+            if not isinstance(s, (int, float)):
+                continue  # not an event of ours
             if s < step or (s == step and (self.state_after_evaluation or not is_evaluation(ev))):
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")

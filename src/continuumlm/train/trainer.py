@@ -256,8 +256,8 @@ class Trainer:
             self._probe_writable()
             for stale in [*ckpt_root.glob(".tmp-*"), *ckpt_root.glob(".shards-*")]:
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash while saving
-            (self.out / "config.toml").write_text(dump_toml(cfg))
             self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None)
+            (self.out / "config.toml").write_text(dump_toml(cfg))  # once nothing can fail
         else:
             self.logger = _NullLogger()
         self.dist.barrier()
