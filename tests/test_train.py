@@ -183,3 +183,31 @@ def test_resume_truncation_skips_lines_that_are_not_events(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     MetricsLogger(tmp_path, resume_step=3, tensorboard=False).close()
     assert read_metrics(tmp_path) == good[:2]
+
+
+@pytest.mark.parametrize("damage", ["optimizer", "sampler", "weights"])
+def test_resume_from_a_checkpoint_changed_by_hand_is_a_checkpoint_error(tiny_corpus, tmp_path,
+                                                                        damage):
+    """A folder without manifest is not checksummed; what does not fit is still an error
+    naming the folder, not a traceback from deep inside torch."""
+    from safetensors.torch import save_model
+
+    from continuumlm import LanguageModel
+
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=3"), out, quiet=True).run()
+    last = (out / "checkpoints" / "last").resolve()
+    (last / "manifest.json").unlink()
+    path = last / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    if damage == "optimizer":
+        state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"][:1]
+    elif damage == "sampler":
+        for m in state["sampler"]["streams"]:
+            state["sampler"]["streams"][m] = torch.zeros(3, dtype=torch.uint8)
+    else:
+        other = tiny_cfg(tiny_corpus, "model.hidden_size=16", "model.vocab_size=40")
+        save_model(LanguageModel(other.model), str(last / "model.safetensors"))
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=str(last.name)):
+        Trainer(tiny_cfg(tiny_corpus, "train.max_steps=6"), out, resume=True, quiet=True)

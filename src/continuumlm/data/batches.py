@@ -61,7 +61,12 @@ class BatchSampler:
                              f"needs {missing}: resume with the same number of processes and "
                              f"train.grad_accum as the run that wrote it.")
         for m in self.streams:
-            self.generators[m].set_state(streams[m])
+            try:
+                self.generators[m].set_state(streams[m])
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"the checkpoint's state of batch stream {m} is damaged "
+                                 f"({str(e).strip().splitlines()[0] if str(e).strip() else e!r}); "
+                                 f"resume from an earlier checkpoint.") from None
 
 
 def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> torch.Tensor:

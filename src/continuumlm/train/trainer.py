@@ -33,6 +33,11 @@ from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
@@ -212,8 +217,14 @@ class Trainer:
         if state is not None and not sharded:
             from safetensors.torch import load_model
 
-            load_model(self.model, str(self.resumed_from / "model.safetensors"),
-                       device=str(self.device))
+            try:
+                load_model(self.model, str(self.resumed_from / "model.safetensors"),
+                           device=str(self.device))
+            except RuntimeError as e:
+                raise CheckpointError(
+                    f"--resume: the weights in {self.resumed_from} do not fit the model its "
+                    f"config describes ({_first_line(e)}); the folder was changed after it was "
+                    f"written: remove it to resume from an earlier checkpoint.") from None
         self.wrapped = D.wrap(self.model, t.strategy, self.dist, self.device)
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, t, self.device.type)
@@ -229,15 +240,22 @@ class Trainer:
         if state is not None:
             if sharded:
                 self._load_shards(self.resumed_from / SHARDS_DIR)
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
             try:
                 self.sampler.load_state_dict(state["sampler"])
-            except ValueError as e:
+            except ValueError as e:  # its own message: streams that do not fit this run
                 raise CheckpointError(f"--resume from {self.resumed_from}: {e}") from None
-            rngs = state.get("rank_rng") or [state["torch_rng"]]
-            if self.dist.rank < len(rngs):
-                torch.set_rng_state(rngs[self.dist.rank])
+            try:
+                if not sharded:
+                    self.optimizer.load_state_dict(state["optimizer"])
+                rngs = state.get("rank_rng") or [state["torch_rng"]]
+                if self.dist.rank < len(rngs):
+                    torch.set_rng_state(rngs[self.dist.rank])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise CheckpointError(
+                    f"--resume from {self.resumed_from}: its trainer_state.pt does not fit this "
+                    f"run ({type(e).__name__}: {_first_line(e)}); the file was changed after it "
+                    f"was written: remove the folder to resume from an earlier "
+                    f"checkpoint.") from None
             cuda_rngs = state.get("rank_cuda_rng") or []
             if self.device.type == "cuda" and self.dist.rank < len(cuda_rngs) \
                     and cuda_rngs[self.dist.rank] is not None:
