@@ -240,6 +240,8 @@ def test_learned_positions_context_limit():
     with pytest.raises(ValueError, match="max_seq_len = 16"):
         m.generate(torch.zeros(1, 10, dtype=torch.long), 8)
     assert m.generate(torch.zeros(1, 10, dtype=torch.long), 7).shape == (1, 17)
+    with pytest.raises(ValueError, match="shorten it to at most 16 tokens"):
+        m.generate(torch.zeros(1, 40, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="max_seq_len"):
         m(torch.zeros(1, 17, dtype=torch.long))
 
@@ -304,3 +306,20 @@ def test_overfits_tiny_corpus():
         opt.step()
     assert loss.item() < 0.05
     assert m.generate(torch.tensor([[3]]), 8, greedy=True).tolist() == [[3, 4, 5, 6, 7, 8, 9, 10, 1]]
+
+
+def test_weights_of_another_size_are_one_short_error(tmp_path):
+    """A config.json edited after saving: one line naming the first mismatched tensor and how
+    many more there are, not torch's list of every tensor."""
+    import json
+
+    from continuumlm import CheckpointError
+
+    m = small_model()
+    m.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_size"] //= 2
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"size mismatch for .* \(and \d+ more\)") as e:
+        LanguageModel.from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)

@@ -176,6 +176,11 @@ class LanguageModel(nn.Module):
             check_sampling_args(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.shape[1] == 0:
             raise ValueError("the prompt must hold at least one token, shaped (batch, length).")
+        if cfg.position == "learned" and idx.shape[1] > cfg.max_seq_len:
+            raise ValueError(
+                f"the prompt has {idx.shape[1]} tokens, more than max_seq_len = {cfg.max_seq_len} "
+                f"of this model's learned positions; shorten it to at most {cfg.max_seq_len} "
+                f"tokens (its last ones), or use a RoPE model.")
         if cfg.position == "learned" and idx.shape[1] + max_new_tokens - 1 > cfg.max_seq_len:
             raise ValueError(
                 f"prompt ({idx.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
@@ -329,8 +334,15 @@ class LanguageModel(nn.Module):
             missing, unexpected = load_model(model, str(w_path), strict=False,
                                              device=str(map_location))
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"cannot read weights from {w_path}: {e}. The file is corrupt, "
-                                  f"truncated or belongs to a different configuration.") from None
+            # torch lists every mismatched tensor on its own line: name the first and the count
+            lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+            detail = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines
+                          else type(e).__name__)
+            more = sum(x.startswith("size mismatch") for x in lines) - 1
+            detail += f" (and {more} more)" if more > 0 else ""
+            raise CheckpointError(f"cannot read weights from {w_path}: {detail}. The file is "
+                                  f"corrupt, truncated or belongs to a different configuration "
+                                  f"than {cfg_path}.") from None
         if missing or unexpected:
             raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
