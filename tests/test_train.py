@@ -211,3 +211,13 @@ def test_resume_from_a_checkpoint_changed_by_hand_is_a_checkpoint_error(tiny_cor
     torch.save(state, path)
     with pytest.raises(CheckpointError, match=str(last.name)):
         Trainer(tiny_cfg(tiny_corpus, "train.max_steps=6"), out, resume=True, quiet=True)
+
+
+def test_resume_past_max_steps_is_refused_and_keeps_the_checkpoint(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=6"), out, quiet=True).run()
+    last = (out / "checkpoints" / "last").resolve()
+    before = {p.name: p.stat().st_mtime_ns for p in last.iterdir()}
+    with pytest.raises(ConfigError, match="past train.max_steps = 4"):
+        Trainer(tiny_cfg(tiny_corpus, "train.max_steps=4"), out, resume=True, quiet=True)
+    assert {p.name: p.stat().st_mtime_ns for p in last.iterdir()} == before

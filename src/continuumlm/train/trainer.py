@@ -266,6 +266,11 @@ class Trainer:
                 self.scaler.load_state_dict(state["scaler"])
             self.step = int(state["step"])
             self.best_val = float(state["best_val"])
+            if t.max_steps < self.step:
+                raise ConfigError(
+                    f"--resume: {self.resumed_from} is at step {self.step}, past train.max_steps "
+                    f"= {t.max_steps}; raise train.max_steps (e.g. --set train.max_steps="
+                    f"{self.step * 2}) to train further.")
         self.bad_steps = 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
         self._stop_signal: str | None = None
