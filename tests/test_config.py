@@ -75,3 +75,9 @@ def test_recipes_all_load():
     assert files
     for f in files:
         assert isinstance(load_config(f), RunConfig), f
+
+
+def test_config_file_with_a_byte_order_mark(tmp_path):
+    p = tmp_path / "bom.toml"
+    p.write_bytes("\ufeff[model]\nhidden_size = 64\nnum_heads = 4\n".encode("utf-8"))
+    assert load_config(p).model.hidden_size == 64

@@ -288,7 +288,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} does not exist; pass an existing TOML file, "
                               f"e.g. configs/shakespeare_char/demo.toml.")
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM is harmless
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid TOML: {e}.") from None
     for item in overrides or []:
