@@ -166,9 +166,9 @@ def verify_checkpoint(ckpt: Path) -> None:
                                   f"or truncated.")
 
 
-# What a torch.distributed.checkpoint ``.metadata`` file may name. torch reads that file with
-# plain pickle.load (and non-tensor entries with torch.load(weights_only=False)), so it is
-# checked here first with an unpickler that builds nothing else.
+# What a torch.distributed.checkpoint ``.metadata`` file may name. torch reads that file with an
+# unrestricted unpickler (and non-tensor entries with a full, not weights-only, torch load), so
+# it is checked here first with an unpickler that builds nothing else.
 _SHARD_METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
