@@ -21,3 +21,9 @@ class CheckpointError(ContinuumLMError):
 class TrainingError(ContinuumLMError):
     """Training cannot go on (diverged, or a checkpoint could not be written); the last good
     checkpoint is kept."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (torch's can run to hundreds), else its type."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

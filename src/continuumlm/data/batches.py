@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..errors import first_line
+
 
 def stream_seed(seed: int, stream: int) -> int:
     """Seed of batch stream ``stream``: stream 0 uses ``seed`` itself, so a single-process run
@@ -65,7 +67,7 @@ class BatchSampler:
                 self.generators[m].set_state(streams[m])
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"the checkpoint's state of batch stream {m} is damaged "
-                                 f"({str(e).strip().splitlines()[0] if str(e).strip() else e!r}); "
+                                 f"({first_line(e)}); "
                                  f"resume from an earlier checkpoint.") from None
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, first_line
 from ..eval.sampling import check_sampling_args, sample_next
 from ..nn import make_norm
 from .cache import DecodeState
@@ -295,7 +295,7 @@ class LanguageModel(nn.Module):
                     # is untouched and the eager step below consumes this token exactly once
                     log.warning("generate(compile=True): torch.compile failed (%s: %s); "
                                 "decoding eagerly.", type(e).__name__,
-                                str(e).strip().splitlines()[0] if str(e).strip() else "")
+                                first_line(e))
                     self._compile_failed = True  # not again for this model
             return self._static_token_logits(ids, st)
 

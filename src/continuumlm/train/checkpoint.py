@@ -31,7 +31,7 @@ import torch
 from ..config import RunConfig
 from ..data.corpora import sha256_file
 from ..data.tokenizers import load_tokenizer, save_tokenizer
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..model.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel
 
 RUN_FILE = "run.json"
@@ -227,8 +227,7 @@ def load_shards(state: dict, shards: Path, **kw) -> None:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - torch's CheckpointException wraps each rank's error
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{shards}: the sharded checkpoint cannot be loaded ({first}); it "
+        raise CheckpointError(f"{shards}: the sharded checkpoint cannot be loaded ({first_line(e)}); it "
                               f"is damaged or was written for another model: use an earlier "
                               f"checkpoint (--which or a step-* folder).") from None
 
@@ -251,7 +250,7 @@ def export_sharded(path: str | Path, which: str = "last") -> Path:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         raise CheckpointError(f"{ckpt}: the shards do not fit the model in its config.json "
-                              f"({str(e).strip().splitlines()[0]}); the folder was changed "
+                              f"({first_line(e)}); the folder was changed "
                               f"after it was written.") from None
     tmp = ckpt / (WEIGHTS_FILE + ".tmp")
     save_model(model, str(tmp))
@@ -295,6 +294,6 @@ def load_trainer_state(ckpt: Path) -> dict:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{p} holds objects other than tensors and plain data and was "
-                              f"refused (it may be malicious): {str(e).splitlines()[0]}") from None
+                              f"refused (it may be malicious): {first_line(e)}") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{p} is corrupt or truncated: {e}") from None

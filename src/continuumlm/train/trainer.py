@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..config import RunConfig, dump_toml
 from ..data import BatchSampler, Dataset, eval_batches, load_tokenizer, prepare_data
 from ..data.batches import stream_seed
-from ..errors import CheckpointError, ConfigError, DataError, TrainingError
+from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
 from ..model.lm import LanguageModel
 from ..ode import ODESolverError
 from . import distributed as D
@@ -31,11 +31,6 @@ from .checkpoint import (
 )
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def pick_device(name: str) -> torch.device:
@@ -223,7 +218,7 @@ class Trainer:
             except RuntimeError as e:
                 raise CheckpointError(
                     f"--resume: the weights in {self.resumed_from} do not fit the model its "
-                    f"config describes ({_first_line(e)}); the folder was changed after it was "
+                    f"config describes ({first_line(e)}); the folder was changed after it was "
                     f"written: remove it to resume from an earlier checkpoint.") from None
         self.wrapped = D.wrap(self.model, t.strategy, self.dist, self.device)
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
@@ -253,7 +248,7 @@ class Trainer:
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CheckpointError(
                     f"--resume from {self.resumed_from}: its trainer_state.pt does not fit this "
-                    f"run ({type(e).__name__}: {_first_line(e)}); the file was changed after it "
+                    f"run ({type(e).__name__}: {first_line(e)}); the file was changed after it "
                     f"was written: remove the folder to resume from an earlier "
                     f"checkpoint.") from None
             cuda_rngs = state.get("rank_cuda_rng") or []
@@ -306,8 +301,7 @@ class Trainer:
         return forward
 
     def _compile_failed(self, e: Exception) -> None:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"warning: torch.compile failed ({type(e).__name__}: {first[:300]}); training "
+        print(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)[:300]}); training "
               f"continues without compiling (set train.compile = false to silence this).",
               file=sys.stderr)
 
