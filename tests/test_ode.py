@@ -255,5 +255,10 @@ def test_set_solver_changes_integration_and_validates():
     assert m.config.ode_steps == 3 and m.config.ode_solver == "rk4"  # unchanged by a refusal
     with pytest.raises(ValueError, match="rk2_gated"):
         m.set_solver(ode_solver="rk2_gated")
+    ck = ode_model(ode_solver="rk4", ode_grad="checkpoint")
+    with pytest.raises(ConfigError, match="reversible"):  # checkpointing does not suit it
+        ck.set_solver(ode_solver="reversible_heun")
+    ck.set_solver(ode_solver="reversible_heun", ode_grad="direct")  # what evaluation asks
+    assert ck.config.ode_solver == "reversible_heun" and ck.config.ode_grad == "direct"
     with pytest.raises(ValueError, match="discrete"):
         LanguageModel(ModelConfig(vocab_size=29, hidden_size=32, num_heads=4)).set_solver("rk4")

@@ -266,7 +266,7 @@ def cmd_eval(args) -> int:
     run = load_run_config(ckpt)
     if args.ode_solver or args.ode_steps:
         try:
-            model.set_solver(args.ode_solver, args.ode_steps)
+            model.set_solver(args.ode_solver, args.ode_steps, ode_grad="direct")  # no gradients
         except ValueError as e:
             raise UsageError(str(e)) from None
     data = prepare_data(run.data, tok)

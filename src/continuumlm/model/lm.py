@@ -114,18 +114,20 @@ class LanguageModel(nn.Module):
                                    ignore_index=-1)
         return logits, loss
 
-    def set_solver(self, ode_solver: str | None = None, ode_steps: int | None = None) -> None:
+    def set_solver(self, ode_solver: str | None = None, ode_steps: int | None = None,
+                   ode_grad: str | None = None) -> None:
         """Integrate the trained fields with another solver or number of steps, without
         retraining ("anytime depth"). Only for ``depth = "ode"``; a solver with weights of its
-        own (``rk2_gated``) can be neither swapped in nor out."""
+        own (``rk2_gated``) can be neither swapped in nor out. The gradient mode must suit the
+        new solver; evaluation, which takes no gradients, passes ``ode_grad="direct"``."""
         import dataclasses
 
         from ..ode import SOLVERS, AdaptiveSolver
 
         if self.config.depth != "ode":
             raise ValueError("set_solver needs depth = 'ode'; a discrete stack has no solver.")
-        changes = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps))
-                   if v is not None}
+        changes = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps),
+                                     ("ode_grad", ode_grad)) if v is not None}
         new = dataclasses.replace(self.config, **changes)  # validated like any config
         for block in self.depth.blocks:
             solver = SOLVERS[new.ode_solver](new)

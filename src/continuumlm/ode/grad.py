@@ -28,6 +28,9 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
     dt = (t1 - t0) / steps
     times = grid(t0, t1, steps)
     if isinstance(solver, ReversibleHeun):
+        if grad not in ("direct", "reversible"):  # never a silent switch to direct backprop
+            raise ValueError(f"ode_grad = {grad!r} is not implemented for reversible Heun; use "
+                             f"'reversible' or 'direct'.")
         if grad == "reversible" and needs_grad:
             return solver.integrate_reversible(f, h0, times, dt, params)
         return solver.integrate_direct(f, h0, times, dt)

@@ -17,8 +17,8 @@ trajectory, and back-propagates through one step at a time. The gradient is that
 discretized forward pass (not an approximation, as the backsolve adjoint is), up to the
 round-off of the reconstruction. Under mixed precision (autocast) the field's output is cast to
 the state's dtype before the solver adds it, and the backward re-enters the forward's autocast
-setting, so rebuilding stays exact to the state's round-off rather than to bf16's. No library offers this for arbitrary PyTorch modules, hence
-our own implementation. ``ode_grad = "direct"`` with this solver runs the same arithmetic
+setting, so rebuilding stays exact to the state's round-off rather than to bf16's. No library
+offers this for arbitrary PyTorch modules, hence our own implementation. ``ode_grad = "direct"`` with this solver runs the same arithmetic
 through ordinary autograd, the reference the tests compare against.
 """
 

@@ -151,9 +151,10 @@ def verify_checkpoint(ckpt: Path) -> None:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
+        inside = ckpt.resolve()
         if not isinstance(files, dict) or not all(
-                isinstance(n, str) and isinstance(d, str) and "/" not in n.replace("sharded/", "", 1)
-                and ".." not in n for n, d in files.items()):
+                isinstance(n, str) and isinstance(d, str)
+                and (inside / n).resolve().is_relative_to(inside) for n, d in files.items()):
             raise TypeError("files must map names inside the checkpoint to digests")
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, OSError):
         raise CheckpointError(f"{mpath} is corrupt; the checkpoint {ckpt} cannot be trusted.") from None
