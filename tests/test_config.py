@@ -81,3 +81,36 @@ def test_config_file_with_a_byte_order_mark(tmp_path):
     p = tmp_path / "bom.toml"
     p.write_bytes("\ufeff[model]\nhidden_size = 64\nnum_heads = 4\n".encode("utf-8"))
     assert load_config(p).model.hidden_size == 64
+
+
+@pytest.mark.parametrize("overrides,blamed,not_blamed", [
+    # a bad value given on the command line is blamed on --set, not on the file
+    (["train.max_steps=-1"], r"\(from --set train\.max_steps=-1\)$", "in {file}"),
+    (["model.mixer=sofmax"], r"\(from --set model\.mixer=sofmax\)$", "in {file}"),
+    (["train.foo=1"], r"unknown key train\.foo \(from --set train\.foo=1\);", "in {file}"),
+    (["foo.bar=1"], r"unknown section \[foo\] \(from --set foo\.bar=1\);", "in {file}"),
+    # a clash between a --set value and a file value names both
+    (["model.num_heads=5"], r"\(from --set model\.num_heads=5; in {file}\)$", None),
+    # a bad value in the file is still blamed on the file, --set or not
+    (["train.lr=1e-3"], r"model\.dropout must lie in .* \(in {file}\)$", "--set"),
+])
+def test_errors_say_whether_the_file_or_set_gave_the_value(tmp_path, overrides, blamed,
+                                                           not_blamed):
+    import re
+
+    p = tmp_path / "c.toml"
+    bad_dropout = "dropout = 2.0\n" if "dropout" in blamed else ""
+    p.write_text(f"[model]\nhidden_size = 96\nnum_heads = 4\n{bad_dropout}[train]\nmax_steps = 10\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p, overrides)
+    message = str(info.value)
+    assert re.search(blamed.replace("{file}", re.escape(str(p))), message), message
+    if not_blamed:
+        assert not_blamed.replace("{file}", str(p)) not in message, message
+
+
+def test_cross_section_error_blames_the_set_value(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[model]\nposition = \"learned\"\nmax_seq_len = 32\n")
+    with pytest.raises(ConfigError, match=r"\(from --set train\.seq_len=64; in .*c\.toml\)$"):
+        load_config(p, ["train.seq_len=64"])

@@ -155,6 +155,27 @@ def test_missing_file_and_bad_manifest_are_named(tiny_corpus, tmp_path):
         verify_checkpoint(ck)
 
 
+def test_training_checkpoint_without_manifest_is_loaded_with_a_warning(tiny_corpus, tmp_path,
+                                                                       capsys):
+    """Every training checkpoint is written with its manifest, so one without has lost it: say
+    that its files load unverified. A save_pretrained folder never had one: no warning."""
+    from continuumlm.train.checkpoint import load_model_and_tokenizer, verify_checkpoint
+
+    out = tmp_path / "run"
+    Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=5)), out, quiet=True).run()
+    ck = (out / "checkpoints" / "last").resolve()
+    verify_checkpoint(ck)
+    assert capsys.readouterr().err == ""
+    (ck / "manifest.json").unlink()
+    model, _, _ = load_model_and_tokenizer(ck)
+    err = capsys.readouterr().err
+    assert "warning:" in err and "no manifest.json" in err and str(ck) in err
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    verify_checkpoint(plain)
+    assert capsys.readouterr().err == ""
+
+
 def test_nan_steps_are_skipped_then_training_stops(tiny_corpus, tmp_path):
     cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=40, ckpt=5, max_bad_steps=3))
     out = tmp_path / "run"

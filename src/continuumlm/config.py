@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -247,20 +248,26 @@ class RunConfig:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str | None = None) -> RunConfig:
+    def from_dict(cls, d: dict[str, Any], where: str | None = None,
+                  overridden: dict[str, str] | None = None) -> RunConfig:
+        """``overridden`` maps ``section.key`` to the ``--set`` item that gave its value, so an
+        error about that key points at the command line rather than the file."""
         sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
                     "mqar": MQARConfig}
         unknown = [k for k in d if k not in sections]
         if unknown:
+            given = [item for key, item in (overridden or {}).items()
+                     if key.partition(".")[0] == unknown[0]]
+            origin = f" (from --set {given[0]})" if given else _in(where)
             raise ConfigError(f"unknown section [{unknown[0]}]{_suggest(unknown[0], sections)}"
-                              f"{_in(where)}; valid sections are [model], [data], [train] and "
+                              f"{origin}; valid sections are [model], [data], [train] and "
                               f"[mqar].")
         built = {}
         for name, klass in sections.items():
             section = d.get(name, {})
             if not isinstance(section, dict):
                 raise ConfigError(f"[{name}]{_in(where)} must be a table of key = value pairs.")
-            built[name] = _build(klass, section, name, where)
+            built[name] = _build(klass, section, name, where, overridden)
         return cls(**built)
 
     def check(self) -> None:
@@ -291,6 +298,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM is harmless
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid TOML: {e}.") from None
+    overridden: dict[str, str] = {}
     for item in overrides or []:
         key, value = parse_override(item)
         section, _, name = key.partition(".")
@@ -298,8 +306,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw[section], dict):
             raise ConfigError(f"--set {item}: [{section}] is not a table.")
         raw[section][name] = value
-    cfg = RunConfig.from_dict(raw, where)
-    cfg.check()
+        overridden[key] = item
+    cfg = RunConfig.from_dict(raw, where, overridden)
+    try:
+        cfg.check()
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_origin(str(e), where, overridden)}") from None
     return cfg
 
 
@@ -348,17 +360,37 @@ def _in(source: str | None) -> str:
     return f" in {source}" if source else ""
 
 
-def _build(klass, d: dict[str, Any], section: str, source: str | None = None):
+_KEY = re.compile(r"\b((?:model|data|train|mqar)\.\w+)")
+
+
+def _origin(message: str, source: str | None, overridden: dict[str, str] | None) -> str:
+    """Where the values an error message names came from: `` (from --set k=v)`` for keys given
+    on the command line, `` (in FILE)`` for the rest; empty when neither is known."""
+    overridden = overridden or {}
+    keys = list(dict.fromkeys(_KEY.findall(message)))
+    given = [overridden[k] for k in keys if k in overridden]
+    parts = []
+    if given:
+        parts.append("from " + ", ".join(f"--set {g}" for g in given))
+    if source and (len(given) < len(keys) or not keys):
+        parts.append(f"in {source}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _build(klass, d: dict[str, Any], section: str, source: str | None = None,
+           overridden: dict[str, str] | None = None):
     names = {f.name for f in fields(klass)}
     for key in d:
         if key not in names:
-            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)}{_in(source)}; "
+            where = _origin(f"{section}.{key}", source, overridden)
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)}{where}; "
                               f"valid keys of [{section}] are: {', '.join(sorted(names))}.")
     try:
         return klass(**d)
     except ConfigError as e:
-        if source:
-            raise ConfigError(f"{e} (in {source})") from None
+        where = _origin(str(e), source, overridden)
+        if where:
+            raise ConfigError(f"{e}{where}") from None
         raise
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -144,9 +145,14 @@ def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
 
 def verify_checkpoint(ckpt: Path) -> None:
     """Check every file against the manifest's sha256 (folders saved by save_pretrained alone
-    carry no manifest and are checked by the loaders instead)."""
+    carry no manifest and are checked by the loaders instead). A training checkpoint is always
+    written with its manifest, so one without gets a warning: its files load unverified."""
     mpath = ckpt / MANIFEST
     if not mpath.exists():
+        if (ckpt / STATE_FILE).exists():
+            print(f"warning: {ckpt} has no {MANIFEST} (training writes one into every "
+                  f"checkpoint), so its files cannot be checked against their sha256; they are "
+                  f"loaded as they are.", file=sys.stderr)
         return
     try:
         manifest = json.loads(mpath.read_text())
