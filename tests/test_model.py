@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -323,3 +325,45 @@ def test_weights_of_another_size_are_one_short_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"size mismatch for .* \(and \d+ more\)") as e:
         LanguageModel.from_pretrained(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(mixer="deltanet", deltanet_short_conv=4), dict(mixer="continuous"),
+    dict(depth="ode"), dict(depth="ode", field="parallel", ode_time_embedding="sinusoidal"),
+    dict(position="learned", use_bitnet=True, tie_embeddings=False),
+])
+def test_memory_check_counts_the_model_it_would_build(kw, monkeypatch):
+    """check_memory extrapolates from 1- and 2-layer meta models: the count must equal the
+    real model's, and a model over the free memory is refused before anything is built."""
+    import continuumlm.model.lm as lm
+    from continuumlm import ConfigError
+
+    cfg = small_config(num_layers=3, **kw)
+    real = LanguageModel(cfg)
+    assert lm.check_memory(cfg) == real.num_parameters()
+    need = 4 * (4 * real.num_parameters() + sum(b.numel() for b in real.buffers()))
+    monkeypatch.setattr(lm, "available_memory", lambda device: need)
+    lm.check_memory(cfg)  # exactly enough
+    monkeypatch.setattr(lm, "available_memory", lambda device: need - 1)
+    with pytest.raises(ConfigError, match=f"{real.num_parameters():,} parameters.*GiB available"):
+        lm.check_memory(cfg)
+    lm.check_memory(cfg, training=False)  # weights alone fit
+    monkeypatch.setattr(lm, "available_memory", lambda device: None)
+    lm.check_memory(cfg)  # unknown: no refusal
+
+
+def test_model_too_large_for_the_machine_is_refused_before_writing(tiny_corpus, tmp_path):
+    """A width no machine here holds: exit 2 with the sizes named, no traceback, no folder."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "continuumlm", "train", "--out", str(out),
+                        "--config", str(Path(__file__).resolve().parents[1] / "configs" /
+                                        "shakespeare_char" / "demo.toml"),
+                        "--set", f"data.path={tiny_corpus}", "--set", "data.dataset=text",
+                        "--set", "model.hidden_size=262144", "--set", "model.num_layers=64"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "hidden_size 262144" in r.stderr and "GiB available" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()

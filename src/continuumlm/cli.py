@@ -228,6 +228,7 @@ def cmd_inspect(args) -> int:
 
     from .config import load_config
     from .model import LanguageModel
+    from .model.lm import check_memory
 
     cfg = load_config(args.config, args.set)
     vocab, source = cfg.model.vocab_size, "model.vocab_size"
@@ -239,7 +240,9 @@ def cmd_inspect(args) -> int:
             from .data import prepare_data
 
             vocab, source = prepare_data(cfg.data).tokenizer.vocab_size, "the tokenizer"
-    model = LanguageModel(dataclasses.replace(cfg.model, vocab_size=vocab))
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
+    check_memory(model_cfg, "cpu", training=False)
+    model = LanguageModel(model_cfg)
     with torch.no_grad():
         model(torch.zeros(1, 2, dtype=torch.long))
     info = {"config": args.config, "vocab_size": vocab, "vocab_from": source,

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ..config import RunConfig, dump_toml
 from ..data.mqar import mqar_batch, mqar_mixed_batch, query_distances, query_hits, recall_accuracy
 from ..errors import CheckpointError, ConfigError
-from ..model.lm import LanguageModel
+from ..model.lm import LanguageModel, check_memory
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
 from .trainer import pick_device
@@ -95,10 +95,11 @@ def _task_model(cfg: RunConfig):
 
 def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     t, q = cfg.train, cfg.mqar
     cfg.model = _task_model(cfg)
     device = pick_device(t.device)
+    check_memory(cfg.model, device, training=True)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(t.seed)
     train_x, train_y = _train_set(cfg)
     test_x, test_y = _test_set(cfg)

@@ -19,7 +19,7 @@ from ..config import RunConfig, dump_toml
 from ..data import BatchSampler, Dataset, eval_batches, load_tokenizer, prepare_data
 from ..data.batches import stream_seed
 from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
-from ..model.lm import LanguageModel
+from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError
 from . import distributed as D
 from .checkpoint import (
@@ -201,6 +201,10 @@ class Trainer:
         # self.model is the LanguageModel itself (what checkpoints save: never a wrapper's
         # "module." or torch.compile's "_orig_mod." names); self.wrapped adds DDP/FSDP and
         # self.forward is what the training step calls (compiled when train.compile is on).
+        check_memory(cfg.model, self.device, training=True,
+                     shards=self.dist.world_size if self.fsdp else 1,
+                     copies=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                     if self.device.type == "cpu" else 1)
         self.model = LanguageModel(cfg.model).to(self.device)
         sharded = state is not None and (self.resumed_from / SHARDS_DIR).is_dir()
         if sharded != (state is not None and self.fsdp):
