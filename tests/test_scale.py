@@ -120,6 +120,28 @@ def test_fsdp_shards_and_export(two_process_runs):
     assert json.loads(r.stdout)["results"][0]["loss"] > 0
 
 
+def test_fsdp_continuous_mixer_with_sobolev_penalty_matches_one_process(two_process_runs):
+    """The trainer adds the mixers' penalty outside forward, where FSDP holds each weight as a
+    shard: the penalty must still be the whole model's and its gradient the one-process one."""
+    tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
+    cat = ["model.mixer=continuous", "model.cat_n_freq=8", "model.cat_n_quad=8",
+           "model.cat_sob_lambda=0.05", "model.position=none", "train.max_steps=3",
+           "train.checkpoint_interval=100"]
+    r = run([CLI, "train", "--quiet", "--out", str(tmp / "cat_one"),
+             *tiny_args(corpus, "train.grad_accum=2", *cat)])
+    assert r.returncode == 0, r.stderr
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(tmp / "cat_fsdp"),
+             *tiny_args(corpus, "train.strategy=fsdp", *cat)])
+    assert r.returncode == 0, r.stderr
+    one = [e for e in read_metrics(tmp / "cat_one") if "loss" in e]
+    sharded = [e for e in read_metrics(tmp / "cat_fsdp") if "loss" in e]
+    assert [e["penalty"] for e in one] == pytest.approx([e["penalty"] for e in sharded], rel=1e-5)
+    assert one[-1]["penalty"] > 0
+    r = run([CLI, "export", "--checkpoint", str(tmp / "cat_fsdp")])
+    assert r.returncode == 0, r.stderr
+    assert_same_weights(weights(tmp / "cat_one"), weights(tmp / "cat_fsdp"))
+
+
 def test_sharded_checkpoint_metadata_is_never_unpickled_freely(two_process_runs, tmp_path):
     """torch reads a sharded checkpoint's .metadata with pickle.load: a file that names
     anything but checkpoint metadata is refused before torch sees it, and damage is an error

@@ -221,3 +221,51 @@ def test_resume_past_max_steps_is_refused_and_keeps_the_checkpoint(tiny_corpus, 
     with pytest.raises(ConfigError, match="past train.max_steps = 4"):
         Trainer(tiny_cfg(tiny_corpus, "train.max_steps=4"), out, resume=True, quiet=True)
     assert {p.name: p.stat().st_mtime_ns for p in last.iterdir()} == before
+
+
+def test_extending_a_run_keeps_its_final_evaluation(tiny_corpus, tmp_path):
+    """A run that ended at a step off the eval_interval grid evaluated there; extending it with
+    --resume does not evaluate at that step again, so that evaluation must stay in the log."""
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=7", "train.eval_interval=5"), out,
+            quiet=True).run()
+    first = [(e["step"], e["val_loss"]) for e in read_metrics(out) if "val_loss" in e]
+    assert [s for s, _ in first] == [0, 5, 7]
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=10", "train.eval_interval=5"), out,
+            resume=True, quiet=True).run()
+    after = [(e["step"], e["val_loss"]) for e in read_metrics(out) if "val_loss" in e]
+    assert after[:3] == first and [s for s, _ in after] == [0, 5, 7, 10]
+    # an evaluation the resumed run repeats (on the grid) is still logged once
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=12", "train.eval_interval=5"), out,
+            resume=True, quiet=True).run()
+    steps = [e["step"] for e in read_metrics(out) if "val_loss" in e]
+    assert steps == [0, 5, 7, 10, 12]
+
+
+def test_throughput_counts_training_time_only(tiny_corpus, tmp_path, monkeypatch):
+    """tokens/s covers the training steps of its window: not the evaluations or checkpoint
+    writes in between, and not steps counted before a pause with time measured after it. A
+    fake clock makes the rate exact: each step takes 1 s, evaluations 10 s, saves 5 s."""
+    import types
+
+    import continuumlm.train.trainer as trainer_module
+
+    now = [0.0]
+    fake_time = types.SimpleNamespace(**{k: getattr(trainer_module.time, k)
+                                         for k in dir(trainer_module.time) if not k.startswith("_")})
+    fake_time.perf_counter = lambda: now[0]
+    monkeypatch.setattr(trainer_module, "time", fake_time)
+    for name, cost in (("train_step", 1.0), ("evaluate", 10.0), ("save", 5.0)):
+        real = getattr(Trainer, name)
+
+        def timed(self, *a, _real=real, _cost=cost, **kw):
+            now[0] += _cost
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Trainer, name, timed)
+    cfg = tiny_cfg(tiny_corpus, "train.log_interval=4", "train.eval_interval=5",
+                   "train.checkpoint_interval=3")
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    rates = [e["tokens_per_s"] for e in read_metrics(tmp_path / "run") if "tokens_per_s" in e]
+    assert len(rates) == 3
+    assert rates == pytest.approx([cfg.train.batch_size * cfg.train.seq_len] * 3)

@@ -113,7 +113,12 @@ class ContinuousAttention(nn.Module):
         return M
 
     def penalty(self) -> torch.Tensor:
-        return self.sob_lambda * (self.sob_weight * self.coef ** 2).sum()
+        coef = self.coef
+        if hasattr(coef, "full_tensor"):
+            # Sharded by FSDP (a DTensor) outside forward: gather it. Every rank computes the
+            # same penalty, so the gradient's local shard needs no reduction.
+            coef = coef.full_tensor()
+        return self.sob_lambda * (self.sob_weight * coef ** 2).sum()
 
     # ------------------------------------------------------------------ forward
 

@@ -15,11 +15,12 @@ def is_evaluation(event: dict) -> bool:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True,
-                 state_after_evaluation: bool = False):
-        """``state_after_evaluation``: the state resumed from was saved after its step's
-        evaluation (MQAR saves at evaluations), so that evaluation is kept, not expected again."""
+                 keep_resume_evaluation: bool = False):
+        """``keep_resume_evaluation``: the resumed run will not evaluate again at its first
+        step (MQAR saves after its evaluations; a run extended past a final step that is not a
+        multiple of eval_interval), so an evaluation already logged at that step is kept."""
         self.path = run_dir / "metrics.jsonl"
-        self.state_after_evaluation = state_after_evaluation
+        self.keep_resume_evaluation = keep_resume_evaluation
         if resume_step is not None and self.path.exists():
             self._truncate(resume_step)
         self.file = open(self.path, "a", encoding="utf-8")
@@ -31,8 +32,8 @@ class MetricsLogger:
 
     def _truncate(self, step: int) -> None:
         """Drop events a resumed run will produce again: updates after ``step`` and
-        evaluations at or after it (they ran after the checkpoint was written), unless the
-        state was saved after its step's evaluation."""
+        evaluations at or after it (they ran after the checkpoint was written), unless that
+        step's evaluation is not to be repeated."""
         kept = []
         for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
@@ -42,7 +43,7 @@ class MetricsLogger:
             s = ev.get("step", 0) if isinstance(ev, dict) else None
             if not isinstance(s, (int, float)):
                 continue  # not an event of ours
-            if s < step or (s == step and (self.state_after_evaluation or not is_evaluation(ev))):
+            if s < step or (s == step and (self.keep_resume_evaluation or not is_evaluation(ev))):
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")

@@ -123,7 +123,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
         acc, best, elapsed, history = st["accuracy"], st["best"], st["elapsed"], st["history"]
     (out / "config.toml").write_text(dump_toml(cfg))
     logger = MetricsLogger(out, resume_step=step if resumed else None, tensorboard=False,
-                           state_after_evaluation=True)
+                           keep_resume_evaluation=True)
     tty = sys.stdout.isatty() and not quiet
     say = (lambda m: None) if quiet else (lambda m: print(m, flush=True))
     if resumed:

@@ -278,7 +278,12 @@ class Trainer:
             self._probe_writable()
             for stale in [*ckpt_root.glob(".tmp-*"), *ckpt_root.glob(".shards-*")]:
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash while saving
-            self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None)
+            # The loop evaluates at its first step only on an eval_interval multiple or at the
+            # end; otherwise an evaluation logged at the resume step (a finished run's last one,
+            # now extended) stays: it scored the very weights resumed from.
+            redo = self.step % t.eval_interval == 0 or self.step >= t.max_steps
+            self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None,
+                                        keep_resume_evaluation=not redo)
             (self.out / "config.toml").write_text(dump_toml(cfg))  # once nothing can fail
         else:
             self.logger = _NullLogger()
@@ -541,20 +546,22 @@ class Trainer:
         try:
             while True:
                 if self.step % t.eval_interval == 0 or self.step >= t.max_steps:
+                    paused = time.perf_counter()
                     val = self.evaluate()
                     last_val = val
                     improved = val < self.best_val
                     if improved:
                         self.best_val = val
                     self.logger.log({"step": self.step, "val_loss": val,
-                                     "val_ppl": math.exp(min(val, 50.0)), "lr": lr_at(self.step, t)})
+                                     "val_ppl": math.exp(min(val, 50.0))})
                     train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
                     say(f"step {self.step}: {train_part}val loss {val:.4f} "
                         f"(ppl {math.exp(min(val, 50.0)):.2f})")
                     if improved and self.step > 0:
                         self.save(best=True)
                         saved_at = self.step
-                    window_start = time.perf_counter()
+                    # the throughput window counts training only: move its start past the pause
+                    window_start += time.perf_counter() - paused
                 if self.step >= t.max_steps:
                     break
                 if self.dist.any(self._stop_signal is not None, self.device):  # all ranks stop
@@ -577,8 +584,10 @@ class Trainer:
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % t.checkpoint_interval == 0 and self.step < t.max_steps:
+                    paused = time.perf_counter()
                     self.save()
                     saved_at = self.step
+                    window_start += time.perf_counter() - paused
             if saved_at != self.step:
                 self.save()
             if interrupted:
