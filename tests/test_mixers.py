@@ -190,3 +190,20 @@ def test_continuous_kernel_ignores_autocast():
     assert got[0].dtype == torch.float32
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rope_angles_stay_float32_when_the_model_is_cast():
+    """`.to(bfloat16)` must not round RoPE's frequencies: the one-token step computes angles
+    from them, and tables regrown past max_seq_len too, so a rounded frequency turns far
+    positions by up to half a radian. Either path must equal float32 RoPE to bf16 precision."""
+    from continuumlm.nn.position import RotaryEmbedding
+
+    x = torch.randn(1, 1, 16)
+    ref = RotaryEmbedding(16, 4096)
+    cast = RotaryEmbedding(16, 2048).to(torch.bfloat16)
+    for pos in (300, 1500, 3000):  # 3000 regrows the table
+        want = ref(x, offset=pos)
+        step = cast.at(x.bfloat16(), torch.tensor([pos]))
+        table = cast(x.bfloat16(), offset=pos)
+        for got in (step, table):
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=0.03)

@@ -58,3 +58,50 @@ def test_batched_rows_filter_independently():
     logits = torch.stack([PROBS.log(), PROBS.flip(0).log()])
     out = filter_logits(logits, top_k=1)
     assert _kept(out[0]) == [1] and _kept(out[1]) == [3]
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45])
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_tiny_temperature_samples_the_argmax(temperature, top_p):
+    """Dividing logits by a temperature near float32's smallest value overflowed them to inf
+    (NaN probabilities, a crash in multinomial); such a temperature means argmax."""
+    logits = torch.tensor([[2.0, 1.0, -3.0, 0.5], [20.0, 30.0, -3.0, 29.5]])
+    g = torch.Generator().manual_seed(0)
+    assert sample_next(logits, temperature=temperature, top_p=top_p, generator=g).tolist() == [0, 1]
+
+
+def test_cli_samples_that_end_early_print_end_of_text_once(monkeypatch, capsys):
+    """`generate --num-samples N` pads rows that produced end-of-text until every row is done;
+    the CLI prints each sample up to its first end-of-text, not the padding."""
+    import torch.nn as nn
+
+    import continuumlm.train as train
+    from continuumlm import LanguageModel, ModelConfig
+    from continuumlm.cli import main
+    from continuumlm.data.tokenizers import BPETokenizer
+
+    tok = BPETokenizer.train("the cat sat on the mat. " * 50, vocab_size=300)
+    cat = tok.encode("cat")[0]
+
+    class ScriptedHead(nn.Module):  # row 0 ends at its second new token, row 1 never
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, h):
+            self.calls += 1
+            out = torch.zeros(*h.shape[:-1], tok.vocab_size)
+            out[..., cat] = 1.0
+            if h.dim() == 2 and self.calls == 2:
+                out[0, tok.eos_id] = 5.0
+            return out
+
+    model = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, num_heads=2,
+                                      num_layers=1, tie_embeddings=False)).eval()
+    model.lm_head = ScriptedHead()
+    monkeypatch.setattr(train, "load_model_and_tokenizer", lambda *a, **k: (model, tok, None))
+    assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "8",
+                 "--greedy", "--num-samples", "2"]) == 0
+    first, second = capsys.readouterr().out.split("\n---\n")
+    assert first == "thecat" + tok.decode([tok.eos_id])
+    assert second.strip() == "the" + "cat" * 8

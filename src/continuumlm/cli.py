@@ -325,9 +325,12 @@ def cmd_generate(args) -> int:
         else:
             out = model.generate(idx, args.max_new_tokens, **kwargs)
             for i, row in enumerate(out.tolist()):
+                new = row[len(ids):]
+                if stop is not None and stop in new:  # rows that finished early are padded
+                    new = new[:new.index(stop) + 1]  # with end-of-text: print it once
                 if i:
                     print("\n---")
-                print(tok.decode(row), end="")
+                print(tok.decode(ids + new), end="")
             print()
     except ValueError as e:  # bad sampling arguments or a context the model cannot hold
         raise UsageError(str(e)) from None

@@ -41,6 +41,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """logits (B, V) -> token ids (B,)."""
     if greedy:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    # Shift the row maximum to 0 before dividing: a tiny temperature then sends the rest to
+    # -inf (sampling becomes argmax) instead of overflowing every logit to inf (NaN probabilities).
+    logits = logits.float()
+    logits = filter_logits((logits - logits.amax(-1, keepdim=True)) / temperature, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

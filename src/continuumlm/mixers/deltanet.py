@@ -62,7 +62,7 @@ def _fla_chunkwise(q, k, v, beta, initial_state=None):
     """flash-linear-attention's fused chunk kernel (CUDA, Triton) in this module's conventions:
     fla takes (B, T, H, D) tensors of one half-precision dtype (it refuses float32), scales q by
     ``scale`` (1 here: q is given) and keeps the state as (B, H, Dk, Dv), the transpose of ours.
-    Output and state come back in that half dtype, as the torch path returns its input dtype."""
+    The output comes back in that half dtype and the state in float32, as on the torch path."""
     dt = _half_dtype(q, k, v)
     if dt is None:
         raise ValueError(f"backend='fla': flash-linear-attention's chunk kernel takes bfloat16 or "
@@ -82,7 +82,7 @@ def _fla_chunkwise(q, k, v, beta, initial_state=None):
         o, S = chunk_delta_rule(qt, kt, vt, bt, head_first=False, **kwargs)
     except TypeError:  # releases without the head_first switch are (B, T, H, D) only
         o, S = chunk_delta_rule(qt, kt, vt, bt, **kwargs)
-    return o.transpose(1, 2).to(dt), S.transpose(-1, -2).to(dt)
+    return o.transpose(1, 2).to(dt), S.transpose(-1, -2).float()
 
 
 def _chunk_forward(q, k, v, beta, S0):
@@ -178,8 +178,9 @@ def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None
     ((I + A)^-1 from one batched unit-triangular solve for all chunks); U' = U - W S^T;
     O = Q S^T + (Q K^T, causal with the diagonal) U'; S <- S + U'^T K.
 
-    Half-precision inputs are computed in float32 (the state is an accumulator) and the output
-    is returned in the input dtype."""
+    Half-precision inputs are computed in float32 (the state is an accumulator): the output is
+    returned in the input dtype, the final state in float32, so that decoding, which carries it
+    from call to call, keeps accumulating in float32."""
     if backend not in ("auto", "torch", "fla"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'fla', got {backend!r}.")
     if backend == "fla" or (backend == "auto" and q.is_cuda and _half_dtype(q, k, v) is not None
@@ -206,7 +207,7 @@ def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None
     with torch.autocast(q.device.type, enabled=False):
         o, S = _DeltaRuleChunkwise.apply(q, k, v, beta, S0)
     o = o.reshape(B, H, N * C, Dv)[:, :, :T]
-    return o.to(out_dtype), S.reshape(B, H, Dv, Dk).to(out_dtype)
+    return o.to(out_dtype), S.reshape(B, H, Dv, Dk)
 
 
 class DeltaNetCache:
@@ -322,5 +323,9 @@ class DeltaNetAttention(nn.Module):
 
     def _kernel(self, q, k, v, beta, initial_state=None):
         if q.shape[2] <= 2:  # decoding steps: the token loop is cheapest
-            return delta_rule_recurrent(q, k, v, beta, initial_state)
+            # in at least float32, like the chunkwise kernel: the state is an accumulator
+            work = torch.promote_types(q.dtype, torch.float32)
+            init = initial_state.to(work) if initial_state is not None else None
+            o, S = delta_rule_recurrent(q.to(work), k.to(work), v.to(work), beta.to(work), init)
+            return o.to(q.dtype), S
         return delta_rule_chunkwise(q, k, v, beta, self.chunk_size, initial_state)

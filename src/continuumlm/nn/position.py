@@ -14,13 +14,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
         self._build(max_seq_len)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The rotation frequencies, always computed in float32: a buffer would be rounded by
+        ``model.to(torch.bfloat16)`` (0.3162 -> 0.3164), turning position 1500's angles by a
+        quarter radian."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        return 1.0 / (self.base ** (exponents / self.head_dim))
+
     def _build(self, length: int) -> None:
-        t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
-        cos, sin = _full_width(torch.outer(t, self.inv_freq))  # angles (T, D/2)
+        device = self.cos.device if hasattr(self, "cos") else None
+        t = torch.arange(length, dtype=torch.float32, device=device)
+        cos, sin = _full_width(torch.outer(t, self.inv_freq(device)))  # angles (T, D/2)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -36,7 +43,7 @@ class RotaryEmbedding(nn.Module):
         """x: (..., 1, D), one token at the position held in the (1,) tensor ``pos`` (the
         static decoding step: no Python value or table size depends on the position, so the
         angles are computed here rather than read from the tables)."""
-        return _rotate(x, *_full_width(pos.float()[:, None] * self.inv_freq))
+        return _rotate(x, *_full_width(pos.float()[:, None] * self.inv_freq(x.device)))
 
 
 def _full_width(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
