@@ -105,3 +105,38 @@ def test_cli_samples_that_end_early_print_end_of_text_once(monkeypatch, capsys):
     first, second = capsys.readouterr().out.split("\n---\n")
     assert first == "thecat" + tok.decode([tok.eos_id])
     assert second.strip() == "the" + "cat" * 8
+
+
+def test_cli_stream_prints_a_last_incomplete_character(monkeypatch, capsys):
+    """The streaming printer waits for the rest of a multi-byte character; when generation
+    stops inside one, what came is still printed (as the replacement character)."""
+    import torch.nn as nn
+
+    import continuumlm.train as train
+    from continuumlm import LanguageModel, ModelConfig
+    from continuumlm.cli import main
+    from continuumlm.data.tokenizers import BPETokenizer
+
+    tok = BPETokenizer.train("the cat sat on the mat. " * 50, vocab_size=300)
+    euro = tok.encode("€")  # three byte-level tokens: stop after two
+    assert len(euro) == 3
+
+    class ScriptedHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, h):
+            out = torch.zeros(*h.shape[:-1], tok.vocab_size)
+            if h.dim() == 2:
+                out[..., euro[min(self.calls, 2)]] = 1.0
+                self.calls += 1
+            return out
+
+    model = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, num_heads=2,
+                                      num_layers=1, tie_embeddings=False)).eval()
+    model.lm_head = ScriptedHead()
+    monkeypatch.setattr(train, "load_model_and_tokenizer", lambda *a, **k: (model, tok, None))
+    assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "2",
+                 "--greedy"]) == 0
+    assert capsys.readouterr().out == tok.decode(tok.encode("the") + euro[:2]) + "\n"

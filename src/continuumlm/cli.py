@@ -350,6 +350,9 @@ def _stream(model, tok, idx, args, kwargs) -> None:
         sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
         sys.stdout.flush()
         printed = text
+    text = tok.decode(ids)
+    if text != printed:  # generation stopped inside a multi-byte character: show what came
+        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
     sys.stdout.write("\n")
     sys.stdout.flush()
 
