@@ -169,13 +169,16 @@ def test_reversible_gradients_equal_direct(field):
     torch.testing.assert_close(g_rev, g_direct, rtol=1e-5, atol=1e-6)
 
 
-def test_reversible_gradients_equal_direct_under_bf16_autocast():
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
+def test_reversible_gradients_equal_direct_under_bf16_autocast(mixer):
     """Mixed precision: the field runs in bf16 but the solver's state stays float32, and the
     backward re-evaluates f under the forward's autocast, so the rebuilt states and gradients
     match direct backprop to float32 round-off. (Autocast's weight-cast cache is off here: with
-    it, direct backprop sums the gradients of every evaluation in bf16 at the shared cast.)"""
-    ref = ode_model(ode_solver="reversible_heun", ode_steps=8)
-    rev = _same_weights(ref, ode_solver="reversible_heun", ode_steps=8, ode_grad="reversible")
+    it, direct backprop sums the gradients of every evaluation in bf16 at the shared cast.)
+    DeltaNet's kernel has its own backward, which must then run with autocast off."""
+    ref = ode_model(ode_solver="reversible_heun", ode_steps=8, mixer=mixer)
+    rev = _same_weights(ref, ode_solver="reversible_heun", ode_steps=8, ode_grad="reversible",
+                        mixer=mixer)
     idx = torch.randint(0, 29, (2, 9))
     grads = []
     for m in (ref, rev):

@@ -142,6 +142,22 @@ def test_fsdp_continuous_mixer_with_sobolev_penalty_matches_one_process(two_proc
     assert_same_weights(weights(tmp / "cat_one"), weights(tmp / "cat_fsdp"))
 
 
+def test_adaptive_adjoint_gradients_do_not_depend_on_how_the_batch_is_split(two_process_runs):
+    """An adaptive adjoint solve picks its steps from the size of the gradient it carries back
+    (its atol is absolute). Scaling each micro-batch's loss by 1/grad_accum made two processes
+    and one process with grad_accum 2 train different models on the same global batch."""
+    tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
+    ode = ["model.mixer=deltanet", "model.depth=ode", "model.num_layers=1",
+           "model.ode_solver=dopri5", "model.ode_grad=adjoint", "train.max_steps=2",
+           "train.checkpoint_interval=100"]
+    r = run([CLI, "train", "--quiet", "--out", str(tmp / "adj_one"),
+             *tiny_args(corpus, "train.grad_accum=2", *ode)])
+    assert r.returncode == 0, r.stderr
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(tmp / "adj_ddp"), *tiny_args(corpus, *ode)])
+    assert r.returncode == 0, r.stderr
+    assert_same_weights(weights(tmp / "adj_one"), weights(tmp / "adj_ddp"))
+
+
 def test_sharded_checkpoint_metadata_is_never_unpickled_freely(two_process_runs, tmp_path):
     """torch reads a sharded checkpoint's .metadata with pickle.load: a file that names
     anything but checkpoint metadata is refused before torch sees it, and damage is an error

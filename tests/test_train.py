@@ -269,3 +269,34 @@ def test_throughput_counts_training_time_only(tiny_corpus, tmp_path, monkeypatch
     rates = [e["tokens_per_s"] for e in read_metrics(tmp_path / "run") if "tokens_per_s" in e]
     assert len(rates) == 3
     assert rates == pytest.approx([cfg.train.batch_size * cfg.train.seq_len] * 3)
+
+
+@pytest.mark.parametrize("command", ["train", "mqar"])
+def test_encoder_mode_is_refused_by_the_trainers(tiny_corpus, tmp_path, command):
+    """Both trainers optimize next-token prediction, which an encoder solves by reading the
+    target: refused with exit 2 before any folder is written."""
+    out = tmp_path / "run"
+    args = [CLI, command, "--out", str(out), "--set", "model.mode=encoder"]
+    if command == "train":
+        args += ["--set", "data.dataset=text", "--set", f"data.path=\"{tiny_corpus}\""]
+    else:
+        args += ["--config", str(Path(__file__).resolve().parents[1] / "configs" / "mqar" /
+                                 "softmax_kv16.toml")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "model.mode = 'encoder'" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_extended_continuous_run_equals_a_straight_one(tiny_corpus, tmp_path):
+    """The Sobolev penalty's annealing follows the learning rate's horizon (lr_decay_steps),
+    so a continuous-mixer run extended with --resume and a larger max_steps trains exactly as
+    one run to that step (annealing over max_steps changed the weights of every step)."""
+    cat = ["model.mixer=continuous", "model.position=none", "model.cat_sob_lambda=0.05"]
+    straight = tmp_path / "straight"
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=8", *cat), straight, quiet=True).run()
+    cut = tmp_path / "cut"
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=4", *cat), cut, quiet=True).run()
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=8", *cat), cut, resume=True, quiet=True).run()
+    train = lambda d: [(e["loss"], e["penalty"]) for e in read_metrics(d) if "loss" in e]  # noqa: E731
+    assert train(cut) == train(straight) and train(cut)[-1][1] > 0

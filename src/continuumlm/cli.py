@@ -163,7 +163,7 @@ def cmd_train(args) -> int:
             raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
                              "already sets the number of processes).")
         if args.config or not args.resume:  # a bad config is reported here, once, status 2
-            load_config(args.config, args.set)
+            load_config(args.config, args.set).check_trainable()
         return launch_torchrun(args.nproc, args.argv)
 
     if args.out is None and args.config is None:

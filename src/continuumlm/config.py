@@ -270,6 +270,16 @@ class RunConfig:
             built[name] = _build(klass, section, name, where, overridden)
         return cls(**built)
 
+    def check_trainable(self) -> None:
+        """What `train` and `mqar` need beyond a valid config: their objective is next-token
+        prediction, which a bidirectional (encoder) model solves by reading the target."""
+        if self.model.mode != "decoder":
+            raise ConfigError(
+                f"model.mode = {self.model.mode!r} cannot be trained by this trainer: its "
+                f"objective is next-token prediction, and an encoder sees the token it is asked "
+                f"to predict, so its loss would mean nothing. Train with mode = 'decoder'; the "
+                f"encoder mode is for using the layers in your own bidirectional model.")
+
     def check(self) -> None:
         """Cross-section checks that need more than one section."""
         m, t = self.model, self.train

@@ -163,7 +163,12 @@ class _DeltaRuleChunkwise(torch.autograd.Function):
     def backward(ctx, do, dS):
         # an output that took no part in the loss arrives as zeros (materialized grads)
         q, k, v, beta, *saved = ctx.saved_tensors
-        return _chunk_backward(q, k, v, beta, saved, do.contiguous(), dS.contiguous())
+        # Like the forward, in the saved tensors' precision with autocast off: a backward run
+        # under autocast (reversible gradients re-enter the forward's autocast) would otherwise
+        # compute some products in bf16 and mix them with float32 in place.
+        with torch.autocast(q.device.type, enabled=False):
+            return _chunk_backward(q, k, v, beta, saved, do.to(q.dtype).contiguous(),
+                                   dS.to(q.dtype).contiguous())
 
 
 def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None,

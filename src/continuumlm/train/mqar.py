@@ -95,6 +95,7 @@ def _task_model(cfg: RunConfig):
 
 def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     out = Path(out)
+    cfg.check_trainable()
     t, q = cfg.train, cfg.mqar
     cfg.model = _task_model(cfg)
     device = pick_device(t.device)

@@ -173,6 +173,7 @@ class Trainer:
         elif (ckpt_root / "last").exists() or any(ckpt_root.glob("step-*")):
             raise ConfigError(f"{self.out} already holds a run (its checkpoints/); pass --resume "
                               f"to continue it, or choose another --out.")
+        cfg.check_trainable()
         self.cfg = cfg
         t = cfg.train
         self.dist, device_name = D.setup(t.device, t.dist_timeout_s)
@@ -426,8 +427,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = 0.0
-        # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT
-        anneal = max(0.2, 1.0 - self.step / t.max_steps)
+        # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
+        # learning rate's decay horizon (so extending a run with a fixed lr_decay_steps keeps it)
+        anneal = max(0.2, 1.0 - self.step / (t.lr_decay_steps or t.max_steps))
         solver_error = None
         for j in range(t.grad_accum):
             x, y = self.sampler.next(j)
@@ -439,7 +441,11 @@ class Trainer:
                         _, loss = self.forward(x, y)
                         penalty = self.model.penalty()
                         objective = loss + anneal * penalty
-                    self.scaler.scale(objective / t.grad_accum).backward()
+                    # Each micro-batch backpropagates its own mean loss; the sum is divided by
+                    # grad_accum below. Scaling the loss instead would change the gradient an
+                    # adaptive adjoint solve sees (its atol is absolute), so grad_accum and the
+                    # number of processes would change the gradients themselves.
+                    self.scaler.scale(objective).backward()
             except ODESolverError as e:  # an adaptive solve gave up: a bad step like a NaN
                 if self.dist.enabled:  # the other ranks wait in the gradient all-reduce
                     raise TrainingError(f"rank {self.dist.rank}, step {self.step + 1}: {e}") from None
@@ -449,6 +455,11 @@ class Trainer:
             total += loss.item()
         self.last_penalty = penalty.item() if solver_error is None else math.nan
         total = self.dist.all_reduce_sum([total], self.device)[0] / self.dist.world_size
+        if t.grad_accum > 1:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(t.grad_accum)
         self.scaler.unscale_(self.optimizer)
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
