@@ -70,36 +70,48 @@ def test_tiny_temperature_samples_the_argmax(temperature, top_p):
     assert sample_next(logits, temperature=temperature, top_p=top_p, generator=g).tolist() == [0, 1]
 
 
-def test_cli_samples_that_end_early_print_end_of_text_once(monkeypatch, capsys):
-    """`generate --num-samples N` pads rows that produced end-of-text until every row is done;
-    the CLI prints each sample up to its first end-of-text, not the padding."""
+def _scripted_cli(monkeypatch, logits_at):
+    """A BPE tokenizer and a model whose head returns ``logits_at(call, rows, vocab)`` at each
+    decoding step (prompt logits are zeros), served to the CLI as if loaded from a checkpoint."""
     import torch.nn as nn
 
     import continuumlm.train as train
     from continuumlm import LanguageModel, ModelConfig
-    from continuumlm.cli import main
     from continuumlm.data.tokenizers import BPETokenizer
 
     tok = BPETokenizer.train("the cat sat on the mat. " * 50, vocab_size=300)
-    cat = tok.encode("cat")[0]
 
-    class ScriptedHead(nn.Module):  # row 0 ends at its second new token, row 1 never
+    class ScriptedHead(nn.Module):
         def __init__(self):
             super().__init__()
             self.calls = 0
 
         def forward(self, h):
+            if h.dim() != 2:  # the prompt's positions
+                return torch.zeros(*h.shape[:-1], tok.vocab_size)
             self.calls += 1
-            out = torch.zeros(*h.shape[:-1], tok.vocab_size)
-            out[..., cat] = 1.0
-            if h.dim() == 2 and self.calls == 2:
-                out[0, tok.eos_id] = 5.0
-            return out
+            return logits_at(self.calls, h.shape[0], tok)
 
     model = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, num_heads=2,
                                       num_layers=1, tie_embeddings=False)).eval()
     model.lm_head = ScriptedHead()
     monkeypatch.setattr(train, "load_model_and_tokenizer", lambda *a, **k: (model, tok, None))
+    return tok
+
+
+def test_cli_samples_that_end_early_print_end_of_text_once(monkeypatch, capsys):
+    """`generate --num-samples N` pads rows that produced end-of-text until every row is done;
+    the CLI prints each sample up to its first end-of-text, not the padding."""
+    from continuumlm.cli import main
+
+    def logits_at(call, rows, tok):  # row 0 ends at its second new token, row 1 never
+        out = torch.zeros(rows, tok.vocab_size)
+        out[:, tok.encode("cat")[0]] = 1.0
+        if call == 2:
+            out[0, tok.eos_id] = 5.0
+        return out
+
+    tok = _scripted_cli(monkeypatch, logits_at)
     assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "8",
                  "--greedy", "--num-samples", "2"]) == 0
     first, second = capsys.readouterr().out.split("\n---\n")
@@ -110,33 +122,16 @@ def test_cli_samples_that_end_early_print_end_of_text_once(monkeypatch, capsys):
 def test_cli_stream_prints_a_last_incomplete_character(monkeypatch, capsys):
     """The streaming printer waits for the rest of a multi-byte character; when generation
     stops inside one, what came is still printed (as the replacement character)."""
-    import torch.nn as nn
-
-    import continuumlm.train as train
-    from continuumlm import LanguageModel, ModelConfig
     from continuumlm.cli import main
-    from continuumlm.data.tokenizers import BPETokenizer
 
-    tok = BPETokenizer.train("the cat sat on the mat. " * 50, vocab_size=300)
-    euro = tok.encode("€")  # three byte-level tokens: stop after two
-    assert len(euro) == 3
+    def logits_at(call, rows, tok):  # the euro sign's three byte-level tokens, in order
+        out = torch.zeros(rows, tok.vocab_size)
+        out[:, tok.encode("€")[min(call - 1, 2)]] = 1.0
+        return out
 
-    class ScriptedHead(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
-
-        def forward(self, h):
-            out = torch.zeros(*h.shape[:-1], tok.vocab_size)
-            if h.dim() == 2:
-                out[..., euro[min(self.calls, 2)]] = 1.0
-                self.calls += 1
-            return out
-
-    model = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, num_heads=2,
-                                      num_layers=1, tie_embeddings=False)).eval()
-    model.lm_head = ScriptedHead()
-    monkeypatch.setattr(train, "load_model_and_tokenizer", lambda *a, **k: (model, tok, None))
+    tok = _scripted_cli(monkeypatch, logits_at)
+    euro = tok.encode("€")
+    assert len(euro) == 3  # stop after two
     assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "2",
                  "--greedy"]) == 0
     assert capsys.readouterr().out == tok.decode(tok.encode("the") + euro[:2]) + "\n"

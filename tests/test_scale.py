@@ -120,42 +120,45 @@ def test_fsdp_shards_and_export(two_process_runs):
     assert json.loads(r.stdout)["results"][0]["loss"] > 0
 
 
+def one_and_two_processes(runs, name, *settings, strategy="ddp"):
+    """Train the same settings in one process with grad_accum 2 and in two processes (the same
+    global batch); return both run folders, the two-process one with model.safetensors."""
+    tmp, corpus = runs["tmp"], runs["corpus"]
+    one, two = tmp / f"{name}_one", tmp / f"{name}_{strategy}"
+    r = run([CLI, "train", "--quiet", "--out", str(one),
+             *tiny_args(corpus, "train.grad_accum=2", "train.checkpoint_interval=100", *settings)])
+    assert r.returncode == 0, r.stderr
+    r = run([*TORCHRUN, "train", "--quiet", "--out", str(two),
+             *tiny_args(corpus, f"train.strategy={strategy}", "train.checkpoint_interval=100",
+                        *settings)])
+    assert r.returncode == 0, r.stderr
+    if strategy == "fsdp":
+        r = run([CLI, "export", "--checkpoint", str(two)])
+        assert r.returncode == 0, r.stderr
+    return one, two
+
+
 def test_fsdp_continuous_mixer_with_sobolev_penalty_matches_one_process(two_process_runs):
     """The trainer adds the mixers' penalty outside forward, where FSDP holds each weight as a
     shard: the penalty must still be the whole model's and its gradient the one-process one."""
-    tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
-    cat = ["model.mixer=continuous", "model.cat_n_freq=8", "model.cat_n_quad=8",
-           "model.cat_sob_lambda=0.05", "model.position=none", "train.max_steps=3",
-           "train.checkpoint_interval=100"]
-    r = run([CLI, "train", "--quiet", "--out", str(tmp / "cat_one"),
-             *tiny_args(corpus, "train.grad_accum=2", *cat)])
-    assert r.returncode == 0, r.stderr
-    r = run([*TORCHRUN, "train", "--quiet", "--out", str(tmp / "cat_fsdp"),
-             *tiny_args(corpus, "train.strategy=fsdp", *cat)])
-    assert r.returncode == 0, r.stderr
-    one = [e for e in read_metrics(tmp / "cat_one") if "loss" in e]
-    sharded = [e for e in read_metrics(tmp / "cat_fsdp") if "loss" in e]
-    assert [e["penalty"] for e in one] == pytest.approx([e["penalty"] for e in sharded], rel=1e-5)
-    assert one[-1]["penalty"] > 0
-    r = run([CLI, "export", "--checkpoint", str(tmp / "cat_fsdp")])
-    assert r.returncode == 0, r.stderr
-    assert_same_weights(weights(tmp / "cat_one"), weights(tmp / "cat_fsdp"))
+    one, sharded = one_and_two_processes(
+        two_process_runs, "cat", "model.mixer=continuous", "model.cat_n_freq=8",
+        "model.cat_n_quad=8", "model.cat_sob_lambda=0.05", "model.position=none",
+        "train.max_steps=3", strategy="fsdp")
+    penalties = [[e["penalty"] for e in read_metrics(d) if "loss" in e] for d in (one, sharded)]
+    assert penalties[0] == pytest.approx(penalties[1], rel=1e-5)
+    assert penalties[0][-1] > 0
+    assert_same_weights(weights(one), weights(sharded))
 
 
 def test_adaptive_adjoint_gradients_do_not_depend_on_how_the_batch_is_split(two_process_runs):
     """An adaptive adjoint solve picks its steps from the size of the gradient it carries back
     (its atol is absolute). Scaling each micro-batch's loss by 1/grad_accum made two processes
     and one process with grad_accum 2 train different models on the same global batch."""
-    tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
-    ode = ["model.mixer=deltanet", "model.depth=ode", "model.num_layers=1",
-           "model.ode_solver=dopri5", "model.ode_grad=adjoint", "train.max_steps=2",
-           "train.checkpoint_interval=100"]
-    r = run([CLI, "train", "--quiet", "--out", str(tmp / "adj_one"),
-             *tiny_args(corpus, "train.grad_accum=2", *ode)])
-    assert r.returncode == 0, r.stderr
-    r = run([*TORCHRUN, "train", "--quiet", "--out", str(tmp / "adj_ddp"), *tiny_args(corpus, *ode)])
-    assert r.returncode == 0, r.stderr
-    assert_same_weights(weights(tmp / "adj_one"), weights(tmp / "adj_ddp"))
+    one, ddp = one_and_two_processes(
+        two_process_runs, "adj", "model.mixer=deltanet", "model.depth=ode", "model.num_layers=1",
+        "model.ode_solver=dopri5", "model.ode_grad=adjoint", "train.max_steps=2")
+    assert_same_weights(weights(one), weights(ddp))
 
 
 def test_sharded_checkpoint_metadata_is_never_unpickled_freely(two_process_runs, tmp_path):
