@@ -112,12 +112,13 @@ def test_fsdp_shards_and_export(two_process_runs):
     assert (last / "sharded").is_dir() and not (last / "model.safetensors").exists()
     r = run([CLI, "eval", "--checkpoint", str(run_dir), "--which", "last"])
     assert r.returncode == 2 and "continuumlm export" in r.stderr
-    r = run([CLI, "export", "--checkpoint", str(run_dir)])
+    r = run([CLI, "export", "--checkpoint", str(run_dir)])  # last and best
     assert r.returncode == 0, r.stderr
     assert_same_weights(weights(run_dir), weights(two_process_runs["ddp"]))
-    r = run([CLI, "eval", "--checkpoint", str(run_dir), "--which", "last", "--json"])
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["results"][0]["loss"] > 0
+    for which in ("last", "best"):
+        r = run([CLI, "eval", "--checkpoint", str(run_dir), "--which", which, "--json"])
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["results"][0]["loss"] > 0
 
 
 def one_and_two_processes(runs, name, *settings, strategy="ddp"):
@@ -207,6 +208,16 @@ def test_nproc_reports_a_bad_config_once_with_status_2(tiny_corpus, tmp_path):
     r = run([CLI, "train", "--nproc", "2", "--out", str(tmp_path / "x"),
              *tiny_args(tiny_corpus, "train.strategy=zero3")])
     assert r.returncode == 2 and "strategy" in r.stderr and "launching" not in r.stdout
+
+
+def test_a_divergence_under_nproc_is_reported_once(tiny_corpus, tmp_path):
+    """Every rank decides to stop on the same all-reduced loss; rank 0 alone says so, and the
+    job exits with the status of a user error, without the launcher's traceback."""
+    r = run([CLI, "train", "--nproc", "2", "--quiet", "--out", str(tmp_path / "x"),
+             *tiny_args(tiny_corpus, "train.lr=1e30", "train.warmup_steps=0",
+                        "train.max_bad_steps=2")])
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("training diverged") == 1 and "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------ batch streams

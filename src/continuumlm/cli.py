@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from .errors import ContinuumLMError
+from .errors import CheckpointError, ContinuumLMError
 
 
 class UsageError(ContinuumLMError):
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
     x.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
-    x.add_argument("--which", choices=("best", "last"), default="last")
+    x.add_argument("--which", choices=("best", "last"),
+                   help="only this checkpoint of a run folder (default: last and best)")
 
     e = sub.add_parser("eval", help="cross-entropy, perplexity and bits/char of a checkpoint")
     e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -108,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     g.add_argument("--compile", action="store_true",
                    help="decode through one torch.compile graph (faster per token after a "
-                        "one-off compilation, 1-2 minutes on a 2-core CPU)")
+                        "one-off compilation, about 1-5 minutes on a 2-core CPU)")
     g.add_argument("--device", default="cpu")
     return p
 
@@ -123,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                     "experiment": cmd_experiment}
         return commands[args.command](args)
     except ContinuumLMError as e:
+        from .train.distributed import env_from_environment
+
+        if e.collective and not env_from_environment().is_main:
+            # every rank meets this error; rank 0 prints it and its exit makes the launcher
+            # end this rank. Should that not come, print it here after all.
+            time.sleep(10)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -133,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- train
 
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run this command under torchrun with ``nproc`` processes; torchrun's exit status is
-    ours (non-zero, with the failing rank's error, when any rank fails)."""
-    import subprocess
+    """Run this command under torchrun's launcher with ``nproc`` processes (in this process,
+    as ``torchrun`` would). Exit status: 0; 2 when the ranks stopped on a user error (bad
+    input, divergence), which they printed; 130 on Ctrl-C (the ranks save a checkpoint first);
+    1 when a rank crashed, with its error printed above this summary."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
     rest, skip = [], False
     for a in argv:
@@ -145,10 +157,24 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "continuumlm", *rest]
-    print("launching: " + " ".join(cmd[1:]), flush=True)
-    return subprocess.run(cmd).returncode
+    cmd = ["--standalone", f"--nproc_per_node={nproc}", "-m", "continuumlm", *rest]
+    print("launching: torchrun " + " ".join(cmd), flush=True)
+    try:
+        run(parse_args(cmd))
+    except ChildFailedError as e:
+        # -15: a rank the launcher terminated (SIGTERM) because another one had ended
+        codes = {f.exitcode for f in e.failures.values()} - {-15}
+        if codes == {2}:  # a ContinuumLMError, printed by the rank that raised it
+            return 2
+        ranks = ", ".join(f"rank {r} exited with {f.exitcode}"
+                          for r, f in sorted(e.failures.items()))
+        print(f"error: the {nproc}-process job failed ({ranks}); the failing rank's error is "
+              f"printed above.", file=sys.stderr)
+        return 1
+    except SignalException as e:  # Ctrl-C or SIGTERM: the launcher passed it on to the ranks
+        print(f"launcher stopped by signal {e.sigval}", file=sys.stderr)
+        return 130 if e.sigval == 2 else 128 + int(e.sigval)
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -364,10 +390,19 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------- export
 
 def cmd_export(args) -> int:
-    from .train.checkpoint import export_sharded
+    from .train.checkpoint import export_sharded, resolve_checkpoint
 
-    ckpt = export_sharded(args.checkpoint, args.which)
-    print(f"wrote {ckpt / 'model.safetensors'} (consolidated from {ckpt / 'sharded'})")
+    done = set()
+    for which in [args.which] if args.which else ["last", "best"]:
+        try:
+            ckpt = resolve_checkpoint(args.checkpoint, which).resolve()
+        except CheckpointError:
+            if which == "best" and not args.which:  # a run that never improved has no best
+                continue
+            raise
+        if ckpt not in done:  # last and best are often the same step
+            done.add(export_sharded(ckpt))
+            print(f"wrote {ckpt / 'model.safetensors'} (consolidated from {ckpt / 'sharded'})")
     return 0
 
 

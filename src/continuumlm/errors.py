@@ -3,11 +3,19 @@ its message as one paragraph and exits with status 2, without a traceback."""
 
 
 class ContinuumLMError(Exception):
-    """Base class of errors caused by input (config, data, checkpoint, prompt)."""
+    """Base class of errors caused by input (config, data, checkpoint, prompt).
+
+    ``collective`` marks an error that every process of a torchrun job raises with the same
+    message (a bad config, a divergence decided on all-reduced values): only rank 0 prints it.
+    """
+
+    collective = False
 
 
 class ConfigError(ContinuumLMError, ValueError):
     """A configuration value is wrong; the message names the key."""
+
+    collective = True  # every rank reads the same files and --set values
 
 
 class DataError(ContinuumLMError):

@@ -482,11 +482,14 @@ class Trainer:
                 last = self.ckpt_root / "last"
                 kept = (f"the last good checkpoint is {last.resolve()}" if last.exists()
                         else "no checkpoint was written yet")
-                raise TrainingError(
+                error = TrainingError(
                     f"training diverged: {self.bad_steps} consecutive steps up to step "
                     f"{self.step + 1} had a non-finite loss or gradient (first non-finite "
                     f"tensor: {culprit}); {kept}. Lower train.lr, raise train.warmup_steps or "
                     f"check the data, then resume from it with --resume.")
+                # decided on the all-reduced loss and gradient norm: every rank stops here
+                error.collective = True
+                raise error
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_value, grad_norm
