@@ -69,6 +69,10 @@ def main() -> None:
         _write(dest, {**old, "recall_by_distance": by_distance["buckets"]})
         return
     if old is not None and old.get("complete", True):
+        if old.get("overrides", []) != args.set:
+            sys.exit(f"{dest} records a complete run with --set options "
+                     f"{old.get('overrides', [])}, not {args.set}; copy the config under a new "
+                     f"name for a variant.")
         print(f"skip {dest} (complete)")
         return
     cmd = [CLI, "mqar", "--config", str(config), "--out", str(run),

@@ -36,6 +36,12 @@ def _tokens_per_step(config: str) -> int | None:
     return t.get("batch_size", 12) * t.get("seq_len", 64) * t.get("grad_accum", 1)
 
 
+def config_cell(config: str, overrides: list[str] | tuple | None) -> str:
+    """A results row's config, with the --set options it ran with (rows that differ only in
+    them are separate rows)."""
+    return " ".join([f"`{config}`", *(f"`--set {o}`" for o in overrides or ())])
+
+
 def training_table(results: dict[str, dict], folder: str, test: bool = False) -> str:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results.values():
@@ -48,7 +54,7 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
         per_step = _tokens_per_step(config)
         busy = any(max(r.get("load_average") or [0]) > 1.5 for r in runs)
         rows.append({
-            "config": f"`{config}`" + (f" {' '.join(overrides)}" if overrides else ""),
+            "config": config_cell(config, overrides),
             "seeds": ", ".join(str(r["seed"]) for r in runs),
             "params": f"{runs[0]['parameters'] / 1e6:.3f} M",
             "nfe": next((r["nfe"] for r in runs if r.get("nfe")), ""),
@@ -110,7 +116,8 @@ def mqar_table(results: dict[str, dict]) -> str:
     rows = []
     for r in sorted((r for k, r in results.items() if k.startswith("mqar-")),
                     key=lambda r: (r["num_kv_pairs"], r["config"])):
-        rows.append({"config": f"`{r['config']}`", "mixer": r["mixer"], "depth": r["depth"],
+        rows.append({"config": config_cell(r["config"], r.get("overrides")), "mixer": r["mixer"],
+                     "depth": r["depth"],
                      "pairs": str(r["num_kv_pairs"]) + (
                          f" (trained on {', '.join(map(str, r['train_kv_pairs']))})"
                          if r.get("train_kv_pairs") else ""), "acc": f"{100 * r['accuracy']:.1f}%",
@@ -137,7 +144,7 @@ def mqar_distance_table(results: dict[str, dict]) -> str:
         cols.append((f"{lo}", f"{lo}–{hi - 1}" if hi is not None else f"≥ {lo}"))
     rows = []
     for r in recs:
-        row = {"config": f"`{r['config']}`", "steps": str(r["steps"])}
+        row = {"config": config_cell(r["config"], r.get("overrides")), "steps": str(r["steps"])}
         for b in r["recall_by_distance"]:
             if (b["from"], b["to"]) in buckets:
                 row[f"{b['from']}"] = ("–" if b["accuracy"] is None else

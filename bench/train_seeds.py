@@ -21,6 +21,9 @@ from pathlib import Path
 
 from common import RESULTS, RUNS
 
+from continuumlm.config import load_config
+from continuumlm.train.checkpoint import load_run_config
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
@@ -48,6 +51,11 @@ def main() -> None:
         dest = Path(args.out) / f"{name}_seed{seed}.json"
         run = RUNS / f"{name}_seed{seed}"
         if dest.exists() and not args.force:
+            old = json.loads(dest.read_text())
+            if (old.get("config"), old.get("overrides", [])) != (args.config, args.set):
+                sys.exit(f"{dest} records {old.get('config')} with --set options "
+                         f"{old.get('overrides', [])}, not {args.set}: pass --out DIR to keep "
+                         f"both results, or --force to replace it.")
             print(f"skip {dest} (exists)")
             if args.also_test:
                 add_test(dest, run, args.max_windows)
@@ -56,6 +64,18 @@ def main() -> None:
                "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
         resumed = (run / "checkpoints" / "last").exists()
         if resumed:
+            # resuming takes the [train] settings of this command; a run made with others
+            # (another --set, an edited config) must not be continued and recorded as this one
+            saved = load_run_config((run / "checkpoints" / "last").resolve()).to_dict()
+            wanted = load_config(config, [f"train.seed={seed}", *args.set]).to_dict()
+            if not wanted["model"]["vocab_size"]:  # filled in from the tokenizer at the start
+                wanted["model"]["vocab_size"] = saved["model"]["vocab_size"]
+            if saved != wanted:
+                keys = [f"{s}.{k}" for s in wanted for k in wanted[s]
+                        if saved.get(s, {}).get(k) != wanted[s][k]]
+                sys.exit(f"{run} holds an unfinished run with other settings ({', '.join(keys)}) "
+                         f"than {args.config} with --set {args.set}; delete that folder to start "
+                         f"this run afresh.")
             cmd.append("--resume")  # an interrupted run continues; its wall time is not comparable
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         subprocess.run(cmd, check=True)

@@ -361,3 +361,38 @@ def test_malformed_manifest_is_a_checkpoint_error(tmp_path, files):
     (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
     with pytest.raises(CheckpointError, match="corrupt"):
         verify_checkpoint(tmp_path)
+
+
+def test_train_seeds_never_reuses_a_run_made_with_other_settings(tiny_corpus, tmp_path):
+    """bench/train_seeds.py names results by config and seed. A recorded result, or an
+    unfinished run folder, made with other --set options is refused, not skipped or resumed."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    sets = [f"data.path={tiny_corpus}", "data.dataset=text", "model.hidden_size=16",
+            "model.num_heads=2", "model.num_layers=1", "train.batch_size=2", "train.seq_len=8",
+            "train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=2",
+            "train.eval_iters=1", "train.checkpoint_interval=2", "train.device=cpu"]
+    env = {**os.environ, "CONTINUUMLM_RUNS_DIR": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
+
+    def seeds(*extra):
+        return subprocess.run(
+            [sys.executable, str(repo / "bench" / "train_seeds.py"),
+             "configs/shakespeare_char/transformer_baby.toml", "--seeds", "3", "--out",
+             str(tmp_path / "results"), "--max-windows", "4",
+             *sum((["--set", s] for s in [*sets, *extra]), [])],
+            cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+
+    r = seeds()
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = tmp_path / "results" / "shakespeare_char-transformer_baby_seed3.json"
+    assert json.loads(result.read_text())["overrides"] == sets
+    assert "skip" in seeds().stdout  # the same command again: done already
+    r = seeds("train.lr=0.01")
+    assert r.returncode != 0 and "--force" in r.stderr and "train.lr=0.01" in r.stderr
+    result.unlink()  # as if the run had been interrupted before it was recorded
+    r = seeds("train.lr=0.01")
+    assert r.returncode != 0 and "other settings (train.lr)" in r.stderr, r.stderr
+    assert not result.exists()
+    r = seeds()  # its own settings: resumed and recorded again
+    assert r.returncode == 0 and json.loads(result.read_text())["final_step"] == 2, r.stderr
