@@ -192,6 +192,32 @@ def test_continuous_kernel_ignores_autocast():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quadrature_nodes_survive_a_cast_of_the_model(dtype):
+    """`.to(bfloat16)` must not round the continuous mixer's Gauss-Legendre nodes and weights:
+    rounded nodes read the values of tokens several positions away at long contexts. A cast
+    model must pick exactly the tokens, and the weights, of a float32 model with the same
+    (rounded) coefficients."""
+    from continuumlm.mixers.continuous import ContinuousAttention
+
+    cfg = ModelConfig(vocab_size=31, hidden_size=16, num_heads=2, num_layers=1,
+                      max_seq_len=8192, mixer="continuous", cat_sob_lambda=1e-3)
+    torch.manual_seed(0)
+    cast = ContinuousAttention(cfg).to(dtype)
+    ref = ContinuousAttention(cfg)
+    ref.coef.data.copy_(cast.coef.float())
+    assert cast.nodes.dtype == cast.log_w.dtype == torch.float32
+    q = torch.arange(4000, 4100)
+    p, lo, hi, alpha = cast.quadrature(q, 4100)
+    p_ref, lo_ref, hi_ref, alpha_ref = ref.quadrature(q, 4100)
+    assert torch.equal(lo, lo_ref) and torch.equal(hi, hi_ref)
+    torch.testing.assert_close(alpha, alpha_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(p, p_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cast.penalty(), ref.penalty(), rtol=1e-6, atol=0)  # no underflow
+    back = cast.double()  # and a float64 model gets float64 constants
+    assert back.nodes.dtype == torch.float64
+
+
 def test_rope_angles_stay_float32_when_the_model_is_cast():
     """`.to(bfloat16)` must not round RoPE's frequencies: the one-token step computes angles
     from them, and tables regrown past max_seq_len too, so a rounded frequency turns far

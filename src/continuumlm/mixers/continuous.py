@@ -61,11 +61,28 @@ class ContinuousAttention(nn.Module):
         # a smooth kernel at init: coefficients decay with frequency
         decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
         self.coef = nn.Parameter(torch.randn(cfg.num_heads, cfg.cat_n_freq, cfg.cat_n_freq) * 0.02 * decay)
-        x, w = np.polynomial.legendre.leggauss(cfg.cat_n_quad)
-        self.register_buffer("nodes", torch.tensor((x + 1) / 2, dtype=torch.float32), persistent=False)
-        self.register_buffer("log_w", torch.tensor(np.log(w / 2), dtype=torch.float32), persistent=False)
-        self.register_buffer("sob_weight", (f[:, None] ** 2 + f[None, :] ** 2) ** 2, persistent=False)
+        self.n_quad = cfg.cat_n_quad
+        self._build_constants(None, torch.float32)
         self.dropout = SharedDropout(cfg.dropout)
+
+    def _build_constants(self, device, dtype) -> None:
+        """Gauss-Legendre nodes and log-weights on [0, 1] and the Sobolev weights (f^2+g^2)^2,
+        computed in float64 and stored in ``dtype`` (float32 or wider)."""
+        x, w = np.polynomial.legendre.leggauss(self.n_quad)
+        f = np.arange(self.n_freq, dtype=np.float64)
+        for name, value in (("nodes", (x + 1) / 2), ("log_w", np.log(w / 2)),
+                            ("sob_weight", (f[:, None] ** 2 + f[None, :] ** 2) ** 2)):
+            self.register_buffer(name, torch.tensor(value, dtype=dtype, device=device),
+                                 persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # A cast such as model.to(torch.bfloat16) would round these constants like any buffer:
+        # bf16 nodes put a query at position 4000 up to 8 tokens off. They are rebuilt after
+        # every move or cast, on the new device, in float32 (float64 for a float64 model).
+        out = super()._apply(fn, recurse)
+        self._build_constants(self.nodes.device, torch.promote_types(self.coef.dtype,
+                                                                     torch.float32))
+        return out
 
     # ------------------------------------------------------------------ kernel
 
@@ -118,6 +135,8 @@ class ContinuousAttention(nn.Module):
             # Sharded by FSDP (a DTensor) outside forward: gather it. Every rank computes the
             # same penalty, so the gradient's local shard needs no reduction.
             coef = coef.full_tensor()
+        # squared in float32 at least: small coefficients squared underflow in float16
+        coef = coef.to(torch.promote_types(coef.dtype, torch.float32))
         return self.sob_lambda * (self.sob_weight * coef ** 2).sum()
 
     # ------------------------------------------------------------------ forward
