@@ -9,6 +9,7 @@ from continuumlm.ode import SOLVERS, ODESolverError, ReversibleHeun, integrate
 
 FIXED = ["euler", "midpoint", "heun", "rk4", "rk4_38", "rk2_gated", "reversible_heun"]
 FIELDS = ["attention", "sequential", "parallel"]
+MIXER_NAMES = ["softmax", "deltanet", "continuous"]
 
 
 def ode_cfg(**kw):
@@ -73,10 +74,11 @@ def test_parameter_count_independent_of_steps(solver):
     assert len(counts) == 1
 
 
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
 @pytest.mark.parametrize("field", FIELDS)
 @pytest.mark.parametrize("solver", FIXED)
-def test_fixed_grid_decoder_is_causal(solver, field):
-    m = ode_model(ode_solver=solver, field=field).eval()
+def test_fixed_grid_decoder_is_causal(solver, field, mixer):
+    m = ode_model(ode_solver=solver, field=field, mixer=mixer).eval()
     idx = torch.randint(0, 29, (2, 12))
     ref, _ = m(idx)
     alt = idx.clone()
@@ -225,10 +227,11 @@ def test_dropout_mask_fixed_within_a_solve():
 
 # ------------------------------------------------------------------ decoding through depth
 
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
 @pytest.mark.parametrize("field", FIELDS)
 @pytest.mark.parametrize("solver", ["euler", "midpoint", "rk4", "rk2_gated", "reversible_heun"])
-def test_ode_kv_cache_equals_recompute(solver, field):
-    m = ode_model(ode_solver=solver, field=field, ode_steps=2).eval()
+def test_ode_kv_cache_equals_recompute(solver, field, mixer):
+    m = ode_model(ode_solver=solver, field=field, ode_steps=2, mixer=mixer).eval()
     assert_cached_decoding_exact(m, torch.randint(0, 29, (2, 5)), 24)
 
 
