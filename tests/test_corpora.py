@@ -33,6 +33,33 @@ def test_resolution_order(tmp_path, monkeypatch):
     assert resolve_file(cf) == got  # 3. the cache, no download needed
 
 
+def test_a_data_path_that_holds_no_file_is_an_error(tmp_path, monkeypatch):
+    """A typo in data.path, or a folder lacking one of the corpus files, must not fall through
+    to the canonical corpus ($CONTINUUMLM_DATA here holds it)."""
+    cf = _cf(tmp_path, b"hello")
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "corpus.txt").write_bytes(b"hello")
+    monkeypatch.setenv("CONTINUUMLM_DATA", str(env))
+    with pytest.raises(DataError, match=r"own_typo.txt does not exist.*remove data.path"):
+        resolve_file(cf, str(tmp_path / "own_typo.txt"))
+    (tmp_path / "own").mkdir()  # a folder without the file
+    with pytest.raises(DataError, match=r"own/corpus.txt does not exist"):
+        resolve_file(cf, str(tmp_path / "own"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match="relative paths are read from the current folder"):
+        resolve_file(cf, "typo.txt")
+
+
+def test_an_unwritable_cache_is_a_data_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTINUUMLM_DATA", str(tmp_path / "env"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("CONTINUUMLM_CACHE", str(blocker / "cache"))
+    with pytest.raises(DataError, match=r"cannot be downloaded into the cache folder .*a_file"):
+        resolve_file(_cf(tmp_path, b"hello"))
+
+
 def test_checksum_mismatch_in_data_dir(tmp_path, monkeypatch):
     cf = _cf(tmp_path, b"hello", good=False)
     env = tmp_path / "env"

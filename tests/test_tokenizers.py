@@ -64,3 +64,22 @@ def test_bpe_refuses_text_that_is_not_unicode():
     tok = train_tokenizer("bpe", TEXT, vocab_size=300)
     with pytest.raises(DataError, match="not valid Unicode"):
         tok.encode("abc\udcff")  # how argv carries a byte that was not UTF-8
+
+
+def test_bpe_encodes_as_its_saved_tokenizer_does_on_indented_text():
+    """The ids of our encode must be those of the saved tokenizer.json applied to the whole
+    text with the `tokenizers` library (what anyone reusing the checkpoint does), also for text
+    whose lines start with spaces, where cutting at every newline changes the pre-tokens."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    rng = random.Random(0)
+    words = ["def", "return", "x", "self", "if", "else:", "for", "in", "(", ")", "=", "+", "1"]
+    lines = [" " * rng.choice([0, 0, 4, 8, 12]) + " ".join(rng.choices(words, k=rng.randint(1, 6)))
+             for _ in range(6000)]
+    text = "\n".join(lines) + "\n \n\n  \n"
+    tok = BPETokenizer.train(text, 400)
+    whole = Tokenizer.from_str(tok.to_json())
+    for sample in (text, text[:999], "\n    return x\n", ""):
+        assert tok.encode(sample) == whole.encode(sample, add_special_tokens=False).ids

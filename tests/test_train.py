@@ -300,3 +300,21 @@ def test_extended_continuous_run_equals_a_straight_one(tiny_corpus, tmp_path):
     Trainer(tiny_cfg(tiny_corpus, "train.max_steps=8", *cat), cut, resume=True, quiet=True).run()
     train = lambda d: [(e["loss"], e["penalty"]) for e in read_metrics(d) if "loss" in e]  # noqa: E731
     assert train(cut) == train(straight) and train(cut)[-1][1] > 0
+
+
+def test_run_config_keeps_data_path_absolute(tiny_corpus, tmp_path, monkeypatch):
+    """A relative data.path is stored absolute, so --resume and eval read the same file from
+    any folder (before, eval elsewhere silently scored another corpus)."""
+    from continuumlm.train.trainer import find_resumable
+
+    monkeypatch.chdir(tiny_corpus.parent)
+    out = tmp_path / "run"
+    Trainer(tiny_cfg(tiny_corpus.name, "train.max_steps=3"), out, quiet=True).run()
+    _, saved, _ = find_resumable(out, announce=False)
+    assert saved.data.path == str(tiny_corpus.absolute())
+    monkeypatch.chdir(tmp_path.parent)  # the same relative path from elsewhere: another file
+    with pytest.raises(ConfigError, match=r"\[data\] settings differ"):
+        Trainer(tiny_cfg(tiny_corpus.name, "train.max_steps=6"), out, resume=True, quiet=True)
+    monkeypatch.chdir(tiny_corpus.parent)
+    r = Trainer(tiny_cfg(tiny_corpus.name, "train.max_steps=6"), out, resume=True, quiet=True).run()
+    assert r["step"] == 6

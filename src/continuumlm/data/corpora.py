@@ -2,7 +2,9 @@
 
 A named corpus file resolves in this order:
 
-1. ``data.path`` (a file, or a folder holding the corpus files), if given;
+1. ``data.path`` (a file, or a folder holding the corpus files), if given; a ``data.path``
+   that does not hold the file is an error, never a silent fall-through to the steps below
+   (a typo would otherwise train on the canonical corpus);
 2. ``$CONTINUUMLM_DATA/<file>``;
 3. the user cache, ``$CONTINUUMLM_CACHE`` or ``~/.cache/continuumlm``;
 4. a download from the canonical URL into the user cache.
@@ -78,7 +80,12 @@ def resolve_file(cf: CorpusFile, data_path: str | None = None, download: bool = 
         candidate = p / cf.name if p.is_dir() else p
         if candidate.is_file():
             return candidate
-        looked.append(str(candidate))
+        raise DataError(
+            f"data.path = {data_path!r}: {candidate} does not exist"
+            + (f" (relative paths are read from the current folder, {Path.cwd()})"
+               if not p.is_absolute() else "")
+            + f". Point data.path at the {cf.name} you mean (or a folder holding it), or "
+            f"remove data.path to use the canonical corpus.")
     env = os.environ.get("CONTINUUMLM_DATA")
     if env:
         candidate = Path(env).expanduser() / cf.name
@@ -96,8 +103,14 @@ def resolve_file(cf: CorpusFile, data_path: str | None = None, download: bool = 
 
 
 def _download(cf: CorpusFile, dest: Path, looked: list[str]) -> Path:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{cf.name}.", suffix=".part", dir=dest.parent)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{cf.name}.", suffix=".part", dir=dest.parent)
+    except OSError as e:
+        raise DataError(
+            f"{cf.name} was not found (looked in {', '.join(looked)}) and cannot be downloaded "
+            f"into the cache folder {dest.parent} ({e.strerror or e}). Set $CONTINUUMLM_CACHE "
+            f"to a writable folder, or $CONTINUUMLM_DATA to a folder holding the file.") from None
     tmp = Path(tmp_name)
     try:
         try:

@@ -4,6 +4,7 @@ with the ``tokenizers`` library). Every tokenizer saves to and loads from ``toke
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -101,6 +102,27 @@ class WordTokenizer:
         return {"format": FORMAT, "type": self.kind, "vocab": self.vocab}
 
 
+# A newline between two non-space characters: the byte-level pre-tokenizer (GPT-2's pattern)
+# always splits there, and no pre-token spans it, so text cut at such places pre-tokenizes, and
+# therefore encodes, exactly as the whole text does. (Cutting at every newline does not:
+# "\n" followed by indentation is one pre-token, which training then learns as a merge that
+# encoding line by line could never produce.)
+_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def _pieces(text: str, size: int = 1 << 14) -> list[str]:
+    """``text`` cut into pieces of at least ``size`` characters (but the last) at safe places."""
+    out, start = [], 0
+    while len(text) - start > size:
+        m = _SAFE_CUT.search(text, start + size)
+        if m is None:
+            break
+        out.append(text[start:m.start()])
+        start = m.start()
+    out.append(text[start:])
+    return out
+
+
 class BPETokenizer:
     """Byte-level BPE from the ``tokenizers`` library; any text encodes, nothing is unknown."""
 
@@ -121,8 +143,7 @@ class BPETokenizer:
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size or 4096, special_tokens=[cls.EOS], show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        chunk = 1 << 16
-        tok.train_from_iterator((text[i:i + chunk] for i in range(0, len(text), chunk)), trainer)
+        tok.train_from_iterator(_pieces(text), trainer)
         return cls(tok)
 
     @property
@@ -136,10 +157,9 @@ class BPETokenizer:
             raise DataError(f"the text holds {text[e.start:e.end]!r} at offset {e.start}, which "
                             f"is not valid Unicode (bytes that were not UTF-8); pass UTF-8 "
                             f"text.") from None
-        # Encode line-sized pieces in a batch: much faster than one huge string.
-        pieces = text.splitlines(keepends=True) or [text]
+        # Pieces in a batch (much faster than one huge string), cut as training cut them
         out: list[int] = []
-        for enc in self.tok.encode_batch(pieces, add_special_tokens=False):
+        for enc in self.tok.encode_batch(_pieces(text), add_special_tokens=False):
             out.extend(enc.ids)
         return out
 

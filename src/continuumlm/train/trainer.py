@@ -150,6 +150,12 @@ def find_resumable(out: Path, announce: bool = True):
     raise CheckpointError(f"--resume: no intact checkpoint in {root}: " + "; ".join(problems))
 
 
+def _absolute_path(data):
+    if not data.path:
+        return data
+    return dataclasses.replace(data, path=str(Path(data.path).expanduser().absolute()))
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, out_dir: str | Path, resume: bool = False,
                  quiet: bool = False):
@@ -159,8 +165,12 @@ class Trainer:
         self.ckpt_root = ckpt_root
         state = None
         tokenizer = None
+        # data.path is kept absolute in the run's config, so `eval` and `--resume` read the
+        # same file from any folder
+        cfg.data = _absolute_path(cfg.data)
         if resume:
             ckpt, saved, state = find_resumable(self.out)
+            saved.data = _absolute_path(saved.data)
             if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
                 cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
             if saved.model != cfg.model or saved.data != cfg.data:
