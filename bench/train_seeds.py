@@ -106,6 +106,7 @@ def main() -> None:
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "curve": curve,
             "split": args.split,
+            "eval_every_target": True,  # eval scores the split's tail too
             "contexts": contexts,
         }
         from continuumlm.train import load_model_and_tokenizer

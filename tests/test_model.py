@@ -367,3 +367,32 @@ def test_model_too_large_for_the_machine_is_refused_before_writing(tiny_corpus, 
     assert r.returncode == 2, r.stderr
     assert "hidden_size 262144" in r.stderr and "GiB available" in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("n,context", [(23, 5), (21, 5), (6, 5), (40, 39), (12, 3)])
+def test_evaluation_scores_every_target_once(n, context):
+    """`eval` scores tokens 1..n-1 each exactly once: non-overlapping windows, then one window
+    ending at the last token for the remainder. Reference: one forward per target, from the
+    start of the window that scores it."""
+    import math
+
+    from continuumlm.eval.perplexity import evaluate_contexts
+    from continuumlm.train.trainer import evaluate_loss
+
+    m = small_model(num_layers=1)
+    data = torch.randint(0, 37, (n,), generator=torch.Generator().manual_seed(n))
+    complete = (n - 1) // context  # windows that fit whole from the start
+    nll = []
+    for t in range(1, n):
+        w = context * ((t - 1) // context)
+        if (t - 1) // context >= complete:  # past the last complete window: the tail window
+            w = n - 1 - context
+        logits, _ = m(data[w:t][None])
+        nll.append(-torch.log_softmax(logits[0, -1].double(), -1)[data[t]].item())
+    want = sum(nll) / len(nll)
+    for batch_tokens in (context, 10 * context):  # one window per batch, or several
+        row = evaluate_contexts(m, data, [context], False, torch.device("cpu"), batch_tokens)[0]
+        assert row["tokens"] == n - 1
+        assert math.isclose(row["loss"], want, rel_tol=1e-5)
+    got = evaluate_loss(m, data, context, 2, None, torch.device("cpu"))
+    assert math.isclose(got, want, rel_tol=1e-5)

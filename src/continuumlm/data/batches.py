@@ -72,21 +72,34 @@ class BatchSampler:
 
 
 def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
-    """Starts of non-overlapping windows of seq_len inputs (+1 target) covering the stream; at
-    most ``max_windows`` of them, evenly spread when the stream holds more."""
+    """Starts of windows of seq_len inputs (+1 target each) that score every target of the
+    stream (tokens 1 .. n_tokens-1) exactly once: non-overlapping windows from the start, and,
+    when targets remain after the last of them, one more window that ends at the last token
+    (its targets already scored are masked by :func:`eval_batches`), so every context length
+    scores the same tokens. With ``max_windows`` smaller than the non-overlapping count, that
+    many of them, evenly spread (a sample; no tail window)."""
     if n_tokens <= seq_len:
         return torch.zeros(0, dtype=torch.long)
     starts = torch.arange(0, n_tokens - seq_len, seq_len)
     if max_windows is not None and len(starts) > max_windows:
         pick = torch.linspace(0, len(starts) - 1, max_windows).round().long()
-        starts = starts[pick]
+        return starts[pick]
+    last = n_tokens - 1 - seq_len
+    if starts[-1] < last:
+        starts = torch.cat([starts, torch.tensor([last])])
     return starts
 
 
 def eval_batches(data: torch.Tensor, seq_len: int, batch_size: int,
                  max_windows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) batches over :func:`eval_window_starts`; a target an earlier window
+    already scored is set to -1 (the model's ignore_index). Count ``targets >= 0``."""
     starts = eval_window_starts(len(data), seq_len, max_windows)
     offsets = torch.arange(seq_len + 1)
+    # leading targets of each window already scored by the one before (only the tail has any)
+    seen = (torch.cat([starts[:1], starts[:-1] + seq_len]) - starts).clamp(min=0)
     for i in range(0, len(starts), batch_size):
         win = data[starts[i:i + batch_size, None] + offsets].long()
-        yield win[:, :-1], win[:, 1:]
+        y = win[:, 1:].clone()
+        y[offsets[:-1] < seen[i:i + batch_size, None]] = -1
+        yield win[:, :-1], y

@@ -35,8 +35,9 @@ def evaluate_contexts(model, data: torch.Tensor, contexts: list[int], char_level
         total, count = 0.0, 0
         for x, y in eval_batches(data, L, max(1, batch_tokens // L), max_windows):
             _, loss = model(x.to(device), y.to(device))
-            total += loss.item() * y.numel()
-            count += y.numel()
+            n = int((y >= 0).sum())  # the tail window's already-scored targets are -1
+            total += loss.item() * n
+            count += n
         loss = total / count
         row = {"context": L, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
                "windows": n_windows, "tokens": count}

@@ -101,8 +101,9 @@ def evaluate_loss(model: LanguageModel, data: torch.Tensor, seq_len: int, batch_
             continue
         with amp or contextlib.nullcontext():
             _, loss = model(x.to(device), y.to(device))
-        total += loss.item() * y.numel()
-        count += y.numel()
+        n = int((y >= 0).sum())  # the tail window's already-scored targets are -1
+        total += loss.item() * n
+        count += n
     model.train(was_training)
     if dist_env is not None:
         total, count = dist_env.all_reduce_sum([total, count], device)
