@@ -304,3 +304,23 @@ def test_mqar_state_saved_before_a_config_key_existed_still_resumes(tmp_path, mo
     assert M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)["steps"] == 8
     with pytest.raises(ValueError, match="other settings"):  # a changed key is still refused
         M.progress(tmp_path / "run", _mqar_cfg("mqar.train_kv_pairs=[4]"))
+
+
+def test_fresh_recall_scores_the_final_model_on_unseen_sequences(tmp_path):
+    """The fresh set is neither the training set nor the held-out set that decides stopping,
+    and its recall is the final model's (recomputed here from the run's own weights)."""
+    import continuumlm.train.mqar as M
+    from continuumlm.data.mqar import recall_accuracy
+
+    cfg = _mqar_cfg()
+    r = M.run_mqar(cfg, tmp_path / "f", quiet=True)
+    fresh = M.fresh_recall(tmp_path / "f")
+    assert fresh["step"] == r["steps"] == 8
+    x, y = M._test_set(cfg, M.FRESH_OFFSET)
+    held, train = M._test_set(cfg)[0], M._train_set(cfg)[0]
+    assert not (x[:, None] == held[None]).all(-1).any()
+    assert not (x[:, None] == train[None]).all(-1).any()
+    st = torch.load(tmp_path / "f" / M.STATE, weights_only=False)
+    model = M._quiet_model(M.RunConfig.from_dict(st["config"]))
+    model.load_state_dict(st["model"])
+    assert fresh["accuracy"] == recall_accuracy(model, x, y)
