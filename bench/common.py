@@ -19,6 +19,16 @@ RUNS = Path(os.environ.get("CONTINUUMLM_RUNS_DIR", ROOT / "runs" / "bench"))
 DOCS_DIR = Path(os.environ.get("CONTINUUMLM_DOCS_DIR", ROOT / "docs"))
 
 
+def load_mark(runs: list[dict]) -> str:
+    """How far a training run's throughput can be trusted, from the 1-minute load averages its
+    JSON recorded before and after: "" measured alone (both at most 1.5), " *" the 2 cores were
+    shared (understated), " °" no load was recorded (older runs: whether it was shared is not
+    known)."""
+    if any(not r.get("load_average") for r in runs):
+        return " °"
+    return " *" if any(max(r["load_average"]) > 1.5 for r in runs) else ""
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -54,8 +54,8 @@ def main() -> None:
         print(row, flush=True)
     table = markdown_table(rows, [("T", "T"), ("recurrent_ms", "recurrent ms"),
                                   ("chunkwise_ms", "chunkwise ms"), ("sdpa_ms", "SDPA ms"),
-                                  ("speedup_vs_recurrent", "chunkwise vs recurrent"),
-                                  ("speedup_vs_sdpa", "chunkwise vs SDPA")])
+                                  ("speedup_vs_recurrent", "chunkwise speedup over recurrent (x)"),
+                                  ("speedup_vs_sdpa", "chunkwise speedup over SDPA (x)")])
     print(table)
     write_json("deltanet_kernels", {
         "command": "python bench/deltanet_kernels.py",

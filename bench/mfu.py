@@ -16,7 +16,7 @@ import json
 import time
 
 import torch
-from common import RESULTS, ROOT, markdown_table, write_json
+from common import RESULTS, ROOT, load_mark, markdown_table, write_json
 
 from continuumlm import LanguageModel, load_config
 
@@ -65,10 +65,9 @@ def main() -> None:
         nfe = r.get("nfe") or cfg.model.num_layers
         fpt = flops_per_token(cfg, nfe, cfg.train.seq_len)
         achieved = fpt * r["tokens_per_s_median"] / 1e9
-        busy = max(r.get("load_average") or [0]) > 1.5
         rows.append({"run": path.stem.replace("shakespeare_char-", ""), "nfe": nfe,
                      "mflop_per_token": round(fpt / 1e6, 2),
-                     "tokens_per_s": f"{r['tokens_per_s_median']:.0f}" + (" *" if busy else ""),
+                     "tokens_per_s": f"{r['tokens_per_s_median']:.0f}" + load_mark([r]),
                      "gflops": round(achieved, 1), "mfu": f"{100 * achieved / peak:.0f}%"})
     table = markdown_table(rows, [("run", "run"), ("nfe", "NFE"),
                                   ("mflop_per_token", "MFLOP / token"),
@@ -79,7 +78,8 @@ def main() -> None:
                        "setup": f"measured fp32 matmul peak {peak:.1f} GFLOP/s (2048x2048, "
                                 f"{torch.get_num_threads()} threads); training runs of "
                                 f"bench/results/shakespeare_char-*.json (* = measured while "
-                                f"the machine was shared: understated)",
+                                f"the machine was shared: understated; ° = no load "
+                                f"recorded)",
                        "rows": rows, "table": table})
 
 

@@ -46,7 +46,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     table = markdown_table(rows, [("size", "size"), ("depth", "depth"), ("mixer", "mixer"),
                                   ("nfe", "NFE"), ("ms", "ms / training step"),
-                                  ("vs_softmax", "vs softmax")])
+                                  ("vs_softmax", "time / softmax time (x)")])
     print(table)
     write_json("mixer_step", {"command": "python bench/mixer_step.py",
                               "setup": "d=128; baby: 4 heads, batch 12, context 64; cat: 8 heads, "

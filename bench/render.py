@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from common import DOCS_DIR, RESULTS, ROOT, markdown_table
+from common import DOCS_DIR, RESULTS, ROOT, load_mark, markdown_table
 
 DOCS = DOCS_DIR / "results.md"
 
@@ -65,14 +65,13 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
         runs.sort(key=lambda r: r["seed"])
         tps = statistics.mean(r["tokens_per_s_median"] for r in runs)
         per_step = _tokens_per_step(config)
-        busy = any(max(r.get("load_average") or [0]) > 1.5 for r in runs)
         rows.append({
             "config": config_cell(config, overrides),
             "seeds": ", ".join(str(r["seed"]) for r in runs),
             "params": f"{runs[0]['parameters'] / 1e6:.3f} M",
             "nfe": next((r["nfe"] for r in runs if r.get("nfe")), ""),
             "val": _fmt_mean([r["val_loss_full_split"] for r in runs]) + _tail(runs),
-            "tps": f"{tps:.0f}" + (" *" if busy else ""),
+            "tps": f"{tps:.0f}" + load_mark(runs),
             "ms_step": f"{per_step / tps * 1000:.0f}" if per_step else "",
             "ppl": _fmt_mean([math.exp(r["val_loss_full_split"]) for r in runs], 1),
             "test": _fmt_mean([math.exp(r["test_loss_full_split"]) for r in runs
@@ -91,7 +90,11 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
 
 BUSY_NOTE = ("Throughput marked * was measured while other jobs shared the 2 cores (1-minute "
              "load average above 1.5 during the run, recorded in the JSON): those tokens/s and "
-             "wall times understate what the model reaches alone; the losses are unaffected.")
+             "wall times understate what the model reaches alone. Throughput marked ° comes from "
+             "runs made before the load was recorded: whether the machine was shared is not "
+             "known. Only unmarked rows were measured alone; the cost-per-evaluation and "
+             "training-step tables below time the models under control. The losses are "
+             "unaffected.")
 
 
 def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> list[str]:
@@ -108,21 +111,31 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
     def show(loss):
         return f"{math.exp(loss):.1f}" if ppl else f"{loss:.3f}"
 
-    clauses = []
+    clauses, untimed = [], []
     for n in sorted(x for x in runs if x.startswith("ode_")):
         ref = "deltanet" if "deltanet" in n and "deltanet" in runs else baseline
         if ref not in runs:
             continue
         loss, ref_loss = mean(n, "val_loss_full_split"), mean(ref, "val_loss_full_split")
-        slower = mean(ref, "tokens_per_s_median") / mean(n, "tokens_per_s_median")
+        # a time ratio only from runs measured alone: shared runs' tokens/s are understated
+        timing = ""
+        if not load_mark(runs[n] + runs[ref]):
+            slower = mean(ref, "tokens_per_s_median") / mean(n, "tokens_per_s_median")
+            timing = f", {slower:.1f}x the time per token"
+        else:
+            untimed.append(n)
         clauses.append(f"`{n}` {show(loss)} vs `{ref}` {show(ref_loss)} "
-                       f"({'better' if loss < ref_loss else 'worse'}, {slower:.1f}x the time "
-                       f"per token)")
+                       f"({'better' if loss < ref_loss else 'worse'}{timing})")
     if not clauses:
         return []
     what = "val perplexity" if ppl else "val loss"
+    note = (" Time per token is compared only between runs measured alone (unmarked rows); "
+            f"{'none of these pairs' if len(untimed) == len(clauses) else 'not every pair'} "
+            "qualifies; the cost-per-evaluation and training-step tables below time the "
+            "models under control."
+            if untimed else "")
     return [f"ODE rows against their discrete counterparts ({what}): " + "; ".join(clauses)
-            + ".", ""]
+            + "." + note, ""]
 
 
 def mqar_table(results: dict[str, dict]) -> str:
