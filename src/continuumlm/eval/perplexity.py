@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from ..data import eval_batches, eval_window_starts
+
+
+def loss_sum(model, batches, device: torch.device, amp=None) -> tuple[float, int]:
+    """(summed cross-entropy, number of scored targets) over (inputs, targets) batches; targets
+    of -1 (the tail window's already-scored ones, see eval_batches) are not counted."""
+    total, count = 0.0, 0
+    for x, y in batches:
+        with amp or contextlib.nullcontext():
+            _, loss = model(x.to(device), y.to(device))
+        n = int((y >= 0).sum())
+        total += loss.item() * n
+        count += n
+    return total, count
 
 
 def context_support(model, context: int) -> str | None:
@@ -32,12 +46,8 @@ def evaluate_contexts(model, data: torch.Tensor, contexts: list[int], char_level
         if reason is not None:
             rows.append({"context": L, "unsupported": reason})
             continue
-        total, count = 0.0, 0
-        for x, y in eval_batches(data, L, max(1, batch_tokens // L), max_windows):
-            _, loss = model(x.to(device), y.to(device))
-            n = int((y >= 0).sum())  # the tail window's already-scored targets are -1
-            total += loss.item() * n
-            count += n
+        total, count = loss_sum(
+            model, eval_batches(data, L, max(1, batch_tokens // L), max_windows), device)
         loss = total / count
         row = {"context": L, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
                "windows": n_windows, "tokens": count}

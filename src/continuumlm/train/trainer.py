@@ -19,6 +19,7 @@ from ..config import RunConfig, dump_toml
 from ..data import BatchSampler, Dataset, eval_batches, load_tokenizer, prepare_data
 from ..data.batches import stream_seed
 from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
+from ..eval.perplexity import loss_sum
 from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError
 from . import distributed as D
@@ -94,16 +95,10 @@ def evaluate_loss(model: LanguageModel, data: torch.Tensor, seq_len: int, batch_
     the batches are dealt round-robin to the ranks and the sums all-reduced."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
     rank, world = (dist_env.rank, dist_env.world_size) if dist_env else (0, 1)
-    for i, (x, y) in enumerate(eval_batches(data, seq_len, batch_size, max_windows)):
-        if i % world != rank:
-            continue
-        with amp or contextlib.nullcontext():
-            _, loss = model(x.to(device), y.to(device))
-        n = int((y >= 0).sum())  # the tail window's already-scored targets are -1
-        total += loss.item() * n
-        count += n
+    mine = (b for i, b in enumerate(eval_batches(data, seq_len, batch_size, max_windows))
+            if i % world == rank)
+    total, count = loss_sum(model, mine, device, amp)
     model.train(was_training)
     if dist_env is not None:
         total, count = dist_env.all_reduce_sum([total, count], device)
