@@ -318,3 +318,26 @@ def test_run_config_keeps_data_path_absolute(tiny_corpus, tmp_path, monkeypatch)
     monkeypatch.chdir(tiny_corpus.parent)
     r = Trainer(tiny_cfg(tiny_corpus.name, "train.max_steps=6"), out, resume=True, quiet=True).run()
     assert r["step"] == 6
+
+
+def test_a_new_run_never_writes_into_another_runs_folder(tiny_corpus, tmp_path):
+    """A training run in an MQAR run's folder, or in a folder holding a user's config.toml,
+    would overwrite config.toml and mix metrics.jsonl; an MQAR run in a training run's folder
+    likewise. All are refused and the files are left as they were."""
+    from continuumlm.train.mqar import run_mqar
+    from test_mqar import _mqar_cfg
+
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "config.toml").write_text("# my notes\n[train]\nlr = 0.1\n")
+    with pytest.raises(ConfigError, match="already holds config.toml"):
+        Trainer(tiny_cfg(tiny_corpus, "train.max_steps=2"), own, quiet=True)
+    assert (own / "config.toml").read_text().startswith("# my notes")
+    run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "mq", quiet=True)
+    before = (tmp_path / "mq" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="state.pt"):
+        Trainer(tiny_cfg(tiny_corpus, "train.max_steps=2"), tmp_path / "mq", quiet=True)
+    assert (tmp_path / "mq" / "metrics.jsonl").read_text() == before
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=3"), tmp_path / "tr", quiet=True).run()
+    with pytest.raises(ConfigError, match="checkpoints"):
+        run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "tr", quiet=True)

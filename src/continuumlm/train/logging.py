@@ -6,11 +6,25 @@ import json
 import math
 from pathlib import Path
 
+from ..errors import ConfigError
+
 EVAL_KEYS = ("val_loss", "accuracy")  # an event holding one of these is an evaluation
 
 
 def is_evaluation(event: dict) -> bool:
     return any(k in event for k in EVAL_KEYS)
+
+
+def refuse_foreign_files(out: Path, names: tuple[str, ...], what: str) -> None:
+    """A new run writes config.toml and appends to metrics.jsonl at the top of its folder: refuse
+    a folder that already holds any of ``names`` (another run's files, or a user's own
+    config.toml), so nothing there is overwritten or mixed in."""
+    found = [n for n in names if (Path(out) / n).exists()]
+    if found:
+        raise ConfigError(
+            f"{out} already holds {', '.join(found)}: files of another run, or your own. {what} "
+            f"would overwrite config.toml and append to metrics.jsonl there. Choose another "
+            f"--out, or delete that folder if its contents are no longer needed.")
 
 
 class MetricsLogger:

@@ -28,7 +28,7 @@ from ..config import RunConfig, dump_toml
 from ..data.mqar import mqar_batch, mqar_mixed_batch, query_distances, query_hits, recall_accuracy
 from ..errors import CheckpointError, ConfigError
 from ..model.lm import LanguageModel, check_memory
-from .logging import MetricsLogger
+from .logging import MetricsLogger, refuse_foreign_files
 from .optim import lr_at, make_optimizer
 from .trainer import pick_device
 
@@ -128,6 +128,8 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     acc, best, elapsed, history = 0.0, 0.0, 0.0, []
     state_path = out / STATE
     resumed = state_path.exists()
+    if not resumed:  # a training run's folder
+        refuse_foreign_files(out, ("checkpoints", "tb"), "A new MQAR run")
     if resumed:
         st = _load_state(state_path, "delete it to start the run afresh")
         if not _same_settings(st["config"], cfg):

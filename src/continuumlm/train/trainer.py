@@ -30,7 +30,7 @@ from .checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from .logging import MetricsLogger
+from .logging import MetricsLogger, refuse_foreign_files
 from .optim import lr_at, make_optimizer
 
 
@@ -179,6 +179,9 @@ class Trainer:
         elif (ckpt_root / "last").exists() or any(ckpt_root.glob("step-*")):
             raise ConfigError(f"{self.out} already holds a run (its checkpoints/); pass --resume "
                               f"to continue it, or choose another --out.")
+        else:  # an MQAR run, a run that died before its first checkpoint, a user's config.toml
+            refuse_foreign_files(self.out, ("config.toml", "metrics.jsonl", "state.pt",
+                                            "result.json"), "A new training run")
         cfg.check_trainable()
         self.cfg = cfg
         t = cfg.train
