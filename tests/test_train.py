@@ -167,6 +167,7 @@ device = "cpu"
      "did you mean 'num_heads'"),
     (["eval", "--checkpoint", "/nonexistent/run"], "does not exist"),
     (["generate", "--checkpoint", "."], "holds no checkpoint"),
+    (["generate", "--checkpoint", ".", "--seed", "99999999999999999999"], "outside 0"),
 ])
 def test_cli_user_errors_exit_2(args, needle):
     r = _cli(*args, cwd=Path(__file__).resolve().parents[1])
@@ -341,3 +342,11 @@ def test_a_new_run_never_writes_into_another_runs_folder(tiny_corpus, tmp_path):
     Trainer(tiny_cfg(tiny_corpus, "train.max_steps=3"), tmp_path / "tr", quiet=True).run()
     with pytest.raises(ConfigError, match="checkpoints"):
         run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "tr", quiet=True)
+
+
+def test_inspect_reads_a_config_saved_with_a_byte_order_mark(tmp_path):
+    cfg = tmp_path / "bom.toml"
+    cfg.write_text("\ufeff[model]\nhidden_size = 32\nnum_heads = 2\nnum_layers = 1\n"
+                   "[mqar]\nvocab_size = 64\n", encoding="utf-8")
+    r = _cli("inspect", "--config", str(cfg))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

@@ -19,6 +19,16 @@ class UsageError(ContinuumLMError):
     pass
 
 
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < 2**64:  # what torch.Generator.manual_seed takes
+        raise argparse.ArgumentTypeError(f"{text} is outside 0 .. 2**64-1")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -105,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_positive_int)
     g.add_argument("--top-p", type=float)
     g.add_argument("--greedy", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--num-samples", type=_positive_int, default=1)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     g.add_argument("--compile", action="store_true",
@@ -259,7 +269,7 @@ def cmd_inspect(args) -> int:
     cfg = load_config(args.config, args.set)
     vocab, source = cfg.model.vocab_size, "model.vocab_size"
     if vocab == 0:
-        raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
+        raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8-sig"))
         if "mqar" in raw:
             vocab, source = cfg.mqar.vocab_size, "mqar.vocab_size"
         else:
