@@ -19,22 +19,21 @@ class UsageError(ContinuumLMError):
     pass
 
 
-def _seed(text: str) -> int:
+def _int(text: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= v < 2**64:  # what torch.Generator.manual_seed takes
+
+
+def _seed(text: str) -> int:
+    if not 0 <= (v := _int(text)) < 2**64:  # what torch.Generator.manual_seed takes
         raise argparse.ArgumentTypeError(f"{text} is outside 0 .. 2**64-1")
     return v
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v <= 0:
+    if (v := _int(text)) <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be positive")
     return v
 
