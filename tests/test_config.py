@@ -36,10 +36,25 @@ def test_unknown_section(tmp_path):
     ("train.batch_size=true", "train.batch_size must be int"),
     ("model.norm_type=batchnorm", "model.norm_type = 'batchnorm' is not one of"),
     ("train.max_steps=-5", "train.max_steps must be positive"),
+    # sizes torch cannot index, and basis/quadrature sizes that would stall, are refused here
+    # (they ended in an overflow or numpy allocation traceback)
+    ("model.vocab_size=9000000000000000000", "model.vocab_size = 9000000000000000000 is larger"),
+    ("model.ffn_hidden_size=9000000000000000000", "model.ffn_hidden_size = .* is larger"),
+    ("model.cat_n_quad=1000000000", r"model.cat_n_quad = 1000000000 is larger .* 1,024"),
+    ("model.cat_n_freq=100000000", r"model.cat_n_freq = 100000000 is larger"),
+    ("model.ode_t1=1e300", r"model.ode_t1 = 1e\+300 is outside .*float32"),
+    ("train.min_lr=0.1", r"train.min_lr \(0.1\) is larger than train.lr \(0.001\)"),
+    ("mqar.power_a=1e10", r"mqar.power_a = 10000000000.0 is outside \(0, 1\]"),
+    ("mqar.vocab_size=0", r"mqar.vocab_size = 0 leaves 0 distinct keys .* at least 34"),
+    ("data.vocab_size=100", r"data.vocab_size = 100 has no effect with data.tokenizer = 'char'"),
+    ("data.tokenizer=word data.vocab_size=1", r"data.vocab_size = 1 is too small .* at least 3"),
+    ("data.tokenizer=word data.vocab_size=0", r"data.vocab_size = 0 is too small"),
+    ("data.tokenizer=bpe data.vocab_size=0", r"data.vocab_size = 0 is too small .* at least 257"),
+    ("mqar.seq_len=40", r"mqar.seq_len = 40 is too short for 16 .* at least 64"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 @pytest.mark.parametrize("key,value", [("mixer", "nope"), ("depth", "odee")])
@@ -62,9 +77,15 @@ def test_override_parsing_and_toml_round_trip(tmp_path):
     assert load_config(p) == cfg
 
 
-def test_bad_override_syntax():
+@pytest.mark.parametrize("item", ["lr=3", "model.=3", ".lr=3", "model.lr"])
+def test_bad_override_syntax(item):
     with pytest.raises(ConfigError, match="section.key=value"):
-        load_config(None, ["lr=3"])
+        load_config(None, [item])
+
+
+def test_a_folder_given_as_config_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder, not a TOML file"):
+        load_config(tmp_path)
 
 
 def test_recipes_all_load():

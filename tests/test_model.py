@@ -352,6 +352,17 @@ def test_memory_check_counts_the_model_it_would_build(kw, monkeypatch):
     lm.check_memory(cfg)  # unknown: no refusal
 
 
+def test_memory_refusal_names_the_buffers_when_they_dominate():
+    """A rotary model with an absurd max_seq_len: the tables, not the weights, are too big,
+    and the message must say so (it spoke of weights only)."""
+    from continuumlm import ConfigError, ModelConfig
+    from continuumlm.model.lm import check_memory
+
+    with pytest.raises(ConfigError, match=r"795,904 parameters and [\d,]+ buffer values .*"
+                                          r"max_seq_len\); its weights and buffers"):
+        check_memory(ModelConfig(vocab_size=65, max_seq_len=2_000_000_000), training=False)
+
+
 def test_model_too_large_for_the_machine_is_refused_before_writing(tiny_corpus, tmp_path):
     """A width no machine here holds: exit 2 with the sizes named, no traceback, no folder."""
     import subprocess

@@ -275,8 +275,8 @@ def test_mixed_pair_counts_config_and_run(tmp_path):
                         ("[true]", "list of int")):
         with pytest.raises(ConfigError, match=needle):
             _mqar_cfg(f"mqar.train_kv_pairs={bad}")
-    with pytest.raises(ValueError, match=r"train_kv_pairs = \[4, 9\]: seq_len 32 is too short"):
-        M._train_set(_mqar_cfg("mqar.train_kv_pairs=[4, 9]"))
+    with pytest.raises(ConfigError, match=r"mqar.seq_len = 32 is too short for 9 key-value"):
+        _mqar_cfg("mqar.train_kv_pairs=[4, 9]")
     train_x, train_y = M._train_set(cfg)
     assert sorted(set((train_y >= 0).sum(1).tolist())) == [2, 4]
     assert ((M._test_set(cfg)[1] >= 0).sum(1) == 4).all()  # held out at num_kv_pairs
@@ -324,3 +324,18 @@ def test_fresh_recall_scores_the_final_model_on_unseen_sequences(tmp_path):
     model = M._quiet_model(M.RunConfig.from_dict(st["config"]))
     model.load_state_dict(st["model"])
     assert fresh["accuracy"] == recall_accuracy(model, x, y)
+
+
+def test_example_counts_that_cannot_fit_are_refused_before_generating(tmp_path, monkeypatch):
+    import continuumlm.train.mqar as M
+    from continuumlm import ConfigError
+
+    cfg = _mqar_cfg()
+    # 2 GiB free: enough for the test config's sets, not for 100 million held-out sequences
+    monkeypatch.setattr(M, "available_memory", lambda device: 2 * 2**30)
+    M._check_data_memory(cfg.mqar)
+    cfg = _mqar_cfg("mqar.test_examples=100000000")
+    monkeypatch.setattr(M, "mqar_batch", None)  # generating at all would fail differently
+    with pytest.raises(ConfigError, match=r"mqar.test_examples = 100,000,000 .* lower"):
+        M.run_mqar(cfg, tmp_path / "run", quiet=True)
+    assert not (tmp_path / "run").exists()

@@ -237,13 +237,18 @@ def test_unwritable_output_folder_is_detected_before_training(tiny_corpus, tmp_p
     r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(blocker / "run")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "cannot write to the run folder" in r.stderr
+    # the advice fits the cause (it said "free some space" for every error)
+    assert "a part of that path is a file" in r.stderr and "space" not in r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
     (["--prompt", "€€"], "not in this model's vocabulary"),
     (["--max-new-tokens", "0"], "must be positive"),
     (["--top-p", "1.5"], "top_p must lie in (0, 1]"),
-    (["--temperature", "-1"], "temperature must be positive"),
+    (["--temperature", "-1"], "temperature must be a positive finite number"),
+    (["--temperature", "inf"], "temperature must be a positive finite number"),
+    (["--greedy", "--top-p", "1.5"], "top_p must lie in (0, 1]"),  # was passed over
+    (["--device", "cuda:7"], "--device = 'cuda"),  # named train.device, not the flag given
 ])
 def test_generation_input_errors(tiny_corpus, tmp_path, args, needle):
     out = tmp_path / "run"
@@ -267,6 +272,24 @@ def test_tokenizer_that_does_not_match_checkpoint(tiny_corpus, tmp_path):
     (ck / "manifest.json").unlink()  # as if the folder were assembled by hand
     with pytest.raises(CheckpointError, match="tokenizer .* has .* tokens but the model expects"):
         load_model_and_tokenizer(ck)
+
+
+def test_weights_with_nan_are_refused_by_eval_and_generate(tiny_corpus, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "run"
+    Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=2)), out, quiet=True).run()
+    ck = (out / "checkpoints" / "last").resolve()
+    weights = load_file(ck / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name][0] = float("nan")
+    save_file(weights, ck / "model.safetensors")
+    (ck / "manifest.json").unlink()  # as if the weights were written by hand
+    for cmd in (["generate", "--prompt", "the"], ["eval"]):
+        r = subprocess.run([CLI, *cmd, "--checkpoint", str(out), "--which", "last"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"non-finite values (NaN or inf) in {name}" in r.stderr
 
 
 def test_no_pickle_on_the_loading_path():

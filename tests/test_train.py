@@ -103,6 +103,15 @@ def test_malicious_pickle_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="refused"):
         load_trainer_state(tmp_path)
     assert not marker.exists()
+    torch.save({"step": Evil()}, tmp_path / "trainer_state.pt")  # the format torch.save writes
+    with pytest.raises(CheckpointError, match=r"refused \(it may be malicious\).*posix.system"):
+        load_trainer_state(tmp_path)
+    assert not marker.exists()
+    # random bytes are called damaged, not malicious (the message blamed a pickle's objects)
+    (tmp_path / "trainer_state.pt").write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(CheckpointError, match="damaged, or another kind of file") as info:
+        load_trainer_state(tmp_path)
+    assert "may be malicious" not in str(info.value)
 
 
 def test_too_short_corpus(tmp_path):

@@ -299,7 +299,7 @@ def cmd_eval(args) -> int:
     from .train import load_model_and_tokenizer, pick_device
     from .train.checkpoint import load_run_config
 
-    device = pick_device(args.device)
+    device = pick_device(args.device, "--device")
     model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
     run = load_run_config(ckpt)
     if args.ode_solver or args.ode_steps:
@@ -339,7 +339,7 @@ def cmd_generate(args) -> int:
 
     from .train import load_model_and_tokenizer, pick_device
 
-    device = pick_device(args.device)
+    device = pick_device(args.device, "--device")
     model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
     ids = tok.encode(args.prompt)
     if not ids:

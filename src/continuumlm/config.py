@@ -48,6 +48,15 @@ NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_si
                 "deltanet_short_conv", "cat_sob_lambda", "cat_length"}
 UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
                  "beta2": (0.0, 1.0)}
+# Sizes beyond what torch can index are refused here, so they never reach a tensor
+# constructor's overflow traceback; sizes below this that do not fit in memory are refused by
+# ``model.lm.check_memory`` with the memory they would need.
+MAX_INT = 2**31 - 1
+ODE_TIME_LIMIT = 1e6
+# The continuous-attention basis and quadrature: Gauss-Legendre nodes come from the eigenvalues
+# of an n x n companion matrix (0.1 s at 1024 nodes, 7 s at 4096) and every query reads every
+# node, so larger counts are refused rather than left to stall.
+UPPER = {"cat_n_freq": 1024, "cat_n_quad": 1024}
 
 
 @dataclass
@@ -124,6 +133,12 @@ class ModelConfig:
                 f"model.position = 'rope' needs an even head size, but hidden_size/num_heads = "
                 f"{self.hidden_size // self.num_heads}; change the sizes or use position = 'learned'."
             )
+        for name in ("ode_t0", "ode_t1"):
+            if abs(getattr(self, name)) > ODE_TIME_LIMIT:
+                raise ConfigError(
+                    f"model.{name} = {getattr(self, name)} is outside [-{ODE_TIME_LIMIT:g}, "
+                    f"{ODE_TIME_LIMIT:g}]: the solvers keep time in float32, and a step that "
+                    f"large overflows it; depth is usually integrated over [0, 1].")
         _check_selectors(self)
 
     @property
@@ -158,6 +173,21 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "data")
+        n = self.vocab_size
+        if n is not None and self.tokenizer == "char":
+            raise ConfigError(
+                f"data.vocab_size = {n} has no effect with data.tokenizer = 'char', whose "
+                f"vocabulary is every character of the corpus; remove it, or use the 'word' or "
+                f"'bpe' tokenizer to cap the vocabulary.")
+        least = {"word": 3, "bpe": 257}.get(self.tokenizer, 0)
+        if n is not None and n < least:
+            raise ConfigError(
+                f"data.vocab_size = {n} is too small for the {self.tokenizer} tokenizer: "
+                + ("its vocabulary holds <eos> and <unk> besides the words it keeps, so "
+                   "anything under 3 turns every word into <unk>" if self.tokenizer == "word"
+                   else "its vocabulary holds the 256 bytes and <|endoftext|> before any merge")
+                + f"; use at least {least}, or leave it out for "
+                + ("every word of the training text." if self.tokenizer == "word" else "4096."))
 
 
 @dataclass
@@ -200,6 +230,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "train")
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"train.min_lr ({self.min_lr}) is larger than train.lr ({self.lr}): the cosine "
+                f"schedule decays from lr to min_lr, so it would raise the rate instead; set "
+                f"min_lr at most lr (e.g. lr / 10).")
 
 
 @dataclass
@@ -222,6 +257,22 @@ class MQARConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "mqar")
+        if self.power_a > 1:
+            raise ConfigError(
+                f"mqar.power_a = {self.power_a} is outside (0, 1]: query distances d are drawn "
+                f"with p(d) proportional to a * d^(a - 1), a power law that decays only for "
+                f"a <= 1 (Zoology uses 0.01; smaller puts queries nearer their keys).")
+        for n in (self.num_kv_pairs, *self.train_kv_pairs):
+            if self.vocab_size // 2 - 1 < n:
+                raise ConfigError(
+                    f"mqar.vocab_size = {self.vocab_size} leaves {max(0, self.vocab_size // 2 - 1)}"
+                    f" distinct keys (keys come from the lower half of the vocabulary, id 0 "
+                    f"unused), fewer than the {n} key-value pairs asked for; raise "
+                    f"mqar.vocab_size to at least {2 * n + 2}.")
+            if (self.seq_len + 1 - 2 * n) // 2 < n:
+                raise ConfigError(
+                    f"mqar.seq_len = {self.seq_len} is too short for {n} key-value pairs and "
+                    f"their queries; it needs at least {4 * n} tokens.")
         if not 0.0 <= self.stop_accuracy <= 1.0:
             raise ConfigError(f"mqar.stop_accuracy must lie in [0, 1], got {self.stop_accuracy}.")
         bad = [n for n in self.train_kv_pairs if n <= 0]
@@ -301,6 +352,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         where = str(path)
+        if path.is_dir():
+            raise ConfigError(f"config {path} is a folder, not a TOML file; pass a file such as "
+                              f"configs/shakespeare_char/demo.toml (to continue a run in a "
+                              f"folder, use --out FOLDER --resume).")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing TOML file, "
                               f"e.g. configs/shakespeare_char/demo.toml.")
@@ -326,7 +381,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    if "=" not in item or "." not in item.split("=", 1)[0]:
+    section, _, name = item.split("=", 1)[0].strip().partition(".")
+    if "=" not in item or not section or not name:
         raise ConfigError(f"--set {item!r} must look like section.key=value, e.g. "
                           f"--set train.max_steps=100 or --set model.mixer=softmax.")
     key, text = item.split("=", 1)
@@ -418,6 +474,10 @@ def _validate(obj, section: str) -> None:
                               f"{_suggest(str(value), CHOICES[f.name])}.")
         if f.name in POSITIVE and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}.")
+        if isinstance(value, int) and not isinstance(value, bool) and f.name != "seed" and (
+                value > UPPER.get(f.name, MAX_INT)):
+            raise ConfigError(f"{key} = {value} is larger than the most this library supports, "
+                              f"{UPPER.get(f.name, MAX_INT):,}; choose a smaller value.")
         if f.name in NON_NEGATIVE and value < 0:
             raise ConfigError(f"{key} must be zero or positive, got {value}.")
         if f.name in UNIT_INTERVAL:

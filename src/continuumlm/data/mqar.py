@@ -44,6 +44,12 @@ def mqar_batch(n: int, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a
     return inputs, targets
 
 
+def mqar_bytes(n: int, vocab_size: int, seq_len: int) -> int:
+    """Peak memory of ``mqar_batch(n, ...)``: the random keys' sort (float32 draws and int64
+    order over half the vocabulary per sequence) plus the inputs and targets it returns."""
+    return n * (vocab_size // 2) * 12 + n * (seq_len + 1) * 8 * 3
+
+
 def mqar_mixed_batch(n: int, vocab_size: int, seq_len: int, kv_pairs: list[int],
                      power_a: float = 0.01, generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:

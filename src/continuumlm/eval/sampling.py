@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}; use greedy=True "
-                         f"(--greedy) for deterministic argmax decoding.")
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None,
+                        greedy: bool = False) -> None:
+    """Refuse settings that mean nothing. Greedy decoding ignores the temperature (0 is a
+    common way to ask for it), but out-of-range top-k/top-p are refused there too rather than
+    passed over without a word."""
+    if not greedy and not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}; use "
+                         f"greedy=True (--greedy) for deterministic argmax decoding.")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1, got {top_k}.")
     if top_p is not None and not (0.0 < top_p <= 1.0):

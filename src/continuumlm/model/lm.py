@@ -67,12 +67,14 @@ def check_memory(cfg: ModelConfig, device: torch.device | str = "cpu", training:
     free = available_memory(device)
     if free is not None and need > free:
         gib = 2 ** 30
-        what = ("weights, gradients and Adam state in float32" if training else
-                "weights in float32")
+        what = ("weights, buffers, gradients and Adam state in float32" if training else
+                "weights and buffers in float32")
+        tables = (f" and {buffers:,} buffer values (constant tables such as the rotary "
+                  f"positions, which grow with max_seq_len)" if buffers > params else "")
         raise ConfigError(
             f"the model (hidden_size {cfg.hidden_size}, num_layers {cfg.num_layers}, "
             f"vocab_size {cfg.vocab_size}, max_seq_len {cfg.max_seq_len}) has {params:,} "
-            f"parameters; its {what} alone need {need / gib:.1f} GiB"
+            f"parameters{tables}; its {what} alone need {need / gib:.1f} GiB"
             f"{f' for {copies} processes' if copies > 1 else ''}, but {device.type} has "
             f"{free / gib:.1f} GiB available. Choose smaller sizes, or a device with more memory.")
     return params
@@ -226,8 +228,7 @@ class LanguageModel(nn.Module):
         cfg = self.config
         if cfg.mode != "decoder":
             raise ValueError("generation needs mode = 'decoder'; this model is an encoder.")
-        if not greedy:
-            check_sampling_args(temperature, top_k, top_p)
+        check_sampling_args(temperature, top_k, top_p, greedy)
         if idx.dim() != 2 or idx.shape[1] == 0:
             raise ValueError("the prompt must hold at least one token, shaped (batch, length).")
         if cfg.position == "learned" and idx.shape[1] > cfg.max_seq_len:

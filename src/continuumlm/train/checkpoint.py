@@ -278,6 +278,12 @@ def load_model_and_tokenizer(path: str | Path, which: str = "last", map_location
     if tok.vocab_size != model.config.vocab_size:
         raise CheckpointError(f"the tokenizer in {ckpt} has {tok.vocab_size} tokens but the model "
                               f"expects {model.config.vocab_size}; the files come from different runs.")
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(
+                f"{ckpt / WEIGHTS_FILE} holds non-finite values (NaN or inf) in {name}, so every "
+                f"output of the model would be NaN; the run diverged before this checkpoint was "
+                f"written. Use an earlier checkpoint (--which, or a step-* folder).")
     return model, tok, ckpt
 
 
@@ -300,7 +306,13 @@ def load_trainer_state(ckpt: Path) -> dict:
         # weights_only: tensors and plain containers only; never runs code from the file
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if "GLOBAL" not in str(e) and "global" not in str(e):  # no foreign object: bad bytes
+            raise CheckpointError(f"{p} is not a trainer state written by torch.save (it is "
+                                  f"damaged, or another kind of file) and was refused; resume "
+                                  f"from another checkpoint.") from None
+        what = next((line.strip() for line in str(e).splitlines()
+                     if "GLOBAL" in line or "global" in line), first_line(e))
         raise CheckpointError(f"{p} holds objects other than tensors and plain data and was "
-                              f"refused (it may be malicious): {first_line(e)}") from None
+                              f"refused (it may be malicious): {what}") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{p} is corrupt or truncated: {e}") from None

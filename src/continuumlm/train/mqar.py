@@ -25,9 +25,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
-from ..data.mqar import mqar_batch, mqar_mixed_batch, query_distances, query_hits, recall_accuracy
+from ..data.mqar import (
+    mqar_batch,
+    mqar_bytes,
+    mqar_mixed_batch,
+    query_distances,
+    query_hits,
+    recall_accuracy,
+)
 from ..errors import CheckpointError, ConfigError
-from ..model.lm import LanguageModel, check_memory
+from ..model.lm import LanguageModel, available_memory, check_memory
 from .logging import MetricsLogger, refuse_foreign_files
 from .optim import lr_at, make_optimizer
 from .trainer import pick_device
@@ -67,16 +74,29 @@ def fresh_recall(out: str | Path) -> dict:
 
 
 def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    # one pair count draws exactly mqar_batch's sequences, so both cases share one call
+    # one pair count draws exactly mqar_batch's sequences, so both cases share one call (the
+    # config has checked that every pair count fits the vocabulary and the sequence length)
     q = cfg.mqar
-    try:
-        return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len,
-                                q.train_kv_pairs or [q.num_kv_pairs], q.power_a,
-                                torch.Generator().manual_seed(cfg.train.seed))
-    except ValueError as e:
-        if not q.train_kv_pairs:
-            raise
-        raise ValueError(f"mqar.train_kv_pairs = {q.train_kv_pairs}: {e}") from None
+    return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len,
+                            q.train_kv_pairs or [q.num_kv_pairs], q.power_a,
+                            torch.Generator().manual_seed(cfg.train.seed))
+
+
+def _check_data_memory(q) -> None:
+    """Refuse example counts whose generation cannot fit, before drawing any (a trillion
+    held-out sequences ended in an allocator traceback)."""
+    n_train = -(-q.train_examples // max(1, len(q.train_kv_pairs)))  # largest mixed part
+    keep = 2 * 8 * q.seq_len * (q.train_examples + q.test_examples)  # both sets, int64
+    need = keep + max(mqar_bytes(n_train, q.vocab_size, q.seq_len),
+                      mqar_bytes(q.test_examples, q.vocab_size, q.seq_len))
+    free = available_memory(torch.device("cpu"))
+    if free is not None and need > free:
+        gib = 2 ** 30
+        raise ConfigError(
+            f"mqar.train_examples = {q.train_examples:,} and mqar.test_examples = "
+            f"{q.test_examples:,} sequences of {q.seq_len} tokens (vocab_size {q.vocab_size}) "
+            f"need about {need / gib:.1f} GiB to generate and hold, but the machine has "
+            f"{free / gib:.1f} GiB available; lower them.")
 
 
 def _same_settings(saved: dict, cfg: RunConfig) -> bool:
@@ -117,6 +137,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     cfg.model = _task_model(cfg)
     device = pick_device(t.device)
     check_memory(cfg.model, device, training=True)
+    _check_data_memory(q)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(t.seed)
     train_x, train_y = _train_set(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import shutil
@@ -34,7 +35,8 @@ from .logging import MetricsLogger, refuse_foreign_files
 from .optim import lr_at, make_optimizer
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, given_by: str = "train.device") -> torch.device:
+    """The device ``name`` asks for; errors name ``given_by``, where the name came from."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -42,20 +44,21 @@ def pick_device(name: str) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'.")
+        raise ConfigError(f"{given_by} = 'cuda' but no CUDA device is available; use 'auto' or "
+                          f"'cpu'.")
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ConfigError("train.device = 'mps' but MPS is not available; use 'auto' or 'cpu'.")
+        raise ConfigError(f"{given_by} = 'mps' but MPS is not available; use 'auto' or 'cpu'.")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"device {name!r} is not a device name; use auto, cpu, cuda, cuda:N "
+        raise ConfigError(f"{given_by} = {name!r} is not a device name; use auto, cpu, cuda, cuda:N "
                           f"or mps.") from None
     if device.type == "cuda" and device.index is not None \
             and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+        raise ConfigError(f"{given_by} = {name!r}: this machine has {torch.cuda.device_count()} CUDA "
                           f"device(s); use cuda (the first) or an index below that count.")
     if device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"device {name!r}: ContinuumLM runs on cpu, cuda or mps.")
+        raise ConfigError(f"{given_by} = {name!r}: ContinuumLM runs on cpu, cuda or mps.")
     return device
 
 
@@ -360,8 +363,18 @@ class Trainer:
                 os.fsync(f.fileno())
             probe.unlink()
         except OSError as e:
+            advice = {errno.ENOSPC: "free some space or choose another --out",
+                      errno.EDQUOT: "free some space or choose another --out",
+                      errno.ENOTDIR: "a part of that path is a file, not a folder; choose "
+                                     "another --out",
+                      errno.EEXIST: "a part of that path is a file, not a folder; choose "
+                                    "another --out",
+                      errno.EACCES: "you may not write there; choose a writable --out",
+                      errno.EPERM: "you may not write there; choose a writable --out",
+                      errno.EROFS: "that file system is read-only; choose a writable --out",
+                      }.get(e.errno, "choose a writable --out")
             raise TrainingError(f"cannot write to the run folder {self.out} ({e.strerror or e}); "
-                                f"free some space or choose a writable --out.") from None
+                                f"{advice}.") from None
 
     # ------------------------------------------------------------------ pieces
 
