@@ -292,6 +292,31 @@ def test_weights_with_nan_are_refused_by_eval_and_generate(tiny_corpus, tmp_path
         assert f"non-finite values (NaN or inf) in {name}" in r.stderr
 
 
+def test_a_corpus_changed_after_training_is_caught_on_resume_and_eval(tiny_corpus, tmp_path):
+    """The run records each split's sha256: a resume refuses other text (it would silently
+    train on it), an evaluation says its figures are not the run's; same text, no word."""
+    out = tmp_path / "run"
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=2)
+    Trainer(load_config(cfg), out, quiet=True).run()
+    r = subprocess.run([CLI, "eval", "--checkpoint", str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "differs" not in r.stderr, r.stderr
+    text = tiny_corpus.read_text()
+    tiny_corpus.write_text(text[:-200] + text[-200:].replace("cat", "mat"))  # the val part
+    r = subprocess.run([CLI, "eval", "--checkpoint", str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "warning: the val split's text differs" in r.stderr
+    assert str(tiny_corpus) in r.stderr
+    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
+                        "train.max_steps=4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "the text of the val split differs" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    tiny_corpus.write_text(text)  # restored: the run goes on
+    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
+                        "train.max_steps=4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_no_pickle_on_the_loading_path():
     src = Path(__file__).resolve().parents[1] / "src" / "continuumlm"
     for f in src.rglob("*.py"):

@@ -294,10 +294,10 @@ def cmd_inspect(args) -> int:
 # ---------------------------------------------------------------------------- eval
 
 def cmd_eval(args) -> int:
-    from .data import prepare_data
+    from .data import changed_splits, corpus_name, prepare_data
     from .eval.perplexity import evaluate_contexts
     from .train import load_model_and_tokenizer, pick_device
-    from .train.checkpoint import load_run_config
+    from .train.checkpoint import STATE_FILE, load_run_config, load_trainer_state
 
     device = pick_device(args.device, "--device")
     model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
@@ -308,6 +308,12 @@ def cmd_eval(args) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
     data = prepare_data(run.data, tok)
+    recorded = (load_trainer_state(ckpt).get("data")
+                if (ckpt / STATE_FILE).is_file() else None)
+    if args.split in changed_splits(recorded, data):
+        print(f"warning: the {args.split} split's text differs from the one this run was "
+              f"trained and validated on ({corpus_name(run.data)} was changed since); these "
+              f"figures are not comparable with the run's own.", file=sys.stderr)
     if args.split not in data.splits:
         raise UsageError(f"--split {args.split}: this corpus has the splits "
                          f"{', '.join(s for s in data.splits if s != 'train')}.")

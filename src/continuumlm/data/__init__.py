@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,8 +23,8 @@ from .tokenizers import (
 )
 
 __all__ = [
-    "CORPORA", "BatchSampler", "Dataset", "TOKENIZER_FILE", "eval_batches", "eval_window_starts",
-    "load_tokenizer", "prepare_data", "resolve_file", "save_tokenizer", "split_text",
+    "CORPORA", "BatchSampler", "Dataset", "TOKENIZER_FILE", "changed_splits", "corpus_name",
+    "eval_batches", "eval_window_starts", "load_tokenizer", "prepare_data", "resolve_file", "save_tokenizer", "split_text",
     "train_tokenizer",
 ]
 
@@ -33,6 +33,25 @@ __all__ = [
 class Dataset:
     tokenizer: object
     splits: dict[str, torch.Tensor]  # split name -> 1-D int64 token ids
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    """split name -> sha256 of its text: what a resumed run or an evaluation compares with the
+    text a run was trained on (a corpus file edited or replaced in between)."""
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def corpus_name(dcfg) -> str:
+    """How messages name a [data] section's corpus."""
+    return f"the file {dcfg.path}" if dcfg.path else f"the {dcfg.dataset} corpus"
+
+
+def changed_splits(recorded: dict[str, str] | None, data: Dataset) -> list[str]:
+    """Splits whose text differs from ``recorded`` (a run's fingerprint); none when nothing
+    was recorded (checkpoints written before fingerprints existed)."""
+    return [name for name, digest in (recorded or {}).items()
+            if name in data.fingerprint and data.fingerprint[name] != digest]
 
 
 def split_text(texts: dict[str, str], dcfg) -> dict[str, str]:
@@ -87,5 +106,5 @@ def prepare_data(dcfg, tokenizer=None) -> Dataset:
         except DataError as e:
             raise DataError(f"{name} split: {e}") from None
         splits[name] = torch.from_numpy(ids.astype(np.int64))
-    return Dataset(tokenizer, splits)
+    return Dataset(tokenizer, splits, {name: text_digest(text) for name, text in texts.items()})
 

@@ -17,7 +17,15 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
-from ..data import BatchSampler, Dataset, eval_batches, load_tokenizer, prepare_data
+from ..data import (
+    BatchSampler,
+    Dataset,
+    changed_splits,
+    corpus_name,
+    eval_batches,
+    load_tokenizer,
+    prepare_data,
+)
 from ..data.batches import stream_seed
 from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
 from ..eval.perplexity import loss_sum
@@ -204,6 +212,14 @@ class Trainer:
             raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} but the tokenizer has "
                               f"{vocab} tokens; leave model.vocab_size at 0 to take it from the "
                               f"tokenizer (cap word/bpe vocabularies with data.vocab_size).")
+        changed = changed_splits(state.get("data") if state else None, self.data)
+        if changed:
+            raise DataError(
+                f"--resume: the text of the {' and '.join(changed)} split"
+                f"{'s' if len(changed) > 1 else ''} differs from the one the run in {self.out} "
+                f"was trained on (sha256 recorded in {self.resumed_from / 'trainer_state.pt'}); "
+                f"{corpus_name(cfg.data)} was changed since. A resumed run must read the same "
+                f"text: restore it, or start a new run in another --out.")
         for split in ("train", "val"):
             n = len(self.data.splits[split])
             if n < t.seq_len + 1:
@@ -394,6 +410,7 @@ class Trainer:
             "rank_cuda_rng": [rng for _, _, rng in per_rank],
             "world_size": self.dist.world_size,
             "skipped_steps": self.skipped_steps,
+            "data": self.data.fingerprint,
         }
         if not self.fsdp:  # FSDP keeps the optimizer state in the shards
             state["optimizer"] = self.optimizer.state_dict()
