@@ -1,4 +1,5 @@
 import logging
+import re
 
 import pytest
 import torch
@@ -101,10 +102,93 @@ def test_adaptive_solver_couples_positions(caplog):
     torch.testing.assert_close(out[:, :6], ref[:, :6], rtol=0, atol=1e-2)  # but only slightly
 
 
-def test_adaptive_max_steps_is_a_clear_error():
-    m = ode_model(ode_solver="dopri5", ode_rtol=1e-9, ode_atol=1e-9, ode_max_steps=2)
-    with pytest.raises(ODESolverError, match=r"ODE block 0.*dopri5 stopped at t = .*step size"):
+@pytest.mark.parametrize("method", ["dopri5", "bosh3", "adaptive_heun"])
+def test_adaptive_max_steps_is_a_clear_error(method, monkeypatch):
+    """The message names the block and the step torchdiffeq last attempted (it gave the gap
+    between the last two evaluations: always 0 for dopri5, whose last stages share a time)."""
+    import continuumlm.ode.adaptive as ad
+
+    attempted = []
+    original = ad._Func.callback_step
+    monkeypatch.setattr(ad._Func, "callback_step", lambda self, t0, y0, dt: (
+        attempted.append((float(t0.detach()), float(dt.detach()))), original(self, t0, y0, dt)))
+    m = ode_model(ode_solver=method, ode_rtol=1e-9, ode_atol=1e-9, ode_max_steps=3)
+    with pytest.raises(ODESolverError, match=rf"ODE block 0: the solve of the adaptive solver "
+                                             rf"{method} stopped at t = .*step size") as e:
         m(torch.randint(0, 29, (1, 8)))
+    t, step = (float(x) for x in re.search(r"t = (\S+) with step size (\S+) ", str(e.value)).groups())
+    assert step > 0 and (t, step) == pytest.approx(attempted[-1], rel=5e-3)  # 3 digits shown
+
+
+def test_adjoint_backward_running_out_of_steps_is_a_solver_error():
+    """The adjoint's backward solve runs inside loss.backward(), past the forward's error
+    translation: solver_errors() (which the trainers wrap backward in) names it."""
+    from continuumlm.ode import solver_errors
+
+    idx = torch.randint(0, 29, (2, 7), generator=torch.Generator().manual_seed(3))
+    for max_steps in range(2, 400):  # the fewest steps the forward solve needs
+        m = ode_model(num_layers=1, hidden_size=16, num_heads=2, ode_solver="adaptive_heun",
+                      ode_rtol=1e-6, ode_atol=1e-6, ode_max_steps=max_steps, ode_grad="adjoint")
+        try:
+            _, loss = m(idx, idx)
+            break
+        except ODESolverError:
+            continue
+    with pytest.raises(ODESolverError, match=r"ODE block 0: the backward \(adjoint\) solve of "
+                                             r"the adaptive solver adaptive_heun stopped at t ="):
+        with solver_errors():
+            loss.backward()
+    with pytest.raises(AssertionError, match="unrelated"), solver_errors():
+        raise AssertionError("unrelated")  # other assertions pass through unchanged
+
+
+def test_adaptive_direct_gradient_follows_the_time_the_field_reads():
+    """dopri5 with a time-dependent field, float64: direct backprop must give the derivative
+    of what the model computed (finite differences). With t cut to a float before the time
+    embedding, it was 4e-4 off at every tolerance."""
+    torch.manual_seed(0)
+    m = LanguageModel(ode_cfg(num_layers=1, hidden_size=16, num_heads=2, ode_solver="dopri5",
+                              ode_rtol=1e-10, ode_atol=1e-10, ode_max_steps=100000,
+                              ode_time_embedding="sinusoidal")).double()
+    proj = m.depth.blocks[0].field.time.proj
+    with torch.no_grad():
+        proj.weight.normal_(0, 0.3)
+        proj.bias.normal_(0, 0.3)
+    idx = torch.randint(0, 29, (2, 7), generator=torch.Generator().manual_seed(3))
+    w = torch.randn(2, 7, 29, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    loss = lambda: (m(idx)[0] * w).sum()  # noqa: E731
+    p = m.depth.blocks[0].field.mlp.fc.weight
+    d = torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    loss().backward()
+    direct = (p.grad * d).sum().item()
+    eps = 1e-6
+    with torch.no_grad():
+        p += eps * d
+        up = loss().item()
+        p -= 2 * eps * d
+        down = loss().item()
+        p += eps * d
+    assert direct == pytest.approx((up - down) / (2 * eps), rel=1e-6)
+
+
+def test_torchdiffeq_keeps_float64_time_for_a_float64_state():
+    """The adjoint's fixed grid on [0.1, 1.3] in float64 integrates the same interval as our
+    direct solver (it was built in float32: 0.1 became 0.10000000149, a 1e-7 difference)."""
+    torch.manual_seed(0)
+    a = torch.randn(4, 4, dtype=torch.float64) * 0.7
+    y0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    times = []
+
+    def f(t, y):
+        times.append(float(t))
+        return y @ a.T
+
+    cfg = ode_cfg()
+    direct = integrate(f, y0, 0.1, 1.3, SOLVERS["rk4"](cfg), 4, "direct")
+    times.clear()
+    adjoint = integrate(f, y0, 0.1, 1.3, SOLVERS["rk4"](cfg), 4, "adjoint")
+    assert times[0] == 0.1 and times[-1] == pytest.approx(1.3, abs=1e-15)
+    torch.testing.assert_close(adjoint, direct, rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("key,value,valid", [

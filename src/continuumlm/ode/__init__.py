@@ -6,7 +6,13 @@ MLPs and norms into f; the ODE depth module (model/depth.py) owns the solver cal
 
 from functools import partial
 
-from .adaptive import ADAPTIVE_METHODS, ADJOINT_FIXED, AdaptiveSolver, ODESolverError
+from .adaptive import (
+    ADAPTIVE_METHODS,
+    ADJOINT_FIXED,
+    AdaptiveSolver,
+    ODESolverError,
+    solver_errors,
+)
 from .fields import AttentionField, ParallelField, SequentialField
 from .grad import integrate
 from .reversible import ReversibleHeun
@@ -31,4 +37,5 @@ __all__ = [
     "ADAPTIVE_METHODS", "ADJOINT_FIXED", "FIELDS", "GRAD_MODES", "SOLVERS", "TABLEAUS",
     "AdaptiveSolver", "AttentionField", "FixedGridSolver", "GatedRK2", "ODESolverError",
     "ParallelField", "ReversibleHeun", "SequentialField", "Tableau", "integrate", "rk_step",
+    "solver_errors",
 ]

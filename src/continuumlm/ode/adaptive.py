@@ -8,6 +8,8 @@ class so that the adjoint can integrate them too.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -61,16 +63,64 @@ class AdaptiveSolver(nn.Module):
 class _Func(nn.Module):
     """torchdiffeq wants an nn.Module (for the adjoint's parameters) with forward(t, y)."""
 
-    def __init__(self, f, params: tuple[torch.Tensor, ...]):
+    def __init__(self, f, params: tuple[torch.Tensor, ...], where: str):
         super().__init__()
         self.f = f
+        self.where = where
         self.plist = nn.ParameterList([p for p in params if isinstance(p, nn.Parameter)])
-        self.times: list[float] = []
+        self.last_step: tuple[float, float] | None = None  # the step last attempted: (t, dt)
+        self.backward = False
 
     def forward(self, t, y):
-        tf = float(t.detach()) if torch.is_tensor(t) else float(t)
-        self.times.append(tf)
-        return self.f(tf, y)
+        global _active
+        _active = self
+        # t stays a tensor: an adaptive solver's step sizes depend on the state, and a field
+        # that reads t (the time embedding) must see that dependence for direct backprop to
+        # give the gradient of what was computed
+        return self.f(t, y)
+
+    def callback_step(self, t0, y0, dt):
+        self.last_step, self.backward = (_number(t0), _number(dt)), False
+
+    def callback_step_adjoint(self, t0, y0, dt):
+        self.last_step, self.backward = (_number(t0), _number(dt)), True
+
+
+def _number(x) -> float:
+    return float(x.detach()) if torch.is_tensor(x) else float(x)
+
+
+_active: _Func | None = None  # the solve whose field ran last (forward or adjoint backward)
+
+
+def _solver_error(func: _Func | None, method: str, message: str) -> ODESolverError:
+    where = func.where if func is not None else "an ODE block"
+    phase = "the backward (adjoint) solve" if func is not None and func.backward else "the solve"
+    at = (f" at t = {func.last_step[0]:.6g} with step size {func.last_step[1]:.3g}"
+          if func is not None and func.last_step is not None else "")
+    return ODESolverError(
+        f"{where}: {phase} of the adaptive solver {method} stopped{at} ({message}); the field "
+        f"is stiff or non-finite there. Raise model.ode_max_steps or ode_rtol/ode_atol, or use "
+        f"a fixed-grid solver.")
+
+
+def _is_solver_assertion(e: AssertionError) -> bool:
+    return "max_num_steps" in str(e) or "underflow" in str(e)
+
+
+@contextlib.contextmanager
+def solver_errors(method: str = "adaptive"):
+    """Turn torchdiffeq's step-limit assertions raised during ``loss.backward()`` (the
+    adjoint's backward solve runs inside autograd, past ``odeint_call``) into
+    :class:`ODESolverError`. Wrap backward calls of models that may use ``ode_grad =
+    'adjoint'`` with an adaptive solver."""
+    try:
+        yield
+    except AssertionError as e:
+        if not _is_solver_assertion(e):
+            raise
+        func = _active
+        raise _solver_error(func, getattr(func, "method", method), str(e)) from None
 
 
 def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint: bool,
@@ -78,23 +128,21 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
                 rtol: float = 1e-7, atol: float = 1e-9):
     import torchdiffeq
 
-    func = _Func(f, params)
-    t = torch.tensor([t0, t1], dtype=torch.float32, device=h0.device)
+    func = _Func(f, params, where)
+    func.method = method
+    # float64 time for a float64 state (float32 would round the interval, e.g. 0.1); float32
+    # otherwise, as torchdiffeq casts it to the state's dtype anyway
+    t = torch.tensor([t0, t1], device=h0.device,
+                     dtype=torch.float64 if h0.dtype == torch.float64 else torch.float32)
     kwargs = dict(method=method, rtol=rtol, atol=atol, options=options or {})
     try:
         if adjoint:
+            # the backward solve takes the same options (max_num_steps) by default
             out = torchdiffeq.odeint_adjoint(func, h0, t, adjoint_params=tuple(params), **kwargs)
         else:
             out = torchdiffeq.odeint(func, h0, t, **kwargs)
     except AssertionError as e:
-        msg = str(e)
-        if "max_num_steps" in msg or "underflow" in msg:
-            ts = func.times
-            last = ts[-1] if ts else t0
-            step = abs(ts[-1] - ts[-2]) if len(ts) > 1 else float("nan")
-            raise ODESolverError(
-                f"{where}: the adaptive solver {method} stopped at t = {last:.6g} with step size "
-                f"{step:.3g} ({msg}); the field is stiff or non-finite there. Raise "
-                f"model.ode_max_steps or ode_rtol/ode_atol, or use a fixed-grid solver.") from None
+        if _is_solver_assertion(e):
+            raise _solver_error(func, method, str(e)) from None
         raise
     return out[-1]

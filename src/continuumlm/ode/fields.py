@@ -33,8 +33,10 @@ class SinusoidalTimeEmbedding(nn.Module):
         nn.init.zeros_(self.proj.weight)  # starts autonomous; learns how much t matters
         nn.init.zeros_(self.proj.bias)
 
-    def forward(self, t: float) -> torch.Tensor:
-        angles = float(t) * self.freqs
+    def forward(self, t) -> torch.Tensor:
+        # t: a float (fixed grids), or a tensor from an adaptive solver, kept so that
+        # gradients follow the step sizes' dependence on the state
+        angles = (t.to(self.freqs.dtype) if torch.is_tensor(t) else float(t)) * self.freqs
         return self.proj(torch.cat([angles.sin(), angles.cos()]))
 
 

@@ -35,6 +35,7 @@ from ..data.mqar import (
 )
 from ..errors import CheckpointError, ConfigError
 from ..model.lm import LanguageModel, available_memory, check_memory
+from ..ode import solver_errors
 from .logging import MetricsLogger, refuse_foreign_files
 from .optim import lr_at, make_optimizer
 from .trainer import pick_device
@@ -181,7 +182,8 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
             group["lr"] = lr_at(step, t)
         loss = query_loss(model, train_x[idx].to(device), train_y[idx].to(device))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with solver_errors():  # an adjoint's backward solve runs in here
+            loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()

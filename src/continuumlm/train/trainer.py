@@ -30,7 +30,7 @@ from ..data.batches import stream_seed
 from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
 from ..eval.perplexity import loss_sum
 from ..model.lm import LanguageModel, check_memory
-from ..ode import ODESolverError
+from ..ode import ODESolverError, solver_errors
 from . import distributed as D
 from .checkpoint import (
     SHARDS_DIR,
@@ -484,7 +484,8 @@ class Trainer:
                     # grad_accum below. Scaling the loss instead would change the gradient an
                     # adaptive adjoint solve sees (its atol is absolute), so grad_accum and the
                     # number of processes would change the gradients themselves.
-                    self.scaler.scale(objective).backward()
+                    with solver_errors():  # an adjoint's backward solve runs in here
+                        self.scaler.scale(objective).backward()
             except ODESolverError as e:  # an adaptive solve gave up: a bad step like a NaN
                 if self.dist.enabled:  # the other ranks wait in the gradient all-reduce
                     raise TrainingError(f"rank {self.dist.rank}, step {self.step + 1}: {e}") from None
