@@ -230,6 +230,101 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(tiny_corpus, tmp_path,
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
+def test_each_step_is_saved_once(tiny_corpus, tmp_path, monkeypatch):
+    """A checkpoint step that is also evaluated and improves was saved twice (periodic, then
+    best), and the second save replaced the folder `last` pointed at."""
+    import continuumlm.train.trainer as tr
+
+    saved = []
+    real = tr.save_checkpoint
+    monkeypatch.setattr(tr, "save_checkpoint", lambda root, step, *a, **kw: (
+        saved.append((step, kw.get("best"))), real(root, step, *a, **kw))[1])
+    Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=20, ckpt=5)), tmp_path / "run",
+            quiet=True).run()
+    assert [s for s, _ in saved] == [5, 10, 15, 20]
+    assert dict(saved)[10] is True  # step 10's evaluation improved on step 0's: saved as best
+
+
+def test_a_crash_while_a_step_is_saved_again_is_recovered(tiny_corpus, tmp_path):
+    """SIGKILL between moving a step's old copy aside and putting the new one in place (with
+    keep_checkpoints = 1 that copy is the only one): --resume moves it back and goes on. The
+    old code deleted it first, and the run could be neither resumed nor restarted."""
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=10, ckpt=5, keep_checkpoints=1)
+    out = tmp_path / "run"
+    Trainer(load_config(cfg), out, quiet=True).run()
+    root = out / "checkpoints"
+    (root / "step-00000010").rename(root / ".old-step-00000010-999")
+    (root / ".tmp-step-00000010-999").mkdir()  # the new copy, half written
+    (root / ".tmp-step-00000010-999" / "config.json").write_text("{")
+    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
+                        "train.max_steps=12"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "resuming at step 10" in r.stdout + r.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["best", "last", "step-00000012"] or \
+        sorted(p.name for p in root.iterdir()) == ["best", "last", "step-00000010",
+                                                   "step-00000012"]
+
+
+def test_a_failed_resave_puts_the_old_copy_back(tiny_corpus, tmp_path, monkeypatch):
+    import continuumlm.train.checkpoint as ck
+
+    trainer = Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=4)), tmp_path / "run",
+                      quiet=True)
+    first = trainer.save()
+    real = ck.os.rename
+
+    def failing(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(ck.os, "rename", failing)
+    with pytest.raises(TrainingError, match="No space left"):
+        trainer.save()
+    assert (first / "manifest.json").is_file()  # the old copy is whole and in place
+    ck.verify_checkpoint(first)
+    assert (tmp_path / "run" / "checkpoints" / "last").resolve() == first
+    assert not list(first.parent.glob(".old-*")) and not list(first.parent.glob(".tmp-*"))
+
+
+def test_consecutive_bad_steps_carry_over_a_resume(tiny_corpus, tmp_path):
+    """max_bad_steps counts across a resume: the interrupted run stops where the
+    uninterrupted one does (it restarted the count and went 2 steps further)."""
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=40, ckpt=100, max_bad_steps=3)
+    out = tmp_path / "run"
+
+    def poisoned(max_steps, resume):
+        c = load_config(cfg, [f"train.max_steps={max_steps}"])
+        trainer = Trainer(c, out, resume=resume, quiet=True)
+        trainer.model.depth.layers[1].register_forward_hook(
+            lambda m, i, o: o * float("nan") if trainer.step >= 12 and m.training else o)
+        return trainer
+
+    assert poisoned(14, False).run()["skipped_steps"] == 2  # steps 13 and 14
+    with pytest.raises(TrainingError, match=r"3 consecutive steps up to step 15"):
+        poisoned(40, True).run()
+
+
+def test_tensorboard_agrees_with_the_metrics_after_a_resume(tiny_corpus, tmp_path):
+    """purge_step hid the events kept at the resume step (its training update): TensorBoard
+    lacked step 15's loss after resuming from step 15."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=15)
+    out = tmp_path / "run"
+    Trainer(load_config(cfg), out, quiet=True).run()
+    Trainer(load_config(cfg, ["train.max_steps=20"]), out, resume=True, quiet=True).run()
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    for tag, key in (("train/loss", "loss"), ("val/val_loss", "val_loss")):
+        tb = {}
+        for e in acc.Scalars(tag):
+            tb.setdefault(e.step, []).append(e.value)
+        jsonl = {e["step"]: e[key] for e in read_metrics(out) if key in e}
+        assert sorted(tb) == sorted(jsonl), tag
+        assert all(len(v) == 1 and v[0] == pytest.approx(jsonl[s]) for s, v in tb.items()), tag
+
+
 def test_unwritable_output_folder_is_detected_before_training(tiny_corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")

@@ -36,6 +36,7 @@ from ..errors import CheckpointError, first_line
 from ..model.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel
 
 RUN_FILE = "run.json"
+ASIDE_PREFIX = ".old-"  # a step's previous copy while the step is saved again
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
@@ -86,6 +87,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
     name = f"{STEP_PREFIX}{step:08d}"
     final = ckpt_root / name
     tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
+    aside = ckpt_root / f"{ASIDE_PREFIX}{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -100,18 +102,40 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
         (tmp / RUN_FILE).write_text(json.dumps(run_cfg.to_dict(), indent=2) + "\n")
         torch.save(trainer_state, tmp / STATE_FILE)
         _write_manifest(tmp, step)
-        if final.exists():  # the same step saved again (e.g. best and last at one step)
-            shutil.rmtree(final)
+        # The same step saved again (a resumed run that redoes a step): the old copy, which
+        # `last` may point at, is moved aside, not deleted, until the new one is in place; a
+        # crash between the two renames is undone by recover_interrupted_save.
+        if final.exists():
+            os.rename(final, aside)
         os.rename(tmp, final)
         _fsync_dir(ckpt_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside.exists() and not final.exists():
+            os.rename(aside, final)
         raise
+    shutil.rmtree(aside, ignore_errors=True)
     _point(ckpt_root / "last", name)
     if best:
         _point(ckpt_root / "best", name)
     _prune(ckpt_root, keep)
     return final
+
+
+def recover_interrupted_save(ckpt_root: Path) -> None:
+    """Undo what a crash in the middle of re-saving a step left: its complete old copy set
+    aside with no new copy in place (``last`` would point at nothing). A set-aside copy whose
+    step folder exists again is deleted."""
+    for aside in sorted(Path(ckpt_root).glob(ASIDE_PREFIX + "*")):
+        name = aside.name[len(ASIDE_PREFIX):].rsplit("-", 1)[0]
+        final = aside.with_name(name)
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            try:
+                os.rename(aside, final)
+            except FileNotFoundError:  # another rank of the same job moved it back first
+                pass
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:

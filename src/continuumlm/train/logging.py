@@ -35,20 +35,26 @@ class MetricsLogger:
         multiple of eval_interval), so an evaluation already logged at that step is kept."""
         self.path = run_dir / "metrics.jsonl"
         self.keep_resume_evaluation = keep_resume_evaluation
+        kept_at_resume: list[dict] = []
         if resume_step is not None and self.path.exists():
-            self._truncate(resume_step)
+            kept_at_resume = self._truncate(resume_step)
         self.file = open(self.path, "a", encoding="utf-8")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            # purge_step hides every TensorBoard event at or after the resume step; the events
+            # metrics.jsonl keeps at that step (its training update, an evaluation not redone)
+            # are written again so that both records agree
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step)
+            for event in kept_at_resume:
+                self._scalars(event)
 
-    def _truncate(self, step: int) -> None:
+    def _truncate(self, step: int) -> list[dict]:
         """Drop events a resumed run will produce again: updates after ``step`` and
         evaluations at or after it (they ran after the checkpoint was written), unless that
-        step's evaluation is not to be repeated."""
-        kept = []
+        step's evaluation is not to be repeated. Returns the events kept at ``step``."""
+        kept, at_step = [], []
         for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
                 ev = json.loads(line)
@@ -59,19 +65,25 @@ class MetricsLogger:
                 continue  # not an event of ours
             if s < step or (s == step and (self.keep_resume_evaluation or not is_evaluation(ev))):
                 kept.append(line)
+                if s == step:
+                    at_step.append(ev)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
         tmp.replace(self.path)
+        return at_step
 
     def log(self, event: dict) -> None:
         self.file.write(json.dumps(event) + "\n")
         self.file.flush()
         if self.tb is not None:
-            step = event["step"]
-            for k, v in event.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    kind = "val/" if k.startswith("val") or k in EVAL_KEYS else "train/"
-                    self.tb.add_scalar(kind + k, v, step)
+            self._scalars(event)
+
+    def _scalars(self, event: dict) -> None:
+        step = event["step"]
+        for k, v in event.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                kind = "val/" if k.startswith("val") or k in EVAL_KEYS else "train/"
+                self.tb.add_scalar(kind + k, v, step)
 
     def close(self) -> None:
         self.file.close()

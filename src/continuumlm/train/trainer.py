@@ -36,6 +36,7 @@ from .checkpoint import (
     SHARDS_DIR,
     load_run_config,
     load_trainer_state,
+    recover_interrupted_save,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -120,6 +121,8 @@ def find_resumable(out: Path, announce: bool = True):
     """(checkpoint folder, its run config, its trainer state) of the newest checkpoint in a run
     folder that passes its manifest and loads; damaged ones are skipped with a message."""
     root = Path(out) / "checkpoints"
+    if root.is_dir():
+        recover_interrupted_save(root)
     candidates = []
     if (root / "last").exists():
         candidates.append((root / "last").resolve())
@@ -172,6 +175,7 @@ class Trainer:
         self.ckpt_root = ckpt_root
         state = None
         tokenizer = None
+        self.resumed_from: Path | None = None
         # data.path is kept absolute in the run's config, so `eval` and `--resume` read the
         # same file from any folder
         cfg.data = _absolute_path(cfg.data)
@@ -187,7 +191,8 @@ class Trainer:
                     f"(e.g. train.max_steps). Drop --config/--set for those sections.")
             tokenizer = load_tokenizer(ckpt)
             self.resumed_from = ckpt
-        elif (ckpt_root / "last").exists() or any(ckpt_root.glob("step-*")):
+        elif (ckpt_root / "last").is_symlink() or any(ckpt_root.glob("step-*")) \
+                or any(ckpt_root.glob(".old-step-*")):
             raise ConfigError(f"{self.out} already holds a run (its checkpoints/); pass --resume "
                               f"to continue it, or choose another --out.")
         else:  # an MQAR run, a run that died before its first checkpoint, a user's config.toml
@@ -299,7 +304,8 @@ class Trainer:
                     f"--resume: {self.resumed_from} is at step {self.step}, past train.max_steps "
                     f"= {t.max_steps}; raise train.max_steps (e.g. --set train.max_steps="
                     f"{self.step * 2}) to train further.")
-        self.bad_steps = 0
+        # consecutive bad steps carry over, so a resumed run stops where the uninterrupted one would
+        self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
         self._stop_signal: str | None = None
 
@@ -410,6 +416,7 @@ class Trainer:
             "rank_cuda_rng": [rng for _, _, rng in per_rank],
             "world_size": self.dist.world_size,
             "skipped_steps": self.skipped_steps,
+            "bad_steps": self.bad_steps,
             "data": self.data.fingerprint,
         }
         if not self.fsdp:  # FSDP keeps the optimizer state in the shards
@@ -593,7 +600,9 @@ class Trainer:
             say(f"resuming at step {self.step} from {self.resumed_from}")
         last_val = math.nan
         window_start, window_steps = time.perf_counter(), 0
-        train_time, steps_run, saved_at = 0.0, 0, None
+        # a resumed run's checkpoint is at its first step already
+        train_time, steps_run = 0.0, 0
+        saved_at = self.step if self.resumed_from is not None else None
         last_loss = math.nan
         previous_handlers = self._install_signal_handlers()
         interrupted = None
@@ -611,8 +620,13 @@ class Trainer:
                     train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
                     say(f"step {self.step}: {train_part}val loss {val:.4f} "
                         f"(ppl {math.exp(min(val, 50.0)):.2f})")
-                    if improved and self.step > 0:
-                        self.save(best=True)
+                    # one save per step: a checkpoint step that is also evaluated is saved
+                    # here, after its evaluation (saving a step twice replaces the folder
+                    # `last` points at)
+                    due = (self.step % t.checkpoint_interval == 0 and 0 < self.step < t.max_steps
+                           and saved_at != self.step)
+                    if (improved and self.step > 0) or due:
+                        self.save(best=improved and self.step > 0)
                         saved_at = self.step
                     # the throughput window counts training only: move its start past the pause
                     window_start += time.perf_counter() - paused
@@ -637,7 +651,8 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
-                if self.step % t.checkpoint_interval == 0 and self.step < t.max_steps:
+                if self.step % t.checkpoint_interval == 0 and self.step < t.max_steps \
+                        and self.step % t.eval_interval != 0:  # else saved after evaluating
                     paused = time.perf_counter()
                     self.save()
                     saved_at = self.step
