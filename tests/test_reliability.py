@@ -412,6 +412,46 @@ def test_a_corpus_changed_after_training_is_caught_on_resume_and_eval(tiny_corpu
     assert r.returncode == 0, r.stderr
 
 
+def test_min_lr_above_lr_trains_with_a_warning(tiny_corpus, tmp_path, capsys):
+    """Lowering train.lr below the default min_lr must not stop a run (a refusal did); the
+    rising schedule is said once."""
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=2), ["train.lr=5e-5"])
+    assert Trainer(cfg, tmp_path / "run", quiet=True).run()["step"] == 2
+    assert "warning: train.min_lr (0.0001) is larger than train.lr (5e-05)" in \
+        capsys.readouterr().err
+
+
+def test_a_changed_test_split_does_not_stop_a_resume(data_dir, tmp_path):
+    """Training reads train and val only: a PTB test file changed since the run started is
+    eval's warning, not a refusal to resume."""
+    import shutil
+
+    if not (data_dir / "ptb.train.txt").is_file():
+        pytest.skip("PTB not available")
+    ptb = tmp_path / "ptb"
+    ptb.mkdir()
+    for split in ("train", "valid", "test"):
+        shutil.copy(data_dir / f"ptb.{split}.txt", ptb)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\nhidden_size = 16\nnum_heads = 2\nnum_layers = 1\n'
+                   f'[data]\ndataset = "ptb"\npath = "{ptb}"\ntokenizer = "word"\n'
+                   f'[train]\nmax_steps = 2\nbatch_size = 2\nseq_len = 8\neval_iters = 1\n'
+                   f'device = "cpu"\n')
+    out = tmp_path / "run"
+    Trainer(load_config(cfg), out, quiet=True).run()
+    with open(ptb / "ptb.test.txt", "a") as f:
+        f.write(" the cat sat on the mat \n")
+    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
+                        "train.max_steps=3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # the checkpoint written before the change (the resumed run's records the new text)
+    r = subprocess.run([CLI, "eval", "--checkpoint", str(out / "checkpoints" / "step-00000002"),
+                        "--split", "test", "--max-windows", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "the test split's text differs" in r.stderr and f"the folder {ptb}" in r.stderr
+
+
 def test_no_pickle_on_the_loading_path():
     src = Path(__file__).resolve().parents[1] / "src" / "continuumlm"
     for f in src.rglob("*.py"):

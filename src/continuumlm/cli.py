@@ -311,9 +311,9 @@ def cmd_eval(args) -> int:
     recorded = (load_trainer_state(ckpt).get("data")
                 if (ckpt / STATE_FILE).is_file() else None)
     if args.split in changed_splits(recorded, data):
-        print(f"warning: the {args.split} split's text differs from the one this run was "
-              f"trained and validated on ({corpus_name(run.data)} was changed since); these "
-              f"figures are not comparable with the run's own.", file=sys.stderr)
+        print(f"warning: the {args.split} split's text differs from the one recorded when this "
+              f"run was trained ({corpus_name(run.data)} was changed since); these figures "
+              f"are not comparable with those of the same split made then.", file=sys.stderr)
     if args.split not in data.splits:
         raise UsageError(f"--split {args.split}: this corpus has the splits "
                          f"{', '.join(s for s in data.splits if s != 'train')}.")

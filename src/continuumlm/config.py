@@ -6,6 +6,8 @@ with a message that names the key, instead of deep inside a training run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import math
@@ -57,6 +59,25 @@ ODE_TIME_LIMIT = 1e6
 # of an n x n companion matrix (0.1 s at 1024 nodes, 7 s at 4096) and every query reads every
 # node, so larger counts are refused rather than left to stall.
 UPPER = {"cat_n_freq": 1024, "cat_n_quad": 1024}
+UNCAPPED = {"seed", "train_chars"}  # numbers that never size a tensor
+
+# The refusals above that are limits of this version rather than of any run (sizes, the ODE
+# interval, settings that do nothing) apply to what a user writes, not to configs read back
+# from a run saved before they existed: that run still evaluates and resumes.
+_reading_saved = contextvars.ContextVar("reading_saved", default=False)
+
+
+def _strict() -> bool:
+    return not _reading_saved.get()
+
+
+@contextlib.contextmanager
+def reading_saved_config():
+    token = _reading_saved.set(True)
+    try:
+        yield
+    finally:
+        _reading_saved.reset(token)
 
 
 @dataclass
@@ -134,7 +155,7 @@ class ModelConfig:
                 f"{self.hidden_size // self.num_heads}; change the sizes or use position = 'learned'."
             )
         for name in ("ode_t0", "ode_t1"):
-            if abs(getattr(self, name)) > ODE_TIME_LIMIT:
+            if abs(getattr(self, name)) > ODE_TIME_LIMIT and _strict():
                 raise ConfigError(
                     f"model.{name} = {getattr(self, name)} is outside [-{ODE_TIME_LIMIT:g}, "
                     f"{ODE_TIME_LIMIT:g}]: the solvers keep time in float32, and a step that "
@@ -149,7 +170,11 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> ModelConfig:
+    def from_dict(cls, d: dict[str, Any], source: str | None = None,
+                  saved: bool = False) -> ModelConfig:
+        if saved:
+            with reading_saved_config():
+                return _build(cls, d, "model", source)
         return _build(cls, d, "model", source)
 
 
@@ -173,7 +198,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "data")
-        n = self.vocab_size
+        n = self.vocab_size if _strict() else None
         if n is not None and self.tokenizer == "char":
             raise ConfigError(
                 f"data.vocab_size = {n} has no effect with data.tokenizer = 'char', whose "
@@ -230,11 +255,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "train")
-        if self.min_lr > self.lr:
-            raise ConfigError(
-                f"train.min_lr ({self.min_lr}) is larger than train.lr ({self.lr}): the cosine "
-                f"schedule decays from lr to min_lr, so it would raise the rate instead; set "
-                f"min_lr at most lr (e.g. lr / 10).")
 
 
 @dataclass
@@ -257,22 +277,6 @@ class MQARConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "mqar")
-        if self.power_a > 1:
-            raise ConfigError(
-                f"mqar.power_a = {self.power_a} is outside (0, 1]: query distances d are drawn "
-                f"with p(d) proportional to a * d^(a - 1), a power law that decays only for "
-                f"a <= 1 (Zoology uses 0.01; smaller puts queries nearer their keys).")
-        for n in (self.num_kv_pairs, *self.train_kv_pairs):
-            if self.vocab_size // 2 - 1 < n:
-                raise ConfigError(
-                    f"mqar.vocab_size = {self.vocab_size} leaves {max(0, self.vocab_size // 2 - 1)}"
-                    f" distinct keys (keys come from the lower half of the vocabulary, id 0 "
-                    f"unused), fewer than the {n} key-value pairs asked for; raise "
-                    f"mqar.vocab_size to at least {2 * n + 2}.")
-            if (self.seq_len + 1 - 2 * n) // 2 < n:
-                raise ConfigError(
-                    f"mqar.seq_len = {self.seq_len} is too short for {n} key-value pairs and "
-                    f"their queries; it needs at least {4 * n} tokens.")
         if not 0.0 <= self.stop_accuracy <= 1.0:
             raise ConfigError(f"mqar.stop_accuracy must lie in [0, 1], got {self.stop_accuracy}.")
         bad = [n for n in self.train_kv_pairs if n <= 0]
@@ -283,6 +287,30 @@ class MQARConfig:
             raise ConfigError(f"mqar.train_kv_pairs lists {len(self.train_kv_pairs)} pair counts "
                               f"but mqar.train_examples = {self.train_examples} cannot give "
                               f"each one an example; raise train_examples.")
+        for n in (self.num_kv_pairs, *self.train_kv_pairs):
+            if self.vocab_size // 2 - 1 < n:
+                raise ConfigError(
+                    f"mqar.vocab_size = {self.vocab_size} leaves {max(0, self.vocab_size // 2 - 1)}"
+                    f" distinct keys (keys come from the lower half of the vocabulary, id 0 "
+                    f"unused), fewer than the {n} key-value pairs asked for; raise "
+                    f"mqar.vocab_size to at least {2 * n + 2}.")
+            if (self.seq_len + 1 - 2 * n) // 2 < n:
+                raise ConfigError(
+                    f"mqar.seq_len = {self.seq_len} is too short for {n} key-value pairs and "
+                    f"their queries; it needs at least {4 * n - 1} tokens.")
+        space = (self.seq_len + 1 - 2 * min([self.num_kv_pairs, *self.train_kv_pairs])) // 2
+        if space >= 1 and _strict():
+            try:  # the weights a * d^(a - 1) at both ends, and their sum, in float64
+                ends = (self.power_a, self.power_a * space ** (self.power_a - 1))
+                usable = all(0 < w and math.isfinite(w * space) for w in ends)
+            except OverflowError:
+                usable = False
+            if not usable:
+                raise ConfigError(
+                    f"mqar.power_a = {self.power_a}: query distances d up to {space} are drawn "
+                    f"with p(d) proportional to a * d^(a - 1), which overflows or underflows "
+                    f"here; Zoology uses 0.01 (smaller puts queries nearer their keys, a > 1 "
+                    f"farther).")
 
 
 SECTIONS = ("model", "data", "train", "mqar")
@@ -300,9 +328,13 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str | None = None,
-                  overridden: dict[str, str] | None = None) -> RunConfig:
+                  overridden: dict[str, str] | None = None, saved: bool = False) -> RunConfig:
         """``overridden`` maps ``section.key`` to the ``--set`` item that gave its value, so an
-        error about that key points at the command line rather than the file."""
+        error about that key points at the command line rather than the file. ``saved``: the
+        config of a saved run (see ``reading_saved_config``)."""
+        if saved:
+            with reading_saved_config():
+                return cls.from_dict(d, where, overridden)
         sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
                     "mqar": MQARConfig}
         unknown = [k for k in d if k not in sections]
@@ -474,8 +506,8 @@ def _validate(obj, section: str) -> None:
                               f"{_suggest(str(value), CHOICES[f.name])}.")
         if f.name in POSITIVE and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}.")
-        if isinstance(value, int) and not isinstance(value, bool) and f.name != "seed" and (
-                value > UPPER.get(f.name, MAX_INT)):
+        if isinstance(value, int) and not isinstance(value, bool) and f.name not in UNCAPPED \
+                and value > UPPER.get(f.name, MAX_INT) and _strict():
             raise ConfigError(f"{key} = {value} is larger than the most this library supports, "
                               f"{UPPER.get(f.name, MAX_INT):,}; choose a smaller value.")
         if f.name in NON_NEGATIVE and value < 0:

@@ -6,6 +6,7 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,7 +45,9 @@ def text_digest(text: str) -> str:
 
 def corpus_name(dcfg) -> str:
     """How messages name a [data] section's corpus."""
-    return f"the file {dcfg.path}" if dcfg.path else f"the {dcfg.dataset} corpus"
+    if not dcfg.path:
+        return f"the {dcfg.dataset} corpus"
+    return f"the {'folder' if Path(dcfg.path).is_dir() else 'file'} {dcfg.path}"
 
 
 def changed_splits(recorded: dict[str, str] | None, data: Dataset) -> list[str]:

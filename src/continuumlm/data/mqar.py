@@ -24,7 +24,7 @@ def mqar_batch(n: int, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a
     space = (total - 2 * N) // 2
     if space < N:
         raise ValueError(f"seq_len {seq_len} is too short for {N} key-value pairs and their "
-                         f"queries; it needs at least {4 * N} tokens.")
+                         f"queries; it needs at least {4 * N - 1} tokens.")
     g = generator
     keys = torch.rand(n, half - 1, generator=g).argsort(dim=1)[:, :N] + 1      # distinct, no 0
     values = torch.randint(half, vocab_size, (n, N), generator=g)

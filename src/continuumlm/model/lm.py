@@ -384,7 +384,7 @@ class LanguageModel(nn.Module):
             raise CheckpointError(f"{cfg_path} is not valid JSON ({e}); the file is corrupt.") from None
         if not isinstance(cfg_dict, dict):
             raise CheckpointError(f"{cfg_path} does not hold a JSON object of model settings.")
-        cfg = ModelConfig.from_dict(cfg_dict, source=str(cfg_path))
+        cfg = ModelConfig.from_dict(cfg_dict, source=str(cfg_path), saved=True)
         check_memory(cfg, "cpu", training=False)
         model = cls(cfg)
         try:

@@ -317,7 +317,7 @@ def load_run_config(ckpt: Path) -> RunConfig:
         raise CheckpointError(f"{p} is missing; only checkpoints written by training can be "
                               f"resumed or evaluated on their corpus.")
     try:
-        return RunConfig.from_dict(json.loads(p.read_text()), where=str(p))
+        return RunConfig.from_dict(json.loads(p.read_text()), where=str(p), saved=True)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{p} is not valid JSON ({e}).") from None
 

@@ -67,7 +67,7 @@ def fresh_recall(out: str | Path) -> dict:
     """Recall of the model in ``out/state.pt`` on the fresh held-out set:
     ``{"step", "accuracy"}``."""
     st = _load_state(Path(out) / STATE, _WHILE_RUNNING)
-    cfg = RunConfig.from_dict(st["config"])
+    cfg = RunConfig.from_dict(st["config"], saved=True)
     model = _quiet_model(cfg)
     model.load_state_dict(st["model"])
     x, y = _test_set(cfg, FRESH_OFFSET)
@@ -103,7 +103,7 @@ def _check_data_memory(q) -> None:
 def _same_settings(saved: dict, cfg: RunConfig) -> bool:
     """Whether a saved run's config is ``cfg``; keys added to the config since the run was saved
     take their defaults (which reproduce what the run did before they existed)."""
-    return RunConfig.from_dict(saved).to_dict() == cfg.to_dict()
+    return RunConfig.from_dict(saved, saved=True).to_dict() == cfg.to_dict()
 
 
 def _load_state(path: Path, advice: str) -> dict:
@@ -255,7 +255,7 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
         result = json.loads(done.read_text())
         if result.get("complete", True) and result["steps"] == st["step"]:
             return {**result, "complete": True}
-    cfg = RunConfig.from_dict(st["config"])
+    cfg = RunConfig.from_dict(st["config"], saved=True)
     params = _quiet_model(cfg).num_parameters()  # tied weights counted once
     # the last evaluation reached the target or the last step: only result.json was missing
     complete = st["step"] >= cfg.train.max_steps or st["accuracy"] >= cfg.mqar.stop_accuracy
@@ -273,7 +273,7 @@ def recall_by_distance(out: str | Path, edges: tuple[int, ...] = DISTANCE_EDGES)
     ``{"step": step of that evaluation, "buckets": [{"from", "to", "queries", "accuracy"}]}``."""
     out = Path(out)
     st = _load_state(out / STATE, _WHILE_RUNNING)
-    cfg = RunConfig.from_dict(st["config"])
+    cfg = RunConfig.from_dict(st["config"], saved=True)
     model = _quiet_model(cfg)
     model.load_state_dict(st["model"])
     x, y = _test_set(cfg)

@@ -203,6 +203,11 @@ class Trainer:
         t = cfg.train
         self.dist, device_name = D.setup(t.device, t.dist_timeout_s)
         self.main = self.dist.is_main
+        if self.main and t.min_lr > t.lr:
+            print(f"warning: train.min_lr ({t.min_lr}) is larger than train.lr ({t.lr}), so the "
+                  f"cosine schedule raises the learning rate from lr to min_lr instead of "
+                  f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
+                  f"you want.", file=sys.stderr)
         self.device = pick_device(device_name)
         self.amp = autocast_for(self.device, t.dtype)
         self.fsdp = t.strategy == "fsdp" and self.dist.enabled
@@ -217,7 +222,9 @@ class Trainer:
             raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} but the tokenizer has "
                               f"{vocab} tokens; leave model.vocab_size at 0 to take it from the "
                               f"tokenizer (cap word/bpe vocabularies with data.vocab_size).")
-        changed = changed_splits(state.get("data") if state else None, self.data)
+        # training reads the train and val splits only (a changed test split is eval's concern)
+        changed = [n for n in changed_splits(state.get("data") if state else None, self.data)
+                   if n in ("train", "val")]
         if changed:
             raise DataError(
                 f"--resume: the text of the {' and '.join(changed)} split"
