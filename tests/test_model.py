@@ -352,11 +352,14 @@ def test_memory_check_counts_the_model_it_would_build(kw, monkeypatch):
     lm.check_memory(cfg)  # unknown: no refusal
 
 
-def test_memory_refusal_names_the_buffers_when_they_dominate():
+def test_memory_refusal_names_the_buffers_when_they_dominate(monkeypatch):
     """A rotary model with an absurd max_seq_len: the tables, not the weights, are too big,
     and the message must say so (it spoke of weights only)."""
+    import continuumlm.model.lm as lm
     from continuumlm import ConfigError, ModelConfig
     from continuumlm.model.lm import check_memory
+
+    monkeypatch.setattr(lm, "available_memory", lambda device: 16 * 2**30)  # any machine
 
     with pytest.raises(ConfigError, match=r"795,904 parameters and [\d,]+ buffer values .*"
                                           r"max_seq_len\); its weights and buffers"):
