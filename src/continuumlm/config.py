@@ -172,10 +172,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str | None = None,
                   saved: bool = False) -> ModelConfig:
-        if saved:
-            with reading_saved_config():
-                return _build(cls, d, "model", source)
-        return _build(cls, d, "model", source)
+        with reading_saved_config() if saved else contextlib.nullcontext():
+            return _build(cls, d, "model", source)
 
 
 @dataclass

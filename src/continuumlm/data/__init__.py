@@ -25,8 +25,8 @@ from .tokenizers import (
 
 __all__ = [
     "CORPORA", "BatchSampler", "Dataset", "TOKENIZER_FILE", "changed_splits", "corpus_name",
-    "eval_batches", "eval_window_starts", "load_tokenizer", "prepare_data", "resolve_file", "save_tokenizer", "split_text",
-    "train_tokenizer",
+    "eval_batches", "eval_window_starts", "load_tokenizer", "prepare_data", "resolve_file",
+    "save_tokenizer", "split_text", "train_tokenizer",
 ]
 
 

@@ -9,6 +9,7 @@ class so that the adjoint can integrate them too.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -63,17 +64,17 @@ class AdaptiveSolver(nn.Module):
 class _Func(nn.Module):
     """torchdiffeq wants an nn.Module (for the adjoint's parameters) with forward(t, y)."""
 
-    def __init__(self, f, params: tuple[torch.Tensor, ...], where: str):
+    def __init__(self, f, params: tuple[torch.Tensor, ...], where: str, method: str):
         super().__init__()
         self.f = f
-        self.where = where
+        self.where, self.method = where, method
         self.plist = nn.ParameterList([p for p in params if isinstance(p, nn.Parameter)])
         self.last_step: tuple[float, float] | None = None  # the step last attempted: (t, dt)
         self.backward = False
 
     def forward(self, t, y):
         global _active
-        _active = self
+        _active = weakref.ref(self)  # a weak reference: the solve's closure is not kept alive
         # t stays a tensor: an adaptive solver's step sizes depend on the state, and a field
         # that reads t (the time embedding) must see that dependence for direct backprop to
         # give the gradient of what was computed
@@ -90,11 +91,12 @@ def _number(x) -> float:
     return float(x.detach()) if torch.is_tensor(x) else float(x)
 
 
-_active: _Func | None = None  # the solve whose field ran last (forward or adjoint backward)
+_active: weakref.ref | None = None  # the solve whose field ran last (forward or adjoint backward)
 
 
-def _solver_error(func: _Func | None, method: str, message: str) -> ODESolverError:
+def _solver_error(func: _Func | None, message: str) -> ODESolverError:
     where = func.where if func is not None else "an ODE block"
+    method = func.method if func is not None else "adaptive"
     phase = "the backward (adjoint) solve" if func is not None and func.backward else "the solve"
     at = (f" at t = {func.last_step[0]:.6g} with step size {func.last_step[1]:.3g}"
           if func is not None and func.last_step is not None else "")
@@ -109,7 +111,7 @@ def _is_solver_assertion(e: AssertionError) -> bool:
 
 
 @contextlib.contextmanager
-def solver_errors(method: str = "adaptive"):
+def solver_errors():
     """Turn torchdiffeq's step-limit assertions raised during ``loss.backward()`` (the
     adjoint's backward solve runs inside autograd, past ``odeint_call``) into
     :class:`ODESolverError`. Wrap backward calls of models that may use ``ode_grad =
@@ -119,8 +121,7 @@ def solver_errors(method: str = "adaptive"):
     except AssertionError as e:
         if not _is_solver_assertion(e):
             raise
-        func = _active
-        raise _solver_error(func, getattr(func, "method", method), str(e)) from None
+        raise _solver_error(_active() if _active is not None else None, str(e)) from None
 
 
 def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint: bool,
@@ -128,8 +129,7 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
                 rtol: float = 1e-7, atol: float = 1e-9):
     import torchdiffeq
 
-    func = _Func(f, params, where)
-    func.method = method
+    func = _Func(f, params, where, method)
     # float64 time for a float64 state (float32 would round the interval, e.g. 0.1); float32
     # otherwise, as torchdiffeq casts it to the state's dtype anyway
     t = torch.tensor([t0, t1], device=h0.device,
@@ -143,6 +143,6 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
             out = torchdiffeq.odeint(func, h0, t, **kwargs)
     except AssertionError as e:
         if _is_solver_assertion(e):
-            raise _solver_error(func, method, str(e)) from None
+            raise _solver_error(func, str(e)) from None
         raise
     return out[-1]
