@@ -19,14 +19,60 @@ RUNS = Path(os.environ.get("CONTINUUMLM_RUNS_DIR", ROOT / "runs" / "bench"))
 DOCS_DIR = Path(os.environ.get("CONTINUUMLM_DOCS_DIR", ROOT / "docs"))
 
 
+# A run counts as measured alone when the rest of the machine kept less than this many cores
+# busy on average while it trained.
+SHARED_CORES = 0.2
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds all cores have spent busy since boot (Linux /proc/stat), or None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How many cores other work kept busy while this process's children ran:
+    (machine busy time - CPU time of this process and its finished children) / wall time.
+    Unlike the load average, the run's own threads do not count, so a 2-thread run alone on
+    2 cores reads about 0, not 2."""
+
+    def __enter__(self) -> OtherLoad:
+        self.cores = None
+        self._t, self._busy, self._own = time.perf_counter(), machine_busy_seconds(), _own_cpu()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, wall = machine_busy_seconds(), time.perf_counter() - self._t
+        if busy is not None and self._busy is not None and wall > 0:
+            others = (busy - self._busy) - (_own_cpu() - self._own)
+            self.cores = round(max(others, 0.0) / wall, 3)
+
+
+def _own_cpu() -> float:
+    import resource
+
+    return sum(getattr(resource.getrusage(w), f) for w in
+               (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+
+
 def load_mark(runs: list[dict]) -> str:
-    """How far a training run's throughput can be trusted, from the 1-minute load averages its
-    JSON recorded before and after: "" measured alone (both at most 1.5), " *" the 2 cores were
-    shared (understated), " °" no load was recorded (older runs: whether it was shared is not
-    known)."""
-    if any(not r.get("load_average") for r in runs):
+    """How far a training run's throughput can be trusted: "" measured alone (other work kept
+    under SHARED_CORES cores busy during the run, recorded as ``other_cores``), " *" the cores
+    were shared (understated; runs recorded before ``other_cores`` are judged by their 1-minute
+    load averages, which count the run's own threads, so alone runs may carry the mark too),
+    " °" nothing was recorded (whether the machine was shared is not known)."""
+    if all("other_cores" in r for r in runs):
+        return " *" if any(r["other_cores"] is None or r["other_cores"] > SHARED_CORES
+                           for r in runs) else ""
+    if any(not r.get("load_average") and "other_cores" not in r for r in runs):
         return " °"
-    return " *" if any(max(r["load_average"]) > 1.5 for r in runs) else ""
+    return " *"
 
 
 def cpu_model() -> str:

@@ -88,13 +88,15 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     return markdown_table(rows, cols)
 
 
-BUSY_NOTE = ("Throughput marked * was measured while other jobs shared the 2 cores (1-minute "
-             "load average above 1.5 during the run, recorded in the JSON): those tokens/s and "
-             "wall times understate what the model reaches alone. Throughput marked ° comes from "
-             "runs made before the load was recorded: whether the machine was shared is not "
-             "known. Only unmarked rows were measured alone; the cost-per-evaluation and "
-             "training-step tables below time the models under control. The losses are "
-             "unaffected.")
+BUSY_NOTE = ("Throughput marked * was measured while other work shared the 2 cores (it kept "
+             "more than 0.2 cores busy on average during the run, measured from the machine's "
+             "busy time less the run's own CPU time and recorded in the JSON as `other_cores`; "
+             "runs recorded before that was measured are marked whenever the load was recorded, "
+             "since their load averages count the run itself): those tokens/s and wall times "
+             "understate what the model reaches alone. Throughput marked ° comes from runs made "
+             "before any load was recorded: whether the machine was shared is not known. Only "
+             "unmarked rows were measured alone; the cost-per-evaluation and training-step "
+             "tables below time the models under control. The losses are unaffected.")
 
 
 def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> list[str]:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, RUNS
+from common import RESULTS, RUNS, OtherLoad
 
 from continuumlm.config import load_config
 from continuumlm.train.checkpoint import load_run_config
@@ -78,7 +78,8 @@ def main() -> None:
                          f"this run afresh.")
             cmd.append("--resume")  # an interrupted run continues; its wall time is not comparable
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        subprocess.run(cmd, check=True)
+        with OtherLoad() as others:
+            subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
         row = evaluate(run, args.split, args.max_windows)[0]
         contexts = None
@@ -101,8 +102,10 @@ def main() -> None:
             "nfe": nfe[-1] if nfe else None,
             "wall_seconds": None if resumed else wall,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
-            # 1-minute load averages before and after: above ~1 the machine was shared and
-            # tokens/s and wall time understate what the model reaches alone.
+            # cores that other work kept busy while it trained (its own threads excluded): above
+            # common.SHARED_CORES the machine was shared and tokens/s and wall time understate
+            # what the model reaches alone. The load averages (which count the run) for context.
+            "other_cores": others.cores,
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "curve": curve,
             "split": args.split,
