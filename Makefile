@@ -50,7 +50,8 @@ bench: $(VENV)/.installed-dev
 
 # Every experiment behind docs/results.md, then the page and its figures. Runs whose JSON is in
 # bench/results/ are skipped, so with the committed results this only re-renders; delete a JSON
-# to redo its run (the whole set from scratch takes several hours on 2 CPU cores).
+# and its run folder (runs/bench/) to redo its run (the whole set from scratch takes several hours
+# on 2 CPU cores).
 results: $(VENV)/.installed-dev
 	$(BIN)/pip install -q -e ".[plot]"
 	$(BIN)/continuumlm experiment all

@@ -94,7 +94,9 @@ def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     payload = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp = path.with_name(path.name + ".tmp")  # an interruption leaves the old JSON or the new
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
     return path
 
 

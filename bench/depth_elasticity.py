@@ -26,8 +26,9 @@ def main() -> None:
     for name in MODELS:
         run = RUNS / name
         if not (run / "checkpoints" / "last").exists():
-            print(f"skip {name}: no checkpoint (run bench/train_seeds.py first)")
-            continue
+            # a partial table would be recorded, and then skipped, as if complete
+            sys.exit(f"{run} holds no trained model: run `continuumlm experiment shakespeare` "
+                     f"(or bench/train_seeds.py on its config) first; nothing was written.")
         for solver in ("euler", "rk4"):
             for steps in (1, 2, 4, 8, 16):
                 out = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last",

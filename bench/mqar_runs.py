@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 from common import RESULTS, ROOT, RUNS
 
 from continuumlm.config import load_config
+from continuumlm.experiments import run_child
 from continuumlm.train.mqar import fresh_recall, progress, recall_by_distance
 
 CLI = str(Path(sys.executable).parent / "continuumlm")
@@ -110,7 +110,10 @@ def main() -> None:
             print(f"keep {dest}: it records step {old['steps']}, the run is at {result['steps']}")
             return
     else:
-        subprocess.run(cmd, check=True)
+        r = run_child(cmd)
+        if r.returncode:
+            sys.exit(f"`{' '.join(cmd)}` ended with exit status {r.returncode} (its output is "
+                     f"above); the same command continues the run from its last evaluation.")
         result = json.loads((run / "result.json").read_text())
         by_distance = recall_by_distance(run)
         result["fresh_accuracy"] = fresh_recall(run)["accuracy"]
@@ -128,4 +131,7 @@ def _write(dest: Path, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the same command continues the run from its last evaluation.")

@@ -5,7 +5,8 @@
 For each seed it runs ``continuumlm train`` as a subprocess (so wall time includes start-up,
 evaluation and checkpointing, as a user sees it), then evaluates the final checkpoint on the
 whole validation split, and writes ``bench/results/<config>_seed<N>.json``. Runs whose JSON
-exists are skipped; pass --force to redo them.
+exists are skipped; an interrupted run (run folder, no JSON) resumes from its checkpoint. Pass
+--force to train a seed again from scratch (its run folder is deleted first).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from pathlib import Path
 from common import RESULTS, RUNS, OtherLoad
 
 from continuumlm.config import load_config
+from continuumlm.experiments import run_child
 from continuumlm.train.checkpoint import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +37,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--force", action="store_true", help="train again from scratch: deletes "
+                    "the seed's run folder and replaces its JSON")
     ap.add_argument("--contexts", help="also evaluate at these context lengths, e.g. "
                     "128,512,1024,5000 (CAT's protocol)")
     ap.add_argument("--split", default="val")
@@ -60,6 +64,8 @@ def main() -> None:
             if args.also_test:
                 add_test(dest, run, args.max_windows)
             continue
+        if args.force and run.exists():
+            shutil.rmtree(run)
         cmd = [CLI, "train", "--config", str(config), "--out", str(run), "--quiet",
                "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
         resumed = (run / "checkpoints" / "last").exists()
@@ -77,10 +83,15 @@ def main() -> None:
                          f"than {args.config} with --set {args.set}; delete that folder to start "
                          f"this run afresh.")
             cmd.append("--resume")  # an interrupted run continues; its wall time is not comparable
+            print(f"resume {run} (no JSON records it yet; to train it again from scratch, pass "
+                  f"--force or delete that folder)", flush=True)
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         with OtherLoad() as others:
-            subprocess.run(cmd, check=True)
+            r = run_child(cmd)
         wall = time.perf_counter() - t0
+        if r.returncode:
+            sys.exit(f"`{' '.join(cmd)}` ended with exit status {r.returncode} (its output is "
+                     f"above); nothing was recorded. The same command resumes the run.")
         row = evaluate(run, args.split, args.max_windows)[0]
         contexts = None
         if args.contexts:
@@ -90,6 +101,10 @@ def main() -> None:
         tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
         nfe = [m["nfe"] for m in metrics if "nfe" in m]
         vals = [m for m in metrics if "val_loss" in m]
+        max_steps = load_run_config((run / "checkpoints" / "last").resolve()).train.max_steps
+        if not vals or vals[-1]["step"] != max_steps:
+            sys.exit(f"{run} stopped before its last step ({max_steps}); nothing was recorded. "
+                     f"The same command resumes the run.")
         curve = {"val": [[m["step"], m["val_loss"]] for m in vals],
                  "train": [[m["step"], m["loss"]] for m in metrics
                            if "loss" in m and m["step"] % 50 == 0]}
@@ -116,8 +131,7 @@ def main() -> None:
 
         model, _, _ = load_model_and_tokenizer(run, "last")
         result["parameters"] = model.num_parameters()
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(json.dumps(result, indent=2) + "\n")
+        write(dest, result)
         if args.also_test:
             add_test(dest, run, args.max_windows)
         print(json.dumps(result))
@@ -141,8 +155,20 @@ def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:
         print(f"cannot add the test split to {dest}: {run} is gone")
         return
     result["test_loss_full_split"] = evaluate(run, "test", max_windows)[0]["loss"]
-    dest.write_text(json.dumps(result, indent=2) + "\n")
+    write(dest, result)
+
+
+def write(dest: Path, result: dict) -> None:
+    """Replace ``dest`` whole: an interruption leaves the old JSON or the new one."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(dest)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted; nothing was recorded for the run in progress (its last checkpoint "
+                 "is kept): the same command resumes it.")

@@ -98,7 +98,7 @@ def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 0, stderr
+    assert p.returncode == 128 + signal.SIGTERM, stderr  # saved, but not a finished run
     assert "--resume" in stdout
     saved = (out / "checkpoints" / "last").resolve().name
     assert int(saved.split("-")[1]) >= 7
@@ -558,11 +558,11 @@ def test_train_seeds_never_reuses_a_run_made_with_other_settings(tiny_corpus, tm
             "train.eval_iters=1", "train.checkpoint_interval=2", "train.device=cpu"]
     env = {**os.environ, "CONTINUUMLM_RUNS_DIR": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
 
-    def seeds(*extra):
+    def seeds(*extra, flags=()):
         return subprocess.run(
             [sys.executable, str(repo / "bench" / "train_seeds.py"),
              "configs/shakespeare_char/transformer_baby.toml", "--seeds", "3", "--out",
-             str(tmp_path / "results"), "--max-windows", "4",
+             str(tmp_path / "results"), "--max-windows", "4", *flags,
              *sum((["--set", s] for s in [*sets, *extra]), [])],
             cwd=repo, env=env, capture_output=True, text=True, timeout=300)
 
@@ -579,3 +579,7 @@ def test_train_seeds_never_reuses_a_run_made_with_other_settings(tiny_corpus, tm
     assert not result.exists()
     r = seeds()  # its own settings: resumed and recorded again
     assert r.returncode == 0 and json.loads(result.read_text())["final_step"] == 2, r.stderr
+    assert "resume" in r.stdout and json.loads(result.read_text())["wall_seconds"] is None
+    r = seeds(flags=["--force"])  # trained again from scratch, not re-recorded from the folder
+    assert r.returncode == 0, r.stderr
+    assert "resume" not in r.stdout and json.loads(result.read_text())["wall_seconds"] > 0

@@ -193,6 +193,41 @@ def test_sharded_checkpoint_metadata_is_never_unpickled_freely(two_process_runs,
     assert not marker.exists()
 
 
+def test_an_export_that_cannot_write_leaves_the_checkpoint_as_it_was(two_process_runs, tmp_path,
+                                                                   monkeypatch):
+    """A full disk while the consolidated weights are written: a clear error, no half-written
+    file left behind, the sharded checkpoint untouched (it still exports once there is room)."""
+    import errno
+    import shutil
+
+    import safetensors.torch
+
+    from continuumlm.errors import CheckpointError
+    from continuumlm.train.checkpoint import _write_manifest, export_sharded
+
+    src = two_process_runs["tmp"] / "fsdp"
+    if not src.exists():
+        pytest.skip("needs the FSDP run of test_fsdp_shards_and_export")
+    run_dir = tmp_path / "full"
+    shutil.copytree(src, run_dir, symlinks=True)
+    ckpt = (run_dir / "checkpoints" / "last").resolve()
+    (ckpt / "model.safetensors").unlink(missing_ok=True)  # as it was before its export
+    _write_manifest(ckpt, 6)
+    before = {p: p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file()}
+
+    def full_disk(model, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_model", full_disk)
+        with pytest.raises(CheckpointError, match="(?s)unchanged.*Free some space"):
+            export_sharded(run_dir)
+    assert {p: p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file()} == before
+    export_sharded(run_dir)
+    assert_same_weights(weights(run_dir), weights(two_process_runs["ddp"]))
+
+
 def test_a_failing_rank_fails_the_job_with_its_error(two_process_runs, tmp_path):
     """Rank 0 cannot write its run folder (a file stands where a folder must be); rank 1 waits
     for it at a collective. The job must end non-zero with rank 0's message, not hang."""

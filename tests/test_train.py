@@ -359,3 +359,40 @@ def test_inspect_reads_a_config_saved_with_a_byte_order_mark(tmp_path):
                    "[mqar]\nvocab_size = 64\n", encoding="utf-8")
     r = _cli("inspect", "--config", str(cfg))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_inspect_describes_the_model_continuumlm_mqar_trains(tmp_path):
+    """An MQAR config's model takes the task's vocabulary (whatever model.vocab_size says) and
+    room for its sequences; `--set mqar.*` makes any config one."""
+    import dataclasses
+
+    from continuumlm.config import load_config
+    from continuumlm.model import LanguageModel
+
+    cfg = tmp_path / "recall.toml"
+    cfg.write_text("[model]\nhidden_size = 32\nnum_heads = 2\nnum_layers = 1\nvocab_size = 50\n"
+                   "position = \"learned\"\nmax_seq_len = 64\n[mqar]\nvocab_size = 300\n"
+                   "seq_len = 256\nnum_kv_pairs = 8\n")
+    model = load_config(cfg).model
+    trained = LanguageModel(dataclasses.replace(model, vocab_size=300, max_seq_len=256))
+    for args in (["--config", str(cfg)],
+                 ["--config", str(tmp_path / "plain.toml"), "--set", "mqar.vocab_size=300",
+                  "--set", "mqar.seq_len=256", "--set", "mqar.num_kv_pairs=8"]):
+        (tmp_path / "plain.toml").write_text(cfg.read_text().split("[mqar]")[0])
+        r = _cli("inspect", *args, "--json")
+        assert r.returncode == 0, r.stderr
+        info = json.loads(r.stdout)
+        assert (info["vocab_size"], info["vocab_from"]) == (300, "mqar.vocab_size")
+        assert info["parameters"] == trained.num_parameters()
+
+
+def test_inspect_does_not_state_an_adaptive_solvers_nfe_as_a_fact(tmp_path):
+    cfg = tmp_path / "adaptive.toml"
+    cfg.write_text("[model]\nhidden_size = 32\nnum_heads = 2\nnum_layers = 1\nvocab_size = 50\n"
+                   "depth = \"ode\"\node_solver = \"dopri5\"\n")
+    r = _cli("inspect", "--config", str(cfg), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["nfe_per_forward"] is None and "adaptive" in info["nfe_note"]
+    r = _cli("inspect", "--config", str(cfg), "--json", "--set", "model.ode_solver=rk4")
+    assert json.loads(r.stdout)["nfe_per_forward"] == 4 * 4  # rk4, ode_steps 4 by default

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick-dir", help="where --quick writes (default runs/quick)")
     r.add_argument("--list", action="store_true", help="list the experiments and their commands")
     r.add_argument("--redo", action="store_true", help="re-run benchmarks whose JSON exists "
-                   "(training runs are redone by deleting their JSON)")
+                   "(a training run is redone by deleting its JSON and its run folder, "
+                   "runs/bench/<config>_seed<N>)")
 
     x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
@@ -227,7 +229,10 @@ def cmd_train(args) -> int:
     if result["interrupted"]:
         print(f"stopped by {result['interrupted']} at step {result['step']} (checkpoint saved); "
               f"resume with: continuumlm train --out {out} --resume")
-        return 0
+        if distributed.env_from_environment().enabled:
+            return 0  # under torchrun the launcher reports the signal (launch_torchrun)
+        # not a finished run: a script that waits for it must not take it for one
+        return 130 if result["interrupted"] == "SIGINT" else 128 + signal.SIGTERM
     print(f"done: step {result['step']}, val loss {result['val_loss']:.4f}, best "
           f"{result['best_val_loss']:.4f}, {result['parameters']:,} parameters, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['train_seconds']:.1f} s training; "
@@ -264,18 +269,23 @@ def cmd_inspect(args) -> int:
     from .config import load_config
     from .model import LanguageModel
     from .model.lm import check_memory
+    from .ode import ADAPTIVE_METHODS
 
     cfg = load_config(args.config, args.set)
-    vocab, source = cfg.model.vocab_size, "model.vocab_size"
-    if vocab == 0:
-        raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8-sig"))
-        if "mqar" in raw:
-            vocab, source = cfg.mqar.vocab_size, "mqar.vocab_size"
-        else:
+    raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8-sig"))
+    if "mqar" in raw or any(s.startswith("mqar.") for s in args.set):
+        # the model `continuumlm mqar` trains: the task's vocabulary and sequence length
+        from .train.mqar import _task_model
+
+        model_cfg, source = _task_model(cfg), "mqar.vocab_size"
+    else:
+        vocab, source = cfg.model.vocab_size, "model.vocab_size"
+        if vocab == 0:
             from .data import prepare_data
 
             vocab, source = prepare_data(cfg.data).tokenizer.vocab_size, "the tokenizer"
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
+        model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
+    vocab = model_cfg.vocab_size
     check_memory(model_cfg, "cpu", training=False)
     model = LanguageModel(model_cfg)
     with torch.no_grad():
@@ -283,6 +293,12 @@ def cmd_inspect(args) -> int:
     info = {"config": args.config, "vocab_size": vocab, "vocab_from": source,
             "parameters": model.num_parameters(), "nfe_per_forward": model.last_nfe,
             "exact_cached_decoding": bool(getattr(model.depth, "exact_cache", True))}
+    if model_cfg.depth == "ode" and model_cfg.ode_solver in ADAPTIVE_METHODS:
+        # an adaptive solver's step count depends on the weights and the input
+        info["nfe_per_forward"] = None
+        info["nfe_note"] = (f"{model_cfg.ode_solver} is adaptive: its NFE depends on the trained "
+                            f"weights and the input ({model.last_nfe} for this untrained model on "
+                            f"a 2-token input); `continuumlm eval --json` reports it for a checkpoint")
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -398,9 +414,6 @@ def _stream(model, tok, idx, args, kwargs) -> None:
     sys.stdout.flush()
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 # ---------------------------------------------------------------------------- export
 
@@ -439,3 +452,7 @@ def cmd_experiment(args) -> int:
                           quick_dir=Path(args.quick_dir).resolve() if args.quick_dir else None)
     print(f"results page: {page}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

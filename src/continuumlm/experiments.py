@@ -88,6 +88,27 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
 ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "mqar", "bench"]
 
 
+def run_child(cmd: list[str], check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run``, except on Ctrl-C. ``subprocess.run`` kills its child a quarter of a
+    second after the interrupt, before a training run (which receives the same SIGINT from the
+    terminal) has finished its step and saved; here the child is waited for, and the
+    KeyboardInterrupt is raised once it has ended. (A signal sent to this process alone is not
+    passed on: the child then runs to its end.)"""
+    interrupted = False
+    with subprocess.Popen(cmd, **kwargs) as p:
+        while True:
+            try:
+                out, err = p.communicate()
+                break
+            except KeyboardInterrupt:
+                interrupted = True  # a second Ctrl-C reaches the child too: it stops at once
+    if interrupted:
+        raise KeyboardInterrupt
+    if check and p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, cmd, out, err)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def find_repo(start: Path | None = None) -> Path:
     here = (start or Path.cwd()).resolve()
     for d in (here, *here.parents):
@@ -144,7 +165,7 @@ def run_experiment(name: str, quick: bool = False, repo: Path | None = None,
         print(f"== experiment {n}{' (quick)' if quick else ''}: {EXPERIMENTS[n][0]}", flush=True)
         for cmd in commands(n, quick, done):
             print("$ python bench/" + " ".join(cmd), flush=True)
-            r = subprocess.run([sys.executable, str(bench / cmd[0]), *cmd[1:]], cwd=repo, env=env)
+            r = run_child([sys.executable, str(bench / cmd[0]), *cmd[1:]], cwd=repo, env=env)
             if r.returncode != 0:
                 raise ContinuumLMError(f"experiment {n}: `python bench/{' '.join(cmd)}` failed "
                                        f"with exit status {r.returncode} (its output is above); "

@@ -19,6 +19,7 @@ checkpoint intact. ``manifest.json`` records the sha256 of every file, checked o
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -263,9 +264,21 @@ def load_shards(state: dict, shards: Path, **kw) -> None:
                               f"checkpoint (--which or a step-* folder).") from None
 
 
+def _write_advice(e: BaseException) -> str:
+    """What to do about a failed write, from its errno."""
+    no = getattr(e, "errno", None)
+    if no in (errno.ENOSPC, errno.EDQUOT):
+        return "Free some space on that disk and run the command again."
+    if no in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "Make the folder writable (or copy the checkpoint somewhere writable) and run " \
+               "the command again."
+    return "Fix the cause and run the command again."
+
+
 def export_sharded(path: str | Path, which: str = "last") -> Path:
     """Consolidate an FSDP checkpoint's ``sharded/`` weights into ``model.safetensors`` in the
     same folder (no process group needed) and add it to the manifest."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_model
 
     ckpt = resolve_checkpoint(path, which).resolve()
@@ -284,10 +297,22 @@ def export_sharded(path: str | Path, which: str = "last") -> Path:
                               f"({first_line(e)}); the folder was changed "
                               f"after it was written.") from None
     tmp = ckpt / (WEIGHTS_FILE + ".tmp")
-    save_model(model, str(tmp))
-    os.replace(tmp, ckpt / WEIGHTS_FILE)
-    manifest = json.loads((ckpt / MANIFEST).read_text()) if (ckpt / MANIFEST).exists() else {}
-    _write_manifest(ckpt, manifest.get("step", 0))
+    try:
+        # the consolidated file is complete and on disk before it takes its name, so a crash
+        # leaves either no model.safetensors or a whole one; the shards are never touched
+        save_model(model, str(tmp))
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, ckpt / WEIGHTS_FILE)
+        manifest = json.loads((ckpt / MANIFEST).read_text()) if (ckpt / MANIFEST).exists() else {}
+        _write_manifest(ckpt, manifest.get("step", 0))
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if not isinstance(e, (OSError, SafetensorError)):
+            raise
+        raise CheckpointError(f"{ckpt}: writing the consolidated {WEIGHTS_FILE} failed "
+                              f"({first_line(e)}); the sharded checkpoint is unchanged. "
+                              f"{_write_advice(e)}") from None
     return ckpt
 
 

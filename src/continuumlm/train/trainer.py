@@ -252,8 +252,10 @@ class Trainer:
             raise ConfigError(
                 f"--resume: {self.resumed_from} was written by a "
                 f"{'sharded (fsdp)' if sharded else 'ddp or single-process'} run, but this run "
-                f"uses {'fsdp' if self.fsdp else 'ddp or one process'}; resume with the same "
-                f"train.strategy, or convert with `continuumlm export` and start a new run.")
+                f"uses {'fsdp' if self.fsdp else 'ddp or one process'}; resume with the strategy "
+                f"it was written with (--set train.strategy={'fsdp' if sharded else 'ddp'}). "
+                f"A checkpoint cannot change strategy on resume"
+                f"{' (`continuumlm export` makes its weights usable by eval and generate)' if sharded else ''}.")
         if state is not None and not sharded:
             from safetensors.torch import load_model
 
