@@ -104,6 +104,28 @@ def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
     assert int(saved.split("-")[1]) >= 7
 
 
+def test_resume_calls_a_refused_run_config_refused_not_damaged(tiny_corpus, tmp_path):
+    """Intact checkpoints whose run.json this version cannot read (another version wrote it,
+    or it was edited) are not damaged: the error says so, and what to do."""
+    from continuumlm.train.checkpoint import _write_manifest
+
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=10)
+    out = tmp_path / "run"
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for ckpt in (out / "checkpoints").glob("step-*"):
+        run = json.loads((ckpt / "run.json").read_text())
+        run["model"]["a_key_from_another_version"] = 1
+        (ckpt / "run.json").write_text(json.dumps(run))
+        _write_manifest(ckpt, int(ckpt.name.split("-")[1]))
+    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
+                        "train.max_steps=20"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "refused by this version" in r.stderr and "a_key_from_another_version" in r.stderr
+    assert "damaged" not in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("damage", ["truncated", "truncated_no_manifest", "state_no_manifest"])
 def test_corrupt_last_checkpoint_falls_back(reference, tmp_path, damage):
     """With its manifest the damage is caught by the checksums; without one (a folder put

@@ -149,15 +149,25 @@ def find_resumable(out: Path, announce: bool = True):
                 except SafetensorError as e:
                     raise CheckpointError(f"model.safetensors cannot be read ({e})") from None
         except (CheckpointError, ConfigError, OSError, RuntimeError, ValueError) as e:
-            problems.append(f"{ckpt.name}: {e}")
+            # intact files whose run.json this version refuses are not damage
+            refused = isinstance(e, ConfigError)
+            problems.append((f"{ckpt.name}: {e}", refused))
             if announce:
-                print(f"warning: checkpoint {ckpt} is damaged ({e}); trying an older one",
+                what = "cannot be used: its run config is refused" if refused else "is damaged"
+                print(f"warning: checkpoint {ckpt} {what} ({e}); trying an older one",
                       file=sys.stderr)
             continue
         if problems and announce:
-            print(f"resuming from {ckpt}, the newest intact checkpoint", file=sys.stderr)
+            print(f"resuming from {ckpt}, the newest usable checkpoint", file=sys.stderr)
         return ckpt, saved, state
-    raise CheckpointError(f"--resume: no intact checkpoint in {root}: " + "; ".join(problems))
+    if all(refused for _, refused in problems):
+        raise CheckpointError(
+            f"--resume: the run config saved with the checkpoints in {root} is refused by this "
+            f"version of ContinuumLM ({problems[0][0]}); the checkpoints were written by another "
+            f"version or their run.json was edited. Evaluate or continue the run with the "
+            f"version that wrote it, or start a new run.")
+    raise CheckpointError(f"--resume: no intact checkpoint in {root}: "
+                          + "; ".join(text for text, _ in problems))
 
 
 def _absolute_path(data):
