@@ -66,10 +66,12 @@ def load_mark(runs: list[dict]) -> str:
     under SHARED_CORES cores busy during the run, recorded as ``other_cores``), " *" the cores
     were shared (understated; runs recorded before ``other_cores`` are judged by their 1-minute
     load averages, which count the run's own threads, so alone runs may carry the mark too),
-    " °" nothing was recorded (whether the machine was shared is not known)."""
+    " °" not known (nothing recorded, ``other_cores`` None: a resumed run, whose earlier part
+    was not watched, or a machine without /proc/stat)."""
+    if any(r.get("other_cores", 0) is None for r in runs):
+        return " °"
     if all("other_cores" in r for r in runs):
-        return " *" if any(r["other_cores"] is None or r["other_cores"] > SHARED_CORES
-                           for r in runs) else ""
+        return " *" if any(r["other_cores"] > SHARED_CORES for r in runs) else ""
     if any(not r.get("load_average") and "other_cores" not in r for r in runs):
         return " °"
     return " *"

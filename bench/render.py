@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from common import DOCS_DIR, RESULTS, ROOT, load_mark, markdown_table
+from common import DOCS_DIR, RESULTS, ROOT, SHARED_CORES, load_mark, markdown_table
 
 DOCS = DOCS_DIR / "results.md"
 
@@ -88,15 +88,17 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     return markdown_table(rows, cols)
 
 
-BUSY_NOTE = ("Throughput marked * was measured while other work shared the 2 cores (it kept "
-             "more than 0.2 cores busy on average during the run, measured from the machine's "
-             "busy time less the run's own CPU time and recorded in the JSON as `other_cores`; "
-             "runs recorded before that was measured are marked whenever the load was recorded, "
-             "since their load averages count the run itself): those tokens/s and wall times "
-             "understate what the model reaches alone. Throughput marked ° comes from runs made "
-             "before any load was recorded: whether the machine was shared is not known. Only "
-             "unmarked rows were measured alone; the cost-per-evaluation and training-step "
-             "tables below time the models under control. The losses are unaffected.")
+BUSY_NOTE = (f"Throughput marked * was measured while other work shared the 2 cores (it kept "
+             f"more than {SHARED_CORES} cores busy on average during the run, measured from the "
+             f"machine's busy time less the run's own CPU time and recorded in the JSON as "
+             f"`other_cores`; runs recorded before that was measured are marked whenever the load "
+             f"was recorded, since their load averages count the run itself): those tokens/s and "
+             f"wall times understate what the model reaches alone. Throughput marked ° is of "
+             f"unknown standing: runs made before any load was recorded, or resumed after an "
+             f"interruption (the earlier part was not watched). Unmarked rows were measured alone "
+             f"as far as the machine can tell (a virtual machine does not see contention from its "
+             f"host); the cost-per-evaluation and training-step tables below time the models "
+             f"under control. The losses are unaffected.")
 
 
 def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> list[str]:

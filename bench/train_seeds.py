@@ -64,8 +64,10 @@ def main() -> None:
             if args.also_test:
                 add_test(dest, run, args.max_windows)
             continue
-        if args.force and run.exists():
-            shutil.rmtree(run)
+        if args.force:
+            dest.unlink(missing_ok=True)  # its model is about to go
+        if run.exists() and (args.force or not (run / "checkpoints" / "last").exists()):
+            shutil.rmtree(run)  # retrained, or stopped before its first checkpoint: start afresh
         cmd = [CLI, "train", "--config", str(config), "--out", str(run), "--quiet",
                "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
         resumed = (run / "checkpoints" / "last").exists()
@@ -91,7 +93,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         if r.returncode:
             sys.exit(f"`{' '.join(cmd)}` ended with exit status {r.returncode} (its output is "
-                     f"above); nothing was recorded. The same command resumes the run.")
+                     f"above); nothing was recorded. The same command (without --force) resumes the run.")
         row = evaluate(run, args.split, args.max_windows)[0]
         contexts = None
         if args.contexts:
@@ -104,7 +106,7 @@ def main() -> None:
         max_steps = load_run_config((run / "checkpoints" / "last").resolve()).train.max_steps
         if not vals or vals[-1]["step"] != max_steps:
             sys.exit(f"{run} stopped before its last step ({max_steps}); nothing was recorded. "
-                     f"The same command resumes the run.")
+                     f"The same command (without --force) resumes the run.")
         curve = {"val": [[m["step"], m["val_loss"]] for m in vals],
                  "train": [[m["step"], m["loss"]] for m in metrics
                            if "loss" in m and m["step"] % 50 == 0]}
@@ -120,7 +122,7 @@ def main() -> None:
             # cores that other work kept busy while it trained (its own threads excluded): above
             # common.SHARED_CORES the machine was shared and tokens/s and wall time understate
             # what the model reaches alone. The load averages (which count the run) for context.
-            "other_cores": others.cores,
+            "other_cores": None if resumed else others.cores,  # the earlier part is unknown
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "curve": curve,
             "split": args.split,
@@ -171,4 +173,4 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:
         sys.exit("interrupted; nothing was recorded for the run in progress (its last checkpoint "
-                 "is kept): the same command resumes it.")
+                 "is kept): the same command (without --force) resumes it.")

@@ -38,7 +38,7 @@ def test_load_mark():
     alone, busy = {"other_cores": 0.05}, {"other_cores": 1.1}
     assert common.load_mark([alone, alone]) == ""
     assert common.load_mark([alone, busy]) == " *"
-    assert common.load_mark([{"other_cores": None}]) == " *"  # not measurable: not claimed alone
+    assert common.load_mark([alone, {"other_cores": None}]) == " °"  # resumed: not known
     # older records: load averages count the run's own threads, so they never vouch for "alone"
     assert common.load_mark([{"load_average": [0.1, 0.2]}]) == " *"
     assert common.load_mark([{}]) == " °"
@@ -60,7 +60,9 @@ def test_ctrl_c_lets_the_training_child_finish_saving(tmp_path):
              f"while not stop: time.sleep(0.01)\n"
              f"time.sleep(1.0)  # finishing the step and writing the checkpoint\n"
              f"pathlib.Path({str(saved)!r}).touch()\n")
-    parent = (f"import sys\nfrom continuumlm.experiments import run_child\n"
+    # (the default handler first: a shell's background job starts with SIGINT ignored)
+    parent = (f"import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"from continuumlm.experiments import run_child\n"
               f"try:\n    run_child([sys.executable, '-c', {child!r}])\n"
               f"except KeyboardInterrupt:\n    sys.exit(130)\n")
     p = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)

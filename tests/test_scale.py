@@ -224,6 +224,19 @@ def test_an_export_that_cannot_write_leaves_the_checkpoint_as_it_was(two_process
         with pytest.raises(CheckpointError, match="(?s)unchanged.*Free some space"):
             export_sharded(run_dir)
     assert {p: p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file()} == before
+    # the disk fills up after the weights are written, while the manifest is
+    real_dump = json.dump
+
+    def full_at_manifest(obj, fh, *args, **kwargs):
+        fh.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", full_at_manifest)
+        with pytest.raises(CheckpointError, match="unchanged"):
+            export_sharded(run_dir)
+    assert json.dump is real_dump
+    assert {p: p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file()} == before
     export_sharded(run_dir)
     assert_same_weights(weights(run_dir), weights(two_process_runs["ddp"]))
 

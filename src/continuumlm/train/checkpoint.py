@@ -65,17 +65,22 @@ def _files(folder: Path) -> list[str]:
 
 
 def _write_manifest(folder: Path, step: int) -> None:
-    files = [f for f in _files(folder) if f != MANIFEST]
+    # a *.tmp file is a write in progress or one that failed: never part of a checkpoint
+    files = [f for f in _files(folder) if f != MANIFEST and not f.endswith(".tmp")]
     for f in files:
         with open(folder / f, "rb") as fh:
             os.fsync(fh.fileno())
     manifest = {"step": step, "files": {f: sha256_file(folder / f) for f in files}}
     tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(manifest, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, folder / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(folder)
 
 
@@ -296,18 +301,22 @@ def export_sharded(path: str | Path, which: str = "last") -> Path:
         raise CheckpointError(f"{ckpt}: the shards do not fit the model in its config.json "
                               f"({first_line(e)}); the folder was changed "
                               f"after it was written.") from None
-    tmp = ckpt / (WEIGHTS_FILE + ".tmp")
+    tmp, final = ckpt / (WEIGHTS_FILE + ".tmp"), ckpt / WEIGHTS_FILE
+    existed, placed = final.exists(), False
     try:
         # the consolidated file is complete and on disk before it takes its name, so a crash
         # leaves either no model.safetensors or a whole one; the shards are never touched
         save_model(model, str(tmp))
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
-        os.replace(tmp, ckpt / WEIGHTS_FILE)
+        os.replace(tmp, final)
+        placed = True
         manifest = json.loads((ckpt / MANIFEST).read_text()) if (ckpt / MANIFEST).exists() else {}
         _write_manifest(ckpt, manifest.get("step", 0))
     except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if placed and not existed:  # not in the manifest: the folder goes back to what it was
+            final.unlink(missing_ok=True)
         if not isinstance(e, (OSError, SafetensorError)):
             raise
         raise CheckpointError(f"{ckpt}: writing the consolidated {WEIGHTS_FILE} failed "

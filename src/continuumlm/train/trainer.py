@@ -259,12 +259,17 @@ class Trainer:
         self.model = LanguageModel(cfg.model).to(self.device)
         sharded = state is not None and (self.resumed_from / SHARDS_DIR).is_dir()
         if sharded != (state is not None and self.fsdp):
+            if sharded and t.strategy == "fsdp":  # fsdp asked for, but in one process
+                how = ("resume it under torchrun with as many processes as it was written with "
+                       "(continuumlm train --out DIR --resume --nproc N)")
+            else:
+                how = (f"resume it with the strategy it was written with (--set train.strategy="
+                       f"{'fsdp' if sharded else 'ddp'}{' and --nproc N' if sharded else ''})")
             raise ConfigError(
                 f"--resume: {self.resumed_from} was written by a "
                 f"{'sharded (fsdp)' if sharded else 'ddp or single-process'} run, but this run "
-                f"uses {'fsdp' if self.fsdp else 'ddp or one process'}; resume with the strategy "
-                f"it was written with (--set train.strategy={'fsdp' if sharded else 'ddp'}). "
-                f"A checkpoint cannot change strategy on resume"
+                f"uses {'fsdp' if self.fsdp else 'ddp or one process'}; {how}. A checkpoint "
+                f"cannot change strategy on resume"
                 f"{' (`continuumlm export` makes its weights usable by eval and generate)' if sharded else ''}.")
         if state is not None and not sharded:
             from safetensors.torch import load_model
