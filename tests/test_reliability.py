@@ -605,3 +605,14 @@ def test_train_seeds_never_reuses_a_run_made_with_other_settings(tiny_corpus, tm
     r = seeds(flags=["--force"])  # trained again from scratch, not re-recorded from the folder
     assert r.returncode == 0, r.stderr
     assert "resume" not in r.stdout and json.loads(result.read_text())["wall_seconds"] > 0
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_what_to_do(tmp_path):
+    from continuumlm.train.trainer import find_resumable
+
+    (tmp_path / "config.toml").write_text("[train]\nmax_steps = 10\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n')
+    with pytest.raises(CheckpointError, match="(?s)stopped before.*Delete"):
+        find_resumable(tmp_path)
+    with pytest.raises(CheckpointError, match="start the run without --resume"):
+        find_resumable(tmp_path / "empty")

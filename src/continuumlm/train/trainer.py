@@ -130,6 +130,12 @@ def find_resumable(out: Path, announce: bool = True):
         candidates += sorted((p.resolve() for p in root.glob("step-*") if p.is_dir()),
                              reverse=True)
     if not candidates:
+        if any((Path(out) / n).exists() for n in ("config.toml", "metrics.jsonl")):
+            # a new run would refuse these files: say what to do about them
+            raise CheckpointError(
+                f"--resume: {root} holds no checkpoint: the run in {out} stopped before it "
+                f"saved its first one, so there is nothing to resume. Delete {out} and start "
+                f"the run again without --resume (or choose another --out).")
         raise CheckpointError(f"--resume: {root} holds no checkpoint; start the run without "
                               f"--resume.")
     problems = []
