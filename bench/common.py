@@ -95,11 +95,16 @@ def machine() -> str:
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
-    tmp = path.with_name(path.name + ".tmp")  # an interruption leaves the old JSON or the new
+    replace_json(path, {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload})
+    return path
+
+
+def replace_json(path: Path, payload: dict) -> None:
+    """Write ``path`` whole: an interruption leaves the old JSON or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(path)
-    return path
 
 
 def time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:

@@ -27,7 +27,7 @@ import platform
 import sys
 from pathlib import Path
 
-from common import RESULTS, ROOT, RUNS
+from common import RESULTS, ROOT, RUNS, replace_json
 
 from continuumlm.config import load_config
 from continuumlm.experiments import run_child
@@ -123,10 +123,7 @@ def main() -> None:
 
 
 def _write(dest: Path, result: dict) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(dest)
+    replace_json(dest, result)
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))
 
 

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, RUNS, OtherLoad
+from common import RESULTS, RUNS, OtherLoad, replace_json
 
 from continuumlm.config import load_config
 from continuumlm.experiments import run_child
@@ -133,7 +133,7 @@ def main() -> None:
 
         model, _, _ = load_model_and_tokenizer(run, "last")
         result["parameters"] = model.num_parameters()
-        write(dest, result)
+        replace_json(dest, result)
         if args.also_test:
             add_test(dest, run, args.max_windows)
         print(json.dumps(result))
@@ -157,15 +157,7 @@ def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:
         print(f"cannot add the test split to {dest}: {run} is gone")
         return
     result["test_loss_full_split"] = evaluate(run, "test", max_windows)[0]["loss"]
-    write(dest, result)
-
-
-def write(dest: Path, result: dict) -> None:
-    """Replace ``dest`` whole: an interruption leaves the old JSON or the new one."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(dest)
+    replace_json(dest, result)
 
 
 if __name__ == "__main__":
