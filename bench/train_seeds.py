@@ -12,17 +12,19 @@ exists are skipped; an interrupted run (run folder, no JSON) resumes from its ch
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common import RESULTS, RUNS, OtherLoad, replace_json
 
+from continuumlm.cli import main as cli_main
 from continuumlm.config import load_config
 from continuumlm.experiments import run_child
 from continuumlm.train.checkpoint import load_run_config
@@ -140,12 +142,18 @@ def main() -> None:
 
 
 def evaluate(run: Path, split: str, max_windows: int | None, *extra: str) -> list[dict]:
-    """`continuumlm eval --json` of the run's last checkpoint: one result per context length."""
+    """`continuumlm eval --json` of the run's last checkpoint: one result per context length.
+    Run in this process (the command's own code; a subprocess would add an interpreter
+    start-up and torch import per evaluation)."""
     limit = ["--max-windows", str(max_windows)] if max_windows else []
-    ev = subprocess.run([CLI, "eval", "--checkpoint", str(run), "--which", "last", "--json",
-                         "--split", split, *limit, *extra], check=True, capture_output=True,
-                        text=True)
-    return json.loads(ev.stdout)["results"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli_main(["eval", "--checkpoint", str(run), "--which", "last", "--json",
+                           "--split", split, *limit, *extra])
+    if status:
+        sys.exit(f"`continuumlm eval` of {run} ended with exit status {status} (its error is "
+                 f"above); nothing was recorded for it.")
+    return json.loads(out.getvalue())["results"]
 
 
 def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:

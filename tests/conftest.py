@@ -1,4 +1,7 @@
+import contextlib
+import io
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,18 +29,21 @@ def data_dir() -> Path:
     return d
 
 
-@pytest.fixture
-def tiny_corpus(tmp_path) -> Path:
-    """A small generated text corpus: deterministic, a few thousand characters."""
+def write_tiny_corpus(p: Path) -> Path:
+    """A small generated text corpus at ``p``: deterministic, a few thousand characters."""
     words = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "a", "mat"]
     g = torch.Generator().manual_seed(1)
     lines = []
     for _ in range(200):
         n = int(torch.randint(3, 9, (1,), generator=g))
         lines.append(" ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g)))
-    p = tmp_path / "tiny.txt"
     p.write_text("\n".join(lines) + "\n")
     return p
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path) -> Path:
+    return write_tiny_corpus(tmp_path / "tiny.txt")
 
 
 def small_config(**kw) -> ModelConfig:
@@ -88,3 +94,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def run_cli(*args, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
+    """``continuumlm ARGS`` run in this process, as ``subprocess.run(..., capture_output=True,
+    text=True)`` would report it (exit status, stdout, stderr), without an interpreter start-up
+    and torch import (3-6 s on a 2-core machine) per call. An uncaught exception propagates and
+    fails the test, as a traceback would. The console entry point itself, signals and
+    multi-process runs are tested through real subprocesses."""
+    from continuumlm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's usage errors; sys.exit("message")
+                if isinstance(e.code, str):
+                    print(e.code, file=err)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["continuumlm", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_cli, write_tiny_corpus
 from continuumlm import CheckpointError, load_config
 from continuumlm.errors import TrainingError
 from continuumlm.train import Trainer
@@ -61,14 +62,17 @@ def _wait_for(path: Path, timeout=120):
         time.sleep(0.05)
 
 
-@pytest.fixture
-def reference(tiny_corpus, tmp_path):
-    cfg = write_cfg(tmp_path, tiny_corpus)
-    out = tmp_path / "ref"
-    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 40-step run (its config and losses), trained once for the tests that
+    kill, damage and resume runs of the same config."""
+    d = tmp_path_factory.mktemp("reference")
+    cfg = write_cfg(d, write_tiny_corpus(d / "tiny.txt"))
+    with pytest.MonkeyPatch.context() as mp:  # the autouse cache isolation is per test
+        mp.setenv("CONTINUUMLM_CACHE", str(d / "cache"))
+        r = run_cli("train", "--config", cfg, "--out", d / "ref")
     assert r.returncode == 0, r.stderr
-    return cfg, losses(out)
+    return cfg, losses(d / "ref")
 
 
 def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
@@ -132,8 +136,7 @@ def test_corrupt_last_checkpoint_falls_back(reference, tmp_path, damage):
     together by hand) by reading the weights and checking the trainer state's entries."""
     cfg, ref = reference
     out = tmp_path / "corrupt"
-    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
-                        "train.max_steps=20"], capture_output=True, text=True, timeout=300)
+    r = run_cli("train", "--config", cfg, "--out", out, "--set", "train.max_steps=20")
     assert r.returncode == 0, r.stderr
     last = (out / "checkpoints" / "last").resolve()
     assert last.name == "step-00000020"
@@ -144,8 +147,7 @@ def test_corrupt_last_checkpoint_falls_back(reference, tmp_path, damage):
         torch.save({"step": 20}, last / "trainer_state.pt")
     if damage.endswith("no_manifest"):
         (last / "manifest.json").unlink()
-    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("train", "--config", cfg, "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
     assert "step-00000020" in r.stderr and "damaged" in r.stderr and "step-00000015" in r.stderr
     assert losses(out) == ref
@@ -351,8 +353,7 @@ def test_unwritable_output_folder_is_detected_before_training(tiny_corpus, tmp_p
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     cfg = write_cfg(tmp_path, tiny_corpus)
-    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(blocker / "run")],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("train", "--config", str(cfg), "--out", str(blocker / "run"))
     assert r.returncode == 2 and "cannot write to the run folder" in r.stderr
     # the advice fits the cause (it said "free some space" for every error)
     assert "a part of that path is a file" in r.stderr and "space" not in r.stderr
@@ -370,8 +371,7 @@ def test_unwritable_output_folder_is_detected_before_training(tiny_corpus, tmp_p
 def test_generation_input_errors(tiny_corpus, tmp_path, args, needle):
     out = tmp_path / "run"
     Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=2)), out, quiet=True).run()
-    r = subprocess.run([CLI, "generate", "--checkpoint", str(out), "--prompt", "the", *args],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("generate", "--checkpoint", str(out), "--prompt", "the", *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
     assert r.stdout == ""  # refused before the prompt is echoed
 
@@ -403,8 +403,7 @@ def test_weights_with_nan_are_refused_by_eval_and_generate(tiny_corpus, tmp_path
     save_file(weights, ck / "model.safetensors")
     (ck / "manifest.json").unlink()  # as if the weights were written by hand
     for cmd in (["generate", "--prompt", "the"], ["eval"]):
-        r = subprocess.run([CLI, *cmd, "--checkpoint", str(out), "--which", "last"],
-                           capture_output=True, text=True, timeout=120)
+        r = run_cli(*cmd, "--checkpoint", str(out), "--which", "last")
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"non-finite values (NaN or inf) in {name}" in r.stderr
 
@@ -415,22 +414,18 @@ def test_a_corpus_changed_after_training_is_caught_on_resume_and_eval(tiny_corpu
     out = tmp_path / "run"
     cfg = write_cfg(tmp_path, tiny_corpus, steps=2)
     Trainer(load_config(cfg), out, quiet=True).run()
-    r = subprocess.run([CLI, "eval", "--checkpoint", str(out)], capture_output=True, text=True,
-                       timeout=120)
+    r = run_cli("eval", "--checkpoint", str(out))
     assert r.returncode == 0 and "differs" not in r.stderr, r.stderr
     text = tiny_corpus.read_text()
     tiny_corpus.write_text(text[:-200] + text[-200:].replace("cat", "mat"))  # the val part
-    r = subprocess.run([CLI, "eval", "--checkpoint", str(out)], capture_output=True, text=True,
-                       timeout=120)
+    r = run_cli("eval", "--checkpoint", str(out))
     assert r.returncode == 0 and "warning: the val split's text differs" in r.stderr
     assert str(tiny_corpus) in r.stderr
-    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
-                        "train.max_steps=4"], capture_output=True, text=True, timeout=120)
+    r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=4")
     assert r.returncode == 2 and "the text of the val split differs" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     tiny_corpus.write_text(text)  # restored: the run goes on
-    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
-                        "train.max_steps=4"], capture_output=True, text=True, timeout=120)
+    r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=4")
     assert r.returncode == 0, r.stderr
 
 
@@ -463,13 +458,11 @@ def test_a_changed_test_split_does_not_stop_a_resume(data_dir, tmp_path):
     Trainer(load_config(cfg), out, quiet=True).run()
     with open(ptb / "ptb.test.txt", "a") as f:
         f.write(" the cat sat on the mat \n")
-    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
-                        "train.max_steps=3"], capture_output=True, text=True, timeout=300)
+    r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=3")
     assert r.returncode == 0, r.stderr
     # the checkpoint written before the change (the resumed run's records the new text)
-    r = subprocess.run([CLI, "eval", "--checkpoint", str(out / "checkpoints" / "step-00000002"),
-                        "--split", "test", "--max-windows", "2"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("eval", "--checkpoint", str(out / "checkpoints" / "step-00000002"),
+                "--split", "test", "--max-windows", "2")
     assert r.returncode == 0, r.stderr
     assert "the test split's text differs" in r.stderr and f"the folder {ptb}" in r.stderr
 

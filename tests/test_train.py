@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_cli
 from continuumlm import CheckpointError, ConfigError, load_config
 from continuumlm.train import Trainer
 from continuumlm.train.checkpoint import load_trainer_state, verify_checkpoint
@@ -124,7 +125,7 @@ def test_too_short_corpus(tmp_path):
 
 
 def _cli(*args, **kw):
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300, **kw)
+    return run_cli(*args, **kw)  # in this process; the entry point: test_cli_smoke
 
 
 def test_cli_smoke(tiny_corpus, tmp_path):
@@ -146,7 +147,9 @@ eval_interval = 10
 eval_iters = 2
 device = "cpu"
 """)
-    r = _cli("train", "--config", str(cfg), "--out", str(out))
+    # the console script, as a user runs it (the other commands run in this process)
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "done: step 20" in r.stdout
     r = _cli("eval", "--checkpoint", str(out), "--context-lengths", "8,16,100000", "--json")
@@ -292,7 +295,7 @@ def test_encoder_mode_is_refused_by_the_trainers(tiny_corpus, tmp_path, command)
     else:
         args += ["--config", str(Path(__file__).resolve().parents[1] / "configs" / "mqar" /
                                  "softmax_kv16.toml")]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    r = run_cli(*args[1:])
     assert r.returncode == 2, r.stderr
     assert "model.mode = 'encoder'" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
