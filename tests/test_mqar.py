@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_cli
 from continuumlm.data.mqar import mqar_batch
-
-CLI = str(Path(sys.executable).parent / "continuumlm")
 
 
 def test_mqar_structure():
@@ -97,12 +96,10 @@ batch_size = 16
 eval_interval = 4
 device = "cpu"
 """)
-    r = subprocess.run([CLI, "mqar", "--config", str(cfg), "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("mqar", "--config", cfg, "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     assert "recall accuracy" in r.stdout and (tmp_path / "run" / "result.json").is_file()
-    r = subprocess.run([CLI, "mqar", "--config", str(cfg), "--set", "mqar.seq_len=8"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = run_cli("mqar", "--config", cfg, "--set", "mqar.seq_len=8", cwd=tmp_path)
     assert r.returncode == 2 and "too short" in r.stderr
 
 
