@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from common import DOCS_DIR, RESULTS, ROOT, SHARED_CORES, load_mark, markdown_table
+from common import DOCS_DIR, RESULTS, ROOT, SHARED_CORES, markdown_table, timed_runs
 
 DOCS = DOCS_DIR / "results.md"
 
@@ -63,7 +63,8 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     rows = []
     for (config, overrides), runs in sorted(groups.items()):
         runs.sort(key=lambda r: r["seed"])
-        tps = statistics.mean(r["tokens_per_s_median"] for r in runs)
+        timed, mark = timed_runs(runs)
+        tps = statistics.mean(r["tokens_per_s_median"] for r in timed)
         per_step = _tokens_per_step(config)
         rows.append({
             "config": config_cell(config, overrides),
@@ -71,14 +72,14 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
             "params": f"{runs[0]['parameters'] / 1e6:.3f} M",
             "nfe": next((r["nfe"] for r in runs if r.get("nfe")), ""),
             "val": _fmt_mean([r["val_loss_full_split"] for r in runs]) + _tail(runs),
-            "tps": f"{tps:.0f}" + load_mark(runs),
+            "tps": f"{tps:.0f}" + mark,
             "ms_step": f"{per_step / tps * 1000:.0f}" if per_step else "",
             "ppl": _fmt_mean([math.exp(r["val_loss_full_split"]) for r in runs], 1),
             "test": _fmt_mean([math.exp(r["test_loss_full_split"]) for r in runs
                                if "test_loss_full_split" in r], 1) + _tail(runs)
             if any("test_loss_full_split" in r for r in runs) else "",
-            "wall": _fmt_mean([r["wall_seconds"] for r in runs if r["wall_seconds"]], 0)
-            if any(r["wall_seconds"] for r in runs) else "",
+            "wall": _fmt_mean([r["wall_seconds"] for r in timed if r["wall_seconds"]], 0)
+            if any(r["wall_seconds"] for r in timed) else "",
         })
     cols = [("config", "config"), ("seeds", "seeds"), ("params", "parameters"), ("nfe", "NFE"),
             ("val", "val loss (nats/token, whole split)")]
@@ -88,7 +89,8 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     return markdown_table(rows, cols)
 
 
-BUSY_NOTE = (f"Throughput marked * was measured while other work shared the 2 cores (it kept "
+BUSY_NOTE = (f"A row's tokens/s and wall time are the mean over its seeds measured alone, "
+             f"when any was; a mark means none was. Throughput marked * was measured while other work shared the 2 cores (it kept "
              f"more than {SHARED_CORES} cores busy on average during the run, measured from the "
              f"machine's busy time less the run's own CPU time and recorded in the JSON as "
              f"`other_cores`; runs recorded before that was measured are marked whenever the load "
@@ -123,8 +125,10 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
         loss, ref_loss = mean(n, "val_loss_full_split"), mean(ref, "val_loss_full_split")
         # a time ratio only from runs measured alone: shared runs' tokens/s are understated
         timing = ""
-        if not load_mark(runs[n] + runs[ref]):
-            slower = mean(ref, "tokens_per_s_median") / mean(n, "tokens_per_s_median")
+        (mine, mark), (theirs, ref_mark) = timed_runs(runs[n]), timed_runs(runs[ref])
+        if not mark and not ref_mark:
+            slower = (statistics.mean(r["tokens_per_s_median"] for r in theirs)
+                      / statistics.mean(r["tokens_per_s_median"] for r in mine))
             timing = f", {slower:.1f}x the time per token"
         else:
             untimed.append(n)

@@ -43,6 +43,11 @@ def test_load_mark():
     assert common.load_mark([{"load_average": [0.1, 0.2]}]) == " *"
     assert common.load_mark([{}]) == " °"
     assert common.load_mark([alone, {}]) == " °"
+    # a row is timed by its runs measured alone, and marked only when it has none
+    assert common.timed_runs([busy, alone, {"other_cores": None}]) == ([alone], "")
+    assert common.timed_runs([busy, {"other_cores": None}]) == ([busy, {"other_cores": None}],
+                                                                " °")
+    assert common.timed_runs([busy, busy]) == ([busy, busy], " *")
 
 
 def test_ctrl_c_lets_the_training_child_finish_saving(tmp_path):
