@@ -84,8 +84,7 @@ def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
     _wait_for(out / "checkpoints" / "step-00000015")
     p.send_signal(signal.SIGKILL)
     p.wait()
-    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("train", "--config", cfg, "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
     got = losses(out)
     assert got == ref  # every step once, and bit-identical to the uninterrupted run
@@ -115,16 +114,14 @@ def test_resume_calls_a_refused_run_config_refused_not_damaged(tiny_corpus, tmp_
 
     cfg = write_cfg(tmp_path, tiny_corpus, steps=10)
     out = tmp_path / "run"
-    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--quiet"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("train", "--config", cfg, "--out", out, "--quiet")
     assert r.returncode == 0, r.stderr
     for ckpt in (out / "checkpoints").glob("step-*"):
         run = json.loads((ckpt / "run.json").read_text())
         run["model"]["a_key_from_another_version"] = 1
         (ckpt / "run.json").write_text(json.dumps(run))
         _write_manifest(ckpt, int(ckpt.name.split("-")[1]))
-    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
-                        "train.max_steps=20"], capture_output=True, text=True, timeout=300)
+    r = run_cli("train", "--out", out, "--resume", "--set", "train.max_steps=20")
     assert r.returncode == 2, r.stderr
     assert "refused by this version" in r.stderr and "a_key_from_another_version" in r.stderr
     assert "damaged" not in r.stderr and "Traceback" not in r.stderr
@@ -280,8 +277,7 @@ def test_a_crash_while_a_step_is_saved_again_is_recovered(tiny_corpus, tmp_path)
     (root / "step-00000010").rename(root / ".old-step-00000010-999")
     (root / ".tmp-step-00000010-999").mkdir()  # the new copy, half written
     (root / ".tmp-step-00000010-999" / "config.json").write_text("{")
-    r = subprocess.run([CLI, "train", "--out", str(out), "--resume", "--set",
-                        "train.max_steps=12"], capture_output=True, text=True, timeout=120)
+    r = run_cli("train", "--out", out, "--resume", "--set", "train.max_steps=12")
     assert r.returncode == 0, r.stderr
     assert "resuming at step 10" in r.stdout + r.stderr
     assert sorted(p.name for p in root.iterdir()) == ["best", "last", "step-00000012"] or \
@@ -526,8 +522,7 @@ def test_experiment_command_lists():
 
 
 def test_experiment_outside_a_checkout_is_a_clear_error(tmp_path):
-    r = subprocess.run([str(Path(sys.executable).parent / "continuumlm"), "experiment", "ptb"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = run_cli("experiment", "ptb", cwd=tmp_path)
     assert r.returncode == 2 and "checkout" in r.stderr
 
 
