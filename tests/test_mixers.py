@@ -90,6 +90,11 @@ def test_deltanet_state_does_not_grow():
     sizes = {k: c.state.numel() for k, c in state._caches.items()}
     m.step(torch.randint(0, 31, (1, 1)), state)
     assert sizes == {k: c.state.numel() for k, c in state._caches.items()}
+    # the short convolution's history is its own K-1 inputs, not a view of the prompt's
+    # activations (which it would keep alive)
+    hists = [h for c in state._caches.values() for h in c.conv.values()]
+    assert hists and all(h.untyped_storage().nbytes() == h.numel() * h.element_size()
+                         for h in hists)
 
 
 def test_sobolev_penalty():

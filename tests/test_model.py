@@ -114,7 +114,7 @@ def test_compiled_decoding_equals_eager(mixer):
     buffers double when full; logits equal a full forward's, and later generations reuse the
     graphs. DeltaNet's step does not read the buffers' length, so growing never recompiles."""
     m = small_model(mixer=mixer, depth="ode", ode_solver="midpoint", ode_steps=1, num_layers=1,
-                    position="rope")
+                    position="rope", deltanet_short_conv=4 if mixer == "deltanet" else 0)
     prompt = torch.randint(0, 37, (2, 5))
     a = m.generate(prompt, 30, greedy=True)
     state = m.init_state(2)

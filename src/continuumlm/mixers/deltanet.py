@@ -241,8 +241,8 @@ class DeltaNetCache:
     def update_conv(self, name: str, history: torch.Tensor) -> None:
         if self.static is not None:
             self.conv[name].copy_(history)
-        else:
-            self.conv[name] = history
+        else:  # its own storage: a view would keep the whole prompt's activations alive
+            self.conv[name] = history.clone()
 
 
 class ShortConv(nn.Module):
