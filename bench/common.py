@@ -77,13 +77,13 @@ def load_mark(runs: list[dict]) -> str:
     return " *"
 
 
-
 def timed_runs(runs: list[dict]) -> tuple[list[dict], str]:
     """The runs whose throughput and wall time a results row shows, and the row's mark: the
     runs measured alone when there are any (a shared run's tokens/s understate the model, and
     the seeds of one config train the same model at the same cost), else all, marked."""
     alone = [r for r in runs if not load_mark([r])]
     return (alone, "") if alone else (runs, load_mark(runs))
+
 
 def cpu_model() -> str:
     try:
