@@ -111,18 +111,19 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
         if "val_loss_full_split" in r and r["config"].startswith(folder):
             runs[Path(r["config"]).stem].append(r)
 
-    def mean(name, key):
-        return statistics.mean(r[key] for r in runs[name])
+    def score(name):  # as the table shows it: the seeds' mean loss, or mean perplexity
+        return statistics.mean(math.exp(r["val_loss_full_split"]) if ppl
+                               else r["val_loss_full_split"] for r in runs[name])
 
-    def show(loss):
-        return f"{math.exp(loss):.1f}" if ppl else f"{loss:.3f}"
+    def show(x):
+        return f"{x:.1f}" if ppl else f"{x:.3f}"
 
     clauses, untimed = [], []
     for n in sorted(x for x in runs if x.startswith("ode_")):
         ref = "deltanet" if "deltanet" in n and "deltanet" in runs else baseline
         if ref not in runs:
             continue
-        loss, ref_loss = mean(n, "val_loss_full_split"), mean(ref, "val_loss_full_split")
+        loss, ref_loss = score(n), score(ref)
         # a time ratio only from runs measured alone: shared runs' tokens/s are understated
         timing = ""
         (mine, mark), (theirs, ref_mark) = timed_runs(runs[n]), timed_runs(runs[ref])
@@ -274,7 +275,7 @@ def main() -> None:
                   "training words (the rest `<unk>`), context 64, 3000 steps; loss in nats/word "
                   "(perplexity = exp), validation every 500 steps; the test split is scored "
                   "once, after training. Produced by `continuumlm experiment ptb` "
-                  "(`python bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 --also-test`). "
+                  "(`python bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 1 2 --also-test`). "
                   "`ode_rk4_wide` is the parameter-matched ODE row (d 180, as many parameters "
                   "as the 3-layer baseline).", "", ptb, ""]
         parts += [TAIL_NOTE, ""] if "†" in ptb else []

@@ -64,7 +64,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
     ]),
     "ptb": ("Penn Treebank word level: discrete vs ODE RK4x4 vs parameter-matched ODE, with "
             "unigram/bigram references and the test split reported once", [
-        *[_train(f"configs/ptb/{c}.toml", [42], "--also-test")
+        *[_train(f"configs/ptb/{c}.toml", [42, 1, 2], "--also-test")
           for c in ("transformer", "ode_rk4", "ode_rk4_wide")],
         Step("ngram_ref.py", output="ptb-ngram"),
     ]),
