@@ -90,8 +90,9 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
 
 
 BUSY_NOTE = (f"A row's tokens/s and wall time are the mean over its seeds measured alone, "
-             f"when any was; a mark means none was. Throughput marked * was measured while other work shared the 2 cores (it kept "
-             f"more than {SHARED_CORES} cores busy on average during the run, measured from the "
+             f"when any was; a mark means none was. Throughput marked * was measured while "
+             f"other work shared the 2 cores (it kept more than {SHARED_CORES} cores busy on "
+             f"average during the run, measured from the "
              f"machine's busy time less the run's own CPU time and recorded in the JSON as "
              f"`other_cores`; runs recorded before that was measured are marked whenever the load "
              f"was recorded, since their load averages count the run itself): those tokens/s and "
@@ -274,8 +275,8 @@ def main() -> None:
                   "PTB's own train/valid/test files, word tokenizer with the 4,000 most frequent "
                   "training words (the rest `<unk>`), context 64, 3000 steps; loss in nats/word "
                   "(perplexity = exp), validation every 500 steps; the test split is scored "
-                  "once, after training. Produced by `continuumlm experiment ptb` "
-                  "(`python bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 1 2 --also-test`). "
+                  "once, after training. Produced by `continuumlm experiment ptb` (`python "
+                  "bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 1 2 --also-test`). "
                   "`ode_rk4_wide` is the parameter-matched ODE row (d 180, as many parameters "
                   "as the 3-layer baseline).", "", ptb, ""]
         parts += [TAIL_NOTE, ""] if "†" in ptb else []

@@ -124,10 +124,6 @@ def test_too_short_corpus(tmp_path):
         Trainer(tiny_cfg(p), tmp_path / "run", quiet=True)
 
 
-def _cli(*args, **kw):
-    return run_cli(*args, **kw)  # in this process; the entry point: test_cli_smoke
-
-
 def test_cli_smoke(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     cfg = tmp_path / "tiny.toml"
@@ -152,24 +148,24 @@ device = "cpu"
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "done: step 20" in r.stdout
-    r = _cli("eval", "--checkpoint", str(out), "--context-lengths", "8,16,100000", "--json")
+    r = run_cli("eval", "--checkpoint", str(out), "--context-lengths", "8,16,100000", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["results"]
     assert [row["context"] for row in rows] == [8, 16, 100000]
     assert rows[0]["bpc"] > 0 and "unsupported" in rows[2]
-    r = _cli("generate", "--checkpoint", str(out), "--prompt", "the cat", "--max-new-tokens", "30",
-             "--seed", "3")
+    r = run_cli("generate", "--checkpoint", out, "--prompt", "the cat", "--max-new-tokens", "30",
+                "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("the cat") and len(r.stdout.rstrip("\n")) == len("the cat") + 30
-    r2 = _cli("generate", "--checkpoint", str(out), "--prompt", "the cat", "--max-new-tokens", "30",
-              "--seed", "3", "--no-cache")
+    r2 = run_cli("generate", "--checkpoint", out, "--prompt", "the cat", "--max-new-tokens",
+                 "30", "--seed", "3", "--no-cache")
     assert r2.stdout == r.stdout
     greedy = ["generate", "--checkpoint", str(out), "--prompt", "the", "--max-new-tokens", "20",
               "--greedy"]
-    r3, r4 = _cli(*greedy), _cli(*greedy, "--compile")
+    r3, r4 = run_cli(*greedy), run_cli(*greedy, "--compile")
     assert r4.returncode == 0 and r4.stdout == r3.stdout, r4.stderr
     assert "decoding eagerly" not in r4.stderr  # the compiled graph ran
-    r = _cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
+    r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
     assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
 
 
@@ -182,7 +178,7 @@ device = "cpu"
     (["generate", "--checkpoint", ".", "--seed", "99999999999999999999"], "outside 0"),
 ])
 def test_cli_user_errors_exit_2(args, needle):
-    r = _cli(*args, cwd=Path(__file__).resolve().parents[1])
+    r = run_cli(*args, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
 
@@ -360,7 +356,7 @@ def test_inspect_reads_a_config_saved_with_a_byte_order_mark(tmp_path):
     cfg = tmp_path / "bom.toml"
     cfg.write_text("\ufeff[model]\nhidden_size = 32\nnum_heads = 2\nnum_layers = 1\n"
                    "[mqar]\nvocab_size = 64\n", encoding="utf-8")
-    r = _cli("inspect", "--config", str(cfg))
+    r = run_cli("inspect", "--config", str(cfg))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
@@ -382,7 +378,7 @@ def test_inspect_describes_the_model_continuumlm_mqar_trains(tmp_path):
                  ["--config", str(tmp_path / "plain.toml"), "--set", "mqar.vocab_size=300",
                   "--set", "mqar.seq_len=256", "--set", "mqar.num_kv_pairs=8"]):
         (tmp_path / "plain.toml").write_text(cfg.read_text().split("[mqar]")[0])
-        r = _cli("inspect", *args, "--json")
+        r = run_cli("inspect", *args, "--json")
         assert r.returncode == 0, r.stderr
         info = json.loads(r.stdout)
         assert (info["vocab_size"], info["vocab_from"]) == (300, "mqar.vocab_size")
@@ -393,9 +389,9 @@ def test_inspect_does_not_state_an_adaptive_solvers_nfe_as_a_fact(tmp_path):
     cfg = tmp_path / "adaptive.toml"
     cfg.write_text("[model]\nhidden_size = 32\nnum_heads = 2\nnum_layers = 1\nvocab_size = 50\n"
                    "depth = \"ode\"\node_solver = \"dopri5\"\n")
-    r = _cli("inspect", "--config", str(cfg), "--json")
+    r = run_cli("inspect", "--config", str(cfg), "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["nfe_per_forward"] is None and "adaptive" in info["nfe_note"]
-    r = _cli("inspect", "--config", str(cfg), "--json", "--set", "model.ode_solver=rk4")
+    r = run_cli("inspect", "--config", str(cfg), "--json", "--set", "model.ode_solver=rk4")
     assert json.loads(r.stdout)["nfe_per_forward"] == 4 * 4  # rk4, ode_steps 4 by default
