@@ -273,3 +273,26 @@ def test_short_conv_in_pieces_equals_one_pass():
         y, hist = conv(x[:, a:b], hist)
         parts.append(y)
     torch.testing.assert_close(torch.cat(parts, 1), whole)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 64])
+def test_short_conv_equals_causal_conv1d(T):
+    """The multiply-add convolution against torch's own depthwise conv1d on the input padded
+    with K-1 zeros on the left (the causal convolution), outputs and gradients, including
+    inputs shorter than the kernel; the returned history is the last K-1 inputs."""
+    from continuumlm.mixers.deltanet import ShortConv
+
+    torch.manual_seed(T)
+    conv = ShortConv(6, 4)
+    torch.nn.init.normal_(conv.weight)
+    x = torch.randn(2, T, 6, dtype=torch.float64, requires_grad=True)
+    conv.double()
+    y, hist = conv(x)
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight, groups=6).transpose(1, 2)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, conv.weight), g)
+    want = torch.autograd.grad(ref, (x, conv.weight), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(hist, F.pad(x, (0, 0, 3, 0))[:, -3:])
