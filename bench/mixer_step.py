@@ -2,8 +2,8 @@
 
     python bench/mixer_step.py           # writes bench/results/mixer_step.json
 
-Forward+backward+AdamW step of a language model (vocab 65) for softmax, deltanet and
-continuous mixers, in a 4-layer discrete stack and in one ODE block with 4 Euler steps
+Forward+backward+AdamW step of a language model (vocab 65) for softmax, deltanet (without and
+with its kernel-4 short convolution on q, k, v) and continuous mixers, in a 4-layer discrete stack and in one ODE block with 4 Euler steps
 (both NFE 4), at the baby-GPT size (d=128, 4 heads, batch 12, context 64) and at CAT's
 default size (d=128, 8 heads, batch 32, context 256).
 """
@@ -18,6 +18,9 @@ from continuumlm import LanguageModel, ModelConfig
 SIZES = {"baby": dict(num_heads=4, batch=12, ctx=64), "cat": dict(num_heads=8, batch=32, ctx=256)}
 DEPTHS = {"discrete x4": dict(depth="discrete", num_layers=4),
           "ode euler x4": dict(depth="ode", num_layers=1, ode_solver="euler", ode_steps=4)}
+MIXERS = {"softmax": dict(mixer="softmax"), "deltanet": dict(mixer="deltanet"),
+          "deltanet + short conv": dict(mixer="deltanet", deltanet_short_conv=4),
+          "continuous": dict(mixer="continuous")}
 
 
 def main() -> None:
@@ -25,11 +28,11 @@ def main() -> None:
     for size, sz in SIZES.items():
         for depth, dkw in DEPTHS.items():
             base_ms = None
-            for mixer in ("softmax", "deltanet", "continuous"):
+            for mixer, mkw in MIXERS.items():
                 torch.manual_seed(0)
                 m = LanguageModel(ModelConfig(vocab_size=65, hidden_size=128,
                                               num_heads=sz["num_heads"], max_seq_len=sz["ctx"],
-                                              mixer=mixer, **dkw))
+                                              **mkw, **dkw))
                 opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
                 x = torch.randint(0, 65, (sz["batch"], sz["ctx"]))
 

@@ -7,7 +7,8 @@
 
 Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its state file when
 interrupted) and writes bench/results/mqar-<name>.json once the run is complete; a config whose
-complete JSON exists is skipped. ``--snapshot`` (safe while the run is going) records how far an
+complete JSON exists is skipped, and so is one whose JSON records an unfinished run (see
+--snapshot) whose run folder is gone (delete the JSON to train it again from scratch). ``--snapshot`` (safe while the run is going) records how far an
 unfinished run has got, marked ``"complete": false``, unless the JSON already holds a record
 from further along: a run that cannot finish in one sitting still leaves a committed figure.
 Each record carries the held-out recall split by the distance from query to key-value pair
@@ -90,6 +91,13 @@ def main() -> None:
                      f"{old.get('overrides', [])}, not {args.set}; copy the config under a new "
                      f"name for a variant.")
         print(f"skip {dest} (complete)")
+        return
+    if old is not None and not args.snapshot and not run.exists():
+        # a committed figure from a run stopped by hand: without its folder, "continuing" would
+        # mean training again from step 0 (hours), which nobody asked for by re-running
+        print(f"skip {dest}: it records an unfinished run (step {old['steps']} of "
+              f"{old.get('max_steps', '?')}) whose run folder {run} is gone; delete {dest} to "
+              f"train it again from scratch")
         return
     cmd = [CLI, "mqar", "--config", str(config), "--out", str(run),
            *sum((["--set", s] for s in args.set), [])]

@@ -121,7 +121,9 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
 
     clauses, untimed = [], []
     for n in sorted(x for x in runs if x.startswith("ode_")):
-        ref = "deltanet" if "deltanet" in n and "deltanet" in runs else baseline
+        # a variant in BitNet precision against the same model in full precision
+        ref = (n.removesuffix("_bitnet") if n.endswith("_bitnet") else
+               "deltanet" if "deltanet" in n and "deltanet" in runs else baseline)
         if ref not in runs:
             continue
         loss, ref_loss = score(n), score(ref)
@@ -144,6 +146,8 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
             "qualifies; the cost-per-evaluation and training-step tables below time the "
             "models under control."
             if untimed else "")
+    if any(n.endswith("_bitnet") for n in runs):
+        what = f"a BitNet row against the same model in full precision; {what}"
     return [f"ODE rows against their discrete counterparts ({what}): " + "; ".join(clauses)
             + "." + note, ""]
 
@@ -244,14 +248,17 @@ def main() -> None:
         BUSY_NOTE,
         "",
         *([TAIL_NOTE, ""] if "†" in shakespeare else []),
-        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` integrate one shared "
-        "block (`num_layers = 1`): `ode_euler` (Euler x4) and `ode_rk4x1` (one RK4 step) have "
+        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` other than `ode_attention` "
+        "integrate one shared block (`num_layers = 1`): `ode_euler` (Euler x4) and `ode_rk4x1` (one RK4 step) have "
         "NFE 4 = the discrete depth, `ode_rk4` is RK4 x4 (NFE 16); `ode_parallel*` use the "
         "parallel field (attention and MLP read the same state); `ode_wide_rk4x1` is the "
         "parameter-matched ODE model (one 256-wide block, as many block parameters as the four "
         "128-wide layers, NFE 4 — matched in parameters and NFE, but each evaluation of a 256-wide "
         "block costs about 4x a 128-wide layer, so it spends about 4x the discrete model's "
-        "FLOPs); `ode_attention` integrates four attention-only fields; "
+        "FLOPs); `ode_attention` integrates four attention-only fields, and "
+        "`ode_attention_bitnet` is the same model with BitNet b1.58 projections (ternary "
+        "weights, 8-bit activations, trained through a straight-through estimator) and "
+        "RMSNorm, set against `ode_attention` below; "
         "`ode_deltanet` is DeltaNet inside one ODE block; `cat_*` the causal continuous "
         "attention.",
         "",
@@ -272,8 +279,8 @@ def main() -> None:
     ptb = training_table(results, "configs/ptb/", test=True)
     if ptb.count("\n") > 1:
         parts += ["## Penn Treebank, word level", "",
-                  "PTB's own train/valid/test files, word tokenizer with the 4,000 most frequent "
-                  "training words (the rest `<unk>`), context 64, 3000 steps; loss in nats/word "
+                  "PTB's own train/valid/test files, word tokenizer with a 4,000-token "
+                  "vocabulary (the 3,998 most frequent training words, `<eos>` and `<unk>`), context 64, 3000 steps; loss in nats/word "
                   "(perplexity = exp), validation every 500 steps; the test split is scored "
                   "once, after training. Produced by `continuumlm experiment ptb` (`python "
                   "bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 1 2 --also-test`). "

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -231,6 +232,16 @@ def test_mqar_snapshot_records_unfinished_runs(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, str(root / "bench" / "mqar_runs.py"), "--by-distance",
                         str(config)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "step 8" in r.stderr and "records step 100" in r.stderr
+    # re-running the experiment keeps an unfinished record whose run folder is gone (it does
+    # not train again from step 0); with the folder there, the run is continued (not tested)
+    shutil.rmtree(tmp_path / "runs" / "mqar-softmax_kv16")
+    before = (tmp_path / "results" / "mqar-softmax_kv16.json").read_text()
+    r = subprocess.run([sys.executable, str(root / "bench" / "mqar_runs.py"), str(config),
+                        *sum((["--set", x] for x in sets), [])],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "unfinished" in r.stdout and "delete" in r.stdout, r.stderr
+    assert (tmp_path / "results" / "mqar-softmax_kv16.json").read_text() == before
+    assert not (tmp_path / "runs" / "mqar-softmax_kv16").exists()
 
 
 def test_mqar_stops_at_the_target_accuracy(tmp_path):

@@ -1,4 +1,4 @@
-"""``continuumlm`` command line: train, eval, generate.
+"""ContinuumLM command line: train, eval, generate, mqar, inspect, export, experiment.
 
 Every user error (bad config, missing file, bad flag) exits with status 2 and a one-paragraph
 message on stderr, without a traceback.
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--list", action="store_true", help="list the experiments and their commands")
     r.add_argument("--redo", action="store_true", help="re-run benchmarks whose JSON exists "
                    "(a training run is redone by deleting its JSON and its run folder, "
-                   "runs/bench/<config>_seed<N>)")
+                   "runs/bench/<config folder>-<config>_seed<N>, or "
+                        "runs/bench/mqar-<config>)")
 
     x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
@@ -120,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=_positive_int, default=1)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     g.add_argument("--compile", action="store_true",
-                   help="decode through one torch.compile graph (faster per token after a "
-                        "one-off compilation, about 1-5 minutes on a 2-core CPU)")
+                   help="decode through torch.compile graphs, one per power-of-two buffer "
+                        "capacity (faster per token after a one-off compilation: up to about 5 "
+                        "minutes on a 2-core CPU, 10-20 s with a warm compiler cache)")
     g.add_argument("--device", default="cpu")
     return p
 
