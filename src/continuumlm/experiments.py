@@ -53,10 +53,11 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/transformer_baby.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_rk4.toml", [1337, 1, 2]),
         _train(f"{SH}/deltanet.toml", [1337, 1, 2]),
+        _train(f"{SH}/deltanet_conv.toml", [1337, 1, 2]),
         *[_train(f"{SH}/{c}.toml", [1337]) for c in (
             "ode_euler", "ode_rk4x1", "ode_parallel_euler", "ode_parallel_rk4x1", "ode_parallel",
-            "ode_wide_rk4x1", "ode_attention", "ode_attention_bitnet", "ode_deltanet", "deltanet_conv", "cat_fourier",
-            "cat_cheb")],
+            "ode_wide_rk4x1", "ode_attention", "ode_attention_bitnet", "ode_deltanet",
+            "cat_fourier", "cat_cheb")],
     ]),
     "cat_protocol": ("CAT's context-length protocol: train at 256, evaluate at 128-5000", [
         _train(f"configs/cat_protocol/{c}.toml", [1337], "--contexts", "128,512,1024,5000")
