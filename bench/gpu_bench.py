@@ -131,9 +131,22 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "fla": fla_available(), "kernels": kernels(), "decoding": decoding(),
-              "training": training(out / "runs", args.steps)}
-    (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+              "fla": fla_available()}
+    failed = []
+    # Each section on its own, the JSON rewritten after each: one GPU session is short, and a
+    # failure in one section (say, a corpus missing for the training runs) must not cost the
+    # figures of the others.
+    for name, section in (("kernels", kernels), ("decoding", decoding),
+                          ("training", lambda: training(out / "runs", args.steps))):
+        try:
+            result[name] = section()
+        except Exception as e:  # noqa: BLE001 - recorded in the JSON, reported by the exit status
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            failed.append(name)
+            print(f"{name} failed: {result[name]['error']}", flush=True)
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    if failed:
+        raise SystemExit(f"gpu_bench.py: {', '.join(failed)} failed (see gpu_bench.json)")
 
 
 if __name__ == "__main__":
