@@ -248,7 +248,7 @@ def main() -> None:
         BUSY_NOTE,
         "",
         *([TAIL_NOTE, ""] if "†" in shakespeare else []),
-        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` other than `ode_attention` "
+        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` other than `ode_attention*` "
         "integrate one shared block (`num_layers = 1`): `ode_euler` (Euler x4) and `ode_rk4x1` (one RK4 step) have "
         "NFE 4 = the discrete depth, `ode_rk4` is RK4 x4 (NFE 16); `ode_parallel*` use the "
         "parallel field (attention and MLP read the same state); `ode_wide_rk4x1` is the "
