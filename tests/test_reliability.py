@@ -604,3 +604,20 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_what_to_do(tmp
         find_resumable(tmp_path)
     with pytest.raises(CheckpointError, match="start the run without --resume"):
         find_resumable(tmp_path / "empty")
+
+
+def test_help_and_usage_errors_do_not_import_torch():
+    """`continuumlm --help`, a command's --help and a bad flag answer without importing torch
+    (seconds): the package loads the model, and with it torch, on first use only."""
+    code = ("import sys\n"
+            "from continuumlm.cli import main\n"
+            "for argv in (['--help'], ['train', '--help'], ['train', '--bogus']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == (0 if '--help' in argv else 2), (argv, e.code)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "from continuumlm import LanguageModel\n"
+            "assert 'torch' in sys.modules and LanguageModel.__name__ == 'LanguageModel'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -7,9 +7,18 @@ Public API::
 
 from .config import DataConfig, ModelConfig, RunConfig, TrainConfig, load_config
 from .errors import CheckpointError, ConfigError, ContinuumLMError, DataError
-from .model import LanguageModel
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The model brings torch (seconds to import): it loads on first use, so that the command
+    # line's --help and usage errors answer at once.
+    if name == "LanguageModel":
+        from .model import LanguageModel
+
+        return LanguageModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CheckpointError", "ConfigError", "ContinuumLMError", "DataConfig", "DataError",
