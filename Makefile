@@ -49,8 +49,7 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/continuumlm experiment bench --redo
 
 # Every experiment behind docs/results.md, then the page and its figures. Runs whose JSON is in
-# bench/results/ are skipped, so with the committed results this only re-renders, except for the
-# unfinished MQAR softmax_kv64 record, which is continued (or retrained, ~8 h); delete a JSON
+# bench/results/ are skipped, so with the committed results this only re-renders; delete a JSON
 # and its run folder (runs/bench/) to redo its run (the whole set from scratch takes several hours
 # on 2 CPU cores).
 results: $(VENV)/.installed-dev

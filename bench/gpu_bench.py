@@ -35,8 +35,7 @@ def cuda_ms(fn, repeats=20, warmup=3) -> float:
     return (time.perf_counter() - t0) / repeats * 1000
 
 
-def training(out: Path, steps: int) -> list[dict]:
-    rows = []
+def training(rows: list[dict], out: Path, steps: int) -> None:
     for cfg_name in ("transformer_baby", "ode_rk4", "deltanet"):
         for dtype, compile_ in (("fp32", False), ("bf16", False), ("bf16", True)):
             sets = [f"train.max_steps={steps}", f"train.eval_interval={steps}",
@@ -52,11 +51,9 @@ def training(out: Path, steps: int) -> list[dict]:
                          "tokens_per_s_median": tps[len(tps) // 2] if tps else res["tokens_per_s"],
                          "val_loss": res["val_loss"]})
             print(json.dumps(rows[-1]), flush=True)
-    return rows
 
 
-def kernels() -> list[dict]:
-    rows = []
+def kernels(rows: list[dict]) -> None:
     B, H, D = 4, 4, 64
     for T in (1024, 4096, 16384):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -83,12 +80,10 @@ def kernels() -> list[dict]:
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows
 
 
 @torch.no_grad()
-def decoding() -> list[dict]:
-    rows = []
+def decoding(rows: list[dict]) -> None:
     for mixer in ("softmax", "deltanet"):
         torch.manual_seed(0)
         m = LanguageModel(ModelConfig(vocab_size=65, hidden_size=128, num_heads=4, num_layers=4,
@@ -118,7 +113,6 @@ def decoding() -> list[dict]:
             row["compiled_error"] = f"{type(e).__name__}: {e}"[:500]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows
 
 
 def main() -> None:
@@ -133,17 +127,23 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "fla": fla_available()}
     failed = []
-    # Each section on its own, the JSON rewritten after each: one GPU session is short, and a
-    # failure in one section (say, a corpus missing for the training runs) must not cost the
-    # figures of the others.
+
+    class Rows(list):  # a section's rows; the JSON is saved again after every one
+        def append(self, row):
+            super().append(row)
+            (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    # Each section on its own: one GPU session is short, and a failure in one section (say, a
+    # corpus missing for the training runs) or a timeout must not cost the figures measured.
     for name, section in (("kernels", kernels), ("decoding", decoding),
-                          ("training", lambda: training(out / "runs", args.steps))):
+                          ("training", lambda rows: training(rows, out / "runs", args.steps))):
+        result[name] = Rows()
         try:
-            result[name] = section()
+            section(result[name])
         except Exception as e:  # noqa: BLE001 - recorded in the JSON, reported by the exit status
-            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            result[f"{name}_error"] = f"{type(e).__name__}: {e}"[:2000]
             failed.append(name)
-            print(f"{name} failed: {result[name]['error']}", flush=True)
+            print(f"{name} failed: {result[f'{name}_error']}", flush=True)
         (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     if failed:
         raise SystemExit(f"gpu_bench.py: {', '.join(failed)} failed (see gpu_bench.json)")

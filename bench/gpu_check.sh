@@ -14,7 +14,8 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CONTINUUMLM_DATA=${CONTINUUMLM_DATA:-$PWD/../shared/data}
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 [ -f "$CONTINUUMLM_DATA/tinyshakespeare.txt" ] ||
-  echo "warning: no tinyshakespeare.txt in $CONTINUUMLM_DATA: the training benchmark will fail"
+  echo "warning: no tinyshakespeare.txt in $CONTINUUMLM_DATA: the training benchmark needs it" \
+       "in the user cache or a download"
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 # the cuda-marked tests (they skip themselves on machines without a GPU)
 timeout 180 $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-cuda.log"

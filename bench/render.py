@@ -146,7 +146,7 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
             "qualifies; the cost-per-evaluation and training-step tables below time the "
             "models under control."
             if untimed else "")
-    if any(n.endswith("_bitnet") for n in runs):
+    if any(n.endswith("_bitnet") and n.removesuffix("_bitnet") in runs for n in runs):
         what = f"a BitNet row against the same model in full precision; {what}"
     return [f"ODE rows against their discrete counterparts ({what}): " + "; ".join(clauses)
             + "." + note, ""]
@@ -257,8 +257,8 @@ def main() -> None:
         "block costs about 4x a 128-wide layer, so it spends about 4x the discrete model's "
         "FLOPs); `ode_attention` integrates four attention-only fields, and "
         "`ode_attention_bitnet` is the same model with BitNet b1.58 projections (ternary "
-        "weights, 8-bit activations, trained through a straight-through estimator) and "
-        "RMSNorm, set against `ode_attention` below; "
+        "weights, 8-bit activations, trained through a straight-through estimator), set "
+        "against `ode_attention` below; "
         "`ode_deltanet` is DeltaNet inside one ODE block; `cat_*` the causal continuous "
         "attention.",
         "",

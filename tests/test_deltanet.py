@@ -296,3 +296,16 @@ def test_short_conv_equals_causal_conv1d(T):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(hist, F.pad(x, (0, 0, 3, 0))[:, -3:])
+
+
+def test_short_conv_keeps_the_input_dtype_under_autocast():
+    """Under bf16 autocast the projections hand the convolution bf16 inputs while its weight
+    stays float32; like conv1d under autocast, it returns bf16."""
+    from continuumlm.mixers.deltanet import ShortConv
+
+    conv = ShortConv(8, 4)
+    x = torch.randn(2, 5, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, hist = conv(x)
+    assert y.dtype == hist.dtype == torch.bfloat16
+    torch.testing.assert_close(y, x)  # the identity at initialization

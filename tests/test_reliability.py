@@ -621,3 +621,33 @@ def test_help_and_usage_errors_do_not_import_torch():
             "assert 'torch' in sys.modules and LanguageModel.__name__ == 'LanguageModel'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_every_module_imports_first():
+    """Each module of the package imports in a fresh interpreter, whichever comes first (an
+    import cycle shows only when the module on it is the first one loaded). One child per
+    module, forked after torch is loaded, so the test takes seconds."""
+    code = ("import importlib, os, sys, torch\n"
+            "from pathlib import Path\n"
+            "import continuumlm  # the package itself loads config and errors, no model\n"
+            "root = Path(continuumlm.__file__).parent\n"
+            "names = sorted('.'.join(('continuumlm',) + f.relative_to(root).with_suffix('').parts)\n"
+            "               .removesuffix('.__init__') for f in root.rglob('*.py')\n"
+            "               if f.name != '__main__.py')\n"
+            "loaded = sorted(k for k in sys.modules if k.startswith('continuumlm.'))\n"
+            "assert loaded == ['continuumlm.config', 'continuumlm.errors'], loaded\n"
+            "bad = []\n"
+            "for name in names:\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        try:\n"
+            "            importlib.import_module(name)\n"
+            "        except BaseException as e:\n"
+            "            print(name, type(e).__name__, e, file=sys.stderr)\n"
+            "            os._exit(1)\n"
+            "        os._exit(0)\n"
+            "    if os.waitpid(pid, 0)[1]:\n"
+            "        bad.append(name)\n"
+            "assert len(names) > 20 and not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]

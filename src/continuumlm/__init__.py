@@ -5,8 +5,13 @@ Public API::
     from continuumlm import ModelConfig, LanguageModel, load_config
 """
 
+from typing import TYPE_CHECKING
+
 from .config import DataConfig, ModelConfig, RunConfig, TrainConfig, load_config
 from .errors import CheckpointError, ConfigError, ContinuumLMError, DataError
+
+if TYPE_CHECKING:
+    from .model import LanguageModel
 
 __version__ = "0.1.0"
 

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="decode through torch.compile graphs, one per power-of-two buffer "
                         "capacity (faster per token after a one-off compilation: up to about 5 "
-                        "minutes on a 2-core CPU, 10-20 s with a warm compiler cache)")
+                        "minutes on a 2-core CPU, 9-20 s with a warm compiler cache)")
     g.add_argument("--device", default="cpu")
     return p
 

@@ -269,7 +269,9 @@ class ShortConv(nn.Module):
         y = xx[:, :T] * w[:, 0]
         for j in range(1, self.kernel):
             y = y + xx[:, j:j + T] * w[:, j]
-        return y, xx[:, xx.shape[1] - (self.kernel - 1):]
+        # in x's dtype, as conv1d under autocast returns it: bf16 projections give bf16 q, k, v
+        # (float32 ones would keep the delta rule off its half-precision GPU kernel)
+        return y.to(x.dtype), xx[:, xx.shape[1] - (self.kernel - 1):]
 
 
 class DeltaNetAttention(nn.Module):
