@@ -8,9 +8,10 @@
 Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its state file when
 interrupted) and writes bench/results/mqar-<name>.json once the run is complete; a config whose
 complete JSON exists is skipped, and so is one whose JSON records an unfinished run (see
---snapshot) whose run folder is gone (delete the JSON to train it again from scratch). ``--snapshot`` (safe while the run is going) records how far an
-unfinished run has got, marked ``"complete": false``, unless the JSON already holds a record
-from further along: a run that cannot finish in one sitting still leaves a committed figure.
+--snapshot) whose run folder is gone (delete the JSON to train it again from scratch).
+``--snapshot`` (safe while the run is going) records how far an unfinished run has got,
+marked ``"complete": false``, unless the JSON already holds a record from further along: a run
+that cannot finish in one sitting still leaves a committed figure.
 Each record carries the held-out recall split by the distance from query to key-value pair
 (``recall_by_distance``); ``--by-distance`` adds it to a record made without it, from the run
 folder's state at the record's step. A complete record also carries ``fresh_accuracy``: the

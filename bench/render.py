@@ -248,9 +248,10 @@ def main() -> None:
         BUSY_NOTE,
         "",
         *([TAIL_NOTE, ""] if "†" in shakespeare else []),
-        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` other than `ode_attention*` "
-        "integrate one shared block (`num_layers = 1`): `ode_euler` (Euler x4) and `ode_rk4x1` (one RK4 step) have "
-        "NFE 4 = the discrete depth, `ode_rk4` is RK4 x4 (NFE 16); `ode_parallel*` use the "
+        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` other than "
+        "`ode_attention*` integrate one shared block (`num_layers = 1`): `ode_euler` (Euler x4) "
+        "and `ode_rk4x1` (one RK4 step) have NFE 4 = the discrete depth, `ode_rk4` is RK4 x4 "
+        "(NFE 16); `ode_parallel*` use the "
         "parallel field (attention and MLP read the same state); `ode_wide_rk4x1` is the "
         "parameter-matched ODE model (one 256-wide block, as many block parameters as the four "
         "128-wide layers, NFE 4 — matched in parameters and NFE, but each evaluation of a 256-wide "
@@ -280,7 +281,8 @@ def main() -> None:
     if ptb.count("\n") > 1:
         parts += ["## Penn Treebank, word level", "",
                   "PTB's own train/valid/test files, word tokenizer with a 4,000-token "
-                  "vocabulary (the 3,998 most frequent training words, `<eos>` and `<unk>`), context 64, 3000 steps; loss in nats/word "
+                  "vocabulary (the 3,998 most frequent training words, `<eos>` and `<unk>`), "
+                  "context 64, 3000 steps; loss in nats/word "
                   "(perplexity = exp), validation every 500 steps; the test split is scored "
                   "once, after training. Produced by `continuumlm experiment ptb` (`python "
                   "bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 1 2 --also-test`). "

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--redo", action="store_true", help="re-run benchmarks whose JSON exists "
                    "(a training run is redone by deleting its JSON and its run folder, "
                    "runs/bench/<config folder>-<config>_seed<N>, or "
-                        "runs/bench/mqar-<config>)")
+                   "runs/bench/mqar-<config>)")
 
     x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
