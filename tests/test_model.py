@@ -263,6 +263,15 @@ def test_save_load_round_trip(tmp_path):
     torch.testing.assert_close(m2(idx)[0], m(idx)[0], rtol=0, atol=0)
 
 
+def test_from_pretrained_puts_the_model_on_map_location(tmp_path):
+    """eval and generate load with map_location = --device: every parameter and buffer must end
+    up there (the meta device stands in for CUDA on a CPU machine), weights still tied."""
+    small_model(tie_embeddings=True).save_pretrained(tmp_path)
+    m = LanguageModel.from_pretrained(tmp_path, map_location="meta")
+    assert {t.device.type for t in [*m.parameters(), *m.buffers()]} == {"meta"}
+    assert m.lm_head.weight is m.tok_emb.weight
+
+
 def test_from_pretrained_errors(tmp_path):
     with pytest.raises(CheckpointError, match="config.json is missing"):
         LanguageModel.from_pretrained(tmp_path)

@@ -387,3 +387,37 @@ def test_cuda_resume_continues_the_same_losses_with_dropout(tiny_corpus, tmp_pat
                        weights_only=True)
     assert state["rank_cuda_rng"][0] is not None
     assert losses(tmp_path / "cut") == pytest.approx(losses(tmp_path / "full"), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0", "auto"], ids=["type", "index0", "auto"])
+def test_each_torchrun_rank_takes_its_own_gpu_with_nccl(monkeypatch, name):
+    """Under torchrun, train.device = "cuda:0" (or cuda, or auto on a GPU machine) means one GPU
+    per rank, cuda:LOCAL_RANK, and the nccl backend; "cuda:0" used to put every rank on GPU 0
+    with gloo. CUDA and the process group are faked: this checks the choice, not the GPU."""
+    from continuumlm.train import distributed as D
+
+    chosen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: chosen.setdefault("set_device", i))
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(D.dist, "init_process_group",
+                        lambda backend, timeout: chosen.setdefault("backend", backend))
+    env, device = D.setup(name, 60)
+    assert (env.rank, env.local_rank, env.world_size) == (1, 1, 2)
+    assert device == "cuda:1" and chosen == {"set_device": 1, "backend": "nccl"}
+
+
+def test_cpu_torchrun_ranks_use_gloo(monkeypatch):
+    from continuumlm.train import distributed as D
+
+    chosen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(D.dist, "init_process_group",
+                        lambda backend, timeout: chosen.setdefault("backend", backend))
+    assert D.setup("cpu", 60)[1] == "cpu" and chosen == {"backend": "gloo"}

@@ -41,12 +41,51 @@ def delta_rule_recurrent(q, k, v, beta, initial_state=None):
     return o, S
 
 
-def fla_available() -> bool:
+# flash-linear-attention: its first release line (0.1.x) took head-first (B, H, T, D) tensors by
+# default; every release from 0.2 takes (B, T, H, D), and from 0.5 passing ``head_first`` at all
+# raises. The adapter below calls the 0.2+ signature and refuses older releases by version.
+FLA_MIN_VERSION = (0, 2)
+_FLA_PROBE: tuple[bool, str] | None = None  # (usable, why not): probed once per process
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def fla_status(refresh: bool = False) -> tuple[bool, str]:
+    """Whether fla's delta-rule kernel can be used here, and if not why. Probed once per process
+    (an absent package would otherwise be searched for on every DeltaNet forward, a fraction of
+    a millisecond each and a graph break under torch.compile); ``refresh`` probes again."""
+    global _FLA_PROBE
+    if _FLA_PROBE is not None and not refresh:
+        return _FLA_PROBE
     try:
+        import fla
         import fla.ops.delta_rule  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing, or broken (e.g. no triton): use our kernel
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - missing, or broken (e.g. no triton): our kernel
+        _FLA_PROBE = (False, f"the fla package (flash-linear-attention) is not importable here "
+                             f"({type(e).__name__}: {e})")
+        return _FLA_PROBE
+    version = getattr(fla, "__version__", None)
+    if not isinstance(version, str) or not _version_tuple(version):
+        _FLA_PROBE = (False, f"the installed fla does not say its version ({version!r}), so its "
+                             f"tensor layout cannot be told; install fla-core >= 0.2")
+    elif _version_tuple(version) < FLA_MIN_VERSION:
+        _FLA_PROBE = (False, f"fla {version} is too old: releases before 0.2 take head-first "
+                             f"tensors by default; install fla-core >= 0.2")
+    else:
+        _FLA_PROBE = (True, "")
+    return _FLA_PROBE
+
+
+def fla_available() -> bool:
+    return fla_status()[0]
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -68,20 +107,18 @@ def _fla_chunkwise(q, k, v, beta, initial_state=None):
         raise ValueError(f"backend='fla': flash-linear-attention's chunk kernel takes bfloat16 or "
                          f"float16 inputs, these are {q.dtype}; train in mixed precision "
                          f"(train.dtype = \"bf16\") or use backend='torch'.")
-    if not fla_available():
-        raise ValueError("backend='fla': the fla package (flash-linear-attention) is not "
-                         "importable here; install it on a CUDA machine or use backend='torch'.")
+    usable, why = fla_status()
+    if not usable:
+        raise ValueError(f"backend='fla': {why}. Install flash-linear-attention (fla-core >= 0.2) "
+                         f"on a CUDA machine, or use backend='torch'.")
     from fla.ops.delta_rule import chunk_delta_rule
 
     qt, kt, vt = (x.to(dt).transpose(1, 2).contiguous() for x in (q, k, v))
     bt = beta.to(dt).transpose(1, 2).contiguous()
     h0 = (initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None
           else None)
-    kwargs = dict(scale=1.0, initial_state=h0, output_final_state=True)
-    try:
-        o, S = chunk_delta_rule(qt, kt, vt, bt, head_first=False, **kwargs)
-    except TypeError:  # releases without the head_first switch are (B, T, H, D) only
-        o, S = chunk_delta_rule(qt, kt, vt, bt, **kwargs)
+    # (B, T, H, D) without a layout switch: the signature of every release from 0.2 on
+    o, S = chunk_delta_rule(qt, kt, vt, bt, scale=1.0, initial_state=h0, output_final_state=True)
     return o.transpose(1, 2).to(dt), S.transpose(-1, -2).float()
 
 
@@ -107,7 +144,9 @@ def _chunk_forward(q, k, v, beta, S0):
     S = S0
     for n in range(N):
         S_all[:, n] = S
-        torch.baddbmm(U[:, n], W[:, n], S.mT, alpha=-1, out=Uc[:, n])
+        # an assignment, not out=Uc[:, n]: a non-contiguous out= tensor is a graph break under
+        # torch.compile (one per chunk loop)
+        Uc[:, n] = torch.baddbmm(U[:, n], W[:, n], S.mT, alpha=-1)
         S = torch.baddbmm(S, Uc[:, n].mT, k[:, n])
     QK = (q @ k.mT).tril_()                       # causal, diagonal included
     o = torch.matmul(q, S_all.mT).add_(QK @ Uc)

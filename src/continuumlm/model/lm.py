@@ -385,11 +385,13 @@ class LanguageModel(nn.Module):
         if not isinstance(cfg_dict, dict):
             raise CheckpointError(f"{cfg_path} does not hold a JSON object of model settings.")
         cfg = ModelConfig.from_dict(cfg_dict, source=str(cfg_path), saved=True)
-        check_memory(cfg, "cpu", training=False)
+        device = torch.device(map_location)
+        check_memory(cfg, device if device.type in ("cpu", "cuda") else "cpu", training=False)
         model = cls(cfg)
         try:
-            missing, unexpected = load_model(model, str(w_path), strict=False,
-                                             device=str(map_location))
+            # read on the CPU, where the model was built (load_model copies into its
+            # parameters), then move the model as a whole
+            missing, unexpected = load_model(model, str(w_path), strict=False, device="cpu")
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             # torch lists every mismatched tensor on its own line: name the first and the count
             lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
@@ -403,6 +405,9 @@ class LanguageModel(nn.Module):
         if missing or unexpected:
             raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
+        model = model.to(device)
+        if cfg.tie_embeddings:  # a move that makes new Parameter objects (meta, some
+            model.lm_head.weight = model.tok_emb.weight  # accelerators) would untie them
         return model
 
 

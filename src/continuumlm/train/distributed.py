@@ -73,8 +73,17 @@ def setup(device_name: str, timeout_s: float) -> tuple[DistEnv, str]:
     env = env_from_environment()
     if not env.enabled:
         return env, device_name
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    try:
+        kind = "auto" if device_name == "auto" else torch.device(device_name).type
+    except RuntimeError:
+        kind = device_name  # not a device name: pick_device says so
+    use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
     if use_cuda:
+        # one GPU per rank: "cuda:0" in a config names the device type here, since every rank
+        # on cuda:0 would share one GPU (and gloo instead of nccl)
+        if device_name not in ("auto", "cuda", f"cuda:{env.local_rank}") and env.is_main:
+            print(f"note: train.device = {device_name!r} under torchrun: each rank uses "
+                  f"cuda:LOCAL_RANK", flush=True)
         torch.cuda.set_device(env.local_rank)
         device_name = f"cuda:{env.local_rank}"
     elif device_name == "auto":
