@@ -1,152 +1,509 @@
-"""GPU benchmarks (CUDA only): training throughput in fp32 / bf16 / compiled, DeltaNet kernels
-(ours, fla's when installed, SDPA) and cached vs recomputed decoding.
+"""GPU benchmarks, in order of value: DeltaNet kernels (ours, fla's when installed, SDPA) in
+bf16; training tokens/s and MFU of discrete vs ODE models in fp32, bf16 and compiled; cached
+decoding, eager and compiled; a GPT-2-small-sized discrete model (12 x 768, context 1024) and
+its ODE counterpart (one shared block, Euler x 12: the same compute per token) in bf16,
+compiled.
 
-    python bench/gpu_bench.py --out DIR      # writes DIR/gpu_bench.json (run by gpu_check.sh)
+    python bench/gpu_bench.py --out DIR          # DIR/gpu_bench.json (run by gpu_check.sh)
+    python bench/gpu_bench.py --out DIR --dry    # every section on the CPU at toy size
 
-Sized to finish in a few minutes on one GPU.
+Each section runs in a child process with its own time budget, so one slow compile or a hung
+kernel costs that section's remaining rows, not the run. The JSON is rewritten after every
+measurement; a row's status says what happened: "done", "error" (with the message),
+"interrupted" or "skipped" (with the reason: budget spent, corpus missing, child crashed).
+A measurement that fails records its error and the row keeps what else it measured. Training
+run folders live in a temporary folder (nothing large lands in DIR), so a second run into the
+same DIR starts afresh. The training rows read Tiny Shakespeare (``--corpus``, else the
+package's corpus search: $CONTINUUMLM_DATA, the user cache); the GPT-2 rows time the training
+step on random token ids (throughput only; their loss means nothing).
+
+--dry runs on the CPU with toy sizes and dynamo's eager backend for the compiled rows (no
+inductor code generation), to prove the plumbing without a GPU; its figures mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULT = "gpu_bench.json"
+# seconds per section on a GPU; the whole bench stays under ~6.5 minutes, leaving the CUDA
+# tests and the machine's start inside an 8-minute check
+BUDGETS = {"kernels": 60, "training": 130, "decoding": 60, "gpt2": 150}
+DRY_BUDGETS = {"kernels": 30, "training": 60, "decoding": 40, "gpt2": 40}
+# dense bf16 tensor-core peak from the vendor's data sheets (FLOP/s), for MFU
+SPEC_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                  "RTX 4090": 165e12}
 
-from continuumlm import LanguageModel, ModelConfig, load_config
-from continuumlm.mixers import delta_rule_chunkwise
-from continuumlm.mixers.deltanet import fla_available
-from continuumlm.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+# ------------------------------------------------------------------ the JSON (parent and child)
+
+def load(out: Path) -> dict:
+    p = out / RESULT
+    return json.loads(p.read_text()) if p.is_file() else {}
 
 
-def cuda_ms(fn, repeats=20, warmup=3) -> float:
+def save(out: Path, result: dict) -> None:
+    tmp = out / (RESULT + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out / RESULT)
+
+
+class Section:
+    """A section's rows in the JSON: planned first (status "pending"), each measurement saved
+    as soon as it is taken."""
+
+    def __init__(self, out: Path, name: str, dry: bool):
+        self.out, self.name, self.dry = out, name, dry
+        self.result = load(out)
+        self.rows: dict[str, dict] = {}
+        self.result[name] = {"rows": []}
+        self.t0 = time.perf_counter()
+
+    def plan(self, key: str, **fields) -> dict:
+        row = {"row": key, "status": "pending", **fields}
+        self.rows[key] = row
+        self.result[self.name]["rows"].append(row)
+        return row
+
+    def save(self) -> None:
+        save(self.out, self.result)
+
+    def measure(self, key: str, field: str, fn):
+        """Run ``fn`` for one measurement of row ``key``; its value (or its error) is saved."""
+        row = self.rows[key]
+        row["status"] = "running"
+        self.save()
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - recorded; the row's other measurements count
+            row[f"{field}_error"] = f"{type(e).__name__}: {e}"[:1000]
+            print(f"{self.name}/{key}/{field} failed: {row[f'{field}_error']}", flush=True)
+            value = None
+        else:
+            if isinstance(value, dict):
+                row.update(value)
+            else:
+                row[field] = value
+        self.save()
+        return value
+
+    def finish(self, key: str) -> None:
+        row = self.rows[key]
+        errors = [k for k in row if k.endswith("_error") and row[k]]
+        row["status"] = "error" if errors else "done"
+        self.save()
+        print(json.dumps(row), flush=True)
+
+
+# ------------------------------------------------------------------ timing helpers
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, repeats=20, warmup=3) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     return (time.perf_counter() - t0) / repeats * 1000
 
 
-def training(rows: list[dict], out: Path, steps: int) -> None:
-    for cfg_name in ("transformer_baby", "ode_rk4", "deltanet"):
-        for dtype, compile_ in (("fp32", False), ("bf16", False), ("bf16", True)):
-            sets = [f"train.max_steps={steps}", f"train.eval_interval={steps}",
-                    "train.eval_iters=2", f"train.checkpoint_interval={steps}",
-                    "train.device=cuda", f"train.dtype={dtype}", f"train.compile={compile_}",
-                    "train.batch_size=64", "train.seq_len=256", "model.max_seq_len=256"]
-            cfg = load_config(ROOT / "configs" / "shakespeare_char" / f"{cfg_name}.toml", sets)
-            run = out / f"train-{cfg_name}-{dtype}-{int(compile_)}"
-            res = Trainer(cfg, run, quiet=True).run()
-            metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-            tps = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)[1:]
-            rows.append({"config": cfg_name, "dtype": dtype, "compile": compile_,
-                         "tokens_per_s_median": tps[len(tps) // 2] if tps else res["tokens_per_s"],
-                         "val_loss": res["val_loss"]})
-            print(json.dumps(rows[-1]), flush=True)
+def bf16_matmul_peak(device, dry: bool) -> float:
+    import torch
+
+    n = 256 if dry else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, device, repeats=3 if dry else 20, warmup=1 if dry else 5)
+    return 2 * n ** 3 / (ms / 1000)
 
 
-def kernels(rows: list[dict]) -> None:
-    B, H, D = 4, 4, 64
-    for T in (1024, 4096, 16384):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k = (F.normalize(torch.randn(B, H, T, D, device="cuda", generator=g), dim=-1)
-                .requires_grad_() for _ in range(2))
-        v = torch.randn(B, H, T, D, device="cuda", generator=g).requires_grad_()
-        beta = torch.rand(B, H, T, device="cuda", generator=g).requires_grad_()
+def spec_peak(name: str) -> float | None:
+    return next((v for k, v in SPEC_BF16_PEAK.items() if k in name), None)
+
+
+# ------------------------------------------------------------------ sections
+
+def kernels(sec: Section, device) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from continuumlm.mixers import delta_rule_chunkwise
+    from continuumlm.mixers.deltanet import fla_status
+
+    usable, why = fla_status()
+    sec.result["fla"] = usable if usable else why
+    B, H, D = (1, 2, 16) if sec.dry else (4, 8, 64)
+    lengths = (64, 130) if sec.dry else (1024, 4096, 16384)
+    for T in lengths:
+        sec.plan(f"T{T}", T=T, B=B, H=H, D=D, dtype="bfloat16")
+    for T in lengths:
+        key = f"T{T}"
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def make(*shape, norm=False):
+            x = torch.randn(*shape, device=device, generator=g)
+            x = F.normalize(x, dim=-1) if norm else x
+            return x.to(torch.bfloat16).requires_grad_()
+
+        q, k = make(B, H, T, D, norm=True), make(B, H, T, D, norm=True)
+        v = make(B, H, T, D)
+        beta = torch.rand(B, H, T, device=device, generator=g).to(torch.bfloat16).requires_grad_()
 
         def fwd_bwd(fn):
             def go():
-                o = fn()
-                o.sum().backward()
+                fn().float().sum().backward()
             return go
 
-        row = {"T": T}
-        row["chunkwise_torch_ms"] = cuda_ms(fwd_bwd(
-            lambda: delta_rule_chunkwise(q, k, v, beta, backend="torch")[0]))
-        if fla_available():
-            for dt in (torch.bfloat16, torch.float16):  # fla's kernel refuses float32
-                qq, kk, vv, bb = (x.detach().to(dt).requires_grad_() for x in (q, k, v, beta))
-                row[f"chunkwise_fla_{str(dt)[6:]}_ms"] = cuda_ms(fwd_bwd(
-                    lambda: delta_rule_chunkwise(qq, kk, vv, bb, backend="fla")[0]))
-        row["sdpa_ms"] = cuda_ms(fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        reps = dict(repeats=2, warmup=1) if sec.dry else dict(repeats=10, warmup=2)
+        sec.measure(key, "chunkwise_torch_ms", lambda: time_ms(fwd_bwd(
+            lambda: delta_rule_chunkwise(q, k, v, beta, backend="torch")[0]), device, **reps))
+        if usable and device.type == "cuda":
+            sec.measure(key, "chunkwise_fla_ms", lambda: time_ms(fwd_bwd(
+                lambda: delta_rule_chunkwise(q, k, v, beta, backend="fla")[0]), device, **reps))
+        sec.measure(key, "sdpa_ms", lambda: time_ms(fwd_bwd(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), device, **reps))
+        sec.finish(key)
 
 
-@torch.no_grad()
-def decoding(rows: list[dict]) -> None:
-    for mixer in ("softmax", "deltanet"):
+TRAINING = ("transformer_baby", "ode_rk4", "deltanet")
+# eager rows of every model first: a compile can take minutes and must not cost them
+TRAINING_MODES = (("fp32", False), ("bf16", False), ("bf16", True))
+
+
+def _mfu_fields(cfg, nfe: int, tokens_per_s: float, peak: float | None) -> dict:
+    from mfu import flops_per_token
+
+    fpt = flops_per_token(cfg, nfe, cfg.train.seq_len)
+    achieved = fpt * tokens_per_s
+    return {"flop_per_token": fpt, "tflops": achieved / 1e12,
+            "mfu": achieved / peak if peak else None}
+
+
+def training(sec: Section, device, corpus: str | None, runs: Path) -> None:
+    from continuumlm import load_config
+    from continuumlm.train import Trainer
+    from continuumlm.train.logging import read_metrics
+
+    steps = 4 if sec.dry else 150
+    size = (["train.batch_size=2", "train.seq_len=16", "model.max_seq_len=16",
+             "model.hidden_size=32"] if sec.dry else
+            ["train.batch_size=64", "train.seq_len=256", "model.max_seq_len=256"])
+    peak = sec.result.get("peak_bf16_flops_spec") or sec.result.get("peak_bf16_flops_measured")
+    modes = [(c, d, k) for k in (False, True) for c in TRAINING for d, kk in TRAINING_MODES
+             if kk == k]
+    for c, d, k in modes:
+        sec.plan(f"{c}-{d}{'-compiled' if k else ''}", config=c, dtype=d, compile=k)
+    if corpus is None:
+        for row in sec.rows.values():
+            row.update(status="skipped", reason="no tinyshakespeare.txt: pass --corpus or set "
+                                                 "CONTINUUMLM_DATA (gpu_check.sh looks in "
+                                                 ".gpu_data/)")
+        sec.save()
+        return
+    for c, d, k in modes:
+        key = f"{c}-{d}{'-compiled' if k else ''}"
+        sets = [f"train.max_steps={steps}", f"train.eval_interval={steps}", "train.eval_iters=2",
+                f"train.checkpoint_interval={steps}", f"train.log_interval={max(1, steps // 15)}",
+                f"train.device={device.type}", f"train.dtype={d}",
+                f"train.compile={str(k).lower()}", "data.dataset=text",
+                f"data.path={json.dumps(corpus)}", *size]
+        run = runs / key
+
+        def one(c=c, sets=sets, run=run):
+            cfg = load_config(ROOT / "configs" / "shakespeare_char" / f"{c}.toml", sets)
+            trainer = Trainer(cfg, run, quiet=True)
+            res = trainer.run()
+            tps = sorted(m["tokens_per_s"] for m in read_metrics(run) if "tokens_per_s" in m)
+            tps = tps[1:] or tps  # the first window holds the warm-up (and the compile)
+            row = {"steps": res["step"], "val_loss": res["val_loss"],
+                   "compiled": res["compiled"], "compile_error": res["compile_error"],
+                   "tokens_per_s_median": tps[len(tps) // 2] if tps else None,
+                   "nfe": trainer.model.last_nfe, "parameters": res["parameters"]}
+            if res["interrupted"]:  # the parent's budget ran out: not a finished measurement
+                row["interrupted"] = res["interrupted"]
+            elif row["tokens_per_s_median"]:
+                row.update(_mfu_fields(cfg, row["nfe"] or cfg.model.num_layers,
+                                       row["tokens_per_s_median"], peak))
+            return row
+
+        row = sec.measure(key, "train", one)
+        if row and row.get("interrupted"):
+            sec.rows[key]["status"] = "interrupted"
+            sec.save()
+            raise SystemExit(3)  # stop the section: the parent asked it to
+        sec.finish(key)
+
+
+def decoding(sec: Section, device) -> None:
+    import torch
+
+    from continuumlm import LanguageModel, ModelConfig
+
+    new, prompt_len = (12, 5) if sec.dry else (256, 64)
+    mixers = ("softmax", "deltanet")
+    for mixer in mixers:
+        sec.plan(mixer, mixer=mixer, new_tokens=new, prompt=prompt_len)
+    models = {}
+    # eager rows of both mixers first, then the compiled ones (each builds several graphs)
+    for mixer in mixers:
         torch.manual_seed(0)
-        m = LanguageModel(ModelConfig(vocab_size=65, hidden_size=128, num_heads=4, num_layers=4,
+        m = LanguageModel(ModelConfig(vocab_size=65, hidden_size=32 if sec.dry else 128,
+                                      num_heads=4, num_layers=1 if sec.dry else 4,
                                       max_seq_len=1024, mixer=mixer, depth="ode",
                                       field="sequential", ode_solver="rk4",
-                                      ode_steps=4)).cuda().eval()
-        prompt = torch.randint(0, 65, (1, 64), device="cuda")
-        row = {"mixer": mixer, "new_tokens": 256}
+                                      ode_steps=4)).to(device).eval()
+        models[mixer] = m
+        prompt = torch.randint(0, 65, (1, prompt_len), device=device)
         for use_cache in (True, False):
-            m.generate(prompt, 8, greedy=True, use_cache=use_cache)
-            torch.cuda.synchronize()
+            def tok_s(use_cache=use_cache):
+                with torch.no_grad():
+                    m.generate(prompt, 4, greedy=True, use_cache=use_cache)
+                    sync(device)
+                    t0 = time.perf_counter()
+                    m.generate(prompt, new, greedy=True, use_cache=use_cache)
+                    sync(device)
+                return new / (time.perf_counter() - t0)
+            sec.measure(mixer, "cached_tok_s" if use_cache else "recompute_tok_s", tok_s)
+    for mixer in mixers:
+        m = models[mixer]
+        prompt = torch.randint(0, 65, (1, prompt_len), device=device)
+
+        def compiled():
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                m.generate(prompt, new, greedy=True, compile=True)
+                sync(device)
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                m.generate(prompt, new, greedy=True, compile=True)
+                sync(device)
+            return {"compile_first_call_s": first,
+                    "compiled_tok_s": new / (time.perf_counter() - t0)}
+        sec.measure(mixer, "compiled", compiled)
+        row = sec.rows[mixer]
+        if row.get("cached_tok_s") and row.get("recompute_tok_s"):
+            row["cached_speedup"] = row["cached_tok_s"] / row["recompute_tok_s"]
+        sec.finish(mixer)
+
+
+def gpt2(sec: Section, device) -> None:
+    """GPT-2 small's shape (12 x 768, 12 heads, context 1024, vocabulary 50,257, tied) as a
+    discrete stack and as one shared block integrated with Euler x 12 (NFE 12: the same
+    matmuls per token, 1/12 of the block parameters). A timed loop of the training step:
+    bf16 autocast, torch.compile, fused AdamW, random token ids."""
+    import torch
+
+    from continuumlm import LanguageModel, load_config
+
+    if sec.dry:
+        shape = ["model.hidden_size=32", "model.num_heads=4", "model.max_seq_len=32",
+                 "model.vocab_size=97"]
+        layers, batch, T, warm, timed = 2, 2, 32, 1, 2
+    else:
+        shape = ["model.hidden_size=768", "model.num_heads=12", "model.max_seq_len=1024",
+                 "model.vocab_size=50257"]
+        layers, batch, T, warm, timed = 12, 16, 1024, 3, 10
+    variants = {
+        "discrete": [f"model.num_layers={layers}", "model.depth=discrete"],
+        "ode_euler": ["model.num_layers=1", "model.depth=ode", "model.field=sequential",
+                      "model.ode_solver=euler", f"model.ode_steps={layers}"],
+    }
+    for name in variants:
+        sec.plan(name, layers_or_nfe=layers, batch=batch, seq_len=T, dtype="bf16",
+                 compile=True)
+    peak = sec.result.get("peak_bf16_flops_spec") or sec.result.get("peak_bf16_flops_measured")
+    for name, sets in variants.items():
+        cfg = load_config(None, [*shape, *sets, "model.position=learned", "model.bias=false",
+                                 "model.dropout=0", f"train.seq_len={T}",
+                                 f"train.batch_size={batch}"])
+
+        def run():
+            torch.manual_seed(0)
+            model = LanguageModel(cfg.model).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                    fused=device.type == "cuda")
+            step_fn = torch.compile(model)
+            ids = torch.randint(0, cfg.model.vocab_size, (batch, T + 1), device=device)
+            x, y = ids[:, :-1], ids[:, 1:]
+
+            def step():
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    _, loss = step_fn(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
             t0 = time.perf_counter()
-            m.generate(prompt, 256, greedy=True, use_cache=use_cache)
-            torch.cuda.synchronize()
-            row["cached_tok_s" if use_cache else "recompute_tok_s"] = 256 / (time.perf_counter() - t0)
-        row["speedup"] = row["cached_tok_s"] / row["recompute_tok_s"]
-        try:  # one torch.compile graph per token step (the first call compiles)
+            for _ in range(warm):
+                step()
+            sync(device)
+            warm_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            m.generate(prompt, 256, greedy=True, compile=True)
-            torch.cuda.synchronize()
-            row["compile_first_call_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            m.generate(prompt, 256, greedy=True, compile=True)
-            torch.cuda.synchronize()
-            row["compiled_tok_s"] = 256 / (time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - recorded, the other rows still count
-            row["compiled_error"] = f"{type(e).__name__}: {e}"[:500]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            for _ in range(timed):
+                step()
+            sync(device)
+            tps = batch * T * timed / (time.perf_counter() - t0)
+            nfe = model.last_nfe or layers
+            out = {"parameters": model.num_parameters(), "warmup_s": warm_s,
+                   "tokens_per_s": tps, "nfe": nfe,
+                   "ms_per_evaluation": 1000 * batch * T / tps / nfe,
+                   "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30
+                                       if device.type == "cuda" else None)}
+            out.update(_mfu_fields(cfg, nfe, tps, peak))
+            del model, opt, step_fn
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            return out
+
+        sec.measure(name, "train", run)
+        sec.finish(name)
+    d, o = sec.rows["discrete"], sec.rows["ode_euler"]
+    if d.get("ms_per_evaluation") and o.get("ms_per_evaluation"):
+        # target: an ODE field evaluation costs at most 1.1x a discrete layer
+        sec.result["gpt2"]["ode_evaluation_vs_layer"] = (o["ms_per_evaluation"]
+                                                         / d["ms_per_evaluation"])
+        sec.save()
+
+
+# ------------------------------------------------------------------ child and parent
+
+def find_corpus(given: str | None) -> str | None:
+    if given:
+        return given if Path(given).is_file() else None
+    for folder in (os.environ.get("CONTINUUMLM_DATA"), ROOT / ".gpu_data"):
+        if folder and (Path(folder) / "tinyshakespeare.txt").is_file():
+            return str(Path(folder) / "tinyshakespeare.txt")
+    return None
+
+
+def child(args) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE))  # mfu.py, common.py
+    out = Path(args.out)
+    device = torch.device("cpu" if args.dry else "cuda")
+    if args.dry:  # dynamo traces as on a GPU, but no inductor code generation (minutes on CPU)
+        import functools
+
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        torch.compile = functools.partial(torch.compile, backend="eager")
+    sec = Section(out, args.section, args.dry)
+    sec.save()
+    if args.section == "kernels":
+        kernels(sec, device)
+    elif args.section == "training":
+        with tempfile.TemporaryDirectory(prefix="gpu_bench_runs_") as runs:
+            training(sec, device, find_corpus(args.corpus), Path(runs))
+    elif args.section == "decoding":
+        decoding(sec, device)
+    elif args.section == "gpt2":
+        gpt2(sec, device)
+
+
+def run_section(args, name: str, budget: float) -> int:
+    """The section in a child process; past its budget it gets SIGTERM (the trainer saves and
+    returns, the child records "interrupted"), then SIGKILL 20 s later."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", args.out, "--section", name]
+    cmd += ["--dry"] if args.dry else []
+    cmd += ["--corpus", args.corpus] if args.corpus else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    reason = None
+    try:
+        rc = proc.wait(timeout=budget)
+    except subprocess.TimeoutExpired:
+        reason = f"the section's budget of {budget:.0f} s ran out"
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    if reason is None and rc != 0:
+        reason = f"the section's process ended with status {rc}"
+    result = load(Path(args.out))
+    sec = result.setdefault(name, {"rows": []})
+    sec["seconds"] = round(time.perf_counter() - t0, 1)
+    sec["budget_s"] = budget
+    for row in sec["rows"]:
+        if row["status"] in ("pending", "running"):
+            row.update(status="skipped", reason=reason or "not reached")
+    if reason:
+        sec["stopped"] = reason
+    save(Path(args.out), result)
+    return 0 if reason is None else 1
+
+
+def parent(args) -> int:
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.dry and not torch.cuda.is_available():
+        raise SystemExit("gpu_bench.py needs a CUDA device (or --dry for the CPU dry run)")
+    device = torch.device("cpu" if args.dry else "cuda")
+    name = "cpu (dry run)" if args.dry else torch.cuda.get_device_name()
+    result = {"command": "bash bench/gpu_check.sh", "dry_run": args.dry, "device": name,
+              "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    save(out, result)  # a new run starts a new file
+    try:
+        result["peak_bf16_flops_measured"] = bf16_matmul_peak(device, args.dry)
+    except Exception as e:  # noqa: BLE001
+        result["peak_bf16_flops_error"] = f"{type(e).__name__}: {e}"[:500]
+    result["peak_bf16_flops_spec"] = None if args.dry else spec_peak(name)
+    save(out, result)
+    budgets = DRY_BUDGETS if args.dry else BUDGETS
+    failed = []
+    for section in args.sections:
+        scale = args.budget_scale
+        if run_section(args, section, budgets[section] * scale):
+            failed.append(section)
+    result = load(out)
+    result["seconds"] = round(sum(result[s].get("seconds", 0) for s in args.sections), 1)
+    save(out, result)
+    statuses = [r["status"] for s in args.sections for r in result[s]["rows"]]
+    print(f"gpu_bench: {statuses.count('done')} rows done, {len(statuses)} planned; "
+          f"sections stopped: {', '.join(failed) or 'none'}; {out / RESULT}", flush=True)
+    return 1 if failed or any(s != "done" for s in statuses) else 0
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu"))
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--dry", action="store_true", help="CPU, toy sizes: proves the plumbing")
+    ap.add_argument("--corpus", help="tinyshakespeare.txt for the training rows")
+    ap.add_argument("--sections", nargs="+", default=list(BUDGETS), choices=list(BUDGETS))
+    ap.add_argument("--budget-scale", type=float, default=1.0,
+                    help="multiply every section's time budget")
+    ap.add_argument("--section", help=argparse.SUPPRESS)  # the child's own
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_bench.py needs a CUDA device")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "fla": fla_available()}
-    failed = []
-
-    class Rows(list):  # a section's rows; the JSON is saved again after every one
-        def append(self, row):
-            super().append(row)
-            (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
-
-    # Each section on its own: one GPU session is short, and a failure in one section (say, a
-    # corpus missing for the training runs) or a timeout must not cost the figures measured.
-    for name, section in (("kernels", kernels), ("decoding", decoding),
-                          ("training", lambda rows: training(rows, out / "runs", args.steps))):
-        result[name] = Rows()
-        try:
-            section(result[name])
-        except Exception as e:  # noqa: BLE001 - recorded in the JSON, reported by the exit status
-            result[f"{name}_error"] = f"{type(e).__name__}: {e}"[:2000]
-            failed.append(name)
-            print(f"{name} failed: {result[f'{name}_error']}", flush=True)
-        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    if failed:
-        raise SystemExit(f"gpu_bench.py: {', '.join(failed)} failed (see gpu_bench.json)")
+    if args.corpus:
+        args.corpus = str(Path(args.corpus).resolve())
+    args.out = str(Path(args.out).resolve())
+    if args.section:
+        child(args)
+        return
+    sys.exit(parent(args))
 
 
 if __name__ == "__main__":

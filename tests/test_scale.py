@@ -326,6 +326,9 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(tiny_corpus, tmp_p
     err = capsys.readouterr().err
     assert err.count("torch.compile failed") == 1 and "backend exploded" in err
     assert res["val_loss"] == ref["val_loss"]
+    # what ran is reported: a benchmark must not call this run compiled
+    assert res["compiled"] is False and "backend exploded" in res["compile_error"]
+    assert ref["compiled"] is False and ref["compile_error"] is None
 
 
 # ------------------------------------------------------------------ mixed precision

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -395,3 +396,30 @@ def test_inspect_does_not_state_an_adaptive_solvers_nfe_as_a_fact(tmp_path):
     assert info["nfe_per_forward"] is None and "adaptive" in info["nfe_note"]
     r = run_cli("inspect", "--config", str(cfg), "--json", "--set", "model.ode_solver=rk4")
     assert json.loads(r.stdout)["nfe_per_forward"] == 4 * 4  # rk4, ode_steps 4 by default
+
+
+@pytest.mark.parametrize("extra", [[], ["train.grad_accum=3", "model.mixer=continuous"]],
+                         ids=["plain", "accum_penalty"])
+def test_a_training_step_reads_its_metrics_from_the_device_once(tiny_corpus, tmp_path,
+                                                                monkeypatch, extra):
+    """On a GPU every read of a tensor's value makes the host wait for the device. A step reads
+    its loss, penalty and gradient norm together, once (it used to read 3 + grad_accum times)."""
+    import sys as _sys
+
+    trainer = Trainer(tiny_cfg(tiny_corpus, *extra), tmp_path / "run", quiet=True)
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _real=real, _name=name, **kw):
+            caller = _sys._getframe(1).f_code.co_filename
+            if "continuumlm" in caller and "tests" not in caller:
+                reads.append((_name, caller.rsplit("/", 1)[-1]))
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    for _ in range(2):
+        reads.clear()
+        loss, grad_norm = trainer.train_step()
+        assert reads == [("tolist", "trainer.py")]
+        assert math.isfinite(loss) and math.isfinite(grad_norm)

@@ -289,6 +289,7 @@ class Trainer:
                     f"config describes ({first_line(e)}); the folder was changed after it was "
                     f"written: remove it to resume from an earlier checkpoint.") from None
         self.wrapped = D.wrap(self.model, t.strategy, self.dist, self.device)
+        self.compile_error: str | None = None  # why torch.compile fell back to eager, if it did
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, t, self.device.type)
         self.scaler = torch.amp.GradScaler(
@@ -375,6 +376,7 @@ class Trainer:
         return forward
 
     def _compile_failed(self, e: Exception) -> None:
+        self.compile_error = f"{type(e).__name__}: {first_line(e)[:300]}"
         print(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)[:300]}); training "
               f"continues without compiling (set train.compile = false to silence this).",
               file=sys.stderr)
@@ -502,7 +504,11 @@ class Trainer:
         lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = 0.0
+        # The step's metrics stay on the device until one read after clipping: a .item() per
+        # micro-batch, the penalty and the gradient norm each made the host wait for the GPU.
+        # float64 (not on MPS, which lacks it), so the sum is the one Python floats gave.
+        acc = torch.float32 if self.device.type == "mps" else torch.float64
+        total = torch.zeros((), dtype=acc, device=self.device)
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
         # learning rate's decay horizon (so extending a run with a fixed lr_decay_steps keeps it)
         anneal = max(0.2, 1.0 - self.step / (t.lr_decay_steps or t.max_steps))
@@ -527,11 +533,14 @@ class Trainer:
                 if self.dist.enabled:  # the other ranks wait in the gradient all-reduce
                     raise TrainingError(f"rank {self.dist.rank}, step {self.step + 1}: {e}") from None
                 solver_error = str(e)
-                total = math.nan
+                total = torch.full((), math.nan, dtype=acc, device=self.device)
                 break
-            total += loss.item()
-        self.last_penalty = penalty.item() if solver_error is None else math.nan
-        total = self.dist.all_reduce_sum([total], self.device)[0] / self.dist.world_size
+            total += loss.detach().to(acc)
+        penalty = (penalty.detach().to(acc) if solver_error is None
+                   else torch.full((), math.nan, dtype=acc, device=self.device))
+        if self.dist.enabled:  # on the device: no wait for the host
+            D.dist.all_reduce(total, op=D.dist.ReduceOp.SUM)
+            total = total / self.dist.world_size
         if t.grad_accum > 1:
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -542,8 +551,10 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
             grad_norm = grad_norm.full_tensor()
-        grad_norm = grad_norm.item()
-        loss_value = total / t.grad_accum
+        # the step's one host synchronisation: whether to apply the update depends on it
+        summed, self.last_penalty, grad_norm = torch.stack(
+            [total, penalty, grad_norm.detach().to(acc)]).tolist()
+        loss_value = summed / t.grad_accum
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
         scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)
         if math.isfinite(loss_value) and (math.isfinite(grad_norm) or scaler_skips):
@@ -700,4 +711,6 @@ class Trainer:
         return {"step": self.step, "val_loss": last_val, "interrupted": interrupted,
                 "skipped_steps": self.skipped_steps, "best_val_loss": self.best_val,
                 "parameters": self.model.num_parameters(), "train_seconds": train_time,
+                "compiled": bool(t.compile) and self.compile_error is None,
+                "compile_error": self.compile_error,
                 "tokens_per_s": tokens_per_step * steps_run / train_time if train_time else math.nan}
