@@ -57,7 +57,7 @@ results: $(VENV)/.installed-dev
 	$(BIN)/continuumlm experiment all
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench examples
 
 clean:
 	rm -rf runs/demo .pytest_cache

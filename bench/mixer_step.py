@@ -19,7 +19,8 @@ SIZES = {"baby": dict(num_heads=4, batch=12, ctx=64), "cat": dict(num_heads=8, b
 DEPTHS = {"discrete x4": dict(depth="discrete", num_layers=4),
           "ode euler x4": dict(depth="ode", num_layers=1, ode_solver="euler", ode_steps=4)}
 MIXERS = {"softmax": dict(mixer="softmax"), "deltanet": dict(mixer="deltanet"),
-          "deltanet + short conv": dict(mixer="deltanet", deltanet_short_conv=4),
+          "deltanet + short conv": dict(mixer="deltanet",
+                                           components={"deltanet": {"short_conv": 4}}),
           "continuous": dict(mixer="continuous")}
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from continuumlm import LanguageModel, ModelConfig
+from continuumlm.testing import check_cached_decoding
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -57,33 +58,8 @@ def small_model(**kw) -> LanguageModel:
     return LanguageModel(small_config(**kw)).eval()
 
 
-def assert_cached_decoding_exact(m: LanguageModel, prompt: torch.Tensor, n_new: int,
-                                 atol: float = 1e-4) -> torch.Tensor:
-    """Greedy generation with the cache equals generation by recompute token for token, and
-    prefill + one step per token gives the logits of one full forward within ``atol``.
-    Returns the generated sequence."""
-    a = m.generate(prompt, n_new, greedy=True)
-    b = m.generate(prompt, n_new, greedy=True, use_cache=False)
-    assert torch.equal(a, b)
-    P = prompt.shape[1]
-    state = m.init_state(prompt.shape[0])
-    steps = [m.step(a[:, :P], state)[0]] + [m.step(a[:, t:t + 1], state)[0]
-                                            for t in range(P, a.shape[1] - 1)]
-    full, _ = m(a[:, :-1])
-    torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol)
-    if getattr(m.depth, "exact_cache", True):
-        # the static one-token path that generate(compile=True) compiles, run eagerly here;
-        # with the smallest first capacity, so that the buffers are refrozen larger on the way
-        state = m.init_state(prompt.shape[0])
-        steps = [m.step(a[:, :P], state)[0]]
-        fn = m._static_decoder(state, compile=False, min_capacity=1)
-        first = state.static.capacity
-        for t in range(P, a.shape[1] - 1):
-            steps.append(fn(a[:, t:t + 1], state))
-            state.advance()
-        assert first == 1 << P.bit_length() and state.static.capacity >= a.shape[1] - 1
-        torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol)
-    return a
+# the check a plugin author runs too (continuumlm.testing)
+assert_cached_decoding_exact = check_cached_decoding
 
 
 def pytest_collection_modifyitems(config, items):

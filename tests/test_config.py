@@ -1,7 +1,8 @@
 import pytest
 
+from conftest import REPO
 from continuumlm import ConfigError, ModelConfig, load_config
-from continuumlm.config import RunConfig, dump_toml
+from continuumlm.config import DataConfig, RunConfig, TrainConfig, dump_toml
 
 
 def test_defaults_are_valid():
@@ -40,8 +41,9 @@ def test_unknown_section(tmp_path):
     # (they ended in an overflow or numpy allocation traceback)
     ("model.vocab_size=9000000000000000000", "model.vocab_size = 9000000000000000000 is larger"),
     ("model.ffn_hidden_size=9000000000000000000", "model.ffn_hidden_size = .* is larger"),
-    ("model.cat_n_quad=1000000000", r"model.cat_n_quad = 1000000000 is larger .* 1,024"),
-    ("model.cat_n_freq=100000000", r"model.cat_n_freq = 100000000 is larger"),
+    ("model.continuous.n_quad=1000000000",
+     r"model.continuous.n_quad = 1000000000 is larger .* 1,024"),
+    ("model.cat_n_freq=100000000", r"model.continuous.n_freq = 100000000 is larger"),  # old name
     ("model.ode_t1=1e300", r"model.ode_t1 = 1e\+300 is outside .*float32"),
     ("mqar.power_a=1e10", r"mqar.power_a = 10000000000.0: query distances .* overflows"),
     ("mqar.vocab_size=0", r"mqar.vocab_size = 0 leaves 0 distinct keys .* at least 34"),
@@ -96,9 +98,9 @@ def test_limits_of_this_version_spare_the_configs_of_saved_runs():
         one[bad] = d[bad]
         with pytest.raises(ConfigError):
             RunConfig.from_dict(one)
-    assert RunConfig.from_dict(d, saved=True).model.cat_n_quad == 2048
-    assert ModelConfig.from_dict(d["model"], saved=True).cat_n_quad == 2048
-    with pytest.raises(ConfigError, match="cat_n_quad"):  # strict again afterwards
+    assert RunConfig.from_dict(d, saved=True).model.component("continuous").n_quad == 2048
+    assert ModelConfig.from_dict(d["model"], saved=True).component("continuous").n_quad == 2048
+    with pytest.raises(ConfigError, match="n_quad"):  # strict again afterwards
         ModelConfig.from_dict(d["model"])
     assert load_config(None, ["mqar.seq_len=63"]).mqar.seq_len == 63
     assert load_config(None, ["mqar.power_a=2"]).mqar.power_a == 2
@@ -157,3 +159,27 @@ def test_cross_section_error_blames_the_set_value(tmp_path):
     p.write_text("[model]\nposition = \"learned\"\nmax_seq_len = 32\n")
     with pytest.raises(ConfigError, match=r"\(from --set train\.seq_len=64; in .*c\.toml\)$"):
         load_config(p, ["train.seq_len=64"])
+
+
+def test_every_setting_is_documented():
+    """--explain and error messages can say what each key means: every field of every
+    section and of every registered component's Config has its docstring."""
+    import dataclasses
+
+    from continuumlm.config import MQARConfig, _configurable, field_docs
+
+    classes = [ModelConfig, DataConfig, TrainConfig, MQARConfig,
+               *(c.Config for c in _configurable().values())]
+    missing = [f"{c.__qualname__}.{f.name}" for c in classes for f in dataclasses.fields(c)
+               if f.name != "components" and not field_docs(c).get(f.name)]
+    assert not missing, missing
+
+
+def test_inspect_explain_prints_values_defaults_and_docs(tmp_path):
+    from conftest import run_cli
+
+    r = run_cli("inspect", "--config", "configs/shakespeare_char/deltanet_conv.toml",
+                "--explain", "--set", "model.deltanet.short_conv=3", cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "[model.deltanet]\n  short_conv = 3  [int]  (default 0)" in r.stdout
+    assert "Peak learning rate of AdamW" in r.stdout and "[train]" in r.stdout

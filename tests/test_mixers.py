@@ -18,7 +18,8 @@ DEPTHS = [dict(depth="discrete"), dict(depth="ode", ode_solver="euler", ode_step
 def model(mixer, **kw):
     torch.manual_seed(0)
     base = dict(vocab_size=31, hidden_size=32, num_heads=4, num_layers=2, max_seq_len=64,
-                mixer=mixer, deltanet_short_conv=3 if mixer == "deltanet" else 0)
+                mixer=mixer,
+                components={"deltanet": {"short_conv": 3}} if mixer == "deltanet" else {})
     base.update(kw)
     m = LanguageModel(ModelConfig(**base))
     if mixer == "deltanet":  # small chunks so test lengths cross chunk boundaries
@@ -77,7 +78,7 @@ def test_cached_generation_equals_recompute(mixer, depth):
 
 def test_deltanet_layer_rejects_indivisible_width():
     cfg = types.SimpleNamespace(hidden_size=30, num_heads=4, head_dim=7, mode="decoder",
-                                use_bitnet=False, bias=False, deltanet_short_conv=0,
+                                use_bitnet=False, bias=False,
                                 norm_type="rmsnorm", dropout=0.0)
     with pytest.raises(ValueError, match=r"30.*4"):
         DeltaNetAttention(cfg)
@@ -112,7 +113,7 @@ def test_sobolev_penalty():
 
 @pytest.mark.parametrize("basis", ["fourier", "cheb"])
 def test_continuous_attention_rows_are_convex_and_long_contexts_run(basis):
-    m = model("continuous", cat_basis=basis, num_layers=1)
+    m = model("continuous", components={"continuous": {"basis": basis}}, num_layers=1)
     att = m.depth.layers[0].mixer
     M = att.mixing(torch.arange(0, 40), 40)
     torch.testing.assert_close(M.sum(-1), torch.ones(4, 40))
@@ -206,7 +207,8 @@ def test_quadrature_nodes_survive_a_cast_of_the_model(dtype):
     from continuumlm.mixers.continuous import ContinuousAttention
 
     cfg = ModelConfig(vocab_size=31, hidden_size=16, num_heads=2, num_layers=1,
-                      max_seq_len=8192, mixer="continuous", cat_sob_lambda=1e-3)
+                      max_seq_len=8192, mixer="continuous",
+                      components={"continuous": {"sob_lambda": 1e-3}})
     torch.manual_seed(0)
     cast = ContinuousAttention(cfg).to(dtype)
     ref = ContinuousAttention(cfg)

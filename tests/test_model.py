@@ -114,7 +114,8 @@ def test_compiled_decoding_equals_eager(mixer):
     buffers double when full; logits equal a full forward's, and later generations reuse the
     graphs. DeltaNet's step does not read the buffers' length, so growing never recompiles."""
     m = small_model(mixer=mixer, depth="ode", ode_solver="midpoint", ode_steps=1, num_layers=1,
-                    position="rope", deltanet_short_conv=4 if mixer == "deltanet" else 0)
+                    position="rope",
+                    components={"deltanet": {"short_conv": 4}} if mixer == "deltanet" else {})
     prompt = torch.randint(0, 37, (2, 5))
     a = m.generate(prompt, 30, greedy=True)
     state = m.init_state(2)
@@ -154,7 +155,7 @@ def test_compiled_decoding_equals_eager(mixer):
 def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     import copy
 
-    from continuumlm.model import lm
+    from continuumlm.model import generation
 
     m = small_model()
     prompt = torch.randint(0, 37, (1, 4))
@@ -163,7 +164,7 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     def broken(*a, **k):
         raise torch._dynamo.exc.TorchDynamoException("no compiler here")
 
-    monkeypatch.setattr(lm, "_compiled_token_logits", lambda: broken)
+    monkeypatch.setattr(generation, "_compiled_token_logits", lambda: broken)
     with caplog.at_level("WARNING", logger="continuumlm"):
         out = m.generate(prompt, 12, greedy=True, compile=True)
         again = m.generate(prompt, 12, greedy=True, compile=True)
@@ -175,12 +176,12 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
 def test_running_out_of_graphs_decodes_eagerly(monkeypatch, caplog):
     """Dynamo refuses to compile past its graph limit (under fullgraph, by raising): that model
     warns once and decodes eagerly, with the same tokens."""
-    from continuumlm.model import lm
+    from continuumlm.model import generation
 
     m = small_model()
     prompt = torch.randint(0, 37, (1, 4))
     ref = m.generate(prompt, 70, greedy=True)
-    monkeypatch.setattr(lm, "_RECOMPILE_LIMIT", 0)
+    monkeypatch.setattr(generation, "_RECOMPILE_LIMIT", 0)
     try:  # (not monkeypatch: undoing it on torch's config module hides the setting)
         with torch._dynamo.config.patch(recompile_limit=1), \
                 caplog.at_level("WARNING", logger="continuumlm"):
@@ -337,7 +338,8 @@ def test_weights_of_another_size_are_one_short_error(tmp_path):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(), dict(mixer="deltanet", deltanet_short_conv=4), dict(mixer="continuous"),
+    dict(), dict(mixer="deltanet", components={"deltanet": {"short_conv": 4}}),
+    dict(mixer="continuous"),
     dict(depth="ode"), dict(depth="ode", field="parallel", ode_time_embedding="sinusoidal"),
     dict(position="learned", use_bitnet=True, tie_embeddings=False),
 ])
@@ -346,29 +348,30 @@ def test_memory_check_counts_the_model_it_would_build(kw, monkeypatch):
     real model's, and a model over the free memory is refused before anything is built."""
     import continuumlm.model.lm as lm
     from continuumlm import ConfigError
+    from continuumlm.model import memory
 
     cfg = small_config(num_layers=3, **kw)
     real = LanguageModel(cfg)
     assert lm.check_memory(cfg) == real.num_parameters()
     need = 4 * (4 * real.num_parameters() + sum(b.numel() for b in real.buffers()))
-    monkeypatch.setattr(lm, "available_memory", lambda device: need)
+    monkeypatch.setattr(memory, "available_memory", lambda device: need)
     lm.check_memory(cfg)  # exactly enough
-    monkeypatch.setattr(lm, "available_memory", lambda device: need - 1)
+    monkeypatch.setattr(memory, "available_memory", lambda device: need - 1)
     with pytest.raises(ConfigError, match=f"{real.num_parameters():,} parameters.*GiB available"):
         lm.check_memory(cfg)
     lm.check_memory(cfg, training=False)  # weights alone fit
-    monkeypatch.setattr(lm, "available_memory", lambda device: None)
+    monkeypatch.setattr(memory, "available_memory", lambda device: None)
     lm.check_memory(cfg)  # unknown: no refusal
 
 
 def test_memory_refusal_names_the_buffers_when_they_dominate(monkeypatch):
     """A rotary model with an absurd max_seq_len: the tables, not the weights, are too big,
     and the message must say so (it spoke of weights only)."""
-    import continuumlm.model.lm as lm
     from continuumlm import ConfigError, ModelConfig
+    from continuumlm.model import memory
     from continuumlm.model.lm import check_memory
 
-    monkeypatch.setattr(lm, "available_memory", lambda device: 16 * 2**30)  # any machine
+    monkeypatch.setattr(memory, "available_memory", lambda device: 16 * 2**30)  # any machine
 
     with pytest.raises(ConfigError, match=r"795,904 parameters and [\d,]+ buffer values .*"
                                           r"max_seq_len\); its weights and buffers"):

@@ -6,11 +6,16 @@ import torch
 
 from conftest import assert_cached_decoding_exact
 from continuumlm import ConfigError, LanguageModel, ModelConfig
-from continuumlm.ode import SOLVERS, ODESolverError, ReversibleHeun, integrate
+from continuumlm.ode import ODESolverError, ReversibleHeun, integrate
+from continuumlm.registry import FIELDS as FIELD_REGISTRY
+from continuumlm.registry import MIXERS, SOLVERS
 
-FIXED = ["euler", "midpoint", "heun", "rk4", "rk4_38", "rk2_gated", "reversible_heun"]
-FIELDS = ["attention", "sequential", "parallel"]
-MIXER_NAMES = ["softmax", "deltanet", "continuous"]
+# every registered component, so a new one (or a plugin's) is covered by the same tests
+FIXED = sorted(n for n in SOLVERS if SOLVERS.component_class(n).fixed_grid)
+NON_REVERSIBLE_FIXED = [n for n in FIXED if not SOLVERS.component_class(n).reversible]
+ADAPTIVE = sorted(n for n in SOLVERS if not SOLVERS.component_class(n).fixed_grid)
+FIELDS = sorted(FIELD_REGISTRY)
+MIXER_NAMES = sorted(MIXERS)
 
 
 def ode_cfg(**kw):
@@ -102,7 +107,7 @@ def test_adaptive_solver_couples_positions(caplog):
     torch.testing.assert_close(out[:, :6], ref[:, :6], rtol=0, atol=1e-2)  # but only slightly
 
 
-@pytest.mark.parametrize("method", ["dopri5", "bosh3", "adaptive_heun"])
+@pytest.mark.parametrize("method", ADAPTIVE)
 def test_adaptive_max_steps_is_a_clear_error(method, monkeypatch):
     """The message names the block and the step torchdiffeq last attempted (it gave the gap
     between the last two evaluations: always 0 for dopri5, whose last stages share a time)."""
@@ -226,7 +231,7 @@ def _same_weights(ref, **kw):
     return m
 
 
-@pytest.mark.parametrize("solver", ["euler", "midpoint", "heun", "rk4", "rk4_38", "rk2_gated"])
+@pytest.mark.parametrize("solver", NON_REVERSIBLE_FIXED)
 def test_checkpoint_gradients_equal_direct(solver):
     ref = ode_model(ode_solver=solver, dropout=0.1)  # dropout masks must match in recompute
     idx = torch.randint(0, 29, (2, 9))
@@ -255,7 +260,7 @@ def test_reversible_gradients_equal_direct(field):
     torch.testing.assert_close(g_rev, g_direct, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
+@pytest.mark.parametrize("mixer", MIXER_NAMES)
 def test_reversible_gradients_equal_direct_under_bf16_autocast(mixer):
     """Mixed precision: the field runs in bf16 but the solver's state stays float32, and the
     backward re-evaluates f under the forward's autocast, so the rebuilt states and gradients
@@ -313,7 +318,7 @@ def test_dropout_mask_fixed_within_a_solve():
 
 @pytest.mark.parametrize("mixer", MIXER_NAMES)
 @pytest.mark.parametrize("field", FIELDS)
-@pytest.mark.parametrize("solver", ["euler", "midpoint", "rk4", "rk2_gated", "reversible_heun"])
+@pytest.mark.parametrize("solver", FIXED)
 def test_ode_kv_cache_equals_recompute(solver, field, mixer):
     m = ode_model(ode_solver=solver, field=field, ode_steps=2, mixer=mixer).eval()
     assert_cached_decoding_exact(m, torch.randint(0, 29, (2, 5)), 24)

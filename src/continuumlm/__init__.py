@@ -3,12 +3,14 @@
 Public API::
 
     from continuumlm import ModelConfig, LanguageModel, load_config
+    from continuumlm import register_mixer, register_field, register_solver  # your own parts
 """
 
 from typing import TYPE_CHECKING
 
 from .config import DataConfig, ModelConfig, RunConfig, TrainConfig, load_config
 from .errors import CheckpointError, ConfigError, ContinuumLMError, DataError
+from .registry import load_plugins, register_field, register_mixer, register_solver
 
 if TYPE_CHECKING:
     from .model import LanguageModel
@@ -18,7 +20,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # The model brings torch (seconds to import): it loads on first use, so that the command
-    # line's --help and usage errors answer at once.
+    # line's --help and usage errors answer at once (PEP 562; not an import-cycle workaround:
+    # nothing below the package root imports it).
     if name == "LanguageModel":
         from .model import LanguageModel
 
@@ -27,5 +30,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "CheckpointError", "ConfigError", "ContinuumLMError", "DataConfig", "DataError",
-    "LanguageModel", "ModelConfig", "RunConfig", "TrainConfig", "load_config", "__version__",
+    "LanguageModel", "ModelConfig", "RunConfig", "TrainConfig", "load_config", "load_plugins",
+    "register_field", "register_mixer", "register_solver", "__version__",
 ]

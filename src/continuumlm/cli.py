@@ -52,8 +52,13 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="continuumlm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    plugin = argparse.ArgumentParser(add_help=False)
+    plugin.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import this module first, so the mixers, fields and solvers it "
+                             "registers can be named in a config (repeatable; a trained run "
+                             "remembers its plugins)")
 
-    t = sub.add_parser("train", help="train a model from a TOML config")
+    t = sub.add_parser("train", parents=[plugin], help="train a model from a TOML config")
     t.add_argument("--config", help="TOML file with [model], [data] and [train] sections")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.max_steps=100")
@@ -64,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(runs torchrun --standalone --nproc_per_node=N for you; DDP, or FSDP with "
                    "train.strategy = 'fsdp')")
 
-    r = sub.add_parser("experiment", help="run an experiment behind docs/results.md (in a "
+    r = sub.add_parser("experiment", parents=[plugin], help="run an experiment behind docs/results.md (in a "
                        "repository checkout) and regenerate the page")
     r.add_argument("name", nargs="?", help="shakespeare, elasticity, cat_protocol, ptb, mqar, "
                    "bench, or all")
@@ -76,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "runs/bench/<config folder>-<config>_seed<N>, or "
                    "runs/bench/mqar-<config>)")
 
-    x = sub.add_parser("export", help="consolidate an FSDP run's sharded checkpoint into "
+    x = sub.add_parser("export", parents=[plugin], help="consolidate an FSDP run's sharded checkpoint into "
                        "model.safetensors")
     x.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     x.add_argument("--which", choices=("best", "last"),
                    help="only this checkpoint of a run folder (default: last and best)")
 
-    e = sub.add_parser("eval", help="cross-entropy, perplexity and bits/char of a checkpoint")
+    e = sub.add_parser("eval", parents=[plugin], help="cross-entropy, perplexity and bits/char of a checkpoint")
     e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     e.add_argument("--which", choices=("best", "last"), default="best",
                    help="checkpoint of a run folder to use (default: best)")
@@ -97,18 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ode-steps", type=_positive_int, help="... and/or this many steps")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    q = sub.add_parser("mqar", help="train and score multi-query associative recall")
+    q = sub.add_parser("mqar", parents=[plugin], help="train and score multi-query associative recall")
     q.add_argument("--config", required=True, help="TOML file with [model], [mqar], [train]")
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     q.add_argument("--out", help="run folder (default: runs/mqar/<config name>)")
     q.add_argument("--quiet", action="store_true")
 
-    i = sub.add_parser("inspect", help="parameter count and NFE of a config's model")
+    i = sub.add_parser("inspect", parents=[plugin], help="parameter count and NFE of a config's model")
     i.add_argument("--config", required=True)
     i.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--explain", action="store_true", help="print every setting of the config "
+                   "with its value, type, default and documentation (component tables too)")
 
-    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g = sub.add_parser("generate", parents=[plugin], help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     g.add_argument("--which", choices=("best", "last"), default="best")
     g.add_argument("--prompt", default="", help="text to continue")
@@ -133,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
+        if args.plugin:
+            from .registry import load_plugins
+
+            load_plugins(args.plugin)
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                     "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export,
                     "experiment": cmd_experiment}
@@ -202,7 +213,7 @@ def cmd_train(args) -> int:
             raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
                              "already sets the number of processes).")
         if args.config or not args.resume:  # a bad config is reported here, once, status 2
-            load_config(args.config, args.set).check_trainable()
+            load_config(args.config, args.set, plugins=args.plugin).check_trainable()
         return launch_torchrun(args.nproc, args.argv)
 
     if args.out is None and args.config is None:
@@ -210,12 +221,13 @@ def cmd_train(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     if args.resume:
         if args.config:
-            cfg = load_config(args.config, args.set)
+            cfg = load_config(args.config, args.set, plugins=args.plugin)
         else:  # the run's own settings, with --set applied on top
             ckpt, saved, _ = find_resumable(out, announce=False)
-            cfg = load_config(None, args.set, base=saved.to_dict(), where=str(ckpt))
+            cfg = load_config(None, args.set, base=saved.to_dict(), where=str(ckpt),
+                              plugins=args.plugin)
     else:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set, plugins=args.plugin)
     try:
         trainer = Trainer(cfg, out, resume=args.resume, quiet=args.quiet)
         result = trainer.run()
@@ -248,7 +260,7 @@ def cmd_mqar(args) -> int:
     from .config import load_config
     from .train.mqar import run_mqar
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, plugins=args.plugin)
     out = Path(args.out) if args.out else Path("runs") / "mqar" / Path(args.config).stem
     try:
         r = run_mqar(cfg, out, quiet=args.quiet)
@@ -273,7 +285,12 @@ def cmd_inspect(args) -> int:
     from .model.lm import check_memory
     from .ode import ADAPTIVE_METHODS
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, plugins=args.plugin)
+    if args.explain:
+        from .config import explain
+
+        print(explain(cfg))
+        return 0
     raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8-sig"))
     if "mqar" in raw or any(s.startswith("mqar.") for s in args.set):
         # the model `continuumlm mqar` trains: the task's vocabulary and sequence length

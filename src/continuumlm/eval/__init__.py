@@ -1,3 +1,1 @@
-from .sampling import filter_logits, sample_next
-
-__all__ = ["filter_logits", "sample_next"]
+"""Evaluation: perplexity over a split at one or more context lengths."""

@@ -1,17 +1,14 @@
 """Token mixers: modules that move information between positions, ``forward(x, cache=None)``.
 
-A mixer knows nothing about depth or solvers. Add one by registering its class here.
+A mixer knows nothing about depth or solvers. Each registers itself with
+``continuumlm.register_mixer(name)``; ``MIXERS`` is that registry.
 """
 
+from ..registry import MIXERS
+from .cache import KVCache, SeqCache, StaticStep
 from .continuous import ContinuousAttention
 from .deltanet import DeltaNetAttention, delta_rule_chunkwise, delta_rule_recurrent
 from .softmax import SoftmaxAttention
 
-MIXERS = {
-    "softmax": SoftmaxAttention,
-    "deltanet": DeltaNetAttention,
-    "continuous": ContinuousAttention,
-}
-
-__all__ = ["MIXERS", "ContinuousAttention", "DeltaNetAttention", "SoftmaxAttention", "delta_rule_chunkwise",
-           "delta_rule_recurrent"]
+__all__ = ["MIXERS", "ContinuousAttention", "DeltaNetAttention", "KVCache", "SeqCache",
+           "SoftmaxAttention", "StaticStep", "delta_rule_chunkwise", "delta_rule_recurrent"]

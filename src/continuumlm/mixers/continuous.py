@@ -1,18 +1,18 @@
 """Continuous spectral attention (CAT), made causal.
 
 Per head, a kernel over continuous positions W(s, t) = phi(s)^T C phi(t) with a truncated basis
-phi (Fourier cosines cos(pi f s) or Chebyshev polynomials T_f(2s - 1), f < ``cat_n_freq``).
+phi (Fourier cosines cos(pi f s) or Chebyshev polynomials T_f(2s - 1), f < ``n_freq``).
 The output at position s is a quadrature of the integral of softmax_t W(s, t) times v(t), with
 v the token values linearly interpolated between positions:
 
     y(s) = sum_j p_j(s) v(t_j),   p(s) = softmax_j(W(s, t_j) + log w_j)
 
-over ``cat_n_quad`` Gauss-Legendre nodes t_j with weights w_j. Choices that differ from CAT:
+over ``n_quad`` Gauss-Legendre nodes t_j with weights w_j. Choices that differ from CAT:
 
 - Causal in decoder mode: the integral for a query at s runs over [0, s] only, so nodes lie in
   [0, s] and the interpolation reads tokens at positions <= s. Encoder mode integrates over the
   whole window.
-- Positions map to s by a fixed scale (token i is at s = i / ``cat_length``), never by the
+- Positions map to s by a fixed scale (token i is at s = i / ``length``), never by the
   current sequence length, so a token's output does not depend on how many tokens follow it.
   Past the scale, Fourier features continue periodically and Chebyshev arguments are clamped.
 - Normalization: the softmax runs over the quadrature nodes with the log weights added, so p
@@ -20,28 +20,50 @@ over ``cat_n_quad`` Gauss-Legendre nodes t_j with weights w_j. Choices that diff
   about 1e-3, which damps the signal).
 
 The kernel depends on positions only, so one (H, T, T) mixing matrix serves the whole batch.
-Decoding stores the token values; one new token costs O(cat_n_quad * head_dim) per head.
-A Sobolev (biharmonic) penalty sum (f^2 + g^2)^2 C_fg^2, times ``cat_sob_lambda``, is exposed
+Decoding stores the token values; one new token costs O(n_quad * head_dim) per head.
+A Sobolev (biharmonic) penalty sum (f^2 + g^2)^2 C_fg^2, times ``sob_lambda``, is exposed
 through ``penalty()`` and added to the loss by the trainer.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from ..model.cache import SeqCache
+from ..config import setting
 from ..nn import SharedDropout, make_linear
+from ..registry import register_mixer
+from .cache import SeqCache
 
 
 class ValueCache(SeqCache):
     """The projected values of every token so far, (B, H, T, D)."""
 
 
+@register_mixer("continuous")
 class ContinuousAttention(nn.Module):
+    @dataclass
+    class Config:
+        """[model.continuous]: CAT's kernel and quadrature."""
+
+        basis: str = setting("fourier", choices=("fourier", "cheb"))
+        """Basis of the kernel: "fourier" cosines or "cheb" Chebyshev polynomials."""
+        # Gauss-Legendre nodes come from the eigenvalues of an n x n companion matrix (0.1 s at
+        # 1024 nodes, 7 s at 4096) and every query reads every node, so larger counts are
+        # refused rather than left to stall.
+        n_freq: int = setting(32, gt=0, le=1024)
+        """Basis functions per axis of the kernel."""
+        n_quad: int = setting(32, gt=0, le=1024)
+        """Gauss-Legendre nodes of the quadrature."""
+        sob_lambda: float = setting(1e-6, ge=0)
+        """Weight of the Sobolev (biharmonic) penalty on the kernel coefficients."""
+        length: int = setting(0, ge=0)
+        """Positions per unit of continuous position s (0 = max_seq_len)."""
+
     cache_factory = ValueCache
     query_chunk = 512  # queries per block (bounds memory at long contexts)
     dense_limit = 1024  # above this many keys the gather path is cheaper than a dense matrix
@@ -50,18 +72,19 @@ class ContinuousAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.causal = cfg.mode == "decoder"
-        self.basis = cfg.cat_basis
-        self.n_freq = cfg.cat_n_freq
-        self.scale = float(cfg.cat_length or cfg.max_seq_len)
-        self.sob_lambda = cfg.cat_sob_lambda
+        own = cfg.component("continuous")
+        self.basis = own.basis
+        self.n_freq = own.n_freq
+        self.scale = float(own.length or cfg.max_seq_len)
+        self.sob_lambda = own.sob_lambda
         self.v_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
         self.out_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
         self.out_proj.residual_proj = True
-        f = torch.arange(cfg.cat_n_freq, dtype=torch.float32)
+        f = torch.arange(own.n_freq, dtype=torch.float32)
         # a smooth kernel at init: coefficients decay with frequency
         decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
-        self.coef = nn.Parameter(torch.randn(cfg.num_heads, cfg.cat_n_freq, cfg.cat_n_freq) * 0.02 * decay)
-        self.n_quad = cfg.cat_n_quad
+        self.coef = nn.Parameter(torch.randn(cfg.num_heads, own.n_freq, own.n_freq) * 0.02 * decay)
+        self.n_quad = own.n_quad
         self._build_constants(None, torch.float32)
         self.dropout = SharedDropout(cfg.dropout)
 

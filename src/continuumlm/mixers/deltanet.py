@@ -18,11 +18,15 @@ The kernels take q, k, v and beta as given: normalization and scaling are the la
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import setting
 from ..nn import SharedDropout, make_linear, make_norm
+from ..registry import register_mixer
 
 
 def delta_rule_recurrent(q, k, v, beta, initial_state=None):
@@ -41,20 +45,26 @@ def delta_rule_recurrent(q, k, v, beta, initial_state=None):
     return o, S
 
 
-# flash-linear-attention: its first release line (0.1.x) took head-first (B, H, T, D) tensors by
-# default; every release from 0.2 takes (B, T, H, D), and from 0.5 passing ``head_first`` at all
-# raises. The adapter below calls the 0.2+ signature and refuses older releases by version.
+# flash-linear-attention: its first release (0.1.0) took head-first (B, H, T, D) tensors by
+# default; the releases from 0.2 take (B, T, H, D) without being told, and from 0.5 passing
+# ``head_first`` at all raises. The adapter calls the 0.2+ signature and refuses the 0.1 line
+# by version (the package is published as flash-linear-attention, its kernels as fla-core).
 FLA_MIN_VERSION = (0, 2)
 _FLA_PROBE: tuple[bool, str] | None = None  # (usable, why not): probed once per process
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version: "0.5.2" -> (0, 5, 2), "0.1rc2" -> (0, 1)."""
+    import re
+
     parts = []
     for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
+        m = re.match(r"\d+", piece)
+        if not m:
             break
-        parts.append(int(digits))
+        parts.append(int(m.group()))
+        if m.end() < len(piece):  # a pre-release tail ends the numbers
+            break
     return tuple(parts)
 
 
@@ -75,10 +85,11 @@ def fla_status(refresh: bool = False) -> tuple[bool, str]:
     version = getattr(fla, "__version__", None)
     if not isinstance(version, str) or not _version_tuple(version):
         _FLA_PROBE = (False, f"the installed fla does not say its version ({version!r}), so its "
-                             f"tensor layout cannot be told; install fla-core >= 0.2")
+                             f"tensor layout cannot be told; install flash-linear-attention >= 0.2")
     elif _version_tuple(version) < FLA_MIN_VERSION:
-        _FLA_PROBE = (False, f"fla {version} is too old: releases before 0.2 take head-first "
-                             f"tensors by default; install fla-core >= 0.2")
+        _FLA_PROBE = (False, f"fla {version} is too old: the 0.1 releases could take "
+                             f"head-first tensors by default; install flash-linear-attention "
+                             f">= 0.2")
     else:
         _FLA_PROBE = (True, "")
     return _FLA_PROBE
@@ -109,8 +120,8 @@ def _fla_chunkwise(q, k, v, beta, initial_state=None):
                          f"(train.dtype = \"bf16\") or use backend='torch'.")
     usable, why = fla_status()
     if not usable:
-        raise ValueError(f"backend='fla': {why}. Install flash-linear-attention (fla-core >= 0.2) "
-                         f"on a CUDA machine, or use backend='torch'.")
+        raise ValueError(f"backend='fla': {why}. Install flash-linear-attention (>= 0.2) on a "
+                         f"CUDA machine, or use backend='torch'.")
     from fla.ops.delta_rule import chunk_delta_rule
 
     qt, kt, vt = (x.to(dt).transpose(1, 2).contiguous() for x in (q, k, v))
@@ -313,10 +324,18 @@ class ShortConv(nn.Module):
         return y.to(x.dtype), xx[:, xx.shape[1] - (self.kernel - 1):]
 
 
+@register_mixer("deltanet")
 class DeltaNetAttention(nn.Module):
     """The DeltaNet token mixer: projections, L2-normalized q/k, sigmoid write strength, the
     delta-rule kernel, a per-head norm on the readout, a SiLU output gate and the output
     projection. ``mode = "encoder"`` sums a left-to-right and a right-to-left scan."""
+
+    @dataclass
+    class Config:
+        """[model.deltanet]"""
+
+        short_conv: int = setting(0, ge=0)
+        """Kernel size of the causal depthwise convolution on q, k and v (0 = off)."""
 
     cache_factory = DeltaNetCache
     chunk_size = 64
@@ -336,8 +355,9 @@ class DeltaNetAttention(nn.Module):
         self.o_proj.residual_proj = True
         self.beta_proj = nn.Linear(C, cfg.num_heads, bias=True)
         self.convs = None
-        if cfg.deltanet_short_conv:
-            self.convs = nn.ModuleDict({n: ShortConv(C, cfg.deltanet_short_conv) for n in "qkv"})
+        kernel = cfg.component("deltanet").short_conv
+        if kernel:
+            self.convs = nn.ModuleDict({n: ShortConv(C, kernel) for n in "qkv"})
         self.norm = make_norm(cfg.head_dim, cfg)
         self.dropout = SharedDropout(cfg.dropout)
 

@@ -6,10 +6,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model.cache import KVCache
 from ..nn import RotaryEmbedding, SharedDropout, make_linear
+from ..registry import register_mixer
+from .cache import KVCache
 
 
+@register_mixer("softmax")
 class SoftmaxAttention(nn.Module):
     """Causal (decoder) or bidirectional (encoder) scaled dot-product attention."""
 

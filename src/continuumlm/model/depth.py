@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..mixers import MIXERS
 from ..nn import MLP, freeze_dropout, make_norm
-from ..ode import ADAPTIVE_METHODS, ADJOINT_FIXED, FIELDS, SOLVERS, AdaptiveSolver, integrate
+from ..ode import ADAPTIVE_METHODS, ADJOINT_FIXED, AdaptiveSolver, integrate
+from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
 
 log = logging.getLogger("continuumlm")
@@ -150,7 +150,5 @@ class ODEStack(nn.Module):
         return x
 
 
-DEPTHS = {
-    "discrete": DiscreteStack,
-    "ode": ODEStack,
-}
+DEPTHS.register("discrete", DiscreteStack)
+DEPTHS.register("ode", ODEStack)

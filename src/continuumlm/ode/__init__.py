@@ -4,8 +4,11 @@ A solver integrates any f(t, h) and knows nothing about attention; a field compo
 MLPs and norms into f; the ODE depth module (model/depth.py) owns the solver call.
 """
 
-from functools import partial
-
+# FIELDS and SOLVERS (continuumlm.registry) are filled by the modules above, each of which
+# registers its own classes: fields.py the three fields; solvers.py the Butcher tableaus and
+# rk2_gated; reversible.py reversible_heun; adaptive.py torchdiffeq's adaptive methods.
+from ..config import GRAD_MODES  # noqa: E402 - the config validates it
+from ..registry import FIELDS, SOLVERS
 from .adaptive import (
     ADAPTIVE_METHODS,
     ADJOINT_FIXED,
@@ -17,21 +20,6 @@ from .fields import AttentionField, ParallelField, SequentialField
 from .grad import integrate
 from .reversible import ReversibleHeun
 from .solvers import TABLEAUS, FixedGridSolver, GatedRK2, Tableau, rk_step
-
-FIELDS = {
-    "attention": AttentionField,
-    "sequential": SequentialField,
-    "parallel": ParallelField,
-}
-
-SOLVERS = {
-    **{name: partial(FixedGridSolver, tableau=tab) for name, tab in TABLEAUS.items()},
-    "rk2_gated": GatedRK2,
-    "reversible_heun": ReversibleHeun,
-    **{name: partial(AdaptiveSolver, method=name) for name in ADAPTIVE_METHODS},
-}
-
-GRAD_MODES = ("direct", "adjoint", "checkpoint", "reversible")
 
 __all__ = [
     "ADAPTIVE_METHODS", "ADJOINT_FIXED", "FIELDS", "GRAD_MODES", "SOLVERS", "TABLEAUS",

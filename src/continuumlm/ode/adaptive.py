@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from ..errors import ContinuumLMError
+from ..registry import SOLVERS
 from .solvers import TABLEAUS, rk_stages
 
 ADAPTIVE_METHODS = ("dopri5", "bosh3", "adaptive_heun")
@@ -146,3 +148,7 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
             raise _solver_error(func, str(e)) from None
         raise
     return out[-1]
+
+
+for _method in ADAPTIVE_METHODS:
+    SOLVERS.register(_method, partial(AdaptiveSolver, method=_method))

@@ -18,8 +18,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..mixers import MIXERS
 from ..nn import MLP, make_norm
+from ..registry import MIXERS, register_field
 
 
 class SinusoidalTimeEmbedding(nn.Module):
@@ -56,6 +56,7 @@ class _Field(nn.Module):
         return x if te is None else x + te
 
 
+@register_field("attention")
 class AttentionField(_Field):
     post_mlp = True
 
@@ -79,6 +80,7 @@ class _TransformerField(_Field):
         self.mlp = MLP(cfg)
 
 
+@register_field("sequential")
 class SequentialField(_TransformerField):
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
         te = self.temb(t, h)
@@ -86,6 +88,7 @@ class SequentialField(_TransformerField):
         return a + self.mlp(self._plus(self.norm2(h + a), te))
 
 
+@register_field("parallel")
 class ParallelField(_TransformerField):
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
         te = self.temb(t, h)

@@ -27,7 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..registry import register_solver
 
+
+@register_solver("reversible_heun")
 class ReversibleHeun(nn.Module):
     fixed_grid = True
     reversible = True

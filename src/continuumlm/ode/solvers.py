@@ -8,9 +8,12 @@ fused multiply-add, the same as a residual layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
+
+from ..registry import SOLVERS, register_solver
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class FixedGridSolver(nn.Module):
         return rk_step(f, t, h, dt, self.tableau)
 
 
+@register_solver("rk2_gated")
 class GatedRK2(nn.Module):
     """The RK2 block of the ODE Transformer (Li et al., ACL 2022) with a learned gate:
 
@@ -106,6 +110,10 @@ class GatedRK2(nn.Module):
         f2 = f(t + dt, h + dt * f1)
         g = torch.sigmoid(self.gate(torch.cat([f1, f2], dim=-1)))
         return h + dt * (g * f1 + (1 - g) * f2)
+
+
+for _name, _tab in TABLEAUS.items():
+    SOLVERS.register(_name, partial(FixedGridSolver, tableau=_tab))
 
 
 def grid(t0: float, t1: float, steps: int) -> list[float]:

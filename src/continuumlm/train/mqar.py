@@ -34,7 +34,8 @@ from ..data.mqar import (
     recall_accuracy,
 )
 from ..errors import CheckpointError, ConfigError
-from ..model.lm import LanguageModel, available_memory, check_memory
+from ..model.lm import LanguageModel, check_memory
+from ..model.memory import available_memory
 from ..ode import solver_errors
 from .logging import MetricsLogger, refuse_foreign_files
 from .optim import lr_at, make_optimizer

@@ -552,8 +552,10 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
             grad_norm = grad_norm.full_tensor()
         # the step's one host synchronisation: whether to apply the update depends on it
+        # (with no gradient at all, e.g. a solver error in the first micro-batch, the norm is
+        # a CPU zero: hence the device too)
         summed, self.last_penalty, grad_norm = torch.stack(
-            [total, penalty, grad_norm.detach().to(acc)]).tolist()
+            [total, penalty, grad_norm.detach().to(device=self.device, dtype=acc)]).tolist()
         loss_value = summed / t.grad_accum
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
         scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)

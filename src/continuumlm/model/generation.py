@@ -1,0 +1,252 @@
+"""Generation: next-token selection, the token stream over a decoding state, and the one-token
+static step that ``torch.compile`` serves (``LanguageModel.generate(..., compile=True)``).
+
+The functions take the model as their first argument and use its decoding interface
+(``init_state``, ``step``, ``hidden_states``, ``lm_head``, the static one-token step), so
+generation can change without touching the model's definition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import first_line
+from .cache import DecodeState
+
+log = logging.getLogger("continuumlm")
+
+
+# ------------------------------------------------------------------ next-token selection
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None,
+                        greedy: bool = False) -> None:
+    """Refuse settings that mean nothing. Greedy decoding ignores the temperature (0 is a
+    common way to ask for it), but out-of-range top-k/top-p are refused there too rather than
+    passed over without a word."""
+    if not greedy and not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}; use "
+                         f"greedy=True (--greedy) for deterministic argmax decoding.")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}.")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}.")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, then outside the nucleus of mass top_p.
+
+    The nucleus is the smallest set of most probable tokens whose probability reaches top_p
+    (a token is kept when the mass of the tokens ranked above it is below top_p).
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, greedy: bool = False,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,)."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    # Shift the row maximum to 0 before dividing: a tiny temperature then sends the rest to
+    # -inf (sampling becomes argmax) instead of overflowing every logit to inf (NaN probabilities).
+    logits = logits.float()
+    logits = filter_logits((logits - logits.amax(-1, keepdim=True)) / temperature, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ------------------------------------------------------------------ token streams
+
+def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None,
+                    greedy: bool = False, use_cache: bool = True,
+                    generator: torch.Generator | None = None,
+                    eos_token_id: int | None = None,
+                    compile: bool = False) -> Iterator[torch.Tensor]:
+    """Yield the next token ids (B,) one step at a time.
+
+    ``compile=True`` (with the cache) decodes through ``torch.compile`` graphs: after the
+    prompt, the state is frozen to fixed-capacity buffers with the position held in
+    tensors, so one graph serves every token until the buffers are full; they then double,
+    and the next capacity has a graph of its own (per batch size; compiled on first use,
+    kept for later generations). A compiler failure warns once and decodes eagerly.
+    Bad arguments raise here, when the stream is made, not at its first token.
+    """
+    cfg = model.config
+    if cfg.mode != "decoder":
+        raise ValueError("generation needs mode = 'decoder'; this model is an encoder.")
+    check_sampling_args(temperature, top_k, top_p, greedy)
+    if idx.dim() != 2 or idx.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one token, shaped (batch, length).")
+    if cfg.position == "learned" and idx.shape[1] > cfg.max_seq_len:
+        raise ValueError(
+            f"the prompt has {idx.shape[1]} tokens, more than max_seq_len = {cfg.max_seq_len} "
+            f"of this model's learned positions; shorten it to at most {cfg.max_seq_len} "
+            f"tokens (its last ones), or use a RoPE model.")
+    if cfg.position == "learned" and idx.shape[1] + max_new_tokens - 1 > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({idx.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
+            f"max_seq_len = {cfg.max_seq_len} of this model's learned positions; ask for at most "
+            f"{max(cfg.max_seq_len - idx.shape[1] + 1, 0)} new tokens or use a RoPE model.")
+    return _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
+                              use_cache, generator, eos_token_id, compile)
+
+
+@torch.no_grad()
+def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy, use_cache,
+                  generator, eos_token_id, compile) -> Iterator[torch.Tensor]:
+    cfg = model.config
+    if use_cache and not getattr(model.depth, "exact_cache", True):
+        log.debug("generate: %s solves cannot be cached exactly; recomputing the whole "
+                  "context for every token", cfg.ode_solver)
+        use_cache = False
+    # streams may interleave: the model leaves eval mode only when the last one ends
+    if model._open_streams == 0:
+        model._mode_before_streams = model.training
+    model._open_streams += 1
+    model.eval()
+    try:
+        seq = idx
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        state = model.init_state(idx.shape[0]) if use_cache else None
+        logits = model.step(idx, state)[0] if use_cache else None
+        token_fn = None
+        if use_cache and compile and max_new_tokens > 1:
+            token_fn = static_decoder(model, state)
+        for i in range(max_new_tokens):
+            if not use_cache:
+                logits = model.lm_head(model.hidden_states(seq)[:, -1])
+            nxt = sample_next(logits, temperature, top_k, top_p, greedy, generator)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            yield nxt
+            if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                break
+            if token_fn is not None:
+                logits = token_fn(nxt[:, None], state)
+                state.advance()
+            elif use_cache:
+                logits = model.step(nxt[:, None], state)[0]
+            else:
+                seq = torch.cat([seq, nxt[:, None]], dim=1)
+    finally:
+        model._open_streams -= 1
+        if model._open_streams == 0:
+            model.train(model._mode_before_streams)
+
+
+# ------------------------------------------------------------------ the static one-token step
+
+def static_decoder(model, state: DecodeState, compile: bool = True,
+                    min_capacity: int = 64):
+    """Freeze ``state`` and return the (compiled, unless ``compile`` is False) one-token
+    step ``fn(ids (B, 1), state) -> logits (B, vocab)``.
+
+    Capacities are powers of two (at least ``min_capacity``) that grow with the sequence:
+    the state is frozen at the smallest one that holds the next token and refrozen at twice
+    the size when it is full. A frozen attention step reads its whole buffer (the mask
+    hides the tail), and on CPU reading the caches of every stage evaluation is a large
+    share of a token's time, so a buffer sized to the final length would make every early
+    token pay for the last; with doubling, each token reads fewer than twice the positions
+    it needs.
+    Each capacity is one static-shape graph (a symbolic-capacity graph was slower to
+    compile and to run on CPU), shared by every generation that reaches it: generations of
+    any length compile at most one graph per power of two. A mixer whose step does not
+    read the buffers' length (DeltaNet) keeps one graph throughout."""
+    device = model.tok_emb.weight.device
+    state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
+
+    def grow(st: DecodeState) -> None:
+        if st.pos >= st.static.capacity:
+            st.freeze(2 * st.static.capacity, device)
+
+    if not compile:
+        def eager(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+            grow(st)
+            return model._static_token_logits(ids, st)
+        return eager
+
+    def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        grow(st)
+        if not model._compile_failed:
+            try:
+                # strides are part of the guards: a contiguous (B, 1) every time
+                with _recompile_limit(_RECOMPILE_LIMIT):
+                    return _compiled_token_logits()(model, ids.contiguous(), st)
+            except _compile_errors() as e:
+                # fullgraph: tracing and compiling end before anything runs, so the state
+                # is untouched and the eager step below consumes this token exactly once
+                log.warning("generate(compile=True): torch.compile failed (%s: %s); "
+                            "decoding eagerly.", type(e).__name__,
+                            first_line(e))
+                model._compile_failed = True  # not again for this model
+        return model._static_token_logits(ids, st)
+
+    return step
+
+
+def _static_token_logits(model, idx: torch.Tensor, state: DecodeState):
+    return model._static_token_logits(idx, state)
+
+
+_COMPILED = None
+# one compiled function serves every model, batch size and capacity: allow more graphs than
+# dynamo's default of 8 before it refuses to compile another (it then raises, under fullgraph,
+# and that model decodes eagerly)
+_RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def _recompile_limit(n: int):
+    """Raise dynamo's per-function graph limit to at least ``n`` for one call (a plain
+    attribute swap: ~3 us, against milliseconds per token)."""
+    cfg = torch._dynamo.config
+    # renamed from cache_size_limit in torch 2.7, which keeps the old name as an alias
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old = getattr(cfg, name)
+    setattr(cfg, name, max(old, n))
+    try:
+        yield
+    finally:
+        setattr(cfg, name, old)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises before anything runs: dynamo's errors, and (under
+    fullgraph, where it exists) running out of graphs for the function."""
+    exc = torch._dynamo.exc
+    return tuple(e for e in (exc.TorchDynamoException,
+                             getattr(exc, "FailOnRecompileLimitHit", None)) if e is not None)
+
+
+def _capacity_for(n: int, minimum: int = 64) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def _compiled_token_logits():
+    """One compiled function for every model, built on first use (nothing compiled is stored on
+    a model, so copies and pickles of a model are unaffected); dynamo's guards tell models,
+    batch sizes and capacities apart. fullgraph: no graph breaks, so a failure to compile
+    happens before any cache has moved."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_static_token_logits, dynamic=False, fullgraph=True)
+    return _COMPILED

@@ -1,0 +1,137 @@
+"""The invariants every component keeps, as checks a plugin author runs on their own part.
+
+    from continuumlm.testing import check_component
+
+    def test_my_mixer():
+        check_component("mixer", "my_mixer")
+
+A registered mixer, field or solver is built into small language models (discrete and ODE
+depth for a mixer; every registered mixer for a field; the softmax mixer in a sequential
+field for a solver) and each model must be
+
+- exactly causal: changing the tokens after position i leaves the logits at <= i unchanged
+  (for every fixed-grid solver; adaptive solvers couple positions through step-size control);
+- decodable with its caches: greedy generation with the cache equals generation by
+  recomputing, and prefill + one step per token gives the logits of one full forward, both
+  eagerly and on the frozen one-token path that ``generate(compile=True)`` compiles;
+- trainable: the loss backpropagates to finite gradients on every parameter that takes part;
+- (ODE depth) the same size whatever the number of solver steps.
+
+The project's own tests run these checks over every registered component, so a built-in and
+a plugin are held to the same standard. Each check raises AssertionError saying what broke.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .model.lm import LanguageModel
+from .registry import MIXERS, REGISTRIES, SOLVERS
+
+SMALL = dict(vocab_size=37, hidden_size=32, num_heads=4, num_layers=2, max_seq_len=64)
+
+
+def small_model(seed: int = 0, **kw) -> LanguageModel:
+    torch.manual_seed(seed)
+    return LanguageModel(ModelConfig(**{**SMALL, **kw})).eval()
+
+
+def check_causal(model: LanguageModel, length: int = 24, atol: float = 1e-5) -> None:
+    """Changing tokens after position i leaves the logits at positions <= i unchanged."""
+    g = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    idx = torch.randint(0, V, (2, length), generator=g)
+    with torch.no_grad():
+        ref = model(idx)[0]
+        for i in (0, length // 3, length - 2):
+            alt = idx.clone()
+            alt[:, i + 1:] = torch.randint(0, V, alt[:, i + 1:].shape, generator=g)
+            out = model(alt)[0]
+            err = (out[:, :i + 1] - ref[:, :i + 1]).abs().max().item()
+            assert err <= atol, (f"not causal: changing tokens after position {i} moved the "
+                                 f"logits at <= {i} by {err:.3g} (> {atol})")
+
+
+def check_cached_decoding(model: LanguageModel, prompt: torch.Tensor, n_new: int,
+                          atol: float = 1e-4) -> torch.Tensor:
+    """Greedy generation with the cache equals generation by recompute token for token, and
+    prefill + one step per token gives the logits of one full forward within ``atol``, eagerly
+    and on the frozen one-token path. Returns the generated sequence."""
+    a = model.generate(prompt, n_new, greedy=True)
+    b = model.generate(prompt, n_new, greedy=True, use_cache=False)
+    assert torch.equal(a, b), "cached greedy generation differs from recomputing the context"
+    P = prompt.shape[1]
+    state = model.init_state(prompt.shape[0])
+    steps = [model.step(a[:, :P], state)[0]] + [model.step(a[:, t:t + 1], state)[0]
+                                                for t in range(P, a.shape[1] - 1)]
+    with torch.no_grad():
+        full, _ = model(a[:, :-1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol,
+                               msg=lambda m: f"cached decoding != full forward: {m}")
+    if getattr(model.depth, "exact_cache", True):
+        # the static one-token path that generate(compile=True) compiles, run eagerly here;
+        # with the smallest first capacity, so that the buffers are refrozen larger on the way
+        state = model.init_state(prompt.shape[0])
+        steps = [model.step(a[:, :P], state)[0]]
+        fn = model._static_decoder(state, compile=False, min_capacity=1)
+        first = state.static.capacity
+        with torch.no_grad():
+            for t in range(P, a.shape[1] - 1):
+                steps.append(fn(a[:, t:t + 1], state))
+                state.advance()
+        assert first == 1 << P.bit_length() and state.static.capacity >= a.shape[1] - 1
+        torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol,
+                                   msg=lambda m: f"frozen one-token decoding != full forward: "
+                                                 f"{m}")
+    return a
+
+
+def check_trains(model: LanguageModel) -> None:
+    """One backward of the loss: finite, and a gradient on every parameter."""
+    model.train()
+    idx = torch.randint(0, model.config.vocab_size, (2, 12))
+    _, loss = model(idx, idx.roll(-1, dims=1))
+    (loss + model.penalty()).backward()
+    model.eval()
+    assert torch.isfinite(loss), f"the loss is {loss.item()}"
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} takes no part in the loss"
+        assert torch.isfinite(p.grad).all(), f"the gradient of {name} is not finite"
+
+
+def check_size_ignores_steps(**kw) -> None:
+    sizes = {steps: small_model(**{**kw, "ode_steps": steps}).num_parameters()
+             for steps in (1, 3)}
+    assert len(set(sizes.values())) == 1, f"parameter count depends on ode_steps: {sizes}"
+
+
+def _check_model(kw: dict, fixed_grid: bool = True) -> None:
+    model = small_model(**kw)
+    if fixed_grid:
+        check_causal(model)
+        check_cached_decoding(model, torch.randint(0, SMALL["vocab_size"], (2, 5)), 12)
+    else:  # adaptive: decoding recomputes the context; causality holds only approximately
+        a = model.generate(torch.randint(0, SMALL["vocab_size"], (1, 4)), 3, greedy=True)
+        assert a.shape == (1, 7)
+    check_trains(small_model(**kw))
+    if kw.get("depth") == "ode":
+        check_size_ignores_steps(**kw)
+
+
+def check_component(kind: str, name: str, **model_kw) -> None:
+    """Every check above for the registered ``kind`` ("mixer", "field" or "solver") ``name``,
+    in the small models described in this module's docstring; ``model_kw`` adds settings."""
+    if kind not in ("mixer", "field", "solver"):
+        raise ValueError(f"kind must be 'mixer', 'field' or 'solver', got {kind!r}.")
+    REGISTRIES[kind][name]  # an unknown name fails here, listing the registered ones
+    ode = dict(depth="ode", field="sequential", ode_solver="rk4", ode_steps=2)
+    if kind == "mixer":
+        for depth in (dict(depth="discrete"), ode):
+            _check_model({**depth, "mixer": name, **model_kw})
+    elif kind == "field":
+        for mixer in sorted(MIXERS):
+            _check_model({**ode, "field": name, "mixer": mixer, **model_kw})
+    else:
+        fixed = SOLVERS.component_class(name).fixed_grid
+        _check_model({**ode, "ode_solver": name, **model_kw}, fixed_grid=fixed)

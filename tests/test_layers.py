@@ -1,0 +1,84 @@
+"""Imports run one way: each part of the package imports only from its own layer or below.
+
+Read from the source (every import statement, at module level or inside a function), so an
+upward import fails here even when no import order happens to expose it as a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import continuumlm
+
+ROOT = Path(continuumlm.__file__).parent
+# bottom to top; a part may import from its own layer and the layers below it
+LAYERS = [
+    {"errors"},
+    {"registry"},               # the component registries (no torch)
+    {"config"},
+    {"nn", "data"},             # small modules; corpora and tokenizers
+    {"mixers"},                 # token mixers and their caches
+    {"ode"},                    # fields, solvers, gradient modes
+    {"model"},                  # depth, the language model, generation, decoding state
+    {"eval"},
+    {"train"},
+    {"testing", "experiments", "cli", "__init__", "__main__", "hf"},  # entry points, adapters
+]
+RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+
+
+def _part(module: str) -> str:
+    """'continuumlm.mixers.softmax' -> 'mixers'; the package itself -> '__init__'."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "__init__"
+
+
+def _imports(path: Path, rel: Path | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module) of every continuumlm import in the file; ``rel``: its path
+    inside the package (default: where it lies)."""
+    rel = (rel or path.relative_to(ROOT)).with_suffix("")
+    package = ["continuumlm", *rel.parts[:-1]]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names
+                      if a.name.split(".")[0] == "continuumlm"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if not node.module:  # from . import x: x is a module of that package
+                    found += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+                    continue
+                found.append((node.lineno, target))
+            elif node.module and node.module.split(".")[0] == "continuumlm":
+                found.append((node.lineno, node.module))
+    return found
+
+
+def test_every_import_points_down_or_sideways():
+    modules = sorted(ROOT.rglob("*.py"))
+    assert len(modules) > 30
+    wrong = []
+    for path in modules:
+        rel = path.relative_to(ROOT).with_suffix("")
+        me = _part("continuumlm." + ".".join(rel.parts))
+        assert me in RANK, f"{path}: add its part {me!r} to LAYERS"
+        for line, target in _imports(path):
+            there = _part(target)
+            if RANK[there] > RANK[me]:
+                wrong.append(f"{rel}.py:{line} ({me}) imports {target} ({there})")
+    assert not wrong, "imports that point up a layer:\n" + "\n".join(wrong)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The checker itself: a relative import from the mixers up into the model is found."""
+    imports = {t for _, t in _imports(ROOT / "mixers" / "softmax.py")}
+    assert {"continuumlm.mixers.cache", "continuumlm.nn"} <= imports
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\n\ndef f():\n    from ..model.cache import DecodeState\n"
+                     "    from . import cache\n")
+    targets = [t for _, t in _imports(probe, Path("mixers/probe.py"))]
+    assert targets == ["continuumlm.model.cache", "continuumlm.mixers.cache"]
+    assert RANK[_part(targets[0])] > RANK["mixers"]
