@@ -31,6 +31,7 @@ def _rows(out: Path) -> dict:
                     if s in result for r in result[s]["rows"]}
 
 
+@pytest.mark.slow  # end to end, several processes: make test-slow
 def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
     out = tmp_path / "out"
     # generous budgets: a loaded CI machine must not turn slowness into skipped rows

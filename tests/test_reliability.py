@@ -473,6 +473,7 @@ def test_no_pickle_on_the_loading_path():
                 assert "weights_only=True" in line, f"{f}: {line.strip()}"
 
 
+@pytest.mark.slow  # end to end, several processes: make test-slow
 def test_experiment_quick_runs_end_to_end(data_dir, tmp_path):
     """`continuumlm experiment ptb --quick`: every run of the experiment at smoke size, its JSON,
     the n-gram references and a rendered results page, all outside the committed results."""
@@ -556,6 +557,7 @@ def test_malformed_manifest_is_a_checkpoint_error(tmp_path, files):
         verify_checkpoint(tmp_path)
 
 
+@pytest.mark.slow  # end to end, several processes: make test-slow
 def test_train_seeds_never_reuses_a_run_made_with_other_settings(tiny_corpus, tmp_path):
     """bench/train_seeds.py names results by config and seed. A recorded result, or an
     unfinished run folder, made with other --set options is refused, not skipped or resumed."""

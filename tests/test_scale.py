@@ -102,6 +102,7 @@ def test_two_process_resume_continues_the_same_losses(two_process_runs):
     assert_same_weights(weights(cut), weights(two_process_runs["ddp"]), atol=0)
 
 
+@pytest.mark.slow  # end to end, several processes: make test-slow
 def test_fsdp_shards_and_export(two_process_runs):
     tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
     run_dir = tmp / "fsdp"
@@ -139,6 +140,7 @@ def one_and_two_processes(runs, name, *settings, strategy="ddp"):
     return one, two
 
 
+@pytest.mark.slow  # end to end, several processes: make test-slow
 def test_fsdp_continuous_mixer_with_sobolev_penalty_matches_one_process(two_process_runs):
     """The trainer adds the mixers' penalty outside forward, where FSDP holds each weight as a
     shard: the penalty must still be the whole model's and its gradient the one-process one."""
