@@ -254,7 +254,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(tiny_corpus, tmp_path,
 def test_each_step_is_saved_once(tiny_corpus, tmp_path, monkeypatch):
     """A checkpoint step that is also evaluated and improves was saved twice (periodic, then
     best), and the second save replaced the folder `last` pointed at."""
-    import continuumlm.train.trainer as tr
+    import continuumlm.train.checkpointer as tr
 
     saved = []
     real = tr.save_checkpoint

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import math
 import os
-import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,26 +19,21 @@ from ..data import (
     Dataset,
     changed_splits,
     corpus_name,
-    eval_batches,
     load_tokenizer,
     prepare_data,
 )
 from ..data.batches import stream_seed
 from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
-from ..eval.perplexity import loss_sum
 from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError, solver_errors
 from . import distributed as D
-from .checkpoint import (
-    SHARDS_DIR,
-    load_run_config,
-    load_trainer_state,
-    recover_interrupted_save,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from .logging import MetricsLogger, refuse_foreign_files
+from .checkpoint import SHARDS_DIR
+from .checkpointer import Checkpointer
+from .evaluation import Evaluator, evaluate_loss  # noqa: F401 - evaluate_loss: public here too
+from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
+from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
+from .signals import StopSignals
 
 
 def pick_device(name: str, given_by: str = "train.device") -> torch.device:
@@ -99,125 +91,20 @@ class _NullLogger:
         pass
 
 
-@torch.no_grad()
-def evaluate_loss(model: LanguageModel, data: torch.Tensor, seq_len: int, batch_size: int,
-                  max_windows: int | None, device: torch.device, amp=None,
-                  dist_env: D.DistEnv | None = None) -> float:
-    """Mean cross-entropy (nats/token) over fixed, non-overlapping windows. With ``dist_env``
-    the batches are dealt round-robin to the ranks and the sums all-reduced."""
-    was_training = model.training
-    model.eval()
-    rank, world = (dist_env.rank, dist_env.world_size) if dist_env else (0, 1)
-    mine = (b for i, b in enumerate(eval_batches(data, seq_len, batch_size, max_windows))
-            if i % world == rank)
-    total, count = loss_sum(model, mine, device, amp)
-    model.train(was_training)
-    if dist_env is not None:
-        total, count = dist_env.all_reduce_sum([total, count], device)
-    return total / max(count, 1)
-
-
-def find_resumable(out: Path, announce: bool = True):
-    """(checkpoint folder, its run config, its trainer state) of the newest checkpoint in a run
-    folder that passes its manifest and loads; damaged ones are skipped with a message."""
-    root = Path(out) / "checkpoints"
-    if root.is_dir():
-        recover_interrupted_save(root)
-    candidates = []
-    if (root / "last").exists():
-        candidates.append((root / "last").resolve())
-    if root.is_dir():
-        candidates += sorted((p.resolve() for p in root.glob("step-*") if p.is_dir()),
-                             reverse=True)
-    if not candidates:
-        if any((Path(out) / n).exists() for n in ("config.toml", "metrics.jsonl")):
-            # a new run would refuse these files: say what to do about them
-            raise CheckpointError(
-                f"--resume: {root} holds no checkpoint: the run in {out} stopped before it "
-                f"saved its first one, so there is nothing to resume. Delete {out} and start "
-                f"the run again without --resume (or choose another --out).")
-        raise CheckpointError(f"--resume: {root} holds no checkpoint; start the run without "
-                              f"--resume.")
-    problems = []
-    for ckpt in dict.fromkeys(candidates):
-        try:
-            verify_checkpoint(ckpt)
-            saved = load_run_config(ckpt)
-            state = load_trainer_state(ckpt)
-            from safetensors import SafetensorError, safe_open
-
-            if not isinstance(state, dict) or not {"step", "best_val", "sampler"} <= state.keys():
-                raise CheckpointError("trainer_state.pt lacks the step, best_val or sampler entry")
-            if not (ckpt / SHARDS_DIR).is_dir():  # FSDP checkpoints hold shards instead
-                try:
-                    with safe_open(str(ckpt / "model.safetensors"), framework="pt"):
-                        pass
-                except SafetensorError as e:
-                    raise CheckpointError(f"model.safetensors cannot be read ({e})") from None
-        except (CheckpointError, ConfigError, OSError, RuntimeError, ValueError) as e:
-            # intact files whose run.json this version refuses are not damage
-            refused = isinstance(e, ConfigError)
-            problems.append((f"{ckpt.name}: {e}", refused))
-            if announce:
-                what = "cannot be used: its run config is refused" if refused else "is damaged"
-                print(f"warning: checkpoint {ckpt} {what} ({e}); trying an older one",
-                      file=sys.stderr)
-            continue
-        if problems and announce:
-            print(f"resuming from {ckpt}, the newest usable checkpoint", file=sys.stderr)
-        return ckpt, saved, state
-    if all(refused for _, refused in problems):
-        raise CheckpointError(
-            f"--resume: the run config saved with the checkpoints in {root} is refused by this "
-            f"version of ContinuumLM ({problems[0][0]}); the checkpoints were written by another "
-            f"version or their run.json was edited. Evaluate or continue the run with the "
-            f"version that wrote it, or start a new run.")
-    raise CheckpointError(f"--resume: no intact checkpoint in {root}: "
-                          + "; ".join(text for text, _ in problems))
-
-
-def _absolute_path(data):
-    if not data.path:
-        return data
-    return dataclasses.replace(data, path=str(Path(data.path).expanduser().absolute()))
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig, out_dir: str | Path, resume: bool = False,
                  quiet: bool = False):
         self.out = Path(out_dir)
         self.quiet = quiet
-        ckpt_root = self.out / "checkpoints"
-        self.ckpt_root = ckpt_root
-        state = None
-        tokenizer = None
-        self.resumed_from: Path | None = None
-        # data.path is kept absolute in the run's config, so `eval` and `--resume` read the
-        # same file from any folder
-        cfg.data = _absolute_path(cfg.data)
-        if resume:
-            ckpt, saved, state = find_resumable(self.out)
-            saved.data = _absolute_path(saved.data)
-            if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
-                cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
-            if saved.model != cfg.model or saved.data != cfg.data:
-                raise ConfigError(
-                    f"--resume: the [model] or [data] settings differ from those the run in "
-                    f"{self.out} was started with; a resumed run may change only [train] keys "
-                    f"(e.g. train.max_steps). Drop --config/--set for those sections.")
-            tokenizer = load_tokenizer(ckpt)
-            self.resumed_from = ckpt
-        elif (ckpt_root / "last").is_symlink() or any(ckpt_root.glob("step-*")) \
-                or any(ckpt_root.glob(".old-step-*")):
-            raise ConfigError(f"{self.out} already holds a run (its checkpoints/); pass --resume "
-                              f"to continue it, or choose another --out.")
-        else:  # an MQAR run, a run that died before its first checkpoint, a user's config.toml
-            refuse_foreign_files(self.out, ("config.toml", "metrics.jsonl", "state.pt",
-                                            "result.json"), "A new training run")
+        state, self.resumed_from = open_run_folder(cfg, self.out, resume)
+        tokenizer = load_tokenizer(self.resumed_from) if self.resumed_from else None
         cfg.check_trainable()
         self.cfg = cfg
         t = cfg.train
         self.dist, device_name = D.setup(t.device, t.dist_timeout_s)
+        self.checkpointer = Checkpointer(self.out, t, self.dist,
+                                         fsdp=t.strategy == "fsdp" and self.dist.enabled)
+        self.ckpt_root = self.checkpointer.root
         self.main = self.dist.is_main
         if self.main and t.min_lr > t.lr:
             print(f"warning: train.min_lr ({t.min_lr}) is larger than train.lr ({t.lr}), so the "
@@ -226,7 +113,7 @@ class Trainer:
                   f"you want.", file=sys.stderr)
         self.device = pick_device(device_name)
         self.amp = autocast_for(self.device, t.dtype)
-        self.fsdp = t.strategy == "fsdp" and self.dist.enabled
+        self.fsdp = self.checkpointer.fsdp
         torch.manual_seed(t.seed)  # the same initial weights on every rank
 
         self.data: Dataset = prepare_data(cfg.data, tokenizer)
@@ -338,12 +225,12 @@ class Trainer:
         # consecutive bad steps carry over, so a resumed run stops where the uninterrupted one would
         self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
-        self._stop_signal: str | None = None
+        self.signals = StopSignals()
+        self.evaluator = Evaluator(self.data.splits["val"], t, self.device, self.amp, self.dist,
+                                   self.fsdp)
 
         if self.main:
-            self._probe_writable()
-            for stale in [*ckpt_root.glob(".tmp-*"), *ckpt_root.glob(".shards-*")]:
-                shutil.rmtree(stale, ignore_errors=True)  # left by a crash while saving
+            self.checkpointer.prepare()
             # The loop evaluates at its first step only on an eval_interval multiple or at the
             # end; otherwise an evaluation logged at the resume step (a finished run's last one,
             # now extended) stays: it scored the very weights resumed from.
@@ -390,46 +277,6 @@ class Trainer:
         load_shards({"model": msd, "optimizer": osd}, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
 
-    def _install_signal_handlers(self) -> dict:
-        """SIGINT/SIGTERM: finish the current step, save, exit cleanly. A second SIGINT stops
-        at once (the last checkpoint stays intact)."""
-        previous = {}
-
-        def handler(signum, frame):
-            if self._stop_signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._stop_signal = signal.Signals(signum).name
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread: leave signals alone
-                break
-        return previous
-
-    def _probe_writable(self) -> None:
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / f".write-probe-{os.getpid()}"
-            with open(probe, "wb") as f:
-                f.write(b"\0" * 65536)
-                f.flush()
-                os.fsync(f.fileno())
-            probe.unlink()
-        except OSError as e:
-            advice = {errno.ENOSPC: "free some space or choose another --out",
-                      errno.EDQUOT: "free some space or choose another --out",
-                      errno.ENOTDIR: "a part of that path is a file, not a folder; choose "
-                                     "another --out",
-                      errno.EEXIST: "a part of that path is a file, not a folder; choose "
-                                    "another --out",
-                      errno.EACCES: "you may not write there; choose a writable --out",
-                      errno.EPERM: "you may not write there; choose a writable --out",
-                      errno.EROFS: "that file system is read-only; choose a writable --out",
-                      }.get(e.errno, "choose a writable --out")
-            raise TrainingError(f"cannot write to the run folder {self.out} ({e.strerror or e}); "
-                                f"{advice}.") from None
-
     # ------------------------------------------------------------------ pieces
 
     def trainer_state(self) -> dict:
@@ -458,46 +305,12 @@ class Trainer:
         return state
 
     def save(self, best: bool = False) -> Path | None:
-        """Write a checkpoint (rank 0 writes; every rank must call this)."""
-        state = self.trainer_state()
-        shards = None
-        if self.fsdp:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            shards = self.ckpt_root / f".shards-{self.step:08d}"
-            if self.main and shards.exists():
-                shutil.rmtree(shards)
-            self.dist.barrier()
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(shards))
-            self.dist.barrier()
-        path = None
-        if self.main:
-            path = self._write_checkpoint(state, best, shards)
-        self.dist.barrier()
-        return path
-
-    def _write_checkpoint(self, state: dict, best: bool, shards: Path | None) -> Path:
-        try:
-            return save_checkpoint(self.ckpt_root, self.step, self.model, self.tokenizer,
-                                   self.cfg, state, best=best,
-                                   keep=self.cfg.train.keep_checkpoints, shards=shards)
-        except OSError as e:
-            last = self.ckpt_root / "last"
-            kept = f"the previous checkpoint {last.resolve()} is intact" if last.exists() else \
-                "no earlier checkpoint exists"
-            raise TrainingError(f"could not save the checkpoint of step {self.step} "
-                                f"({e.strerror or e}); {kept}. Free disk space and resume with "
-                                f"--resume.") from None
+        """Write a checkpoint of the current step (rank 0 writes; every rank must call this)."""
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self.tokenizer,
+                                      self.cfg, self.trainer_state(), best=best)
 
     def evaluate(self) -> float:
-        t = self.cfg.train
-        # DDP: each rank scores its share of the windows. FSDP: every forward is a collective,
-        # so every rank runs all of them.
-        return evaluate_loss(self.model, self.data.splits["val"], t.seq_len, t.batch_size,
-                             t.eval_iters * t.batch_size, self.device, self.amp,
-                             None if self.fsdp or not self.dist.enabled else self.dist)
+        return self.evaluator(self.model)
 
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.train
@@ -641,42 +454,36 @@ class Trainer:
                 f"{tokens_per_step} tokens per step; run folder {self.out}")
         else:
             say(f"resuming at step {self.step} from {self.resumed_from}")
-        last_val = math.nan
+        last_val = last_loss = math.nan
         window_start, window_steps = time.perf_counter(), 0
-        # a resumed run's checkpoint is at its first step already
         train_time, steps_run = 0.0, 0
-        saved_at = self.step if self.resumed_from is not None else None
-        last_loss = math.nan
-        previous_handlers = self._install_signal_handlers()
+        # a resumed run's checkpoint is at its first step already
+        self.checkpointer.saved_at = self.step if self.resumed_from is not None else None
+        self.signals.install()
         interrupted = None
         try:
             while True:
-                if self.step % t.eval_interval == 0 or self.step >= t.max_steps:
-                    paused = time.perf_counter()
-                    val = self.evaluate()
-                    last_val = val
-                    improved = val < self.best_val
-                    if improved:
-                        self.best_val = val
-                    self.logger.log({"step": self.step, "val_loss": val,
-                                     "val_ppl": math.exp(min(val, 50.0))})
+                # each step: evaluate when due, save when due (once per step: saving a step
+                # twice would replace the folder `last` points at), stop when asked, train
+                paused = time.perf_counter()
+                improved = False
+                if self.evaluator.due(self.step):
+                    last_val = self.evaluate()
+                    improved = last_val < self.best_val
+                    self.best_val = min(self.best_val, last_val)
+                    self.logger.log({"step": self.step, "val_loss": last_val,
+                                     "val_ppl": math.exp(min(last_val, 50.0))})
                     train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
-                    say(f"step {self.step}: {train_part}val loss {val:.4f} "
-                        f"(ppl {math.exp(min(val, 50.0)):.2f})")
-                    # one save per step: a checkpoint step that is also evaluated is saved
-                    # here, after its evaluation (saving a step twice replaces the folder
-                    # `last` points at)
-                    due = (self.step % t.checkpoint_interval == 0 and 0 < self.step < t.max_steps
-                           and saved_at != self.step)
-                    if (improved and self.step > 0) or due:
-                        self.save(best=improved and self.step > 0)
-                        saved_at = self.step
-                    # the throughput window counts training only: move its start past the pause
-                    window_start += time.perf_counter() - paused
+                    say(f"step {self.step}: {train_part}val loss {last_val:.4f} "
+                        f"(ppl {math.exp(min(last_val, 50.0)):.2f})")
+                if self.checkpointer.due(self.step, improved):
+                    self.save(best=improved and self.step > 0)
+                # the throughput window counts training only: move its start past the pause
+                window_start += time.perf_counter() - paused
                 if self.step >= t.max_steps:
                     break
-                if self.dist.any(self._stop_signal is not None, self.device):  # all ranks stop
-                    interrupted = self._stop_signal or "SIGTERM"
+                interrupted = self.signals.agreed_stop(self.dist, self.device)  # all ranks
+                if interrupted:
                     break
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step()
@@ -694,20 +501,13 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
-                if self.step % t.checkpoint_interval == 0 and self.step < t.max_steps \
-                        and self.step % t.eval_interval != 0:  # else saved after evaluating
-                    paused = time.perf_counter()
-                    self.save()
-                    saved_at = self.step
-                    window_start += time.perf_counter() - paused
-            if saved_at != self.step:
+            if self.checkpointer.saved_at != self.step:  # the last step, or where a signal stopped
                 self.save()
             if interrupted:
                 say(f"{interrupted}: saved a checkpoint at step {self.step}; continue with "
                     f"`continuumlm train --out {self.out} --resume`")
         finally:
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+            self.signals.restore()
             bar.close()
             self.logger.close()
         return {"step": self.step, "val_loss": last_val, "interrupted": interrupted,
