@@ -71,3 +71,23 @@ def test_a_legacy_run_evaluates_generates_and_resumes(legacy_run):
     assert not any(k.startswith(("cat_", "deltanet_")) for k in written)  # the new format
     name = "continuous" if legacy_run.name == "cat_cheb" else "deltanet"
     assert name in written and load_run_config(last).model.component(name) is not None
+
+
+@pytest.mark.parametrize("legacy_run", ["deltanet_conv"], indirect=True)
+def test_a_legacy_run_resumes_with_a_config_in_the_new_spelling(legacy_run, tmp_path):
+    """A 0.1 checkpoint holds every flat setting (the CAT ones too, though this is a DeltaNet);
+    the same run described with a [model.deltanet] table is the same run."""
+    import tomllib
+
+    raw = tomllib.loads((legacy_run / "config.toml").read_text())
+    model = {k: v for k, v in raw["model"].items() if not k.startswith(("cat_", "deltanet_"))}
+    lines = ["[model]", *(f"{k} = {json.dumps(v)}" for k, v in model.items()),
+             "", "[model.deltanet]", "short_conv = 4", ""]
+    for section in ("data", "train"):
+        lines += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in raw[section].items()
+                                    if v is not None), ""]
+    new = tmp_path / "new.toml"
+    new.write_text("\n".join(lines).replace("True", "true").replace("False", "false"))
+    r = run_cli("train", "--config", new, "--out", legacy_run, "--resume", "--quiet", "--set",
+                "train.max_steps=6")
+    assert r.returncode == 0, r.stderr

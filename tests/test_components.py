@@ -63,3 +63,48 @@ def test_a_broken_component_fails_the_checks(monkeypatch):
     monkeypatch.setitem(MIXERS._entries, "peeking", Peeking)
     with pytest.raises(AssertionError, match="not causal"):
         check_component("mixer", "peeking")
+
+
+def test_a_plugin_may_replace_a_built_in_before_the_built_ins_load(tmp_path):
+    """--plugin imports a plugin before any lookup: its replace=True must win over the
+    built-in registering itself afterwards (a fresh interpreter: nothing loaded yet)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import continuumlm\n"
+        "from continuumlm.ode.solvers import FixedGridSolver, TABLEAUS\n"
+        "@continuumlm.register_solver('midpoint', replace=True)\n"
+        "class Mine(FixedGridSolver):\n"
+        "    def __init__(self, cfg):\n"
+        "        super().__init__(cfg, tableau=TABLEAUS['heun'])\n"
+        "from continuumlm.registry import SOLVERS\n"
+        "assert SOLVERS['midpoint'] is Mine and 'rk4' in SOLVERS\n"
+        "import importlib, sys\n"
+        "assert continuumlm.ModelConfig(vocab_size=5, depth='ode', ode_solver='midpoint')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_component_table_may_not_shadow_a_model_key(monkeypatch):
+    from dataclasses import dataclass
+
+    from continuumlm.mixers import SoftmaxAttention
+
+    class Position(SoftmaxAttention):
+        @dataclass
+        class Config:
+            k: int = 1
+            """A setting."""
+
+    monkeypatch.setitem(MIXERS._entries, "position", Position)
+    with pytest.raises(ConfigError, match=r"\[model.position\] would clash with a \[model\] key"):
+        ModelConfig(vocab_size=5, mixer="position")
+
+
+def test_the_old_spelling_on_the_command_line_is_named_in_errors():
+    from continuumlm import load_config
+
+    with pytest.raises(ConfigError, match=r"short_conv must be at least 0.*from --set "
+                                          r"model.deltanet_short_conv=-1"):
+        load_config(None, ["model.mixer=deltanet", "model.deltanet_short_conv=-1"])

@@ -141,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         if args.plugin:
-            from .registry import load_plugins
+            from .registry import export_plugins, load_plugins
 
             load_plugins(args.plugin)
+            export_plugins(args.plugin)  # torchrun ranks and benchmark children load them too
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                     "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export,
                     "experiment": cmd_experiment}

@@ -169,7 +169,9 @@ class ModelConfig:
     """Most steps an adaptive solve may take before it stops with an error."""
     ode_time_embedding: str = "none"
     """"sinusoidal" makes the field non-autonomous, dh/dt = Block(h, t)."""
-    plugins: list[str] = dataclasses.field(default_factory=list)
+    # not part of a config's identity: a run resumed with its plugin given otherwise (an extra
+    # --plugin, an entry point) is the same run
+    plugins: list[str] = dataclasses.field(default_factory=list, compare=False)
     """Python modules imported before the model is built, whose components (mixers, fields,
     solvers) register themselves; saved with the run, so evaluation and generation need no
     flag (``--plugin MODULE`` adds one)."""
@@ -506,6 +508,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         else:
             raw[section][name] = value
         overridden[key] = item
+        if canonical:  # errors name the new spelling
+            overridden[f"model.{canonical[0]}.{canonical[1]}"] = item
     if plugins:
         model = raw.setdefault("model", {})
         if isinstance(model, dict):
@@ -622,7 +626,9 @@ def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, 
     each component's Config by ``_build_components``."""
     plain, tables = {}, {}
     for key, value in d.items():
-        if key in LEGACY_KEYS:
+        if key == "components":  # ModelConfig(components=...) as a dict, e.g. asdict(cfg)
+            plain[key] = value
+        elif key in LEGACY_KEYS:
             name, leaf = LEGACY_KEYS[key]
             table = tables.setdefault(name, {})
             if leaf in table:
@@ -652,11 +658,20 @@ def _configurable() -> dict[str, type]:
     """Registered components that declare a ``Config``, by name (mixers first, then fields,
     then solvers: a name taken in two registries means the first)."""
     found: dict[str, type] = {}
+    reserved = {f.name for f in fields(ModelConfig)} | set(LEGACY_KEYS)
     for registry in (MIXERS, FIELDS, SOLVERS):
         for name in registry:
             cls = registry.component_class(name)
-            if dataclasses.is_dataclass(getattr(cls, "Config", None)):
-                found.setdefault(name, cls)
+            if not dataclasses.is_dataclass(getattr(cls, "Config", None)):
+                continue
+            if name in reserved or name in found:
+                what = ("a [model] key" if name in reserved else
+                        f"another component with settings ({found[name].__qualname__})")
+                raise ConfigError(
+                    f"the {registry.kind} {name!r} ({cls.__module__}.{cls.__qualname__}) has "
+                    f"settings, whose table [model.{name}] would clash with {what}; register "
+                    f"it under another name.")
+            found[name] = cls
     return found
 
 
@@ -697,10 +712,14 @@ def _build_components(cfg: ModelConfig) -> dict[str, Any]:
         obj = cls.Config(**value)
         _validate(obj, f"model.{name}")
         built[name] = obj
-    for name in (cfg.mixer, cfg.field, cfg.ode_solver):
+    selected = (cfg.mixer, cfg.field, cfg.ode_solver)
+    for name in selected:
         if name in configurable and name not in built:
             built[name] = configurable[name].Config()
-    return built
+    # the defaults of a component that is not selected say nothing (0.1 checkpoints hold every
+    # flat setting whatever the mixer): left out, so equal configs compare equal
+    return {name: c for name, c in built.items()
+            if name in selected or c != configurable[name].Config()}
 
 
 def _validate(obj, section: str, skip: tuple[str, ...] = ()) -> None:

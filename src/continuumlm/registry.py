@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .errors import ConfigError
 
 ENTRY_POINT_GROUP = "continuumlm.plugins"
+# modules to import as plugins in every process (set by --plugin, so that the processes a
+# command starts, torchrun ranks and benchmark children, load them too); comma-separated
+PLUGINS_ENV = "CONTINUUMLM_PLUGINS"
 
 
 class UnknownComponent(ConfigError, KeyError):
@@ -43,10 +47,12 @@ class Registry(Mapping):
     from it (named in errors); ``builtins`` are the modules whose import registers the
     package's own components."""
 
-    def __init__(self, kind: str, key: str, builtins: tuple[str, ...]):
-        self.kind, self.key, self.builtins = kind, key, builtins
+    def __init__(self, kind: str, key: str, builtins: tuple[str, ...], public: bool = True):
+        self.kind, self.key, self.builtins, self.public = kind, key, builtins, public
         self._entries: dict[str, Any] = {}
         self._loaded = False
+        self._loading = False
+        self._replaced: set[str] = set()
 
     def register(self, name: str, obj: Any = None, *, replace: bool = False):
         """``@registry.register("name")`` on a class, or ``registry.register("name", obj)``.
@@ -56,11 +62,18 @@ class Registry(Mapping):
                              f"got {name!r}.")
 
         def add(target):
+            if not self._loading:  # a plugin: the built-ins first, so that a name it takes
+                self._load()       # (or replaces) is decided against them
             old = self._entries.get(name)
-            if old is not None and old is not target and not replace:
+            if old is not None and old is not target and not replace \
+                    and _describe(old) != _describe(target):  # the same class re-imported
                 raise ValueError(f"the {self.kind} name {name!r} is taken by "
                                  f"{_describe(old)}; choose another name or pass "
                                  f"replace=True.")
+            if old is not None and name in self._replaced and not replace:
+                return target  # a built-in registering after a plugin replaced it
+            if replace:
+                self._replaced.add(name)
             self._entries[name] = target
             return target
 
@@ -69,13 +82,16 @@ class Registry(Mapping):
     def _load(self) -> None:
         if not self._loaded:
             self._loaded = True  # first: the built-in modules look names up while importing
+            self._loading = True
             try:
                 for module in self.builtins:
                     importlib.import_module(module)
-                load_entry_point_plugins()
             except BaseException:
                 self._loaded = False
                 raise
+            finally:
+                self._loading = False
+            load_entry_point_plugins()
 
     def __getitem__(self, name: str) -> Any:
         self._load()
@@ -93,9 +109,10 @@ class Registry(Mapping):
     def unknown_message(self, name: Any) -> str:
         close = difflib.get_close_matches(str(name), list(self._entries), n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
+        own = (f" A {self.kind} of your own is registered with continuumlm.register_"
+               f"{self.kind}(name) in a module given with --plugin." if self.public else "")
         return (f"{self.key} = {name!r} is not available{hint}; available: "
-                f"{', '.join(sorted(self._entries))}. A {self.kind} of your own is registered "
-                f"with continuumlm.register_{self.kind}(name) in a module given with --plugin.")
+                f"{', '.join(sorted(self._entries))}.{own}")
 
     def __contains__(self, name: object) -> bool:
         self._load()
@@ -115,13 +132,15 @@ class Registry(Mapping):
 
 def _describe(obj: Any) -> str:
     target = getattr(obj, "func", obj)  # functools.partial
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', target)}"
+    extra = f"({sorted(obj.keywords.items())})" if hasattr(obj, "keywords") else ""
+    return (f"{getattr(target, '__module__', '?')}."
+            f"{getattr(target, '__qualname__', target)}{extra}")
 
 
 MIXERS = Registry("mixer", "model.mixer", ("continuumlm.mixers",))
 FIELDS = Registry("field", "model.field", ("continuumlm.ode.fields",))
 SOLVERS = Registry("solver", "model.ode_solver", ("continuumlm.ode",))
-DEPTHS = Registry("depth", "model.depth", ("continuumlm.model.depth",))
+DEPTHS = Registry("depth", "model.depth", ("continuumlm.model.depth",), public=False)
 REGISTRIES = {"mixer": MIXERS, "field": FIELDS, "solver": SOLVERS, "depth": DEPTHS}
 
 
@@ -147,7 +166,13 @@ def register_solver(name: str, *, replace: bool = False) -> Callable:
 # ------------------------------------------------------------------ plugins
 
 _loaded_plugins: list[str] = []
-_entry_points_loaded = False
+_entry_points_loaded: bool | str | ConfigError = False
+
+
+def export_plugins(modules: list[str]) -> None:
+    """Name ``modules`` in $CONTINUUMLM_PLUGINS, so processes started from here load them."""
+    given = [m for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+    os.environ[PLUGINS_ENV] = ",".join(dict.fromkeys([*given, *modules]))
 
 
 def load_plugins(modules: list[str] | tuple[str, ...]) -> None:
@@ -167,21 +192,32 @@ def load_plugins(modules: list[str] | tuple[str, ...]) -> None:
 
 
 def load_entry_point_plugins() -> None:
-    """Import the packages that declare a ``continuumlm.plugins`` entry point (once)."""
+    """Import the packages that declare a ``continuumlm.plugins`` entry point, and the modules
+    named in $CONTINUUMLM_PLUGINS (once per process; a failure is raised again at every
+    lookup rather than leaving a half-loaded set behind)."""
     global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
+    if _entry_points_loaded is True or _entry_points_loaded == "loading":
+        return  # done, or under way (a plugin being imported registers, which looks here)
+    if isinstance(_entry_points_loaded, ConfigError):
+        raise _entry_points_loaded
     from importlib.metadata import entry_points
 
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(
-                f"the installed plugin {ep.name!r} ({ep.value}, entry point group "
-                f"{ENTRY_POINT_GROUP}) failed to load ({type(e).__name__}: {e}); fix or "
-                f"uninstall its package.") from None
+    _entry_points_loaded = "loading"
+
+    try:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                ep.load()
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(
+                    f"the installed plugin {ep.name!r} ({ep.value}, entry point group "
+                    f"{ENTRY_POINT_GROUP}) failed to load ({type(e).__name__}: {e}); fix or "
+                    f"uninstall its package.") from None
+        load_plugins([m for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()])
+    except ConfigError as e:
+        _entry_points_loaded = e
+        raise
+    _entry_points_loaded = True
 
 
 def loaded_plugins() -> list[str]:

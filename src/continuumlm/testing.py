@@ -96,6 +96,8 @@ def check_trains(model: LanguageModel) -> None:
     model.eval()
     assert torch.isfinite(loss), f"the loss is {loss.item()}"
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen on purpose
+            continue
         assert p.grad is not None, f"{name} takes no part in the loss"
         assert torch.isfinite(p.grad).all(), f"the gradient of {name} is not finite"
 

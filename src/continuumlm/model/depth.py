@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..nn import MLP, freeze_dropout, make_norm
-from ..ode import ADAPTIVE_METHODS, ADJOINT_FIXED, AdaptiveSolver, integrate
+from ..ode import ADJOINT_FIXED, AdaptiveSolver, integrate
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
 
@@ -105,7 +105,7 @@ class ODEStack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(ODEBlock(cfg, i) for i in range(cfg.num_layers))
         self.last_nfe = 0
-        self.exact_cache = not isinstance(self.blocks[0].solver, AdaptiveSolver)
+        self.exact_cache = bool(getattr(self.blocks[0].solver, "fixed_grid", True))
         if not self.exact_cache and cfg.mode == "decoder":
             log.warning(
                 "model.ode_solver = %r is adaptive: its step-size controller takes one error norm "
@@ -115,8 +115,20 @@ class ODEStack(nn.Module):
 
     @staticmethod
     def check_config(cfg) -> None:
-        adaptive = cfg.ode_solver in ADAPTIVE_METHODS
-        reversible = getattr(SOLVERS[cfg.ode_solver], "reversible", False)
+        # the solver protocol's class attributes (a plugin's solver declares them too)
+        solver = SOLVERS.component_class(cfg.ode_solver)
+        adaptive = not getattr(solver, "fixed_grid", True)
+        reversible = bool(getattr(solver, "reversible", False))
+        if adaptive and not (isinstance(solver, type) and issubclass(solver, AdaptiveSolver)):
+            raise ConfigError(
+                f"model.ode_solver = {cfg.ode_solver!r} declares fixed_grid = False, but an "
+                f"adaptive solver is integrated through torchdiffeq and must subclass "
+                f"continuumlm.ode.AdaptiveSolver (with its torchdiffeq method name).")
+        if reversible and not all(hasattr(solver, m) for m in ("integrate_reversible",
+                                                               "integrate_direct")):
+            raise ConfigError(
+                f"model.ode_solver = {cfg.ode_solver!r} declares reversible = True but lacks "
+                f"integrate_reversible / integrate_direct (see continuumlm.ode.ReversibleHeun).")
         if cfg.ode_grad == "reversible" and not reversible:
             raise ConfigError(
                 f"model.ode_grad = 'reversible' needs an algebraically reversible solver, and "

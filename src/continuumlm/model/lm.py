@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from ..nn import make_norm
-from ..ode import AdaptiveSolver
 from ..registry import DEPTHS, SOLVERS
 from . import generation, memory
 from .cache import DecodeState
@@ -135,7 +134,7 @@ class LanguageModel(nn.Module):
                 raise ValueError(f"cannot switch between {self.config.ode_solver!r} and "
                                  f"{new.ode_solver!r}: rk2_gated has trained weights of its own.")
             block.solver, block.cfg = solver, new
-        self.depth.exact_cache = not isinstance(self.depth.blocks[0].solver, AdaptiveSolver)
+        self.depth.exact_cache = bool(getattr(self.depth.blocks[0].solver, "fixed_grid", True))
         self.config = new
 
     # ------------------------------------------------------------------ decoding

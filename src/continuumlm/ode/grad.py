@@ -13,7 +13,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .adaptive import ADJOINT_FIXED, AdaptiveSolver, _register_classical_rk4, odeint_call
-from .reversible import ReversibleHeun
 from .solvers import grid
 
 
@@ -27,10 +26,10 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
                            rtol=solver.rtol, atol=solver.atol)
     dt = (t1 - t0) / steps
     times = grid(t0, t1, steps)
-    if isinstance(solver, ReversibleHeun):
+    if getattr(solver, "reversible", False):  # reversible Heun, or a plugin's reversible solver
         if grad not in ("direct", "reversible"):  # never a silent switch to direct backprop
-            raise ValueError(f"ode_grad = {grad!r} is not implemented for reversible Heun; use "
-                             f"'reversible' or 'direct'.")
+            raise ValueError(f"ode_grad = {grad!r} is not implemented for a reversible solver; "
+                             f"use 'reversible' or 'direct'.")
         if grad == "reversible" and needs_grad:
             return solver.integrate_reversible(f, h0, times, dt, params)
         return solver.integrate_direct(f, h0, times, dt)
