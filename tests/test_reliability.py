@@ -243,7 +243,8 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(tiny_corpus, tmp_path,
         return real_save(obj, f, *a, **kw)
 
     monkeypatch.setattr(ck.torch, "save", full_disk)
-    with pytest.raises(TrainingError, match=r"No space left.*step-00000005 is intact"):
+    with pytest.raises(TrainingError, match=r"No space left.*step-00000005, is intact.*"
+                                            r"--resume auto"):
         trainer.run()
     last = (out / "checkpoints" / "last").resolve()
     assert last.name == "step-00000005"

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import CheckpointError, ContinuumLMError
+from .errors import DISK_STATUS, REQUEUE_STATUS, CheckpointError, ContinuumLMError
 
 
 class UsageError(ContinuumLMError):
@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.max_steps=100")
     t.add_argument("--out", help="run folder (default: runs/<config name>)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last")
+    t.add_argument("--resume", nargs="?", const="yes", metavar="auto",
+                   help="continue the run in --out from checkpoints/last; '--resume auto' "
+                        "continues it when it has a checkpoint and starts it (from --config) "
+                        "when it has none: one command for a job's first start and every requeue")
     t.add_argument("--quiet", action="store_true", help="print only the final summary")
     t.add_argument("--nproc", type=_positive_int, help="train with N processes on this machine "
                    "(runs torchrun --standalone --nproc_per_node=N for you; DDP, or FSDP with "
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             # end this rank. Should that not come, print it here after all.
             time.sleep(10)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_status", 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -184,13 +187,17 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
             rest.append(a)
     cmd = ["--standalone", f"--nproc_per_node={nproc}", "-m", "continuumlm", *rest]
     print("launching: torchrun " + " ".join(cmd), flush=True)
+    # a scheduler's warning signal reaches this launcher only: pass it on to the ranks, which
+    # save and exit with REQUEUE_STATUS
+    previous = {sig: signal.signal(sig, _forward_to_children)
+                for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
         run(parse_args(cmd))
     except ChildFailedError as e:
         # -15: a rank the launcher terminated (SIGTERM) because another one had ended
         codes = {f.exitcode for f in e.failures.values()} - {-15}
-        if codes == {2}:  # a ContinuumLMError, printed by the rank that raised it
-            return 2
+        if len(codes) == 1 and codes <= {2, DISK_STATUS, REQUEUE_STATUS}:
+            return codes.pop()  # every rank ended alike: a user error, a disk, a requeue
         ranks = ", ".join(f"rank {r} exited with {f.exitcode}"
                           for r, f in sorted(e.failures.items()))
         print(f"error: the {nproc}-process job failed ({ranks}); the failing rank's error is "
@@ -199,7 +206,95 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     except SignalException as e:  # Ctrl-C or SIGTERM: the launcher passed it on to the ranks
         print(f"launcher stopped by signal {e.sigval}", file=sys.stderr)
         return 130 if e.sigval == 2 else 128 + int(e.sigval)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _forward_to_children(signum, frame) -> None:
+    """Send the signal on to every process started below this one (Linux /proc)."""
+    import os
+
+    me, children, parents = os.getpid(), [], {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    frontier = {me}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier}
+        children += frontier
+    for pid in children:
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
+def _without_resume(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = i + 1 < len(argv) and argv[i + 1] == "auto"
+        elif not a.startswith("--resume="):
+            out.append(a)
+    return out
+
+
+def _resume_mode(args, out: Path, clear: bool = True) -> bool:
+    """--resume (must resume), --resume auto (resume when the folder has a checkpoint, else
+    start afresh: with ``clear``, a run that died before its first checkpoint is cleared when it
+    is this same run), or neither."""
+    if args.resume is None:
+        return False
+    if args.resume == "yes":
+        return True
+    if args.resume != "auto":
+        raise UsageError(f"--resume takes no value or 'auto', got {args.resume!r}.")
+    root = out / "checkpoints"
+    if (root / "last").exists() or any(root.glob("step-*")) or any(root.glob(".old-step-*")):
+        return True
+    if args.config is None:
+        raise UsageError(f"--resume auto: {out} holds no checkpoint to continue and there is no "
+                         f"--config to start the run from; pass --config FILE.")
+    if clear:
+        _clear_unstarted_run(args, out)
+    return False
+
+
+def _clear_unstarted_run(args, out: Path) -> None:
+    """The files a run leaves before its first checkpoint (config.toml, metrics.jsonl, tb/)
+    are removed when they are this run's (its config.toml describes the same run), so a
+    requeued job starts again; anyone else's files are left for the trainer to refuse."""
+    import dataclasses
+    import shutil
+
+    from .config import load_config
+
+    saved_toml = out / "config.toml"
+    if not saved_toml.is_file() or (out / "state.pt").exists() or (out / "result.json").exists():
+        return
+    try:
+        saved = load_config(saved_toml)
+    except ContinuumLMError:
+        return
+    from .train.resume import absolute_data_path
+
+    cfg = load_config(args.config, args.set, plugins=args.plugin)
+    cfg.data = absolute_data_path(cfg.data)  # as the trainer wrote it
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
+    if cfg != saved:
+        return
+    print(f"--resume auto: {out} holds no checkpoint; starting the run again", flush=True)
+    saved_toml.unlink()
+    for name in ("metrics.jsonl",):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "tb", ignore_errors=True)
 
 
 def cmd_train(args) -> int:
@@ -209,18 +304,23 @@ def cmd_train(args) -> int:
     from .train import Trainer, distributed
     from .train.trainer import find_resumable
 
+    if args.out is None and args.config is None:
+        raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    # decided once by this process, or (under a torchrun started elsewhere) by every rank
+    # alike from the folder, without clearing anything (ranks would race)
+    under_torchrun = distributed.env_from_environment().enabled
+    args.resume = "yes" if _resume_mode(args, out, clear=not under_torchrun) else None
     if args.nproc and args.nproc > 1:
         if distributed.env_from_environment().enabled:
             raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
                              "already sets the number of processes).")
         if args.config or not args.resume:  # a bad config is reported here, once, status 2
             load_config(args.config, args.set, plugins=args.plugin).check_trainable()
-        return launch_torchrun(args.nproc, args.argv)
-
-    if args.out is None and args.config is None:
-        raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
-    if args.resume:
+        argv = _without_resume(args.argv) + (["--resume"] if args.resume else [])
+        return launch_torchrun(args.nproc, argv)
+    resume = args.resume == "yes"
+    if resume:
         if args.config:
             cfg = load_config(args.config, args.set, plugins=args.plugin)
         else:  # the run's own settings, with --set applied on top
@@ -230,7 +330,7 @@ def cmd_train(args) -> int:
     else:
         cfg = load_config(args.config, args.set, plugins=args.plugin)
     try:
-        trainer = Trainer(cfg, out, resume=args.resume, quiet=args.quiet)
+        trainer = Trainer(cfg, out, resume=resume, quiet=args.quiet)
         result = trainer.run()
         # the model, its FSDP/DDP state and the device mesh go while the process group still
         # exists, not at interpreter exit (where FSDP's teardown aborted now and then)
@@ -239,11 +339,14 @@ def cmd_train(args) -> int:
         distributed.teardown(wait=True)  # every rank done before the group goes
     finally:
         distributed.teardown()
+    requeue = result["interrupted"] in cfg.train.requeue_signals
     if not distributed.env_from_environment().is_main:
-        return 0
+        return REQUEUE_STATUS if requeue else 0
     if result["interrupted"]:
         print(f"stopped by {result['interrupted']} at step {result['step']} (checkpoint saved); "
-              f"resume with: continuumlm train --out {out} --resume")
+              f"resume with: continuumlm train --out {out} --resume auto")
+        if requeue:  # every rank alike, so that the launcher reports it (launch_torchrun)
+            return REQUEUE_STATUS
         if distributed.env_from_environment().enabled:
             return 0  # under torchrun the launcher reports the signal (launch_torchrun)
         # not a finished run: a script that waits for it must not take it for one

@@ -327,11 +327,26 @@ class TrainConfig:
     """Compile the model with torch.compile (falls back to eager with one warning if it fails)."""
     strategy: str = "ddp"
     """Under torchrun: "ddp" (replicated weights) or "fsdp" (FSDP2, sharded weights and state)."""
+    requeue_signals: list[str] = dataclasses.field(
+        default_factory=lambda: ["SIGUSR1", "SIGUSR2"])
+    """Signals that a scheduler sends before it stops a job (SLURM: --signal=USR1@90): the run
+    saves after the current step and exits with status 75, "requeue me". [] to ignore them."""
+    checkpoint_minutes: float | None = None
+    """Also save whenever this many minutes of wall time passed since the last save, so a
+    hard kill loses at most that much (None: by step count only)."""
     dist_timeout_s: float = 600.0
     """Collective timeout under torchrun: a rank stuck this long fails the job instead of hanging."""
 
     def __post_init__(self) -> None:
         _validate(self, "train")
+        bad = [s for s in self.requeue_signals if s not in ("SIGUSR1", "SIGUSR2")]
+        if bad:
+            raise ConfigError(f"train.requeue_signals may list SIGUSR1 and SIGUSR2, got "
+                              f"{bad[0]!r}; SIGINT and SIGTERM always stop a run (status 130 "
+                              f"and 143).")
+        if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
+            raise ConfigError(f"train.checkpoint_minutes must be positive (or left out), got "
+                              f"{self.checkpoint_minutes}.")
 
 
 @dataclass

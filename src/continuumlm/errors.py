@@ -31,6 +31,20 @@ class TrainingError(ContinuumLMError):
     checkpoint is kept."""
 
 
+# Exit statuses of `continuumlm train` that a job script tells apart (besides 0, finished):
+USAGE_STATUS = 2      # bad input (config, data, checkpoint): fix it before running again
+DISK_STATUS = 74      # a write failed (disk full, quota, read-only, I/O error): sysexits EX_IOERR
+REQUEUE_STATUS = 75   # stopped by a scheduler's warning signal, checkpoint saved: requeue me
+                      # (sysexits EX_TEMPFAIL); 130 / 143: stopped by SIGINT / SIGTERM, saved
+
+
+class DiskError(TrainingError):
+    """Writing a checkpoint or the metrics failed on the file system; the last complete
+    checkpoint is intact."""
+
+    exit_status = DISK_STATUS
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (torch's can run to hundreds), else its type."""
     text = str(e).strip()

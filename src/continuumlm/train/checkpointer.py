@@ -6,11 +6,38 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from pathlib import Path
 
-from ..errors import TrainingError
+from ..errors import DiskError, TrainingError
 from . import distributed as D
 from .checkpoint import save_checkpoint
+
+# what a full disk, a quota, a read-only mount or a failing disk raise
+DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "the file system is read-only", errno.EIO: "an I/O error"}
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def disk_error(what: str, where: Path, e: BaseException, root: Path, out: Path,
+               need: int | None = None) -> DiskError:
+    """One paragraph: what could not be written, where, why, the last complete checkpoint,
+    the space a checkpoint needs, and the command that continues the run."""
+    last = root / "last"
+    kept = (f"the last complete checkpoint, {last.resolve()}, is intact" if last.exists()
+            else "no checkpoint was written yet")
+    why = getattr(e, "strerror", None) or DISK_ERRNOS.get(getattr(e, "errno", None)) or str(e)
+    try:
+        free = f"; {gib(shutil.disk_usage(where if where.exists() else out).free)} free there"
+    except OSError:
+        free = ""
+    space = f"; a checkpoint of this run needs about {gib(need)}" if need else ""
+    return DiskError(f"could not write {what} to {where} ({why}){free}{space}; {kept}. Free "
+                     f"some space (or move the run folder to a larger disk) and continue with: "
+                     f"continuumlm train --out {out} --resume auto")
 
 
 class Checkpointer:
@@ -18,15 +45,19 @@ class Checkpointer:
     improved on the best so far (as ``best``), else every ``train.checkpoint_interval`` steps;
     the trainer saves the last step (and a step stopped by a signal) itself."""
 
-    def __init__(self, out: Path, t, dist: D.DistEnv, fsdp: bool):
-        self.out, self.t, self.dist, self.fsdp = out, t, dist, fsdp
+    def __init__(self, out: Path, t, dist: D.DistEnv, fsdp: bool, device=None):
+        self.out, self.t, self.dist, self.fsdp, self.device = out, t, dist, fsdp, device
         self.root = out / "checkpoints"
         self.saved_at: int | None = None  # the step saved last by this process's loop
+        self.saved_time = time.monotonic()
 
     def due(self, step: int, improved: bool) -> bool:
         if self.saved_at == step:
             return False
         periodic = step % self.t.checkpoint_interval == 0 and 0 < step < self.t.max_steps
+        if self.t.checkpoint_minutes is not None and 0 < step < self.t.max_steps:
+            late = time.monotonic() - self.saved_time >= 60 * self.t.checkpoint_minutes
+            periodic = self.dist.any(late, self.device) or periodic  # every rank alike
         return (improved and step > 0) or periodic
 
     def prepare(self) -> None:
@@ -52,19 +83,36 @@ class Checkpointer:
             self.dist.barrier()
         path = None
         if self.dist.is_main:
+            from safetensors import SafetensorError
+
+            need = self.size_needed(model, optimizer)
+            try:
+                free = shutil.disk_usage(self.root if self.root.exists() else self.out).free
+            except OSError:
+                free = None
+            what = f"the checkpoint of step {step}"
+            if free is not None and free < need:  # refused before anything is written
+                e = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise disk_error(what, self.root, e, self.root, self.out, need)
             try:
                 path = save_checkpoint(self.root, step, model, tokenizer, cfg, state, best=best,
                                        keep=self.t.keep_checkpoints, shards=shards)
-            except OSError as e:
-                last = self.root / "last"
-                kept = (f"the previous checkpoint {last.resolve()} is intact" if last.exists()
-                        else "no earlier checkpoint exists")
-                raise TrainingError(f"could not save the checkpoint of step {step} "
-                                    f"({e.strerror or e}); {kept}. Free disk space and resume "
-                                    f"with --resume.") from None
+            except (OSError, SafetensorError) as e:  # safetensors reports ENOSPC its own way
+                raise disk_error(what, self.root, e, self.root, self.out, need) from None
         self.dist.barrier()
-        self.saved_at = step
+        self.saved_at, self.saved_time = step, time.monotonic()
         return path
+
+    def size_needed(self, model, optimizer) -> int:
+        """Bytes a new checkpoint takes: the last one's size when there is one, else the
+        weights in float32 and the optimizer's state (with a margin for the small files)."""
+        last = self.root / "last"
+        if last.exists():
+            return sum(p.stat().st_size for p in last.resolve().rglob("*") if p.is_file())
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        moments = sum(t.numel() * t.element_size() for st in optimizer.state.values()
+                      for t in st.values() if hasattr(t, "numel"))
+        return weights + (moments or 2 * weights) + (1 << 20)
 
     def _probe_writable(self) -> None:
         try:

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskError
 
 EVAL_KEYS = ("val_loss", "accuracy")  # an event holding one of these is an evaluation
 
@@ -73,22 +73,40 @@ class MetricsLogger:
         return at_step
 
     def log(self, event: dict) -> None:
-        self.file.write(json.dumps(event) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(event) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise self._disk_error("metrics.jsonl", self.path, e) from None
         if self.tb is not None:
             self._scalars(event)
 
+    def _disk_error(self, what: str, where: Path, e: OSError) -> DiskError:
+        from .checkpointer import disk_error
+
+        run = self.path.parent
+        return disk_error(what, where, e, run / "checkpoints", run)
+
     def _scalars(self, event: dict) -> None:
         step = event["step"]
-        for k, v in event.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                kind = "val/" if k.startswith("val") or k in EVAL_KEYS else "train/"
-                self.tb.add_scalar(kind + k, v, step)
+        try:  # TensorBoard writes in a thread of its own and raises its error on a later call
+            for k, v in event.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    kind = "val/" if k.startswith("val") or k in EVAL_KEYS else "train/"
+                    self.tb.add_scalar(kind + k, v, step)
+        except OSError as e:
+            raise self._disk_error("TensorBoard events", self.path.parent / "tb", e) from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError as e:
+            raise self._disk_error("metrics.jsonl", self.path, e) from None
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as e:
+                raise self._disk_error("TensorBoard events", self.path.parent / "tb", e) from None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -1,5 +1,7 @@
 """Stopping on a signal: SIGINT or SIGTERM ends training after the current step, with a
-checkpoint; every rank under torchrun agrees before any stops."""
+checkpoint; so does a scheduler's warning signal (``train.requeue_signals``, SIGUSR1 and
+SIGUSR2 by default), after which the command exits with status 75, "requeue me". Every rank
+under torchrun agrees on whether to stop, and why, before any stops."""
 
 from __future__ import annotations
 
@@ -11,13 +13,12 @@ from . import distributed as D
 
 
 class StopSignals:
-    """Installed for the training loop (and restored after it). The first SIGINT or SIGTERM
-    asks the loop to stop after the current step; a second SIGINT stops at once (the last
-    checkpoint stays intact)."""
+    """Installed for the training loop (and restored after it). The first signal asks the
+    loop to stop after the current step; a second SIGINT stops at once (the last checkpoint
+    stays intact)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
+    def __init__(self, requeue: list[str] | tuple[str, ...] = ()) -> None:
+        self.requeue = tuple(requeue)
         self.requested: str | None = None
         self._previous: dict = {}
 
@@ -27,7 +28,7 @@ class StopSignals:
         self.requested = signal.Signals(signum).name
 
     def install(self) -> None:
-        for sig in self.SIGNALS:
+        for sig in (signal.SIGINT, signal.SIGTERM, *(getattr(signal, n) for n in self.requeue)):
             try:
                 self._previous[sig] = signal.signal(sig, self._handler)
             except ValueError:  # not the main thread: leave signals alone
@@ -39,7 +40,19 @@ class StopSignals:
         self._previous = {}
 
     def agreed_stop(self, dist: D.DistEnv, device: torch.device) -> str | None:
-        """The signal to stop for, decided on every rank alike (a collective under torchrun)."""
-        if dist.any(self.requested is not None, device):
-            return self.requested or "SIGTERM"
+        """The signal to stop for, decided on every rank alike (a collective under torchrun):
+        a requeue signal when any rank got one, else SIGINT/SIGTERM when any rank got one."""
+        mine = self.requested
+        if not dist.enabled:
+            return mine
+        requeue, other = dist.all_reduce_sum([float(mine in self.requeue),
+                                              float(mine is not None and mine not in self.requeue)],
+                                             device)
+        if requeue:
+            return mine if mine in self.requeue else self.requeue[0]
+        if other:
+            return mine or "SIGTERM"
         return None
+
+    def is_requeue(self, name: str | None) -> bool:
+        return name is not None and name in self.requeue

@@ -112,6 +112,7 @@ class Trainer:
                   f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
                   f"you want.", file=sys.stderr)
         self.device = pick_device(device_name)
+        self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
         self.fsdp = self.checkpointer.fsdp
         torch.manual_seed(t.seed)  # the same initial weights on every rank
@@ -225,7 +226,7 @@ class Trainer:
         # consecutive bad steps carry over, so a resumed run stops where the uninterrupted one would
         self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
-        self.signals = StopSignals()
+        self.signals = StopSignals(requeue=t.requeue_signals)
         self.evaluator = Evaluator(self.data.splits["val"], t, self.device, self.amp, self.dist,
                                    self.fsdp)
 
