@@ -112,7 +112,21 @@ def test_sigusr1_under_two_processes_saves_and_exits_75(tiny_corpus, tmp_path):
     assert p.returncode == REQUEUE_STATUS, stdout[-2000:] + stderr[-2000:]
     last = (out / "checkpoints" / "last").resolve()
     verify_checkpoint(last)
-    assert int(last.name.split("-")[1]) >= 3
+    saved = int(last.name.split("-")[1])
+    assert saved >= 3
+    # the requeued job: the same command with --resume auto, to a few steps further; it
+    # continues the losses an uninterrupted two-process run gives
+    end = saved + 4
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--nproc", "2",
+                        "--resume", "auto", "--set", f"train.max_steps={end}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    ref = tmp_path / "ref"
+    r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(ref), "--nproc", "2",
+                        "--set", f"train.max_steps={end}"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-6, abs=0)
 
 
 # ------------------------------------------------------------------ time-based checkpoints
