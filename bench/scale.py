@@ -49,7 +49,8 @@ def train(label: str, steps: int, threads: int, nproc: int = 1, extra: tuple = (
     row = {"setup": label, "processes": nproc, "threads_per_process": threads,
            "tokens_per_s": round(statistics.median(tps)), "wall_s": round(wall, 1),
            "steps": steps,
-           "command": " ".join(["continuumlm" if c == CLI else c for c in cmd[:2]]) + " ..."}
+           "command": " ".join({CLI: "continuumlm", sys.executable: "python"}.get(c, c)
+                               for c in cmd[:2]) + " ..."}
     print(json.dumps(row), flush=True)
     return row
 

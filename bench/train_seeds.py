@@ -114,7 +114,8 @@ def main() -> None:
                            if "loss" in m and m["step"] % 50 == 0]}
         result = {
             "config": args.config, "overrides": args.set, "seed": seed,
-            "command": " ".join(cmd),
+            # as a user types it in the repository, not this machine's paths
+            "command": "continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
             "val_loss_full_split": row["loss"], "val_bpc": row.get("bpc"),
             "val_loss_in_training": vals[-1]["val_loss"], "final_step": vals[-1]["step"],
             "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
