@@ -1,0 +1,129 @@
+"""The settings components own: each registered mixer, field or solver with a ``Config``
+dataclass has a [model.NAME] table; the flat names of version 0.1 are mapped onto them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import fields
+from typing import Any
+
+from ..errors import ConfigError
+from ..registry import FIELDS, MIXERS, SOLVERS
+from .checks import _in, _origin, _suggest, _validate
+
+# the plain [model] keys (filled in by sections.py): a component table may not shadow them
+MODEL_KEYS: set[str] = set()
+
+
+# Settings of the built-in components as earlier versions spelled them, flat in [model]: read
+# from old configs, checkpoints and --set, and mapped to the component's own table.
+LEGACY_KEYS = {
+    "deltanet_short_conv": ("deltanet", "short_conv"),
+    "cat_basis": ("continuous", "basis"),
+    "cat_n_freq": ("continuous", "n_freq"),
+    "cat_n_quad": ("continuous", "n_quad"),
+    "cat_sob_lambda": ("continuous", "sob_lambda"),
+    "cat_length": ("continuous", "length"),
+}
+
+
+def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, Any]:
+    """[model] as read (TOML, JSON or --set): plain keys stay; tables ([model.NAME]) and the
+    flat names of earlier versions (LEGACY_KEYS) go into ``components`` as dicts, built into
+    each component's Config by ``_build_components``."""
+    plain, tables = {}, {}
+    for key, value in d.items():
+        if key == "components":  # ModelConfig(components=...) as a dict, e.g. asdict(cfg)
+            plain[key] = value
+        elif key in LEGACY_KEYS:
+            name, leaf = LEGACY_KEYS[key]
+            table = tables.setdefault(name, {})
+            if leaf in table:
+                where = _origin(f"model.{key}", source, overridden)
+                raise ConfigError(f"model.{key} and model.{name}.{leaf} both set {name}'s "
+                                  f"{leaf}{where}; keep [model.{name}] {leaf} = ... (model.{key} "
+                                  f"is the older spelling).")
+            table[leaf] = value
+        elif isinstance(value, dict):
+            table = tables.setdefault(key, {})
+            for leaf, v in value.items():
+                if leaf in table:
+                    old = next(k for k, t in LEGACY_KEYS.items() if t == (key, leaf))
+                    raise ConfigError(f"model.{old} and model.{key}.{leaf} both set {key}'s "
+                                      f"{leaf}{_in(source)}; keep [model.{key}] {leaf} = ... "
+                                      f"(model.{old} is the older spelling).")
+                table[leaf] = v
+        else:
+            plain[key] = value
+    if tables:
+        given = plain.get("components", {})
+        plain["components"] = {**(given if isinstance(given, dict) else {}), **tables}
+    return plain
+
+
+def _configurable() -> dict[str, type]:
+    """Registered components that declare a ``Config``, by name (mixers first, then fields,
+    then solvers: a name taken in two registries means the first)."""
+    found: dict[str, type] = {}
+    reserved = MODEL_KEYS | set(LEGACY_KEYS)
+    for registry in (MIXERS, FIELDS, SOLVERS):
+        for name in registry:
+            cls = registry.component_class(name)
+            if not dataclasses.is_dataclass(getattr(cls, "Config", None)):
+                continue
+            if name in reserved or name in found:
+                what = ("a [model] key" if name in reserved else
+                        f"another component with settings ({found[name].__qualname__})")
+                raise ConfigError(
+                    f"the {registry.kind} {name!r} ({cls.__module__}.{cls.__qualname__}) has "
+                    f"settings, whose table [model.{name}] would clash with {what}; register "
+                    f"it under another name.")
+            found[name] = cls
+    return found
+
+
+def _component_class(name: str) -> type | None:
+    return _configurable().get(name)
+
+
+def _build_components(cfg) -> dict[str, Any]:
+    """Each [model.NAME] table as its component's Config, checked; plus the defaults of the
+    selected mixer, field and solver when they have settings and none were given."""
+    configurable = _configurable()
+    given = cfg.components
+    if not isinstance(given, dict):
+        raise ConfigError(f"model.components must be a table of component settings, got "
+                          f"{type(given).__name__}.")
+    built = {}
+    for name, value in given.items():
+        cls = configurable.get(name)
+        if cls is None:
+            plain = MODEL_KEYS - {"components"}
+            raise ConfigError(
+                f"[model.{name}] is not the table of a component with settings"
+                f"{_suggest(name, [*configurable, *plain])}; tables here: "
+                f"{', '.join(f'[model.{n}]' for n in sorted(configurable)) or 'none'}"
+                + (f" (model.{name} is a plain key: write {name} = ... under [model])"
+                   if name in plain else "") + ".")
+        if isinstance(value, cls.Config):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"[model.{name}] must be a table of key = value pairs, got "
+                              f"{type(value).__name__} {value!r}.")
+        known = {f.name for f in fields(cls.Config)}
+        for key in value:
+            if key not in known:
+                raise ConfigError(f"unknown key model.{name}.{key}{_suggest(key, known)}; "
+                                  f"valid keys of [model.{name}] are: "
+                                  f"{', '.join(sorted(known))}.")
+        obj = cls.Config(**value)
+        _validate(obj, f"model.{name}")
+        built[name] = obj
+    selected = (cfg.mixer, cfg.field, cfg.ode_solver)
+    for name in selected:
+        if name in configurable and name not in built:
+            built[name] = configurable[name].Config()
+    # the defaults of a component that is not selected say nothing (0.1 checkpoints hold every
+    # flat setting whatever the mixer): left out, so equal configs compare equal
+    return {name: c for name, c in built.items()
+            if name in selected or c != configurable[name].Config()}

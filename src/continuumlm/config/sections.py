@@ -1,0 +1,437 @@
+"""The config sections: [model], [data], [train], [mqar], and the run config that holds them."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from ..errors import ConfigError
+from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS, load_plugins
+from .checks import ODE_TIME_LIMIT, _in, _origin, _strict, _suggest, _validate, reading_saved_config
+from .components import (
+    MODEL_KEYS,
+    _build_components,
+    _component_class,
+    _configurable,
+    _split_component_tables,
+)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a :class:`~continuumlm.LanguageModel`.
+
+    Field names follow the seed documents (``hidden_size``, ``num_heads``, ``ode_solver``...).
+    """
+
+    run_config_section: ClassVar[bool] = True  # validated by name-keyed tables (checks.py)
+
+    vocab_size: int = 0
+    """Number of token ids; 0 means "take it from the tokenizer" (filled in by the trainer)."""
+    hidden_size: int = 128
+    """Width of the residual stream (d_model)."""
+    num_heads: int = 4
+    """Attention (or DeltaNet) heads; hidden_size must be divisible by it."""
+    num_layers: int = 4
+    """Distinct layers (discrete depth) or stacked ODE blocks, each with its own weights."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP; defaults to 4 * hidden_size."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention weights and residual branches (one mask per forward
+    inside an ODE field, shared by every step and stage)."""
+    norm_type: str = "layernorm"
+    """"layernorm" or "rmsnorm"."""
+    use_bitnet: bool = False
+    """BitNet b1.58 projections: ternary weights and 8-bit activations, trained through a
+    straight-through estimator."""
+    mode: str = "decoder"
+    """"decoder": causal language model; "encoder": bidirectional."""
+    position: str = "rope"
+    """Positions: "rope" (rotary, any length), "learned" (a table of max_seq_len) or "none"."""
+    max_seq_len: int = 256
+    """Longest sequence the learned position table covers (also the default context)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output layer."""
+    bias: bool = False
+    """Biases in linear layers and norms (nanoGPT's ``bias``)."""
+    mixer: str = "softmax"
+    """Token mixer: softmax, deltanet, continuous, or one a plugin registers. A mixer's own
+    settings are its table, e.g. [model.deltanet] short_conv = 4."""
+    depth: str = "discrete"
+    """"discrete" (num_layers distinct layers) or "ode" (shared-weight fields integrated over
+    t from ode_t0 to ode_t1, num_layers blocks)."""
+    field: str = "sequential"
+    """Vector field of ODE blocks: attention, sequential or parallel."""
+    ode_solver: str = "rk4"
+    """Fixed grid: euler, midpoint, heun, rk4 (classical), rk4_38, rk2_gated, reversible_heun;
+    adaptive (torchdiffeq): dopri5, bosh3, adaptive_heun."""
+    ode_steps: int = 4
+    """Uniform steps of a fixed-grid solver from ode_t0 to ode_t1."""
+    ode_grad: str = "direct"
+    """direct, adjoint, checkpoint or reversible (reversible needs a reversible solver)."""
+    ode_t0: float = 0.0
+    """Start of the depth interval the ODE blocks integrate over."""
+    ode_t1: float = 1.0
+    """End of the depth interval (greater than ode_t0)."""
+    ode_rtol: float = 1e-3
+    """Relative tolerance of adaptive solvers."""
+    ode_atol: float = 1e-4
+    """Absolute tolerance of adaptive solvers."""
+    ode_max_steps: int = 1000
+    """Most steps an adaptive solve may take before it stops with an error."""
+    ode_time_embedding: str = "none"
+    """"sinusoidal" makes the field non-autonomous, dh/dt = Block(h, t)."""
+    # not part of a config's identity: a run resumed with its plugin given otherwise (an extra
+    # --plugin, an entry point) is the same run
+    plugins: list[str] = dataclasses.field(default_factory=list, compare=False)
+    """Python modules imported before the model is built, whose components (mixers, fields,
+    solvers) register themselves; saved with the run, so evaluation and generation need no
+    flag (``--plugin MODULE`` adds one)."""
+    components: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    """The settings of components that declare a ``Config`` (a [model.NAME] table each),
+    keyed by component name; the selected components' are always present (defaults where not
+    given). Read them with :meth:`component`."""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            self.ffn_hidden_size = 4 * self.hidden_size
+        _validate(self, "model", skip=("components",))
+        load_plugins(self.plugins)  # before the selectors are checked against the registries
+        if self.hidden_size % self.num_heads != 0:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads "
+                f"({self.num_heads}); choose e.g. hidden_size = "
+                f"{self.num_heads * max(1, round(self.hidden_size / self.num_heads))}."
+            )
+        if self.position == "rope" and (self.hidden_size // self.num_heads) % 2 != 0:
+            raise ConfigError(
+                f"model.position = 'rope' needs an even head size, but hidden_size/num_heads = "
+                f"{self.hidden_size // self.num_heads}; change the sizes or use position = 'learned'."
+            )
+        for name in ("ode_t0", "ode_t1"):
+            if abs(getattr(self, name)) > ODE_TIME_LIMIT and _strict():
+                raise ConfigError(
+                    f"model.{name} = {getattr(self, name)} is outside [-{ODE_TIME_LIMIT:g}, "
+                    f"{ODE_TIME_LIMIT:g}]: the solvers keep time in float32, and a step that "
+                    f"large overflows it; depth is usually integrated over [0, 1].")
+        _check_selectors(self)
+        self.components = _build_components(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def component(self, name: str):
+        """The ``Config`` of component ``name`` (its defaults when this config sets none)."""
+        if name in self.components:
+            return self.components[name]
+        cls = _component_class(name)
+        if cls is None:
+            raise KeyError(f"no registered component {name!r} declares a Config; components "
+                           f"with settings: {', '.join(sorted(_configurable())) or 'none'}.")
+        return cls.Config()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields, then one table per configured component (``{"deltanet": {...}}``)."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+             if f.name != "components"}
+        d.update({name: dataclasses.asdict(c) for name, c in sorted(self.components.items())})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str | None = None,
+                  saved: bool = False) -> ModelConfig:
+        with reading_saved_config() if saved else contextlib.nullcontext():
+            return _build(cls, d, "model", source)
+
+
+# the component tables must not shadow these keys
+MODEL_KEYS.update(f.name for f in fields(ModelConfig))
+
+
+@dataclass
+class DataConfig:
+    """Which corpus, how it is tokenized and split."""
+
+    run_config_section: ClassVar[bool] = True  # validated by name-keyed tables (checks.py)
+
+    dataset: str = "tinyshakespeare"
+    """"tinyshakespeare", "ptb" (Mikolov's splits) or "text" (data.path, split by
+    train_fraction or train_chars)."""
+    path: str | None = None
+    """A text file (dataset "text"), a corpus file, or a folder with the PTB files."""
+    tokenizer: str = "char"
+    """"char", "word" (whitespace words, <unk> and <eos>) or "bpe" (byte-level, trained on the
+    training split)."""
+    vocab_size: int | None = None
+    """Vocabulary cap for word (most frequent words kept, rest <unk>) and bpe tokenizers."""
+    vocab_source: str = "train"
+    """Build the char/word vocabulary from the training split ("train") or the whole corpus."""
+    train_fraction: float = 0.9
+    """Share of the text that trains (the rest validates), when train_chars is not set."""
+    train_chars: int | None = None
+    """If set, the first ``train_chars`` characters train and the rest validate (CAT's split)."""
+    errors: str = "strict"
+    """How non-UTF-8 bytes are handled: "strict" stops with the byte offset, "replace" goes on."""
+
+    def __post_init__(self) -> None:
+        _validate(self, "data")
+        n = self.vocab_size if _strict() else None
+        if n is not None and self.tokenizer == "char":
+            raise ConfigError(
+                f"data.vocab_size = {n} has no effect with data.tokenizer = 'char', whose "
+                f"vocabulary is every character of the corpus; remove it, or use the 'word' or "
+                f"'bpe' tokenizer to cap the vocabulary.")
+        least = {"word": 3, "bpe": 257}.get(self.tokenizer, 0)
+        if n is not None and n < least:
+            raise ConfigError(
+                f"data.vocab_size = {n} is too small for the {self.tokenizer} tokenizer: "
+                + ("its vocabulary holds <eos> and <unk> besides the words it keeps, so "
+                   "anything under 3 turns every word into <unk>" if self.tokenizer == "word"
+                   else "its vocabulary holds the 256 bytes and <|endoftext|> before any merge")
+                + f"; use at least {least}, or leave it out for "
+                + ("every word of the training text." if self.tokenizer == "word" else "4096."))
+
+
+@dataclass
+class TrainConfig:
+    """Optimization, logging and checkpointing."""
+
+    run_config_section: ClassVar[bool] = True  # validated by name-keyed tables (checks.py)
+
+    max_steps: int = 2000
+    """Optimizer steps of the run (``--resume --set train.max_steps=N`` extends it)."""
+    batch_size: int = 12
+    """Sequences per micro-batch and process."""
+    seq_len: int = 64
+    """Tokens per training sequence (the context the model is trained at)."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW, reached after warmup_steps."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 100
+    """Steps of linear warm-up from 0 to lr."""
+    lr_decay_steps: int | None = None
+    """Steps of cosine decay from lr to min_lr; defaults to max_steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms, biases or embeddings of size 1)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (each backpropagates its own mean loss)."""
+    eval_interval: int = 250
+    """Steps between validation evaluations (each may save the best checkpoint)."""
+    eval_iters: int = 20
+    """Validation batches per evaluation (fixed windows spread over the split)."""
+    log_interval: int = 10
+    """Steps between training-metric log lines (loss, lr, grad norm, tokens/s, NFE)."""
+    checkpoint_interval: int = 500
+    """Steps between checkpoints (one is also written at the end and on SIGINT/SIGTERM)."""
+    keep_checkpoints: int = 3
+    """Newest step-* checkpoint folders kept (plus best)."""
+    max_bad_steps: int = 5
+    """Consecutive steps with a non-finite loss or gradient (each skipped) before training stops."""
+    seed: int = 1337
+    """Seeds the weights, the batch streams and dropout."""
+    device: str = "auto"
+    """"auto" (CUDA, else MPS, else CPU), "cpu", "cuda", "cuda:N" or "mps"."""
+    dtype: str = "auto"
+    """Autocast precision: "bf16"/"bfloat16", "fp16"/"float16" (with a gradient scaler),
+    "fp32"/"float32", or "auto" (bf16 on CUDA, fp32 elsewhere). Weights, optimizer state and the
+    ODE solvers' time variables stay fp32."""
+    compile: bool = False
+    """Compile the model with torch.compile (falls back to eager with one warning if it fails)."""
+    strategy: str = "ddp"
+    """Under torchrun: "ddp" (replicated weights) or "fsdp" (FSDP2, sharded weights and state)."""
+    requeue_signals: list[str] = dataclasses.field(
+        default_factory=lambda: ["SIGUSR1", "SIGUSR2"])
+    """Signals that a scheduler sends before it stops a job (SLURM: --signal=USR1@90): the run
+    saves after the current step and exits with status 75, "requeue me". [] to ignore them."""
+    checkpoint_minutes: float | None = None
+    """Also save whenever this many minutes of wall time passed since the last save, so a
+    hard kill loses at most that much (None: by step count only)."""
+    dist_timeout_s: float = 600.0
+    """Collective timeout under torchrun: a rank stuck this long fails the job instead of hanging."""
+
+    def __post_init__(self) -> None:
+        _validate(self, "train")
+        bad = [s for s in self.requeue_signals if s not in ("SIGUSR1", "SIGUSR2")]
+        if bad:
+            raise ConfigError(f"train.requeue_signals may list SIGUSR1 and SIGUSR2, got "
+                              f"{bad[0]!r}; SIGINT and SIGTERM always stop a run (status 130 "
+                              f"and 143).")
+        if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
+            raise ConfigError(f"train.checkpoint_minutes must be positive (or left out), got "
+                              f"{self.checkpoint_minutes}.")
+
+
+@dataclass
+class MQARConfig:
+    """The multi-query associative recall task (``continuumlm mqar``)."""
+
+    run_config_section: ClassVar[bool] = True  # validated by name-keyed tables (checks.py)
+
+    vocab_size: int = 8192
+    """Token ids of the task: keys from the lower half, values from the upper half."""
+    seq_len: int = 256
+    """Tokens per example (key-value pairs, then queries among noise)."""
+    num_kv_pairs: int = 16
+    """Key-value pairs per example (of the held-out set, and of training unless
+    train_kv_pairs is set)."""
+    power_a: float = 0.01
+    """Query distances d are drawn with p(d) proportional to a * d^(a - 1) (Zoology's 0.01)."""
+    train_examples: int = 100_000
+    """Size of the fixed training set (sampled once, reused every epoch, as in Zoology)."""
+    test_examples: int = 1000
+    """Size of the held-out set, sampled once from its own seed."""
+    stop_accuracy: float = 1.0
+    """Stop at the first evaluation whose recall accuracy reaches this (1.0: run max_steps)."""
+    train_kv_pairs: list[int] = field(default_factory=list)
+    """Pair counts of a mixed training set, e.g. [4, 8, 16, 32, 64]: the training examples are
+    split evenly among them (all at ``seq_len``), as in Zoology's training data. Empty: every
+    training sequence has ``num_kv_pairs``. The held-out set always has ``num_kv_pairs``."""
+
+    def __post_init__(self) -> None:
+        _validate(self, "mqar")
+        if not 0.0 <= self.stop_accuracy <= 1.0:
+            raise ConfigError(f"mqar.stop_accuracy must lie in [0, 1], got {self.stop_accuracy}.")
+        bad = [n for n in self.train_kv_pairs if n <= 0]
+        if bad:
+            raise ConfigError(f"mqar.train_kv_pairs must hold positive pair counts, got {bad[0]}; "
+                              f"write e.g. train_kv_pairs = [4, 8, 16, 32, 64], or [] for none.")
+        if len(self.train_kv_pairs) > self.train_examples:
+            raise ConfigError(f"mqar.train_kv_pairs lists {len(self.train_kv_pairs)} pair counts "
+                              f"but mqar.train_examples = {self.train_examples} cannot give "
+                              f"each one an example; raise train_examples.")
+        for n in (self.num_kv_pairs, *self.train_kv_pairs):
+            if self.vocab_size // 2 - 1 < n:
+                raise ConfigError(
+                    f"mqar.vocab_size = {self.vocab_size} leaves {max(0, self.vocab_size // 2 - 1)}"
+                    f" distinct keys (keys come from the lower half of the vocabulary, id 0 "
+                    f"unused), fewer than the {n} key-value pairs asked for; raise "
+                    f"mqar.vocab_size to at least {2 * n + 2}.")
+            if (self.seq_len + 1 - 2 * n) // 2 < n:
+                raise ConfigError(
+                    f"mqar.seq_len = {self.seq_len} is too short for {n} key-value pairs and "
+                    f"their queries; it needs at least {4 * n - 1} tokens.")
+        space = (self.seq_len + 1 - 2 * min([self.num_kv_pairs, *self.train_kv_pairs])) // 2
+        if space >= 1 and _strict():
+            try:  # the weights a * d^(a - 1) at both ends, and their sum, in float64
+                ends = (self.power_a, self.power_a * space ** (self.power_a - 1))
+                usable = all(0 < w and math.isfinite(w * space) for w in ends)
+            except OverflowError:
+                usable = False
+            if not usable:
+                raise ConfigError(
+                    f"mqar.power_a = {self.power_a}: query distances d up to {space} are drawn "
+                    f"with p(d) proportional to a * d^(a - 1), which overflows or underflows "
+                    f"here; Zoology uses 0.01 (smaller puts queries nearer their keys, a > 1 "
+                    f"farther).")
+
+
+SECTIONS = ("model", "data", "train", "mqar")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mqar: MQARConfig = field(default_factory=MQARConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: getattr(self, name).to_dict() if name == "model" else
+                dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str | None = None,
+                  overridden: dict[str, str] | None = None, saved: bool = False) -> RunConfig:
+        """``overridden`` maps ``section.key`` to the ``--set`` item that gave its value, so an
+        error about that key points at the command line rather than the file. ``saved``: the
+        config of a saved run (see ``reading_saved_config``)."""
+        if saved:
+            with reading_saved_config():
+                return cls.from_dict(d, where, overridden)
+        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                    "mqar": MQARConfig}
+        unknown = [k for k in d if k not in sections]
+        if unknown:
+            given = [item for key, item in (overridden or {}).items()
+                     if key.partition(".")[0] == unknown[0]]
+            origin = f" (from --set {given[0]})" if given else _in(where)
+            raise ConfigError(f"unknown section [{unknown[0]}]{_suggest(unknown[0], sections)}"
+                              f"{origin}; valid sections are [model], [data], [train] and "
+                              f"[mqar].")
+        built = {}
+        for name, klass in sections.items():
+            section = d.get(name, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"[{name}]{_in(where)} must be a table of key = value pairs.")
+            built[name] = _build(klass, section, name, where, overridden)
+        return cls(**built)
+
+    def check_trainable(self) -> None:
+        """What `train` and `mqar` need beyond a valid config: their objective is next-token
+        prediction, which a bidirectional (encoder) model solves by reading the target."""
+        if self.model.mode != "decoder":
+            raise ConfigError(
+                f"model.mode = {self.model.mode!r} cannot be trained by this trainer: its "
+                f"objective is next-token prediction, and an encoder sees the token it is asked "
+                f"to predict, so its loss would mean nothing. Train with mode = 'decoder'; the "
+                f"encoder mode is for using the layers in your own bidirectional model.")
+
+    def check(self) -> None:
+        """Cross-section checks that need more than one section."""
+        m, t = self.model, self.train
+        if m.position == "learned" and t.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "
+                f"which a learned position table cannot cover; raise model.max_seq_len or use "
+                f"position = 'rope'.")
+
+
+def _build(klass, d: dict[str, Any], section: str, source: str | None = None,
+           overridden: dict[str, str] | None = None):
+    names = {f.name for f in fields(klass)}
+    if klass is ModelConfig:
+        d, names = _split_component_tables(d, source, overridden), names - {"components"}
+    for key in d:
+        if key == "components" and klass is ModelConfig:
+            continue
+        if key not in names:
+            where = _origin(f"{section}.{key}", source, overridden)
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)}{where}; "
+                              f"valid keys of [{section}] are: {', '.join(sorted(names))}.")
+    try:
+        return klass(**d)
+    except ConfigError as e:
+        where = _origin(str(e), source, overridden)
+        if where:
+            raise ConfigError(f"{e}{where}") from None
+        raise
+
+
+GRAD_MODES = ("direct", "adjoint", "checkpoint", "reversible")
+
+
+def _check_selectors(cfg: ModelConfig) -> None:
+    # A lookup loads the built-in components (and installed plugins) on first use.
+    for registry, value in ((MIXERS, cfg.mixer), (DEPTHS, cfg.depth), (FIELDS, cfg.field),
+                            (SOLVERS, cfg.ode_solver)):
+        if value not in registry:
+            raise ConfigError(registry.unknown_message(value))
+    if cfg.ode_grad not in GRAD_MODES:
+        raise ConfigError(f"model.ode_grad = {cfg.ode_grad!r} is not available"
+                          f"{_suggest(cfg.ode_grad, GRAD_MODES)}; available: "
+                          f"{', '.join(sorted(GRAD_MODES))}.")
+    checker = getattr(DEPTHS[cfg.depth], "check_config", None)
+    if checker is not None:
+        checker(cfg)
