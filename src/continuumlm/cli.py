@@ -171,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
     """Run this command under torchrun's launcher with ``nproc`` processes (in this process,
     as ``torchrun`` would). Exit status: 0; 2 when the ranks stopped on a user error (bad
-    input, divergence), which they printed; 130 on Ctrl-C (the ranks save a checkpoint first);
-    1 when a rank crashed, with its error printed above this summary."""
+    input, divergence), which they printed; 74 on a disk fault and 75 on a requeue signal
+    (every rank alike); 130 on Ctrl-C (the ranks save a checkpoint first); 1 when a rank
+    crashed, with its error printed above this summary."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -213,20 +214,17 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def _forward_to_children(signum, frame) -> None:
-    """Send the signal on to every process started below this one (Linux /proc)."""
+    """Send the signal on to this process's children, the ranks (Linux /proc): not to their
+    own children (compile workers), which the signal would kill."""
     import os
 
-    me, children, parents = os.getpid(), [], {}
+    me, children = os.getpid(), []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents[int(stat.parent.name)] = int(fields[1])
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                children.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
-    frontier = {me}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier}
-        children += frontier
     for pid in children:
         try:
             os.kill(pid, signum)
@@ -257,7 +255,9 @@ def _resume_mode(args, out: Path, clear: bool = True) -> bool:
     if args.resume != "auto":
         raise UsageError(f"--resume takes no value or 'auto', got {args.resume!r}.")
     root = out / "checkpoints"
-    if (root / "last").exists() or any(root.glob("step-*")) or any(root.glob(".old-step-*")):
+    # what the trainer counts as a run's checkpoints (a dangling `last` too: --resume says
+    # what is wrong with it)
+    if (root / "last").is_symlink() or any(root.glob("step-*")) or any(root.glob(".old-step-*")):
         return True
     if args.config is None:
         raise UsageError(f"--resume auto: {out} holds no checkpoint to continue and there is no "
@@ -289,6 +289,19 @@ def _clear_unstarted_run(args, out: Path) -> None:
     cfg.data = absolute_data_path(cfg.data)  # as the trainer wrote it
     cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
     if cfg != saved:
+        return
+    # only a run that died before it could have saved: one that logged a step at or past its
+    # first save (its checkpoints since removed, say) is left for the trainer to refuse
+    t = cfg.train
+    first_save = min(t.checkpoint_interval, t.eval_interval, t.max_steps)
+    try:
+        from .train.logging import read_metrics
+
+        steps = [e.get("step", 0) for e in read_metrics(out)] if (out / "metrics.jsonl").exists() \
+            else []
+    except (OSError, ValueError):
+        return
+    if any(isinstance(s, (int, float)) and s >= first_save for s in steps):
         return
     print(f"--resume auto: {out} holds no checkpoint; starting the run again", flush=True)
     saved_toml.unlink()

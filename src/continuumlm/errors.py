@@ -1,5 +1,6 @@
 """Error types. Anything derived from :class:`ContinuumLMError` is a user error: the CLI prints
-its message as one paragraph and exits with status 2, without a traceback."""
+its message as one paragraph and exits with status 2 (74 for a :class:`DiskError`), without a
+traceback."""
 
 
 class ContinuumLMError(Exception):

@@ -254,7 +254,8 @@ class TrainConfig:
     requeue_signals: list[str] = dataclasses.field(
         default_factory=lambda: ["SIGUSR1", "SIGUSR2"])
     """Signals that a scheduler sends before it stops a job (SLURM: --signal=USR1@90): the run
-    saves after the current step and exits with status 75, "requeue me". [] to ignore them."""
+    saves after the current step and exits with status 75, "requeue me". A signal left out
+    keeps its default action (the process ends at once, without a checkpoint)."""
     checkpoint_minutes: float | None = None
     """Also save whenever this many minutes of wall time passed since the last save, so a
     hard kill loses at most that much (None: by step count only)."""

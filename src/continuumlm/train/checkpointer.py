@@ -35,9 +35,11 @@ def disk_error(what: str, where: Path, e: BaseException, root: Path, out: Path,
     except OSError:
         free = ""
     space = f"; a checkpoint of this run needs about {gib(need)}" if need else ""
+    why = why.splitlines()[0] if why else type(e).__name__
     return DiskError(f"could not write {what} to {where} ({why}){free}{space}; {kept}. Free "
                      f"some space (or move the run folder to a larger disk) and continue with: "
-                     f"continuumlm train --out {out} --resume auto")
+                     f"continuumlm train --out {out} --resume auto (with the --nproc it was "
+                     f"started with, if any)")
 
 
 class Checkpointer:
@@ -81,27 +83,50 @@ class Checkpointer:
             self.dist.barrier()
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(shards))
             self.dist.barrier()
-        path = None
+        path, failure = None, None
         if self.dist.is_main:
-            from safetensors import SafetensorError
+            try:
+                path = self._write(step, model, optimizer, tokenizer, cfg, state, best, shards)
+            except DiskError as e:
+                failure = e
+        # decided on every rank alike: the others would wait for rank 0 in the next collective
+        if self.dist.any(failure is not None, self.device):
+            if failure is None:
+                failure = DiskError(f"rank 0 could not write the checkpoint of step {step} "
+                                    f"(its message says why); the run stops on every rank.")
+            failure.collective = True
+            raise failure
+        self.dist.barrier()
+        self.saved_at, self.saved_time = step, time.monotonic()
+        return path
 
-            need = self.size_needed(model, optimizer)
+    def _write(self, step, model, optimizer, tokenizer, cfg, state, best, shards) -> Path:
+        """Rank 0's part of a save: refuse it when the disk cannot hold it (when that is cheap
+        to tell: not for FSDP, whose shards are already written), then write it; any failure
+        of the file system is a DiskError."""
+        from safetensors import SafetensorError
+
+        need = self.size_needed(model, optimizer)
+        what = f"the checkpoint of step {step}"
+        if shards is None:
             try:
                 free = shutil.disk_usage(self.root if self.root.exists() else self.out).free
             except OSError:
                 free = None
-            what = f"the checkpoint of step {step}"
             if free is not None and free < need:  # refused before anything is written
-                e = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                e = OSError(errno.ENOSPC, f"{gib(need)} needed, {gib(free)} free")
                 raise disk_error(what, self.root, e, self.root, self.out, need)
-            try:
-                path = save_checkpoint(self.root, step, model, tokenizer, cfg, state, best=best,
-                                       keep=self.t.keep_checkpoints, shards=shards)
-            except (OSError, SafetensorError) as e:  # safetensors reports ENOSPC its own way
-                raise disk_error(what, self.root, e, self.root, self.out, need) from None
-        self.dist.barrier()
-        self.saved_at, self.saved_time = step, time.monotonic()
-        return path
+        try:
+            return save_checkpoint(self.root, step, model, tokenizer, cfg, state, best=best,
+                                   keep=self.t.keep_checkpoints, shards=shards)
+        except (OSError, SafetensorError) as e:  # safetensors reports ENOSPC its own way
+            raise disk_error(what, self.root, e, self.root, self.out, need) from None
+        except RuntimeError as e:
+            # torch.save reports a full disk as "[enforce fail at inline_container.cc...]
+            # unexpected pos ...": a write that came up short
+            if "inline_container" not in str(e) and "unexpected pos" not in str(e):
+                raise
+            raise disk_error(what, self.root, e, self.root, self.out, need) from None
 
     def size_needed(self, model, optimizer) -> int:
         """Bytes a new checkpoint takes: the last one's size when there is one, else the
@@ -134,5 +159,6 @@ class Checkpointer:
                       errno.EPERM: "you may not write there; choose a writable --out",
                       errno.EROFS: "that file system is read-only; choose a writable --out",
                       }.get(e.errno, "choose a writable --out")
-            raise TrainingError(f"cannot write to the run folder {self.out} ({e.strerror or e}); "
-                                f"{advice}.") from None
+            kind = DiskError if e.errno in DISK_ERRNOS else TrainingError
+            raise kind(f"cannot write to the run folder {self.out} ({e.strerror or e}); "
+                       f"{advice}.") from None

@@ -39,20 +39,21 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def agreed_stop(self, dist: D.DistEnv, device: torch.device) -> str | None:
-        """The signal to stop for, decided on every rank alike (a collective under torchrun):
-        a requeue signal when any rank got one, else SIGINT/SIGTERM when any rank got one."""
+    def agreed_stop(self, dist: D.DistEnv, device: torch.device,
+                    fault: bool = False) -> str | None:
+        """Why to stop, decided on every rank alike (one collective under torchrun): "fault"
+        when any rank reports one (rank 0 could not write its metrics), else a requeue signal
+        when any rank got one, else SIGINT/SIGTERM when any rank got one."""
         mine = self.requested
         if not dist.enabled:
-            return mine
-        requeue, other = dist.all_reduce_sum([float(mine in self.requeue),
-                                              float(mine is not None and mine not in self.requeue)],
-                                             device)
+            return "fault" if fault else mine
+        faults, requeue, other = dist.all_reduce_sum(
+            [float(fault), float(mine in self.requeue),
+             float(mine is not None and mine not in self.requeue)], device)
+        if faults:
+            return "fault"
         if requeue:
             return mine if mine in self.requeue else self.requeue[0]
         if other:
             return mine or "SIGTERM"
         return None
-
-    def is_requeue(self, name: str | None) -> bool:
-        return name is not None and name in self.requeue

@@ -23,7 +23,14 @@ from ..data import (
     prepare_data,
 )
 from ..data.batches import stream_seed
-from ..errors import CheckpointError, ConfigError, DataError, TrainingError, first_line
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DiskError,
+    TrainingError,
+    first_line,
+)
 from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError, solver_errors
 from . import distributed as D
@@ -227,6 +234,7 @@ class Trainer:
         self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
         self.signals = StopSignals(requeue=t.requeue_signals)
+        self.log_failure: DiskError | None = None
         self.evaluator = Evaluator(self.data.splits["val"], t, self.device, self.amp, self.dist,
                                    self.fsdp)
 
@@ -304,6 +312,18 @@ class Trainer:
         if self.scaler.is_enabled():
             state["scaler"] = self.scaler.state_dict()
         return state
+
+    def _log(self, event: dict) -> None:
+        """Log on rank 0; a failed write is kept and stops the run at the next step boundary,
+        where every rank learns of it (the others would wait in a collective otherwise)."""
+        if self.log_failure is not None:
+            return
+        try:
+            self.logger.log(event)
+        except DiskError as e:
+            self.log_failure = e
+            if not self.dist.enabled:
+                raise
 
     def save(self, best: bool = False) -> Path | None:
         """Write a checkpoint of the current step (rank 0 writes; every rank must call this)."""
@@ -461,7 +481,7 @@ class Trainer:
         # a resumed run's checkpoint is at its first step already
         self.checkpointer.saved_at = self.step if self.resumed_from is not None else None
         self.signals.install()
-        interrupted = None
+        interrupted, finished = None, False
         try:
             while True:
                 # each step: evaluate when due, save when due (once per step: saving a step
@@ -472,7 +492,7 @@ class Trainer:
                     last_val = self.evaluate()
                     improved = last_val < self.best_val
                     self.best_val = min(self.best_val, last_val)
-                    self.logger.log({"step": self.step, "val_loss": last_val,
+                    self._log({"step": self.step, "val_loss": last_val,
                                      "val_ppl": math.exp(min(last_val, 50.0))})
                     train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
                     say(f"step {self.step}: {train_part}val loss {last_val:.4f} "
@@ -483,7 +503,15 @@ class Trainer:
                 window_start += time.perf_counter() - paused
                 if self.step >= t.max_steps:
                     break
-                interrupted = self.signals.agreed_stop(self.dist, self.device)  # all ranks
+                # all ranks alike; a metrics write that failed on rank 0 stops every rank
+                interrupted = self.signals.agreed_stop(self.dist, self.device,
+                                                       fault=self.log_failure is not None)
+                if interrupted == "fault":
+                    failure = self.log_failure or DiskError(
+                        "rank 0 could not write the run's metrics (its message says why); the "
+                        "run stops on every rank.")
+                    failure.collective = True
+                    raise failure
                 if interrupted:
                     break
                 t0 = time.perf_counter()
@@ -496,7 +524,7 @@ class Trainer:
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
                     elapsed = time.perf_counter() - window_start
                     tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
-                    self.logger.log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
+                    self._log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
                                      "nfe": self.model.last_nfe, "penalty": self.last_penalty})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
@@ -506,11 +534,16 @@ class Trainer:
                 self.save()
             if interrupted:
                 say(f"{interrupted}: saved a checkpoint at step {self.step}; continue with "
-                    f"`continuumlm train --out {self.out} --resume`")
+                    f"`continuumlm train --out {self.out} --resume auto`")
+            finished = True
         finally:
             self.signals.restore()
             bar.close()
-            self.logger.close()
+            try:
+                self.logger.close()
+            except DiskError:
+                if finished:  # else the error already on its way says more
+                    raise
         return {"step": self.step, "val_loss": last_val, "interrupted": interrupted,
                 "skipped_steps": self.skipped_steps, "best_val_loss": self.best_val,
                 "parameters": self.model.num_parameters(), "train_seconds": train_time,
