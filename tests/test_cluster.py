@@ -308,3 +308,22 @@ def test_a_full_disk_under_two_processes_stops_every_rank_with_74(tiny_corpus, t
     assert r.returncode == DISK_STATUS, r.stdout[-2000:] + r.stderr[-2000:]
     assert "could not write the checkpoint of step 5" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_full_disk_when_a_resumed_run_rewrites_its_metrics_is_one_paragraph(tiny_corpus,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    """A requeued job on a full disk meets it first where the resume trims metrics.jsonl."""
+    import continuumlm.train.logging as L
+
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=6, ckpt=3)
+    out = tmp_path / "run"
+    assert run_cli("train", "--config", cfg, "--out", out, "--quiet").returncode == 0
+
+    def full(self, step):
+        raise _enospc()
+
+    monkeypatch.setattr(L.MetricsLogger, "_truncate", full)
+    r = run_cli("train", "--config", cfg, "--out", out, "--resume", "auto", "--set",
+                "train.max_steps=8")
+    _assert_disk_failure(r, out, "could not write metrics.jsonl")

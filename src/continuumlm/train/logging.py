@@ -36,9 +36,12 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.keep_resume_evaluation = keep_resume_evaluation
         kept_at_resume: list[dict] = []
-        if resume_step is not None and self.path.exists():
-            kept_at_resume = self._truncate(resume_step)
-        self.file = open(self.path, "a", encoding="utf-8")
+        try:
+            if resume_step is not None and self.path.exists():
+                kept_at_resume = self._truncate(resume_step)
+            self.file = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise self._disk_error("metrics.jsonl", self.path, e) from None
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -46,7 +49,10 @@ class MetricsLogger:
             # purge_step hides every TensorBoard event at or after the resume step; the events
             # metrics.jsonl keeps at that step (its training update, an evaluation not redone)
             # are written again so that both records agree
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step)
+            try:
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step)
+            except OSError as e:
+                raise self._disk_error("TensorBoard events", run_dir / "tb", e) from None
             for event in kept_at_resume:
                 self._scalars(event)
 

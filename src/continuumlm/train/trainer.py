@@ -246,7 +246,13 @@ class Trainer:
             redo = self.step % t.eval_interval == 0 or self.step >= t.max_steps
             self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None,
                                         keep_resume_evaluation=not redo)
-            (self.out / "config.toml").write_text(dump_toml(cfg))  # once nothing can fail
+            try:  # once nothing else can fail
+                (self.out / "config.toml").write_text(dump_toml(cfg))
+            except OSError as e:
+                from .checkpointer import disk_error
+
+                raise disk_error("config.toml", self.out / "config.toml", e, self.ckpt_root,
+                                 self.out) from None
         else:
             self.logger = _NullLogger()
         self.dist.barrier()
