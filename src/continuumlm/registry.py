@@ -218,7 +218,3 @@ def load_entry_point_plugins() -> None:
         _entry_points_loaded = e
         raise
     _entry_points_loaded = True
-
-
-def loaded_plugins() -> list[str]:
-    return list(_loaded_plugins)
