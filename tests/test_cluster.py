@@ -12,11 +12,18 @@ import time
 import pytest
 
 from conftest import run_cli
-from continuumlm import load_config
+from continuumlm import ConfigError, load_config
 from continuumlm.errors import DISK_STATUS, REQUEUE_STATUS
 from continuumlm.train import Trainer
 from continuumlm.train.checkpoint import load_model_and_tokenizer, verify_checkpoint
-from test_reliability import CLI, _wait_for, losses, reference, write_cfg  # noqa: F401
+from test_reliability import (  # noqa: F401 - reference: a fixture
+    CLI,
+    _wait_for,
+    losses,
+    reference,
+    signal_during_training,
+    write_cfg,
+)
 
 
 def _steps(out):
@@ -73,15 +80,8 @@ def test_resume_auto_refuses_another_runs_folder(tiny_corpus, tmp_path):
 def test_sigusr1_saves_exits_75_and_resume_auto_reproduces_the_run(reference, tmp_path):  # noqa: F811
     cfg, ref = reference
     out = tmp_path / "usr1"
-    p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
-                          "train.max_steps=100000", "--set", "train.checkpoint_interval=1000"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(out / "metrics.jsonl")
-    while len(losses(out)) < 7:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGUSR1)
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == REQUEUE_STATUS, stderr
+    returncode, stdout, stderr = signal_during_training(cfg, out, signal.SIGUSR1)
+    assert returncode == REQUEUE_STATUS, stderr
     assert "stopped by SIGUSR1" in stdout and "--resume auto" in stdout
     saved = int((out / "checkpoints" / "last").resolve().name.split("-")[1])
     assert saved >= 7
@@ -91,7 +91,7 @@ def test_sigusr1_saves_exits_75_and_resume_auto_reproduces_the_run(reference, tm
 
 
 def test_requeue_signals_are_configurable(tiny_corpus, tmp_path):
-    with pytest.raises(Exception, match="may list SIGUSR1 and SIGUSR2"):
+    with pytest.raises(ConfigError, match="may list SIGUSR1 and SIGUSR2"):
         load_config(None, ["train.requeue_signals=['SIGKILL']"])
     assert load_config(None, ["train.requeue_signals=[]"]).train.requeue_signals == []
 

@@ -90,18 +90,25 @@ def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
     assert got == ref  # every step once, and bit-identical to the uninterrupted run
 
 
-def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
-    cfg, ref = reference
-    out = tmp_path / "term"
+def signal_during_training(cfg, out: Path, sig: int, after_steps: int = 7):
+    """Train ``cfg`` (open-ended, no periodic checkpoint) in a child, send it ``sig`` once
+    ``after_steps`` losses are logged; returns (exit status, stdout, stderr)."""
     p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out), "--set",
                           "train.max_steps=100000", "--set", "train.checkpoint_interval=1000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(out / "metrics.jsonl")
-    while len(losses(out)) < 7:
+    while len(losses(out)) < after_steps:
         time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGTERM, stderr  # saved, but not a finished run
+    return p.returncode, stdout, stderr
+
+
+def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
+    cfg, ref = reference
+    out = tmp_path / "term"
+    returncode, stdout, stderr = signal_during_training(cfg, out, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, stderr  # saved, but not a finished run
     assert "--resume" in stdout
     saved = (out / "checkpoints" / "last").resolve().name
     assert int(saved.split("-")[1]) >= 7

@@ -52,14 +52,7 @@ UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (
 # constructor's overflow traceback; sizes below this that do not fit in memory are refused by
 # ``model.lm.check_memory`` with the memory they would need.
 MAX_INT = 2**31 - 1
-
-
 ODE_TIME_LIMIT = 1e6
-
-
-UPPER: dict[str, int] = {}
-
-
 UNCAPPED = {"seed", "train_chars"}  # numbers that never size a tensor
 
 
@@ -146,11 +139,11 @@ def _validate(obj, section: str, skip: tuple[str, ...] = ()) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}.")
         _check_bounds(key, value, f.metadata)
-        cap = MAX_INT if own else UPPER.get(f.name, MAX_INT)
-        if isinstance(value, int) and not isinstance(value, bool) and value > cap \
+        # tighter limits of a component's own are its setting(le=...)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT \
                 and (own or f.name not in UNCAPPED) and _strict():
             raise ConfigError(f"{key} = {value} is larger than the most this library supports, "
-                              f"{cap:,}; choose a smaller value.")
+                              f"{MAX_INT:,}; choose a smaller value.")
         if own:
             continue
         if f.name in CHOICES and value not in CHOICES[f.name]:
