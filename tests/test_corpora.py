@@ -110,8 +110,8 @@ def test_shared_corpora_resolve_and_split(data_dir, monkeypatch):
     assert n == 1115394 and len(ds.splits["train"]) == int(n * 0.9)
     cat = prepare_data(DataConfig(train_chars=50000, vocab_source="all"))
     assert len(cat.splits["train"]) == 50000 and cat.tokenizer.vocab_size == 65
-    with pytest.raises(DataError, match="val split.*vocab_source"):
-        prepare_data(DataConfig(train_chars=50000))
+    with pytest.raises(DataError, match="outside the training split.*vocab_source"):
+        prepare_data(DataConfig(train_chars=50000, unknown_chars="error"))
 
 
 def test_ptb_word_counts(data_dir, monkeypatch):
@@ -125,4 +125,4 @@ def test_one_file_for_a_corpus_with_a_file_per_split_is_refused(tmp_path):
     one = tmp_path / "ptb.test.txt"
     one.write_text("the cat sat\n")
     with pytest.raises(DataError, match="one file.*ptb.train.txt.*folder"):
-        corpora.load_corpus_text("ptb", str(one))
+        prepare_data(DataConfig(dataset="ptb", path=str(one), tokenizer="word"))

@@ -22,7 +22,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "norm_type": ("layernorm", "rmsnorm"),
     "mode": ("decoder", "encoder"),
     "position": ("rope", "learned", "none"),
-    "dataset": ("tinyshakespeare", "ptb", "text"),
+    "dataset": ("tinyshakespeare", "ptb", "text", "prepared"),
+    "unknown_chars": ("unk", "error"),
     "tokenizer": ("char", "word", "bpe"),
     "vocab_source": ("train", "all"),
     "errors": ("strict", "replace"),
@@ -37,14 +38,14 @@ POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps", "max_bad_steps",
-    "dist_timeout_s", "lr", "ode_rtol", "ode_atol", "ode_max_steps", "num_kv_pairs", "train_examples", "test_examples", "power_a",
+    "dist_timeout_s", "lr", "ode_rtol", "ode_atol", "ode_max_steps", "num_kv_pairs", "train_examples", "test_examples", "power_a", "tokenizer_sample_chars",
 }
 
 
 NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
 
 
-UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
+UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "test_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),
                  "beta2": (0.0, 1.0)}
 
 
@@ -53,7 +54,7 @@ UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "beta1": (
 # ``model.lm.check_memory`` with the memory they would need.
 MAX_INT = 2**31 - 1
 ODE_TIME_LIMIT = 1e6
-UNCAPPED = {"seed", "train_chars"}  # numbers that never size a tensor
+UNCAPPED = {"seed", "train_chars", "tokenizer_sample_chars"}  # numbers that never size a tensor
 
 
 # The refusals above that are limits of this version rather than of any run (sizes, the ODE

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +11,12 @@ import torch
 
 from ..errors import DataError
 from .batches import BatchSampler, eval_batches, eval_window_starts
-from .corpora import CORPORA, cache_dir, load_corpus_text, resolve_file
+from .corpora import CORPORA, cache_dir, resolve_file
+from .prepare import Plan, TokenizerSpec, plan_key, prepare_cached, source_digests
+from .shards import Prepared
+from .sources import Source, expand
 from .tokenizers import (
     TOKENIZER_FILE,
-    encode_array,
     load_tokenizer,
     save_tokenizer,
     tokenizer_json,
@@ -26,21 +26,23 @@ from .tokenizers import (
 __all__ = [
     "CORPORA", "BatchSampler", "Dataset", "TOKENIZER_FILE", "changed_splits", "corpus_name",
     "eval_batches", "eval_window_starts", "load_tokenizer", "prepare_data", "resolve_file",
-    "save_tokenizer", "split_text", "train_tokenizer",
+    "save_tokenizer", "tokenizer_spec", "train_tokenizer",
 ]
 
 
 @dataclass
 class Dataset:
     tokenizer: object
-    splits: dict[str, torch.Tensor]  # split name -> 1-D int64 token ids
+    splits: dict[str, np.ndarray | torch.Tensor]
+    """split name -> 1-D token ids: a read-only memmap of a prepared folder (or, built by
+    hand, an in-memory array or tensor); windows are cut by :mod:`.batches`."""
     fingerprint: dict[str, str] = field(default_factory=dict)
     """split name -> sha256 of its text: what a resumed run or an evaluation compares with the
     text a run was trained on (a corpus file edited or replaced in between)."""
-
-
-def text_digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    folder: Path | None = None
+    """The prepared folder the splits are mapped from."""
+    meta_digest: str | None = None
+    """sha256 of that folder's meta.json (recorded in checkpoints)."""
 
 
 def corpus_name(dcfg) -> str:
@@ -57,57 +59,74 @@ def changed_splits(recorded: dict[str, str] | None, data: Dataset) -> list[str]:
             if name in data.fingerprint and data.fingerprint[name] != digest]
 
 
-def split_text(texts: dict[str, str], dcfg) -> dict[str, str]:
-    """Apply the configured train/val split to a single-file corpus."""
-    if "all" not in texts:
-        return texts
-    text = texts["all"]
-    if not text.strip():
-        raise DataError("the corpus is empty; point data.path at a file that holds text.")
-    n = dcfg.train_chars if dcfg.train_chars is not None else int(len(text) * dcfg.train_fraction)
-    if not 0 < n < len(text):
-        raise DataError(f"the split leaves an empty part: the corpus has {len(text)} characters "
-                        f"and the training part would have {n}; adjust data.train_fraction or "
-                        f"data.train_chars.")
-    return {"train": text[:n], "val": text[n:]}
+def _plan(dcfg) -> Plan:
+    """The sources and split rule of a raw-text [data] section."""
+    common = dict(text_field=dcfg.text_field, errors=dcfg.errors)
+    if dcfg.dataset == "text":
+        if not dcfg.path:
+            raise DataError('data.dataset = "text" needs data.path pointing to a UTF-8 text file '
+                            '(or a folder or glob of text, JSON Lines, Parquet or Arrow files).')
+        return Plan({"all": expand([dcfg.path])}, dcfg.train_fraction, dcfg.test_fraction,
+                    dcfg.train_chars, **common)
+    files = CORPORA[dcfg.dataset]
+    if dcfg.path and len(files) > 1 and Path(dcfg.path).expanduser().is_file():
+        names = ", ".join(cf.name for cf in files.values())
+        raise DataError(f"data.path = {dcfg.path!r} is one file, but data.dataset = "
+                        f"{dcfg.dataset!r} has a file per split ({names}); point data.path at "
+                        f"the folder that holds them, or use data.dataset = \"text\" for a "
+                        f"single file.")
+    splits = {split: [Source(resolve_file(cf, dcfg.path), "text")] for split, cf in files.items()}
+    if "all" in splits:
+        return Plan(splits, dcfg.train_fraction, dcfg.test_fraction, dcfg.train_chars, **common)
+    return Plan(splits, **common)
 
 
-def encode_cached(tok, text: str) -> np.ndarray:
-    """Encode text, caching the ids as .npy keyed by the text and the tokenizer."""
-    key = hashlib.sha256(text.encode("utf-8", "surrogatepass") + b"\0" +
-                         tokenizer_json(tok).encode()).hexdigest()[:24]
-    path = cache_dir() / "encoded" / f"{key}.npy"
-    if path.is_file():
+def tokenizer_spec(dcfg, tokenizer=None) -> TokenizerSpec:
+    return TokenizerSpec(kind=dcfg.tokenizer, vocab_size=dcfg.vocab_size,
+                         vocab_source=dcfg.vocab_source, unknown_chars=dcfg.unknown_chars,
+                         sample_chars=dcfg.tokenizer_sample_chars, given=tokenizer)
+
+
+def _same_tokenizer(a, b) -> bool:
+    return tokenizer_json(a) == tokenizer_json(b)
+
+
+def prepare_data(dcfg, tokenizer=None, quiet: bool = True) -> Dataset:
+    """The corpus of a [data] section, tokenized and memory-mapped.
+
+    A prepared folder (dataset "prepared") is opened as it is. Any other corpus is prepared
+    once into ``$CONTINUUMLM_CACHE/prepared/KEY`` (KEY: the sources' sha256, the split rule and
+    the tokenizer settings) and opened from there. ``tokenizer`` (a resumed or evaluated run's)
+    encodes the text instead of one trained from the settings; the cached preparation made with
+    the settings is reused when its tokenizer is that very one.
+    """
+    if dcfg.dataset == "prepared":
+        if not dcfg.path:
+            raise DataError('data.dataset = "prepared" needs data.path: the folder '
+                            '`continuumlm prepare --out DIR` wrote.')
+        prepared = Prepared(Path(dcfg.path).expanduser())
+        if tokenizer is not None and not _same_tokenizer(tokenizer, prepared.tokenizer):
+            raise DataError(f"{dcfg.path} was prepared with another tokenizer than this run's "
+                            f"(its tokenizer.json differs from the checkpoint's), so its token "
+                            f"ids mean other things; point data.path at the prepared folder the "
+                            f"run was trained on.")
+        return Dataset(tokenizer or prepared.tokenizer, prepared.splits, prepared.fingerprint,
+                       prepared.folder, prepared.digest)
+    plan = _plan(dcfg)
+    root = cache_dir() / "prepared"
+    spec = tokenizer_spec(dcfg)
+    log = None if quiet else (lambda m: print(f"prepare: {m}", file=sys.stderr))
+    if tokenizer is not None:
+        trained = root / plan_key(plan, spec, source_digests(plan))[:32]
         try:
-            return np.load(path, allow_pickle=False)
-        except (OSError, ValueError):
-            path.unlink(missing_ok=True)  # a damaged cache entry is rebuilt below
-    ids = encode_array(tok, text)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".npy.part", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, ids, allow_pickle=False)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the cache is an optimization; an unwritable cache folder costs only time
-    return ids
-
-
-def prepare_data(dcfg, tokenizer=None) -> Dataset:
-    """Load the corpus, build (or reuse) the tokenizer and encode every split."""
-    texts = split_text(load_corpus_text(dcfg.dataset, dcfg.path, dcfg.errors), dcfg)
-    if not texts["train"].strip():
-        raise DataError("the training split is empty; check data.path and the split settings.")
-    if tokenizer is None:
-        source = texts["train"] if dcfg.vocab_source == "train" else "\n".join(texts.values())
-        tokenizer = train_tokenizer(dcfg.tokenizer, source, dcfg.vocab_size)
-    splits = {}
-    for name, text in texts.items():
-        try:
-            ids = encode_cached(tokenizer, text)
-        except DataError as e:
-            raise DataError(f"{name} split: {e}") from None
-        splits[name] = torch.from_numpy(ids.astype(np.int64))
-    return Dataset(tokenizer, splits, {name: text_digest(text) for name, text in texts.items()})
-
+            prepared = Prepared(trained)
+        except DataError:
+            prepared = None
+        if prepared is None or not _same_tokenizer(tokenizer, prepared.tokenizer):
+            prepared = Prepared(prepare_cached(root, plan, tokenizer_spec(dcfg, tokenizer),
+                                               quiet=quiet, log=log))
+        tok = tokenizer
+    else:
+        prepared = Prepared(prepare_cached(root, plan, spec, quiet=quiet, log=log))
+        tok = prepared.tokenizer
+    return Dataset(tok, prepared.splits, prepared.fingerprint, prepared.folder, prepared.digest)

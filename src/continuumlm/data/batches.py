@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from ..errors import first_line
+
+
+def gather(data, index: torch.Tensor) -> torch.Tensor:
+    """``data[index]`` as int64: ``data`` is a 1-D tensor or a numpy array (a memmap of a
+    prepared split, whose pages are read only where a window falls)."""
+    if isinstance(data, torch.Tensor):
+        return data[index].long()
+    return torch.from_numpy(np.asarray(data[index.numpy()], dtype=np.int64))
 
 
 def stream_seed(seed: int, stream: int) -> int:
@@ -30,7 +39,7 @@ class BatchSampler:
     ``world_size * grad_accum`` micro-steps.
     """
 
-    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int,
+    def __init__(self, data, batch_size: int, seq_len: int, seed: int,
                  streams: range | list[int] = range(1)):
         if len(data) < seq_len + 1:
             raise ValueError(f"{len(data)} tokens cannot fill one window of {seq_len} + 1.")
@@ -47,7 +56,7 @@ class BatchSampler:
     def next(self, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.generators[self.streams[micro_step]]
         starts = torch.randint(len(self.data) - self.seq_len, (self.batch_size,), generator=g)
-        win = self.data[starts[:, None] + self._offsets].long()
+        win = gather(self.data, starts[:, None] + self._offsets)
         return win[:, :-1], win[:, 1:]
 
     def state_dict(self) -> dict:
@@ -90,7 +99,7 @@ def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = No
     return starts
 
 
-def eval_batches(data: torch.Tensor, seq_len: int, batch_size: int,
+def eval_batches(data, seq_len: int, batch_size: int,
                  max_windows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, targets) batches over :func:`eval_window_starts`; a target an earlier window
     already scored is set to -1 (the model's ignore_index). Count ``targets >= 0``."""
@@ -99,7 +108,7 @@ def eval_batches(data: torch.Tensor, seq_len: int, batch_size: int,
     # leading targets of each window already scored by the one before (only the tail has any)
     seen = (torch.cat([starts[:1], starts[:-1] + seq_len]) - starts).clamp(min=0)
     for i in range(0, len(starts), batch_size):
-        win = data[starts[i:i + batch_size, None] + offsets].long()
+        win = gather(data, starts[i:i + batch_size, None] + offsets)
         y = win[:, 1:].clone()
         y[offsets[:-1] < seen[i:i + batch_size, None]] = -1
         yield win[:, :-1], y

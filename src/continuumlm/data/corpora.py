@@ -135,32 +135,3 @@ def _download(cf: CorpusFile, dest: Path, looked: list[str]) -> Path:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def read_text(path: Path, errors: str = "strict") -> str:
-    """Read UTF-8 text; with errors="strict" a bad byte is an error naming its offset."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
-                        f"({e.reason}). Convert the file to UTF-8, or set data.errors = \"replace\" "
-                        f"to replace undecodable bytes with U+FFFD.") from None
-
-
-def load_corpus_text(dataset: str, data_path: str | None, errors: str = "strict") -> dict[str, str]:
-    """Raw text per split: {"train", "val"[, "test"]} for PTB, {"all"} for single-file corpora."""
-    if dataset == "text":
-        if not data_path:
-            raise DataError('data.dataset = "text" needs data.path pointing to a UTF-8 text file.')
-        p = Path(data_path).expanduser()
-        if not p.is_file():
-            raise DataError(f"data.path = {data_path!r} is not a file; point it at a UTF-8 text file.")
-        return {"all": read_text(p, errors)}
-    files = CORPORA[dataset]
-    if data_path and len(files) > 1 and Path(data_path).expanduser().is_file():
-        names = ", ".join(cf.name for cf in files.values())
-        raise DataError(f"data.path = {data_path!r} is one file, but data.dataset = {dataset!r} "
-                        f"has a file per split ({names}); point data.path at the folder that "
-                        f"holds them, or use data.dataset = \"text\" for a single file.")
-    return {split: read_text(resolve_file(cf, data_path), errors) for split, cf in files.items()}

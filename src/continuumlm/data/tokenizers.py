@@ -8,21 +8,24 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "continuumlm-tokenizer"
 
-
 class CharTokenizer:
+    """One id per character. A vocabulary built from the training text may end with ``<unk>``
+    (the only entry longer than one character), standing for characters found outside the
+    training text but not in it (data.unknown_chars = "unk")."""
+
     kind = "char"
     eos_id = None
+    UNK = "<unk>"
 
     def __init__(self, vocab: list[str]):
         self.vocab = vocab
         self.stoi = {c: i for i, c in enumerate(vocab)}
+        self.unk_id = self.stoi.get(self.UNK)
 
     @classmethod
     def train(cls, text: str, vocab_size: int | None = None) -> CharTokenizer:
@@ -33,6 +36,9 @@ class CharTokenizer:
         return len(self.vocab)
 
     def encode(self, text: str) -> list[int]:
+        if self.unk_id is not None:
+            get, unk = self.stoi.get, self.unk_id
+            return [get(c, unk) for c in text]
         try:
             return [self.stoi[c] for c in text]
         except KeyError:
@@ -47,7 +53,6 @@ class CharTokenizer:
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "type": self.kind, "vocab": self.vocab}
-
 
 class WordTokenizer:
     """Whitespace words with ``<eos>`` at every line end; words outside the vocabulary map to
@@ -101,14 +106,12 @@ class WordTokenizer:
     def to_dict(self) -> dict:
         return {"format": FORMAT, "type": self.kind, "vocab": self.vocab}
 
-
 # A newline between two non-space characters: the byte-level pre-tokenizer (GPT-2's pattern)
 # always splits there, and no pre-token spans it, so text cut at such places pre-tokenizes, and
 # therefore encodes, exactly as the whole text does. (Cutting at every newline does not:
 # "\n" followed by indentation is one pre-token, which training then learns as a merge that
 # encoding line by line could never produce.)
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
-
 
 def _pieces(text: str, size: int = 1 << 14) -> list[str]:
     """``text`` cut into pieces of at least ``size`` characters (but the last) at safe places."""
@@ -122,7 +125,6 @@ def _pieces(text: str, size: int = 1 << 14) -> list[str]:
     out.append(text[start:])
     return out
 
-
 class BPETokenizer:
     """Byte-level BPE from the ``tokenizers`` library; any text encodes, nothing is unknown."""
 
@@ -135,6 +137,11 @@ class BPETokenizer:
 
     @classmethod
     def train(cls, text: str, vocab_size: int | None = None) -> BPETokenizer:
+        return cls.train_pieces(_pieces(text), vocab_size)
+
+    @classmethod
+    def train_pieces(cls, pieces, vocab_size: int | None = None) -> BPETokenizer:
+        """Train from an iterator of texts (each cut where pre-tokenization allows)."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
@@ -143,20 +150,24 @@ class BPETokenizer:
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size or 4096, special_tokens=[cls.EOS], show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(_pieces(text), trainer)
+        tok.train_from_iterator(pieces, trainer)
         return cls(tok)
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    @staticmethod
+    def check_text(text: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes from argv
             raise DataError(f"the text holds {text[e.start:e.end]!r} at offset {e.start}, which "
                             f"is not valid Unicode (bytes that were not UTF-8); pass UTF-8 "
                             f"text.") from None
+
+    def encode(self, text: str) -> list[int]:
+        self.check_text(text)
         # Pieces in a batch (much faster than one huge string), cut as training cut them
         out: list[int] = []
         for enc in self.tok.encode_batch(_pieces(text), add_special_tokens=False):
@@ -169,25 +180,20 @@ class BPETokenizer:
     def to_json(self) -> str:
         return self.tok.to_str()
 
-
 KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BPETokenizer}
-
 
 def train_tokenizer(kind: str, text: str, vocab_size: int | None = None):
     if not text:
         raise DataError("cannot build a tokenizer from empty text: the training split is empty.")
     return KINDS[kind].train(text, vocab_size)
 
-
 def tokenizer_json(tok) -> str:
     return tok.to_json() if isinstance(tok, BPETokenizer) else json.dumps(tok.to_dict())
-
 
 def save_tokenizer(tok, directory: str | Path) -> Path:
     path = Path(directory) / TOKENIZER_FILE
     path.write_text(tokenizer_json(tok), encoding="utf-8")
     return path
-
 
 def load_tokenizer(path: str | Path):
     """Load a ``tokenizer.json`` (a folder holding one, or the file itself)."""
@@ -214,8 +220,3 @@ def load_tokenizer(path: str | Path):
         except Exception as e:  # the library raises plain Exception subclasses
             raise DataError(f"{path} is not a tokenizer the tokenizers library can read: {e}") from None
     raise DataError(f"{path} is not a ContinuumLM or tokenizers-library tokenizer file.")
-
-
-def encode_array(tok, text: str) -> np.ndarray:
-    dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
-    return np.asarray(tok.encode(text), dtype=dtype)

@@ -1,0 +1,578 @@
+"""Out-of-core corpus preparation: sources -> tokenizer + one token file per split.
+
+The engine behind ``continuumlm prepare`` and behind every raw-text config (which is prepared
+once into the user cache and memory-mapped). Memory is bounded by a block of text, a chunk of
+token ids and the tokenizer's training sample, whatever the corpus size.
+
+Three passes over the sources:
+
+1. *count*: characters per source (the split points of a single-stream corpus are character
+   positions, as in the in-memory split of earlier versions: the first ``train_fraction`` of
+   the characters train, then validation, then ``test_fraction`` test);
+2. *sample* (only when a tokenizer is trained): the character set (char), or the training text
+   itself when it is at most ``sample_chars`` characters, else a seeded sample of blocks of it
+   (word, bpe);
+3. *encode*: each split streamed through the tokenizer into ``SPLIT.bin.part``.
+
+Files are written under temporary names and renamed at the end, ``meta.json`` last, so a folder
+with a ``meta.json`` is complete and a prepare killed midway leaves nothing that loads.
+
+Documents (the files of a folder, the records of a JSON Lines/Parquet/Arrow file) are joined
+with ``<|endoftext|>`` (bpe) or so that each starts on a new line (char, word: a newline is put
+after a document that does not end with one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError, DiskError
+from .sources import Source, documents, file_digest
+from .tokenizers import (
+    TOKENIZER_FILE,
+    BPETokenizer,
+    CharTokenizer,
+    WordTokenizer,
+    _pieces,
+    tokenizer_json,
+)
+
+FORMAT = "continuumlm-prepared"
+VERSION = 1
+META_FILE = "meta.json"
+PART = ".part"
+SPLIT_NAMES = ("train", "val", "test")
+DEFAULT_SAMPLE_CHARS = 64_000_000
+CHUNK_CHARS = 4_000_000        # text per encoding call
+MAX_BUFFER_CHARS = 64_000_000  # text held while looking for a place to cut it
+
+
+@dataclass
+class Plan:
+    """What to prepare: sources per split, or one stream ("all") split by character position."""
+
+    splits: dict[str, list[Source]]
+    train_fraction: float = 0.9
+    test_fraction: float = 0.0
+    train_chars: int | None = None
+    text_field: str = "text"
+    errors: str = "strict"
+
+    @property
+    def stream(self) -> bool:
+        return "all" in self.splits
+
+    def describe(self) -> dict:
+        if self.stream:
+            rule = {"rule": "tail", "train_fraction": self.train_fraction,
+                    "test_fraction": self.test_fraction, "train_chars": self.train_chars}
+        else:
+            rule = {"rule": "files"}
+        return {**rule, "text_field": self.text_field, "errors": self.errors}
+
+
+@dataclass
+class TokenizerSpec:
+    """How the tokenizer is made: trained (kind, vocab_size, ...) or given (an object)."""
+
+    kind: str = "char"
+    vocab_size: int | None = None
+    vocab_source: str = "train"
+    unknown_chars: str = "unk"
+    sample_chars: int = DEFAULT_SAMPLE_CHARS
+    seed: int = 0
+    given: object | None = None
+
+    def describe(self) -> dict:
+        if self.given is not None:
+            return {"given": hashlib.sha256(tokenizer_json(self.given).encode()).hexdigest()}
+        return {"kind": self.kind, "vocab_size": self.vocab_size,
+                "vocab_source": self.vocab_source, "unknown_chars": self.unknown_chars,
+                "sample_chars": self.sample_chars, "seed": self.seed}
+
+
+@dataclass
+class Counts:
+    chars: dict[str, int] = field(default_factory=dict)  # per split
+    bounds: list[tuple[str, int]] = field(default_factory=list)  # stream: (split, end position)
+
+
+def plan_key(plan: Plan, tok: TokenizerSpec, digests: list[tuple[str, str]]) -> str:
+    blob = json.dumps({"format": FORMAT, "version": VERSION, "sources": digests,
+                       "plan": plan.describe(), "tokenizer": tok.describe()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def source_digests(plan: Plan) -> list[tuple[str, str]]:
+    return [(split, file_digest(s.path)) for split, srcs in plan.splits.items() for s in srcs]
+
+
+# ------------------------------------------------------------------------ walking the text
+
+def count(plan: Plan) -> Counts:
+    """Pass 1: characters per split (per stream, then the split points)."""
+    c = Counts()
+    for split, srcs in plan.splits.items():
+        c.chars[split] = sum(len(b) for s in srcs
+                             for doc in documents(s, plan.text_field, plan.errors) for b in doc)
+    if not plan.stream:
+        for split in plan.splits:
+            if c.chars[split] == 0:
+                raise DataError(f"the {split} split is empty: its sources "
+                                f"({', '.join(str(s.path) for s in plan.splits[split])}) hold no "
+                                f"text.")
+        return c
+    total = c.chars.pop("all")
+    names = ", ".join(str(s.path) for s in plan.splits["all"][:3])
+    if total == 0:
+        raise DataError(f"the corpus is empty: {names}{' ...' if len(plan.splits['all']) > 3 else ''} "
+                        f"hold{'s' if len(plan.splits['all']) == 1 else ''} no text; point the "
+                        f"inputs (data.path) at files that hold text.")
+    n_train = plan.train_chars if plan.train_chars is not None else int(total * plan.train_fraction)
+    n_test = int(total * plan.test_fraction)
+    n_val = total - n_train - n_test
+    if n_train <= 0 or n_val <= 0 or (plan.test_fraction > 0 and n_test <= 0):
+        raise DataError(f"the split leaves an empty part: the corpus has {total} characters and "
+                        f"the training part would have {n_train}, validation {n_val}"
+                        + (f", test {n_test}" if plan.test_fraction > 0 else "")
+                        + "; adjust data.train_fraction or data.train_chars (--val-fraction, "
+                          "--test-fraction), or use a longer corpus.")
+    c.chars = {"train": n_train, "val": n_val}
+    c.bounds = [("train", n_train), ("val", n_train + n_val)]
+    if n_test:
+        c.chars["test"] = n_test
+        c.bounds.append(("test", total))
+    return c
+
+
+def walk(plan: Plan, counts: Counts) -> Iterator[tuple[str, str | None]]:
+    """(split, text) blocks in order; ``(split, None)`` marks the start of a document in a split
+    that already holds text (where a separator goes)."""
+    if not plan.stream:
+        for split, srcs in plan.splits.items():
+            started = False
+            for s in srcs:
+                for doc in documents(s, plan.text_field, plan.errors):
+                    if started:
+                        yield split, None
+                    started = True
+                    for block in doc:
+                        yield split, block
+        return
+    bounds, r, pos = counts.bounds, 0, 0
+    started: set[str] = set()
+    for s in plan.splits["all"]:
+        for doc in documents(s, plan.text_field, plan.errors):
+            new_doc = True
+            for block in doc:
+                while block:
+                    split, end = bounds[r]
+                    if pos >= end:
+                        r += 1
+                        continue
+                    take, block = block[:end - pos], block[end - pos:]
+                    if new_doc and split in started:
+                        yield split, None
+                    new_doc = False
+                    started.add(split)
+                    yield split, take
+                    pos += len(take)
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+def _codepoints(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+
+
+def build_tokenizer(plan: Plan, counts: Counts, spec: TokenizerSpec, log=None):
+    """Pass 2: train the tokenizer on the vocabulary splits (or return the given one)."""
+    if spec.given is not None:
+        return spec.given
+    vocab_splits = ["train"] if spec.vocab_source == "train" else list(counts.chars)
+    if spec.kind == "char":
+        seen = {s: np.zeros(0x110000, dtype=bool) for s in counts.chars}
+        for split, text in walk(plan, counts):
+            if text is None:
+                seen[split][10] = True  # the newline that may join two documents
+            else:
+                seen[split][_codepoints(text)] = True
+        vocab_mask = np.logical_or.reduce([seen[s] for s in vocab_splits])
+        vocab = [chr(c) for c in np.flatnonzero(vocab_mask)]
+        others = np.logical_or.reduce([seen[s] for s in seen]) & ~vocab_mask
+        if others.any():
+            unknown = [chr(c) for c in np.flatnonzero(others)]
+            if spec.unknown_chars == "error":
+                shown = unknown[:20]
+                raise DataError(
+                    f"characters {shown!r}{' ...' if len(unknown) > 20 else ''} occur outside the "
+                    f"training split but not in it, so the char vocabulary built from the "
+                    f"training text cannot encode them; set data.unknown_chars = \"unk\" to map "
+                    f"them to <unk>, or data.vocab_source = \"all\" to build the vocabulary from "
+                    f"the whole corpus.")
+            vocab.append(CharTokenizer.UNK)
+        return CharTokenizer(vocab)
+    total = sum(counts.chars[s] for s in vocab_splits)
+    keep = {s: [] for s in vocab_splits}
+    if total <= spec.sample_chars:
+        for split, text in walk(plan, counts):
+            if split in keep:
+                keep[split].append("\n" if text is None else text)
+        texts = ["".join(keep[s]) for s in vocab_splits]
+        text = texts[0] if len(texts) == 1 else "\n".join(texts)
+        if spec.kind == "word":
+            return WordTokenizer.train(text, spec.vocab_size)
+        return BPETokenizer.train(text, spec.vocab_size)
+    # a seeded sample of blocks (about a megabyte each) of the vocabulary splits
+    rng = np.random.default_rng(spec.seed)
+    p, got = spec.sample_chars / total, 0
+    sample: list[str] = []
+    t0 = time.time()
+    for split, text in walk(plan, counts):
+        if text is None or split not in keep:
+            continue
+        if rng.random() < p and got < spec.sample_chars:
+            sample.append(text)
+            got += len(text)
+    if log:
+        log(f"sampled {got:,} of {total:,} characters for the tokenizer "
+            f"({time.time() - t0:.0f} s)")
+    if spec.kind == "word":
+        return WordTokenizer.train("\n".join(sample), spec.vocab_size)
+    return BPETokenizer.train_pieces((p for block in sample for p in _pieces(block)),
+                                     spec.vocab_size)
+
+
+# ------------------------------------------------------------------------------- encoding
+
+def dtype_for(vocab_size: int, requested: str = "auto") -> np.dtype:
+    need = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    if vocab_size > 1 << 32:
+        raise DataError(f"a vocabulary of {vocab_size:,} tokens does not fit 32-bit token ids.")
+    if requested == "auto":
+        return np.dtype(need)
+    dt = np.dtype(requested)
+    if vocab_size > np.iinfo(dt).max + 1:
+        raise DataError(f"--dtype {requested} holds ids below {np.iinfo(dt).max + 1:,}, but the "
+                        f"vocabulary has {vocab_size:,} tokens; use --dtype uint32 (or auto).")
+    return dt
+
+
+def _last_safe_cut(s: str) -> int:
+    """The last place in ``s`` where byte-level BPE pre-tokenization can be cut without changing
+    it (a newline between two non-space characters, see tokenizers._SAFE_CUT); 0 if none."""
+    i = len(s)
+    while True:
+        i = s.rfind("\n", 0, i)
+        if i <= 0:
+            return 0
+        if i + 1 < len(s) and not s[i - 1].isspace() and not s[i + 1].isspace():
+            return i + 1
+        # try the newline before
+
+
+def _last_space_cut(s: str) -> int:
+    """The last "x| y" (a space between two non-space characters): the space begins the next
+    pre-token in GPT-2's pattern, so cutting before it is exact as well."""
+    i = len(s)
+    while True:
+        i = s.rfind(" ", 0, i)
+        if i <= 0:
+            return 0
+        if i + 1 < len(s) and not s[i - 1].isspace() and not s[i + 1].isspace():
+            return i
+
+
+class _Encoder:
+    """Streams text through a tokenizer, cutting it only where the encoding does not change."""
+
+    def __init__(self, tok, dtype):
+        self.tok, self.dtype = tok, dtype
+        self.buf: list[str] = []
+        self.n = 0
+        self.last = "\n"
+        self.unknown = 0
+        if isinstance(tok, CharTokenizer):
+            table = np.full(0x110000, -1, dtype=np.int64)
+            for i, c in enumerate(tok.vocab):
+                if len(c) == 1:
+                    table[ord(c)] = i
+            self.table = table
+
+    def _encode(self, text: str) -> np.ndarray:
+        tok = self.tok
+        if isinstance(tok, CharTokenizer):
+            ids = self.table[_codepoints(text)]
+            bad = ids < 0
+            if bad.any():
+                if tok.unk_id is None:
+                    tok.encode(text)  # raises the tokenizer's own message
+                self.unknown += int(bad.sum())
+                ids[bad] = tok.unk_id
+            return ids.astype(self.dtype)
+        if isinstance(tok, BPETokenizer):
+            tok.check_text(text)
+            encs = tok.tok.encode_batch(_pieces(text), add_special_tokens=False)
+            if not encs:
+                return np.zeros(0, self.dtype)
+            return np.concatenate([np.asarray(e.ids, dtype=self.dtype) for e in encs])
+        return np.asarray(tok.encode(text), dtype=self.dtype)
+
+    def _cut(self, s: str) -> int:
+        if isinstance(self.tok, CharTokenizer):
+            return len(s)
+        if isinstance(self.tok, WordTokenizer):
+            k = s.rfind("\n") + 1
+            if k == 0 and len(s) > MAX_BUFFER_CHARS:
+                raise DataError(f"a line of more than {MAX_BUFFER_CHARS:,} characters: the word "
+                                f"tokenizer ends every line with <eos> and cannot cut inside "
+                                f"one; use the bpe or char tokenizer for text without newlines.")
+            return k
+        k = _last_safe_cut(s)
+        if k == 0 and len(s) > MAX_BUFFER_CHARS:
+            k = _last_space_cut(s) or len(s)  # a text without newlines (rare)
+        return k
+
+    def feed(self, text: str) -> Iterator[np.ndarray]:
+        self.buf.append(text)
+        self.n += len(text)
+        self.last = text[-1]
+        if self.n >= CHUNK_CHARS:
+            s = "".join(self.buf)
+            k = self._cut(s)
+            if k:
+                self.buf, self.n = [s[k:]], len(s) - k
+                yield self._encode(s[:k])
+            else:
+                self.buf = [s]
+
+    def flush(self) -> Iterator[np.ndarray]:
+        if self.n:
+            s = "".join(self.buf)
+            self.buf, self.n = [], 0
+            yield self._encode(s)
+
+    def separator(self) -> Iterator[np.ndarray]:
+        if isinstance(self.tok, BPETokenizer):
+            yield from self.flush()
+            yield np.asarray([self.tok.eos_id], dtype=self.dtype)
+        elif self.last != "\n":
+            yield from self.feed("\n")
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="encode", disable=True if quiet else None,
+                file=sys.stderr, leave=False)
+
+
+def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=False) -> dict:
+    """Pass 3: write ``SPLIT.bin.part`` per split; returns each split's statistics."""
+    stats: dict[str, dict] = {}
+    files: dict[str, object] = {}
+    encoders: dict[str, _Encoder] = {}
+    total_bytes = sum(counts.chars.values())  # about a byte per character; for the bar only
+    bar = _progress(total_bytes, quiet)
+    limit = np.iinfo(dtype).max
+
+    def close(split: str) -> None:
+        enc = encoders.pop(split)
+        write(split, enc.flush())
+        stats[split]["unknown_chars"] = enc.unknown
+
+    def write(split: str, arrays) -> None:
+        for ids in arrays:
+            if ids.size and int(ids.max()) > limit:
+                raise DataError(f"token id {int(ids.max())} does not fit {dtype.name}; the "
+                                f"tokenizer's ids exceed its stated vocabulary.")
+            ids.tofile(files[split])
+            stats[split]["tokens"] += int(ids.size)
+
+    try:
+        for split, text in walk(plan, counts):
+            if split not in files:
+                for done in list(encoders):  # splits come one after another
+                    close(done)
+                files[split] = open(folder / f"{split}.bin{PART}", "wb")
+                encoders[split] = _Encoder(tok, dtype)
+                stats[split] = {"file": f"{split}.bin", "tokens": 0, "chars": 0, "documents": 1,
+                                "_sha": hashlib.sha256()}
+            st = stats[split]
+            if text is None:
+                st["documents"] += 1
+                st["_sha"].update(b"\0")
+                write(split, encoders[split].separator())
+                continue
+            raw = text.encode("utf-8", "surrogatepass")
+            st["_sha"].update(raw)
+            st["chars"] += len(text)
+            write(split, encoders[split].feed(text))
+            bar.update(len(text))
+        for split in list(encoders):
+            close(split)
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        bar.close()
+        for f in files.values():
+            f.close()
+    for st in stats.values():
+        st["text_sha256"] = st.pop("_sha").hexdigest()
+    return stats
+
+
+# --------------------------------------------------------------------------------- writing
+
+def _disk_error(what: Path, e: OSError) -> DiskError:
+    return DiskError(f"preparing the corpus failed writing {what}: {e.strerror or e}; nothing in "
+                     f"{what.parent} looks complete (meta.json is written last). Free space (or "
+                     f"choose another --out on a disk with room) and run prepare again.")
+
+
+def prepare_into(folder: Path, plan: Plan, spec: TokenizerSpec, key: str,
+                 digests: list[tuple[str, str]], dtype: str = "auto", quiet: bool = False,
+                 log=None) -> dict:
+    """Prepare into an empty (or new) ``folder``; returns the meta it wrote."""
+    log = log or (lambda m: None)
+    t0 = time.time()
+    counts = count(plan)
+    log(f"read {sum(counts.chars.values()):,} characters in "
+        f"{sum(len(v) for v in plan.splits.values())} source file(s) ({time.time() - t0:.0f} s)")
+    t1 = time.time()
+    tok = build_tokenizer(plan, counts, spec, log)
+    if spec.given is None:
+        log(f"{tok.kind} tokenizer of {tok.vocab_size:,} tokens ({time.time() - t1:.0f} s)")
+    dt = dtype_for(tok.vocab_size, dtype)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tok_json = tokenizer_json(tok)
+        (folder / (TOKENIZER_FILE + PART)).write_text(tok_json, encoding="utf-8")
+        t2 = time.time()
+        stats = encode_splits(plan, counts, tok, folder, dt, quiet)
+    except OSError as e:
+        raise _disk_error(folder / "train.bin", e) from None
+    rate = sum(s["chars"] for s in stats.values()) / max(time.time() - t2, 1e-9) / 1e6
+    log(f"encoded {sum(s['tokens'] for s in stats.values()):,} tokens ({rate:.1f} M chars/s)")
+    for split, st in stats.items():
+        n = st.get("unknown_chars", 0)
+        if n:
+            print(f"warning: {n:,} characters of the {split} split are not in the char vocabulary "
+                  f"(built from the training text) and were mapped to <unk>; set "
+                  f"data.vocab_source = \"all\" to include them, or data.unknown_chars = "
+                  f"\"error\" to refuse such text.", file=sys.stderr)
+    meta = {
+        "format": FORMAT, "version": VERSION, "key": key, "dtype": dt.name,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": {"file": TOKENIZER_FILE, "kind": tok.kind,
+                      "sha256": hashlib.sha256(tok_json.encode()).hexdigest()},
+        "splits": stats,
+        "sources": [{"path": str(s.path), "split": split, "bytes": s.bytes, "sha256": d}
+                    for s, (split, d) in zip((s for v in plan.splits.values() for s in v),
+                                             digests)],
+        "split_rule": plan.describe(),
+        "tokenizer_settings": spec.describe(),
+        "separator": "<|endoftext|>" if tok.kind == "bpe" else "newline",
+    }
+    try:
+        for name in [TOKENIZER_FILE] + [st["file"] for st in stats.values()]:
+            os.replace(folder / (name + PART), folder / name)
+        tmp = folder / (META_FILE + PART)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / META_FILE)
+    except OSError as e:
+        raise _disk_error(folder / META_FILE, e) from None
+    return meta
+
+
+def _ours(p: Path) -> bool:
+    return p.name in (META_FILE, TOKENIZER_FILE) or p.name.endswith((".bin", PART))
+
+
+def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "auto",
+                   force: bool = False, quiet: bool = False, log=None) -> tuple[dict, bool]:
+    """``continuumlm prepare --out``: (meta, prepared_now). An ``out`` that already holds this
+    very preparation is kept; one holding another is refused unless ``force``; leftovers of an
+    interrupted prepare (no meta.json) are cleared; a folder with other files is refused."""
+    from .shards import read_meta
+
+    digests = source_digests(plan)
+    key = plan_key(plan, spec, digests)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file; name a folder (new or empty) to prepare into.")
+    if (out / META_FILE).is_file():
+        try:
+            meta = read_meta(out)
+        except DataError:
+            meta = None
+        if meta is not None and meta.get("key") == key:
+            return meta, False
+        if not force:
+            raise DataError(f"{out} already holds a prepared corpus of other inputs or settings "
+                            f"(its meta.json); pass --force to replace it, or choose another "
+                            f"--out.")
+    if out.is_dir():
+        foreign = [p.name for p in out.iterdir() if not _ours(p)]
+        if foreign:
+            raise DataError(f"--out {out} holds files prepare did not write ({', '.join(foreign[:5])}"
+                            f"{' ...' if len(foreign) > 5 else ''}); prepare into a new or empty "
+                            f"folder, so nothing of yours is overwritten.")
+        for p in out.iterdir():  # an earlier, interrupted or replaced preparation
+            if p.name == META_FILE:
+                p.unlink()
+        for p in out.iterdir():
+            p.unlink()
+    return prepare_into(out, plan, spec, key, digests, dtype, quiet, log), True
+
+
+def prepare_cached(root: Path, plan: Plan, spec: TokenizerSpec, quiet: bool = True,
+                   log=None) -> Path:
+    """Prepare into the cache folder ``root/KEY`` unless it is there already; concurrent
+    processes (the ranks of a job) each build into their own temporary folder and the first
+    rename wins, so a reader never sees a half-written one."""
+    from .shards import read_meta
+
+    digests = source_digests(plan)
+    key = plan_key(plan, spec, digests)
+    final = root / key[:32]
+    if (final / META_FILE).is_file():
+        try:
+            read_meta(final)
+            return final
+        except DataError:
+            shutil.rmtree(final, ignore_errors=True)  # damaged: rebuilt below
+    tmp = root / f".{key[:32]}.{socket.gethostname()}.{os.getpid()}.tmp"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"the data cache folder {root} cannot be written ({e.strerror or e}); set "
+                        f"$CONTINUUMLM_CACHE to a writable folder with room for the prepared "
+                        f"corpus.") from None
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        prepare_into(tmp, plan, spec, key, digests, quiet=quiet, log=log)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / META_FILE).is_file():
+                raise
+    except DiskError as e:
+        raise DiskError(f"{e} (the data cache is {root}; $CONTINUUMLM_CACHE moves it)") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
