@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -71,6 +72,42 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=_positive_int, help="train with N processes on this machine "
                    "(runs torchrun --standalone --nproc_per_node=N for you; DDP, or FSDP with "
                    "train.strategy = 'fsdp')")
+
+    pp = sub.add_parser("prepare", parents=[plugin], help="tokenize a corpus once into memory-"
+                        "mapped token files (a config's [data] corpus, or any --input)")
+    pp.add_argument("--config", help="prepare this config's [data] corpus (into the cache, or "
+                    "--out)")
+    pp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    pp.add_argument("--input", nargs="+", metavar="SRC", help="text files, folders (recursive, "
+                    "sorted), glob patterns, .gz files, JSON Lines / Parquet / Arrow files")
+    pp.add_argument("--tokenizer", default="bpe", metavar="{char,word,bpe,PATH}",
+                    help="train a char, word or bpe tokenizer, or encode with an existing "
+                         "tokenizer.json (a path; default: bpe)")
+    pp.add_argument("--vocab-size", type=_positive_int, help="word/bpe vocabulary (bpe default "
+                    "4096)")
+    pp.add_argument("--val-fraction", type=float, default=0.1, help="share of the text, after "
+                    "the training part, that validates (default 0.1)")
+    pp.add_argument("--test-fraction", type=float, default=0.0, help="share of the text, at the "
+                    "end, kept for test (default 0)")
+    pp.add_argument("--text-field", default="text", help="text field of JSON Lines records and "
+                    "Parquet/Arrow tables (default: text)")
+    pp.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                    help="non-UTF-8 bytes: stop naming the offset (strict), or replace them")
+    pp.add_argument("--vocab-source", choices=("train", "all"), default="train")
+    pp.add_argument("--unknown-chars", choices=("unk", "error"), default="unk")
+    pp.add_argument("--sample-chars", type=_positive_int, default=64_000_000,
+                    help="word/bpe tokenizers train on at most this many characters (a seeded "
+                         "sample of a larger training text)")
+    pp.add_argument("--seed", type=_seed, default=0, help="seed of the tokenizer's sample")
+    pp.add_argument("--workers", type=_positive_int, help="threads of the bpe tokenizer's "
+                    "batch encoding (default: every core)")
+    pp.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
+                    help="token file dtype (auto: uint16 for vocabularies up to 65,536)")
+    pp.add_argument("--out", help="folder to write (new or empty; --config without --out "
+                    "prepares into the cache that train reads)")
+    pp.add_argument("--force", action="store_true", help="replace a prepared corpus of other "
+                    "inputs in --out")
+    pp.add_argument("--quiet", action="store_true")
 
     r = sub.add_parser("experiment", parents=[plugin], help="run an experiment behind docs/results.md (in a "
                        "repository checkout) and regenerate the page")
@@ -150,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             export_plugins(args.plugin)  # torchrun ranks and benchmark children load them too
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                     "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export,
+                    "prepare": cmd_prepare,
                     "experiment": cmd_experiment}
         return commands[args.command](args)
     except ContinuumLMError as e:
@@ -440,6 +478,84 @@ def cmd_inspect(args) -> int:
     else:
         for k, v in info.items():
             print(f"{k}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}: {v}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- prepare
+
+def cmd_prepare(args) -> int:
+    if args.workers:  # read by the tokenizers library when its thread pool starts
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
+    from .data import _plan, tokenizer_spec
+    from .data.prepare import Plan, TokenizerSpec, prepare_cached, prepare_folder
+    from .data.sources import expand
+    from .data.tokenizers import KINDS, load_tokenizer
+
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"prepare: {m}", file=sys.stderr))
+    if bool(args.config) == bool(args.input):
+        raise UsageError("name what to prepare: --config FILE (its [data] corpus) or --input "
+                         "SRC [SRC ...] with --out DIR.")
+    t0 = time.time()
+    if args.config:
+        from .config import load_config
+
+        cfg = load_config(args.config, args.set, plugins=args.plugin)
+        if cfg.data.dataset == "prepared":
+            raise UsageError(f"{args.config} reads the prepared folder {cfg.data.path}: it is "
+                             f"prepared already.")
+        plan, spec = _plan(cfg.data), tokenizer_spec(cfg.data)
+    else:
+        if not args.out:
+            raise UsageError("--input needs --out DIR, the folder to write the prepared corpus to.")
+        for name, v in (("--val-fraction", args.val_fraction),
+                        ("--test-fraction", args.test_fraction)):
+            if not 0 <= v < 1:
+                raise UsageError(f"{name} {v} must be in [0, 1).")
+        if args.val_fraction <= 0 or args.val_fraction + args.test_fraction >= 1:
+            raise UsageError(f"--val-fraction {args.val_fraction} and --test-fraction "
+                             f"{args.test_fraction} must leave a training and a validation part "
+                             f"(val > 0, val + test < 1).")
+        plan = Plan({"all": expand(args.input)}, 1 - args.val_fraction - args.test_fraction,
+                    args.test_fraction, text_field=args.text_field, errors=args.errors)
+        if args.tokenizer in KINDS:
+            if args.tokenizer == "char" and args.vocab_size:
+                raise UsageError("--vocab-size has no effect with --tokenizer char (every "
+                                 "character is a token); leave it out.")
+            if args.tokenizer == "bpe" and args.vocab_size and args.vocab_size < 257:
+                raise UsageError(f"--vocab-size {args.vocab_size} is too small for bpe: its "
+                                 f"vocabulary holds 256 bytes and <|endoftext|> before any merge.")
+            spec = TokenizerSpec(args.tokenizer, args.vocab_size, args.vocab_source,
+                                 args.unknown_chars, args.sample_chars, args.seed)
+        else:
+            path = Path(args.tokenizer)
+            if not path.exists():
+                raise UsageError(f"--tokenizer {args.tokenizer}: not char, word or bpe, and no "
+                                 f"such file; name a kind, or a tokenizer.json (a Hugging Face "
+                                 f"tokenizers file or one a ContinuumLM run saved).")
+            spec = TokenizerSpec(given=load_tokenizer(path))
+    if args.out:
+        out = Path(args.out)
+        meta, fresh = prepare_folder(out, plan, spec, args.dtype, args.force, args.quiet, say)
+    else:
+        from .data.corpora import cache_dir
+        from .data.shards import read_meta
+
+        out = prepare_cached(cache_dir() / "prepared", plan, spec, quiet=args.quiet, log=say)
+        meta, fresh = read_meta(out), True
+    from .data.prepare import warn_unknown
+
+    warn_unknown(meta)
+    if not fresh:
+        print(f"{out} already holds this preparation (same inputs and settings); nothing to do.")
+        return 0
+    splits = ", ".join(f"{k} {v['tokens']:,}" for k, v in meta["splits"].items())
+    print(f"prepared {out}: {meta['tokenizer']['kind']} tokenizer, {meta['vocab_size']:,} tokens "
+          f"in the vocabulary, {meta['dtype']}; tokens: {splits} ({time.time() - t0:.1f} s)")
+    if args.config:
+        print(f"train with: continuumlm train --config {args.config} (it finds this preparation "
+              f"in the cache), or --set data.dataset=prepared --set data.path={out}")
+    else:
+        print(f"train with: [data] dataset = \"prepared\", path = \"{out}\"")
     return 0
 
 

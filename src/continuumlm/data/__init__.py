@@ -12,7 +12,7 @@ import torch
 from ..errors import DataError
 from .batches import BatchSampler, eval_batches, eval_window_starts
 from .corpora import CORPORA, cache_dir, resolve_file
-from .prepare import Plan, TokenizerSpec, plan_key, prepare_cached, source_digests
+from .prepare import Plan, TokenizerSpec, plan_key, prepare_cached, source_digests, warn_unknown
 from .shards import Prepared
 from .sources import Source, expand
 from .tokenizers import (
@@ -129,4 +129,5 @@ def prepare_data(dcfg, tokenizer=None, quiet: bool = True) -> Dataset:
     else:
         prepared = Prepared(prepare_cached(root, plan, spec, quiet=quiet, log=log))
         tok = prepared.tokenizer
+    warn_unknown(prepared.meta)
     return Dataset(tok, prepared.splits, prepared.fingerprint, prepared.folder, prepared.digest)

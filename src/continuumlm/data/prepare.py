@@ -329,20 +329,24 @@ class _Encoder:
             return np.concatenate([np.asarray(e.ids, dtype=self.dtype) for e in encs])
         return np.asarray(tok.encode(text), dtype=self.dtype)
 
-    def _cut(self, s: str) -> int:
+    def _cut(self, s: str) -> tuple[int, bool]:
+        """Where to cut ``s`` (0: keep buffering), and whether the cut is inside a line."""
         if isinstance(self.tok, CharTokenizer):
-            return len(s)
+            return len(s), False
         if isinstance(self.tok, WordTokenizer):
             k = s.rfind("\n") + 1
             if k == 0 and len(s) > MAX_BUFFER_CHARS:
-                raise DataError(f"a line of more than {MAX_BUFFER_CHARS:,} characters: the word "
-                                f"tokenizer ends every line with <eos> and cannot cut inside "
-                                f"one; use the bpe or char tokenizer for text without newlines.")
-            return k
+                k = _last_space_cut(s)  # a very long line: cut between two of its words
+                if k == 0:
+                    raise DataError(f"a word of more than {MAX_BUFFER_CHARS:,} characters: the "
+                                    f"word tokenizer cannot cut inside it; use the bpe or char "
+                                    f"tokenizer for such text.")
+                return k, True
+            return k, False
         k = _last_safe_cut(s)
         if k == 0 and len(s) > MAX_BUFFER_CHARS:
             k = _last_space_cut(s) or len(s)  # a text without newlines (rare)
-        return k
+        return k, False
 
     def feed(self, text: str) -> Iterator[np.ndarray]:
         self.buf.append(text)
@@ -350,10 +354,12 @@ class _Encoder:
         self.last = text[-1]
         if self.n >= CHUNK_CHARS:
             s = "".join(self.buf)
-            k = self._cut(s)
+            k, inside_line = self._cut(s)
             if k:
                 self.buf, self.n = [s[k:]], len(s) - k
-                yield self._encode(s[:k])
+                ids = self._encode(s[:k])
+                # the word tokenizer ended the cut line with <eos>; the line goes on
+                yield ids[:-1] if inside_line else ids
             else:
                 self.buf = [s]
 
@@ -397,7 +403,7 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
             if ids.size and int(ids.max()) > limit:
                 raise DataError(f"token id {int(ids.max())} does not fit {dtype.name}; the "
                                 f"tokenizer's ids exceed its stated vocabulary.")
-            ids.tofile(files[split])
+            files[split].write(memoryview(np.ascontiguousarray(ids)))
             stats[split]["tokens"] += int(ids.size)
 
     try:
@@ -436,6 +442,18 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
 
 # --------------------------------------------------------------------------------- writing
 
+def warn_unknown(meta: dict) -> None:
+    """The warning of a char vocabulary that mapped characters to <unk> (every time a prepared
+    corpus with such characters is opened)."""
+    for split, st in meta["splits"].items():
+        n = st.get("unknown_chars", 0)
+        if n:
+            print(f"warning: {n:,} characters of the {split} split are not in the char vocabulary "
+                  f"(built from the training text) and are read as <unk>; set "
+                  f"data.vocab_source = \"all\" to include them, or data.unknown_chars = "
+                  f"\"error\" to refuse such text.", file=sys.stderr)
+
+
 def _disk_error(what: Path, e: OSError) -> DiskError:
     return DiskError(f"preparing the corpus failed writing {what}: {e.strerror or e}; nothing in "
                      f"{what.parent} looks complete (meta.json is written last). Free space (or "
@@ -466,13 +484,6 @@ def prepare_into(folder: Path, plan: Plan, spec: TokenizerSpec, key: str,
         raise _disk_error(folder / "train.bin", e) from None
     rate = sum(s["chars"] for s in stats.values()) / max(time.time() - t2, 1e-9) / 1e6
     log(f"encoded {sum(s['tokens'] for s in stats.values()):,} tokens ({rate:.1f} M chars/s)")
-    for split, st in stats.items():
-        n = st.get("unknown_chars", 0)
-        if n:
-            print(f"warning: {n:,} characters of the {split} split are not in the char vocabulary "
-                  f"(built from the training text) and were mapped to <unk>; set "
-                  f"data.vocab_source = \"all\" to include them, or data.unknown_chars = "
-                  f"\"error\" to refuse such text.", file=sys.stderr)
     meta = {
         "format": FORMAT, "version": VERSION, "key": key, "dtype": dt.name,
         "vocab_size": tok.vocab_size,

@@ -44,8 +44,7 @@ def read_meta(folder: str | Path) -> dict:
                         f"--force).")
     try:
         dtype = np.dtype(meta["dtype"])
-        splits = meta["splits"]
-        for name, st in splits.items():
+        for st in meta["splits"].values():
             f = folder / st["file"]
             if not f.is_file():
                 raise _bad(folder, f"{st['file']} is missing")
