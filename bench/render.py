@@ -332,7 +332,8 @@ def main() -> None:
                        ("decode_speed", "Decoding: cached vs recompute"),
                        ("depth_elasticity", "Anytime depth"),
                        ("scale", "Training throughput: processes and compile"),
-                       ("mfu", "Model FLOPs utilization")):
+                       ("mfu", "Model FLOPs utilization"),
+                       ("data_scale", "Corpora at scale: prepare and memory-mapped training")):
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]

@@ -448,3 +448,29 @@ def test_prepare_a_config_into_the_cache_that_train_reads(tmp_path, tiny_corpus,
 
     monkeypatch.setattr(P, "encode_splits", lambda *a, **k: pytest.fail("encoded again"))
     assert prepare_data(load_config(str(cfg)).data).folder == folder
+
+
+CONCURRENT = """
+import sys
+from continuumlm.config import DataConfig
+from continuumlm.data import prepare_data
+ds = prepare_data(DataConfig(dataset="text", path=sys.argv[1], tokenizer="bpe", vocab_size=300),
+                  quiet=False)
+print(ds.folder, len(ds.splits["train"]))
+"""
+
+
+def test_processes_preparing_one_corpus_take_turns(tmp_path):
+    """The ranks of a job start together: one prepares the corpus, the others wait for it and
+    open the same folder."""
+    (tmp_path / "c.txt").write_text(awkward_text(4000))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(tmp_path / "c.txt")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("encoded" in err for _, err in outs) == 1
+    assert outs[0][0] == outs[1][0]
+    folder = Path(outs[0][0].split()[0])
+    assert not [p for p in folder.parent.iterdir() if p.name.endswith(".tmp")]

@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="token file dtype (auto: uint16 for vocabularies up to 65,536)")
     pp.add_argument("--out", help="folder to write (new or empty; --config without --out "
                     "prepares into the cache that train reads)")
-    pp.add_argument("--force", action="store_true", help="replace a prepared corpus of other "
-                    "inputs in --out")
+    pp.add_argument("--force", action="store_true", help="prepare again, replacing what --out "
+                    "holds (a prepared corpus of these or other inputs)")
     pp.add_argument("--quiet", action="store_true")
 
     r = sub.add_parser("experiment", parents=[plugin], help="run an experiment behind docs/results.md (in a "

@@ -370,7 +370,7 @@ class _Encoder:
             yield self._encode(s)
 
     def separator(self) -> Iterator[np.ndarray]:
-        if isinstance(self.tok, BPETokenizer):
+        if isinstance(self.tok, BPETokenizer) and self.tok.eos_id is not None:
             yield from self.flush()
             yield np.asarray([self.tok.eos_id], dtype=self.dtype)
         elif self.last != "\n":
@@ -482,7 +482,8 @@ def prepare_into(folder: Path, plan: Plan, spec: TokenizerSpec, key: str,
         stats = encode_splits(plan, counts, tok, folder, dt, quiet)
     except OSError as e:
         raise _disk_error(folder / "train.bin", e) from None
-    rate = sum(s["chars"] for s in stats.values()) / max(time.time() - t2, 1e-9) / 1e6
+    t3 = time.time()
+    rate = sum(s["chars"] for s in stats.values()) / max(t3 - t2, 1e-9) / 1e6
     log(f"encoded {sum(s['tokens'] for s in stats.values()):,} tokens ({rate:.1f} M chars/s)")
     meta = {
         "format": FORMAT, "version": VERSION, "key": key, "dtype": dt.name,
@@ -495,7 +496,10 @@ def prepare_into(folder: Path, plan: Plan, spec: TokenizerSpec, key: str,
                                              digests)],
         "split_rule": plan.describe(),
         "tokenizer_settings": spec.describe(),
-        "separator": "<|endoftext|>" if tok.kind == "bpe" else "newline",
+        "separator": ("<|endoftext|>" if tok.kind == "bpe" and tok.eos_id is not None
+                      else "newline"),
+        "seconds": {"count": round(t1 - t0, 3), "tokenizer": round(t2 - t1, 3),
+                    "encode": round(t3 - t2, 3)},
     }
     try:
         for name in [TOKENIZER_FILE] + [st["file"] for st in stats.values()]:
@@ -519,7 +523,8 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
                    force: bool = False, quiet: bool = False, log=None) -> tuple[dict, bool]:
     """``continuumlm prepare --out``: (meta, prepared_now). An ``out`` that already holds this
     very preparation is kept; one holding another is refused unless ``force``; leftovers of an
-    interrupted prepare (no meta.json) are cleared; a folder with other files is refused."""
+    interrupted prepare (no meta.json) are cleared; a folder with other files is refused.
+    ``force`` prepares again in any case."""
     from .shards import read_meta
 
     digests = source_digests(plan)
@@ -531,7 +536,7 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
             meta = read_meta(out)
         except DataError:
             meta = None
-        if meta is not None and meta.get("key") == key:
+        if meta is not None and meta.get("key") == key and not force:
             return meta, False
         if not force:
             raise DataError(f"{out} already holds a prepared corpus of other inputs or settings "
@@ -553,37 +558,60 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
 
 def prepare_cached(root: Path, plan: Plan, spec: TokenizerSpec, quiet: bool = True,
                    log=None) -> Path:
-    """Prepare into the cache folder ``root/KEY`` unless it is there already; concurrent
-    processes (the ranks of a job) each build into their own temporary folder and the first
-    rename wins, so a reader never sees a half-written one."""
-    from .shards import read_meta
+    """Prepare into the cache folder ``root/KEY`` unless it is there already. The processes of
+    a job on one machine take turns through a file lock (the first prepares, the others then
+    find it done, without a collective's timeout); each builds into its own temporary folder
+    renamed at the end, so where the lock does not reach (another machine on a shared file
+    system) the first rename wins and no reader sees a half-written folder."""
+    import fcntl
 
     digests = source_digests(plan)
     key = plan_key(plan, spec, digests)
     final = root / key[:32]
-    if (final / META_FILE).is_file():
-        try:
-            read_meta(final)
-            return final
-        except DataError:
-            shutil.rmtree(final, ignore_errors=True)  # damaged: rebuilt below
-    tmp = root / f".{key[:32]}.{socket.gethostname()}.{os.getpid()}.tmp"
+    if _complete(final):
+        return final
     try:
         root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f".{key[:32]}.lock", "w")
     except OSError as e:
         raise DataError(f"the data cache folder {root} cannot be written ({e.strerror or e}); set "
                         f"$CONTINUUMLM_CACHE to a writable folder with room for the prepared "
                         f"corpus.") from None
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        prepare_into(tmp, plan, spec, key, digests, quiet=quiet, log=log)
+    with lock:
         try:
-            os.rename(tmp, final)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError:
-            if not (final / META_FILE).is_file():
-                raise
-    except DiskError as e:
-        raise DiskError(f"{e} (the data cache is {root}; $CONTINUUMLM_CACHE moves it)") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            pass  # a file system without locks: the rename below still keeps readers safe
+        if _complete(final):  # prepared by the process that held the lock
+            return final
+        shutil.rmtree(final, ignore_errors=True)  # damaged
+        tmp = root / f".{key[:32]}.{socket.gethostname()}.{os.getpid()}.tmp"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            prepare_into(tmp, plan, spec, key, digests, quiet=quiet, log=log)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not _complete(final):
+                    raise
+        except DiskError as e:
+            raise DiskError(f"{e} (the data cache is {root}; $CONTINUUMLM_CACHE moves it)") from None
+        except OSError as e:
+            raise DiskError(f"the prepared corpus could not be moved into the data cache {root} "
+                            f"({e.strerror or e}); free space there or set $CONTINUUMLM_CACHE "
+                            f"to another folder.") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _complete(folder: Path) -> bool:
+    from .shards import read_meta
+
+    if not (folder / META_FILE).is_file():
+        return False
+    try:
+        read_meta(folder)
+        return True
+    except DataError:
+        return False

@@ -312,6 +312,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "bad_steps": self.bad_steps,
             "data": self.data.fingerprint,
+            "prepared_meta_sha256": self.data.meta_digest,  # the meta.json the run read
         }
         if not self.fsdp:  # FSDP keeps the optimizer state in the shards
             state["optimizer"] = self.optimizer.state_dict()
