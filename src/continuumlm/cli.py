@@ -125,7 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "model.safetensors")
     x.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     x.add_argument("--which", choices=("best", "last"),
-                   help="only this checkpoint of a run folder (default: last and best)")
+                   help="only this checkpoint of a run folder (default: last and best; with "
+                        "--hf: best)")
+    x.add_argument("--hf", metavar="OUT", help="write the checkpoint as a Hugging Face folder "
+                   "(config.json with model_type, weights, generation_config.json, tokenizer.json "
+                   "and tokenizer_config.json) that AutoModelForCausalLM, AutoTokenizer and "
+                   "lm-evaluation-harness read after `import continuumlm.hf`; needs transformers")
 
     e = sub.add_parser("eval", parents=[plugin], help="cross-entropy, perplexity and bits/char of a checkpoint")
     e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -672,6 +677,8 @@ def _stream(model, tok, idx, args, kwargs) -> None:
 def cmd_export(args) -> int:
     from .train.checkpoint import export_sharded, resolve_checkpoint
 
+    if args.hf:
+        return _export_hf(args)
     done = set()
     for which in [args.which] if args.which else ["last", "best"]:
         try:
@@ -683,6 +690,24 @@ def cmd_export(args) -> int:
         if ckpt not in done:  # last and best are often the same step
             done.add(export_sharded(ckpt))
             print(f"wrote {ckpt / 'model.safetensors'} (consolidated from {ckpt / 'sharded'})")
+    return 0
+
+
+def _export_hf(args) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("export --hf needs transformers: pip install 'continuumlm[hf]'.") from None
+    from .hf.export import export_hf
+    from .train import load_model_and_tokenizer
+
+    out = Path(args.hf)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--hf {out} exists and is not an empty folder; export into a new one.")
+    model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which or "best")
+    export_hf(model, tok, out)
+    print(f"wrote {out} from {ckpt}: load it with `import continuumlm.hf` and "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -82,6 +82,20 @@ def _configurable() -> dict[str, type]:
     return found
 
 
+def model_settings(d: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields and component tables of a ``config.json`` that also holds other
+    keys (the transformers adapter's ``model_type``, ``architectures``, ...). The plugins the
+    settings name are loaded first, so that their components' tables are recognized."""
+    from ..registry import load_plugins
+
+    plugins = d.get("plugins")
+    if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):
+        load_plugins(plugins)
+    comps = _configurable()
+    return {k: v for k, v in d.items()
+            if k in MODEL_KEYS or k in LEGACY_KEYS or (isinstance(v, dict) and k in comps)}
+
+
 def _component_class(name: str) -> type | None:
     return _configurable().get(name)
 

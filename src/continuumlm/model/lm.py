@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..config.components import model_settings
 from ..errors import CheckpointError, ConfigError
 from ..nn import make_norm
 from ..registry import DEPTHS, SOLVERS
@@ -197,22 +198,21 @@ class LanguageModel(nn.Module):
     # ------------------------------------------------------------------ persistence
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (no pickle)."""
+        """Write ``config.json`` and ``model.safetensors`` (no pickle). ``config.json`` names its
+        ``model_type``, so transformers' Auto classes read the folder (``import continuumlm.hf``)."""
         from safetensors.torch import save_model
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        (directory / CONFIG_FILE).write_text(
+            json.dumps({"model_type": MODEL_TYPE, **self.config.to_dict()}, indent=2) + "\n")
         save_model(self, str(directory / WEIGHTS_FILE))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu"):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_model
-
         directory = Path(directory)
-        cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-        for p in (cfg_path, w_path):
+        cfg_path = directory / CONFIG_FILE
+        for p in (cfg_path, directory / WEIGHTS_FILE):
             if not p.is_file():
                 raise CheckpointError(f"{p} is missing; a model folder holds {CONFIG_FILE} and "
                                       f"{WEIGHTS_FILE} (written by save_pretrained or training).")
@@ -222,31 +222,52 @@ class LanguageModel(nn.Module):
             raise CheckpointError(f"{cfg_path} is not valid JSON ({e}); the file is corrupt.") from None
         if not isinstance(cfg_dict, dict):
             raise CheckpointError(f"{cfg_path} does not hold a JSON object of model settings.")
+        if "model_type" in cfg_dict:  # beside the settings: transformers' keys
+            if cfg_dict["model_type"] != MODEL_TYPE:
+                raise CheckpointError(f"{cfg_path} describes a {cfg_dict['model_type']!r} model, "
+                                      f"not a ContinuumLM one.")
+            cfg_dict = model_settings(cfg_dict)
         cfg = ModelConfig.from_dict(cfg_dict, source=str(cfg_path), saved=True)
         device = torch.device(map_location)
         check_memory(cfg, device if device.type in ("cpu", "cuda") else "cpu", training=False)
         model = cls(cfg)
-        try:
-            # read on the CPU, where the model was built (load_model copies into its
-            # parameters), then move the model as a whole
-            missing, unexpected = load_model(model, str(w_path), strict=False, device="cpu")
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            # torch lists every mismatched tensor on its own line: name the first and the count
-            lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
-            detail = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines
-                          else type(e).__name__)
-            more = sum(x.startswith("size mismatch") for x in lines) - 1
-            detail += f" (and {more} more)" if more > 0 else ""
-            raise CheckpointError(f"cannot read weights from {w_path}: {detail}. The file is "
-                                  f"corrupt, truncated or belongs to a different configuration "
-                                  f"than {cfg_path}.") from None
-        if missing or unexpected:
-            raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
-                                  f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
+        load_weights(model, directory)
         model = model.to(device)
         if cfg.tie_embeddings:  # a move that makes new Parameter objects (meta, some
             model.lm_head.weight = model.tok_emb.weight  # accelerators) would untie them
         return model
+
+
+MODEL_TYPE = "continuumlm"  # the model_type of config.json, for transformers' Auto classes
+
+
+def load_weights(model: LanguageModel, directory: str | Path) -> None:
+    """Read ``model.safetensors`` of ``directory`` into ``model`` (built on the CPU from the
+    folder's config), strictly: a tensor missing, extra or of another shape is an error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    directory = Path(directory)
+    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not w_path.is_file():
+        raise CheckpointError(f"{w_path} is missing; a model folder holds {CONFIG_FILE} and "
+                              f"{WEIGHTS_FILE} (written by save_pretrained or training).")
+    try:
+        # read on the CPU, where the model was built (load_model copies into its parameters)
+        missing, unexpected = load_model(model, str(w_path), strict=False, device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        # torch lists every mismatched tensor on its own line: name the first and the count
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+        detail = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines
+                      else type(e).__name__)
+        more = sum(x.startswith("size mismatch") for x in lines) - 1
+        detail += f" (and {more} more)" if more > 0 else ""
+        raise CheckpointError(f"cannot read weights from {w_path}: {detail}. The file is "
+                              f"corrupt, truncated or belongs to a different configuration "
+                              f"than {cfg_path}.") from None
+    if missing or unexpected:
+        raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
+                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
 
 
 def check_memory(cfg: ModelConfig, device: torch.device | str = "cpu", training: bool = True,

@@ -1,0 +1,240 @@
+"""The transformers adapter: checkpoints load with AutoModelForCausalLM, the HF loss equals
+ours, HF generation decodes through the exact ODE caches (greedy tokens and per-step logits
+equal ContinuumLM's own decoding), anytime depth from from_pretrained, clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import continuumlm.hf  # noqa: E402,F401  (registers the model type)
+from continuumlm.hf import ContinuumLMCache, ContinuumLMConfig, ContinuumLMForCausalLM  # noqa: E402
+from continuumlm.registry import MIXERS, SOLVERS  # noqa: E402
+from continuumlm.testing import small_model  # noqa: E402
+
+FIXED_GRID = [n for n in SOLVERS if getattr(SOLVERS.component_class(n), "fixed_grid", False)]
+COMBOS = ([(m, "discrete", None) for m in MIXERS]
+          + [(m, "ode", s) for m in MIXERS for s in FIXED_GRID])
+
+
+def build(mixer: str, depth: str, solver: str | None, **kw):
+    extra = {"depth": depth, "mixer": mixer, "num_layers": 2 if depth == "discrete" else 1,
+             **({"ode_solver": solver, "ode_steps": 2} if solver else {}), **kw}
+    return small_model(**extra).eval()
+
+
+def saved(lm, tmp_path):
+    lm.save_pretrained(tmp_path / "ckpt")
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("mixer, depth, solver", COMBOS)
+def test_hf_generation_equals_ours(mixer, depth, solver, tmp_path):
+    torch.manual_seed(0)
+    lm = build(mixer, depth, solver)
+    hf = saved(lm, tmp_path)
+    assert isinstance(hf, ContinuumLMForCausalLM)
+    prompt = torch.randint(0, lm.config.vocab_size, (1, 5))
+    n = 6
+    out = hf.generate(prompt, max_new_tokens=n, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=0)
+    ours = lm.generate(prompt, max_new_tokens=n, greedy=True)
+    assert out.sequences.tolist() == ours.tolist()
+    # ContinuumLM's own cached decoding, step by step, on the same tokens
+    state = lm.init_state(1)
+    logits, state = lm.step(prompt, state)
+    for i, hf_logits in enumerate(out.logits):
+        torch.testing.assert_close(hf_logits, logits, rtol=0, atol=1e-5)
+        logits, state = lm.step(out.sequences[:, 5 + i:6 + i], state)
+
+
+def test_generate_feeds_one_token_per_step_after_the_prompt(tmp_path, monkeypatch):
+    lm = build("deltanet", "ode", "rk4")
+    hf = saved(lm, tmp_path)
+    seen = []
+    real = lm.hidden_states
+
+    def spy(idx, state=None):
+        seen.append((idx.shape[1], state.pos if state is not None else None))
+        return real(idx, state)
+
+    monkeypatch.setattr(lm, "hidden_states", spy)
+    hf.model = lm
+    hf.generate(torch.randint(0, 37, (1, 7)), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert seen == [(7, 0), (1, 7), (1, 8), (1, 9)]
+
+
+@pytest.mark.parametrize("mixer, depth", [("softmax", "discrete"), ("continuous", "ode")])
+def test_labels_give_our_loss(mixer, depth, tmp_path):
+    lm = build(mixer, depth, "rk4" if depth == "ode" else None)
+    hf = saved(lm, tmp_path)
+    x = torch.randint(0, 37, (3, 17))
+    _, ours = lm(x[:, :-1], x[:, 1:])
+    out = hf(input_ids=x, labels=x)
+    torch.testing.assert_close(out.loss, ours, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.logits, lm(x)[0], rtol=0, atol=0)
+    masked = x.clone()
+    masked[:, :9] = -100  # the HF convention: -100 is not scored
+    y = x[:, 1:].clone()
+    y[:, :8] = -1
+    torch.testing.assert_close(hf(input_ids=x, labels=masked).loss, lm(x[:, :-1], y)[1],
+                               rtol=0, atol=1e-6)
+    assert hf(input_ids=x, use_cache=False).cache is None
+
+
+def test_anytime_depth_from_from_pretrained(tmp_path):
+    lm = build("softmax", "ode", "euler")
+    lm.save_pretrained(tmp_path / "ckpt")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", ode_solver="rk4",
+                                                           ode_steps=8)
+    assert (hf.config.ode_solver, hf.config.ode_steps) == ("rk4", 8)
+    lm.set_solver("rk4", 8, ode_grad="direct")
+    x = torch.randint(0, 37, (2, 11))
+    torch.testing.assert_close(hf(input_ids=x).logits, lm(x)[0], rtol=0, atol=0)
+    assert hf.model.last_nfe == 32
+
+
+def test_config_round_trip_and_standard_names(tmp_path):
+    lm = build("deltanet", "ode", "rk4", components={"deltanet": {"short_conv": 4}})
+    cfg = ContinuumLMConfig.from_model_config(lm.config)
+    assert cfg.num_attention_heads == lm.config.num_heads
+    assert cfg.max_position_embeddings == lm.config.max_seq_len
+    assert cfg.model_type == "continuumlm"
+    cfg.save_pretrained(tmp_path)
+    back = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(back, ContinuumLMConfig) and back.to_model_config() == lm.config
+    assert back.to_model_config().component("deltanet").short_conv == 4
+    with pytest.raises(Exception, match="hidden_size"):
+        ContinuumLMConfig(hidden_size=-3)
+
+
+def test_hf_save_pretrained_is_read_by_continuumlm(tmp_path):
+    from continuumlm import LanguageModel
+
+    lm = build("continuous", "ode", "rk4")
+    hf = saved(lm, tmp_path)
+    hf.save_pretrained(tmp_path / "hf")
+    back = LanguageModel.from_pretrained(tmp_path / "hf")
+    x = torch.randint(0, 37, (1, 9))
+    torch.testing.assert_close(back(x)[0], lm(x)[0], rtol=0, atol=0)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    torch.testing.assert_close(again(input_ids=x).logits, lm(x)[0], rtol=0, atol=0)
+
+
+def test_refusals_are_clear(tmp_path):
+    hf = saved(build("softmax", "discrete", None), tmp_path)
+    x = torch.randint(0, 37, (2, 6))
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0  # left padding
+    with pytest.raises(ValueError, match="padded batches"):
+        hf(input_ids=x, attention_mask=mask)
+    with pytest.raises(ValueError, match="padded batches"):
+        hf.generate(x, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        hf.generate(x[:1], max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="ContinuumLMCache"):
+        hf(input_ids=x, cache=transformers.DynamicCache())
+    cache = ContinuumLMCache(hf.model.init_state(2))
+    assert cache.get_seq_length() == 0
+    hf(input_ids=x, cache=cache)
+    assert cache.get_seq_length() == 6
+    # batched generation without padding is exact too
+    out = hf.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.tolist() == hf.model.generate(x, 3, greedy=True).tolist()
+
+
+def test_a_training_checkpoint_loads_with_auto_classes(tiny_corpus, tmp_path):
+    from continuumlm.config import load_config
+    from continuumlm.train import Trainer
+
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
+                             "data.tokenizer=bpe", "data.vocab_size=300",
+                             "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
+                             "model.depth=ode", "train.batch_size=2", "train.seq_len=16",
+                             "train.max_steps=2", "train.eval_interval=2", "train.eval_iters=1",
+                             "train.device=cpu"])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    best = tmp_path / "run" / "checkpoints" / "best"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(best)
+    tok = transformers.AutoTokenizer.from_pretrained(best)
+    ids = tok("the cat sat", return_tensors="pt")["input_ids"]
+    out = hf.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, ids.shape[1] + 5)
+
+
+TEXT = "the cat sat\non the mat\n  indented é\n"
+
+
+@pytest.mark.parametrize("kind", ["char", "word", "bpe", "char_unk"])
+def test_exported_tokenizers_encode_as_ours(kind):
+    from continuumlm.data.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer
+    from continuumlm.hf.export import hf_tokenizer
+
+    tok = {"char": lambda: CharTokenizer.train(TEXT), "word": lambda: WordTokenizer.train(TEXT),
+           "bpe": lambda: BPETokenizer.train(TEXT * 20, 300),
+           "char_unk": lambda: CharTokenizer(sorted(set(TEXT[:10])) + ["<unk>"])}[kind]()
+    ids = hf_tokenizer(tok).encode(TEXT).ids
+    assert ids == tok.encode(TEXT)
+    if kind in ("char", "bpe"):
+        assert hf_tokenizer(tok).decode(ids) == TEXT
+
+
+def exported_run(tiny_corpus, tmp_path, tokenizer="bpe"):
+    from conftest import run_cli
+    from continuumlm.config import load_config
+    from continuumlm.train import Trainer
+
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
+                             f"data.tokenizer={tokenizer}", "model.hidden_size=32",
+                             "model.num_heads=2", "model.num_layers=1", "model.depth=ode",
+                             "model.max_seq_len=128", "train.batch_size=2", "train.seq_len=16",
+                             "train.max_steps=2", "train.eval_interval=2", "train.eval_iters=1",
+                             "train.device=cpu", *(["data.vocab_size=300"]
+                                                   if tokenizer == "bpe" else [])])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    r = run_cli("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    return tmp_path / "hf"
+
+
+def test_lm_eval_harness_scores_an_exported_checkpoint(tiny_corpus, tmp_path):
+    """lm-evaluation-harness's HFLM loads the folder through the Auto classes; its rolling
+    log-likelihood (the perplexity tasks) and continuation log-likelihoods equal ours."""
+    lm_eval = pytest.importorskip("lm_eval")  # noqa: F841
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    out = exported_run(tiny_corpus, tmp_path)
+    harness = HFLM(pretrained=str(out), batch_size=1, device="cpu")
+    assert isinstance(harness.model, ContinuumLMForCausalLM)
+    text = tiny_corpus.read_text()[:300]
+    [rolling] = harness.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    tok, model = harness.tokenizer, harness.model.model
+    ids = tok(text)["input_ids"]
+    x = torch.tensor([[tok.eos_token_id] + ids[:-1]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(x)[0].double(), -1)[0]
+    ours = logp[torch.arange(len(ids)), torch.tensor(ids)].sum().item()
+    assert abs(rolling - ours) < 1e-3 * max(1.0, abs(ours))
+    [(ll, greedy)] = harness.loglikelihood(
+        [Instance("loglikelihood", {}, ("the cat", " sat"), 0)], disable_tqdm=True)
+    assert ll < 0 and isinstance(greedy, bool)
+    [gen] = harness.generate_until(
+        [Instance("generate_until", {}, ("the cat", {"until": ["\n\n"], "max_gen_toks": 8,
+                                                     "do_sample": False}), 0)],
+        disable_tqdm=True)
+    prompt = torch.tensor([tok("the cat")["input_ids"]])
+    want = tok.decode(model.generate(prompt, 8, greedy=True)[0, prompt.shape[1]:].tolist())
+    assert gen == want.split("\n\n")[0]
+
+
+def test_export_refuses_a_folder_in_use(tiny_corpus, tmp_path):
+    from conftest import run_cli
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    r = run_cli("export", "--checkpoint", tmp_path / "nothing", "--hf", tmp_path / "taken")
+    assert r.returncode == 2 and "not an empty folder" in r.stderr
