@@ -333,7 +333,8 @@ def main() -> None:
                        ("depth_elasticity", "Anytime depth"),
                        ("scale", "Training throughput: processes and compile"),
                        ("mfu", "Model FLOPs utilization"),
-                       ("data_scale", "Corpora at scale: prepare and memory-mapped training")):
+                       ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
+                       ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding")):
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]

@@ -522,7 +522,7 @@ def test_experiment_command_lists():
     assert commands("bench", quick=True) == []  # machine-wide timings have no smoke size
     assert commands("bench", quick=False, done={"ode_cost", "mfu"}) == [
         [f"{b}.py"] for b in ("ode_memory", "deltanet_kernels", "mixer_step", "decode_speed",
-                              "scale")]
+                              "scale", "data_scale", "hf_generate")]
     repo = Path(__file__).resolve().parents[1]
     for name in ORDER:  # every config and script named exists
         for cmd in commands(name, quick=False):

@@ -126,11 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     x.add_argument("--which", choices=("best", "last"),
                    help="only this checkpoint of a run folder (default: last and best; with "
-                        "--hf: best)")
-    x.add_argument("--hf", metavar="OUT", help="write the checkpoint as a Hugging Face folder "
-                   "(config.json with model_type, weights, generation_config.json, tokenizer.json "
-                   "and tokenizer_config.json) that AutoModelForCausalLM, AutoTokenizer and "
-                   "lm-evaluation-harness read after `import continuumlm.hf`; needs transformers")
+                        "--format hf: best)")
+    x.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors (default): consolidate an FSDP run's shards in place; hf: "
+                        "write --out as a Hugging Face folder (config.json with auto_map, "
+                        "weights, generation_config.json, tokenizer.json, tokenizer_config.json) "
+                        "that AutoModelForCausalLM, AutoTokenizer and lm-evaluation-harness "
+                        "read (needs transformers: pip install 'continuumlm[hf]')")
+    x.add_argument("--out", help="the folder --format hf writes (new or empty)")
 
     e = sub.add_parser("eval", parents=[plugin], help="cross-entropy, perplexity and bits/char of a checkpoint")
     e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -146,6 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "solver instead (no retraining)")
     e.add_argument("--ode-steps", type=_positive_int, help="... and/or this many steps")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    h = sub.add_parser("harness", parents=[plugin], help="score a checkpoint with "
+                       "lm-evaluation-harness (a rolling-loglikelihood task over its own split) "
+                       "beside continuumlm eval")
+    h.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
+    h.add_argument("--which", choices=("best", "last"), default="best")
+    h.add_argument("--split", default="val")
+    h.add_argument("--context", type=_positive_int, help="window length (default: the "
+                   "training context)")
+    h.add_argument("--ode-solver", help="score the ODE model's fields with this solver")
+    h.add_argument("--ode-steps", type=_positive_int, help="... and/or this many steps")
+    h.add_argument("--max-tokens", type=_positive_int, help="score only the split's first N "
+                   "tokens")
+    h.add_argument("--device", default="cpu")
+    h.add_argument("--json", action="store_true")
 
     q = sub.add_parser("mqar", parents=[plugin], help="train and score multi-query associative recall")
     q.add_argument("--config", required=True, help="TOML file with [model], [mqar], [train]")
@@ -192,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             export_plugins(args.plugin)  # torchrun ranks and benchmark children load them too
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                     "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export,
-                    "prepare": cmd_prepare,
+                    "prepare": cmd_prepare, "harness": cmd_harness,
                     "experiment": cmd_experiment}
         return commands[args.command](args)
     except ContinuumLMError as e:
@@ -677,8 +695,11 @@ def _stream(model, tok, idx, args, kwargs) -> None:
 def cmd_export(args) -> int:
     from .train.checkpoint import export_sharded, resolve_checkpoint
 
-    if args.hf:
+    if args.format == "hf":
         return _export_hf(args)
+    if args.out:
+        raise UsageError("--out is the folder of --format hf; the safetensors export writes "
+                         "into the checkpoint folder itself.")
     done = set()
     for which in [args.which] if args.which else ["last", "best"]:
         try:
@@ -701,13 +722,42 @@ def _export_hf(args) -> int:
     from .hf.export import export_hf
     from .train import load_model_and_tokenizer
 
-    out = Path(args.hf)
+    if not args.out:
+        raise UsageError("--format hf needs --out DIR, the folder to write.")
+    out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--hf {out} exists and is not an empty folder; export into a new one.")
+        raise UsageError(f"--out {out} exists and is not an empty folder; export into a new one.")
     model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which or "best")
     export_hf(model, tok, out)
-    print(f"wrote {out} from {ckpt}: load it with `import continuumlm.hf` and "
-          f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"wrote {out} from {ckpt}: load it with AutoModelForCausalLM.from_pretrained("
+          f"{str(out)!r}) after `import continuumlm.hf`, or with trust_remote_code=True")
+    return 0
+
+
+def cmd_harness(args) -> int:
+    try:
+        import lm_eval  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("harness needs lm-evaluation-harness and transformers: pip install "
+                         "'continuumlm[eval]'.") from None
+    from .hf.harness import run_harness
+
+    try:
+        r = run_harness(args.checkpoint, args.which, args.split, args.context, args.ode_solver,
+                        args.ode_steps, args.max_tokens, args.device)
+    except ValueError as e:  # a solver the checkpoint cannot take
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    h, o = r["harness"], r["ours"]
+    print(f"{r['checkpoint']} — {r['split']} split, {r['tokens']:,} tokens, context "
+          f"{r['context']}, NFE {r['nfe']}")
+    print(f"lm-eval:          bits/byte {h['bits_per_byte']:.4f}  byte ppl "
+          f"{h['byte_perplexity']:.4f}  word ppl {h['word_perplexity']:.3f}")
+    print(f"continuumlm eval: bits/byte {o['bits_per_byte']:.4f}  loss {o['loss']:.4f} "
+          f"nats/token (ratio {r['bits_per_byte_ratio']:.4f})")
     return 0
 
 

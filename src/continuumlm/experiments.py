@@ -80,10 +80,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[_mqar(f"{m}_kv64_mixed") for m in ("softmax", "ode_deltanet")],
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
-              "steps, decoding, 1 vs 2 processes and compile, MFU", [
+              "steps, decoding, 1 vs 2 processes and compile, MFU, corpora at scale, HF generate", [
         *[Step(f"{b}.py", quick=False, output=b) for b in (
             "ode_cost", "ode_memory", "deltanet_kernels", "mixer_step", "decode_speed", "scale",
-            "mfu")],
+            "mfu", "data_scale", "hf_generate")],
     ]),
 }
 ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "mqar", "bench"]

@@ -15,8 +15,7 @@ def hf_tokenizer(tok):
     """A ``tokenizers.Tokenizer`` that encodes as ``tok``: byte-level BPE is one already; a char
     vocabulary becomes a WordLevel model over single characters; a word vocabulary a WordLevel
     model over whitespace words with every newline read as <eos> (ContinuumLM's own encoder
-    also ends an unterminated last line with <eos>; this one does not, and it decodes to the
-    words joined by spaces, <eos> included)."""
+    also ends an unterminated last line with <eos>; this one does not)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     if isinstance(tok, BPETokenizer):
@@ -32,33 +31,78 @@ def hf_tokenizer(tok):
     out = Tokenizer(models.WordLevel(vocab, unk_token=tok.UNK))
     out.normalizer = normalizers.Replace("\n", f" {tok.EOS} ")
     out.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return out  # decodes to words joined by spaces, <eos> as it is
+    # as WordTokenizer.decode: every word followed by a space, <eos> as a newline
+    out.decoder = decoders.Sequence([decoders.Replace(Regex("$"), " "),
+                                     decoders.Replace(f"{tok.EOS} ", "\n"), decoders.Fuse()])
+    return out
+
+
+def end_of_text(tok) -> tuple[str | None, int | None]:
+    """The token that ends (and, for the harness's rolling windows, starts) a text: BPE's
+    <|endoftext|>, the word vocabulary's <eos>, a char vocabulary's newline."""
+    if isinstance(tok, BPETokenizer):
+        return (tok.EOS, tok.eos_id) if tok.eos_id is not None else (None, None)
+    if isinstance(tok, WordTokenizer):
+        return tok.EOS, tok.eos_id
+    return ("\n", tok.stoi["\n"]) if "\n" in tok.stoi else (None, None)
 
 
 def special_tokens(tok) -> dict:
-    if isinstance(tok, BPETokenizer):
-        return {"eos_token": tok.EOS} if tok.eos_id is not None else {}
-    if isinstance(tok, WordTokenizer):
-        return {"eos_token": tok.EOS, "unk_token": tok.UNK}
-    return {"unk_token": tok.UNK} if tok.unk_id is not None else {}
+    eos, _ = end_of_text(tok)
+    out = {"eos_token": eos} if eos is not None else {}
+    if isinstance(tok, WordTokenizer) or getattr(tok, "unk_id", None) is not None:
+        out["unk_token"] = tok.UNK
+    return out
 
 
-def export_hf(model, tok, out: str | Path) -> Path:
-    """Write ``model`` (a LanguageModel) and ``tok`` as a transformers folder ``out``."""
+def check_round_trip(tok, hf, probe: str) -> None:
+    """The converted tokenizer must encode ``probe`` as ``tok`` does (and decode it back as
+    ``tok`` decodes); an ExportError otherwise."""
+    from ..errors import CheckpointError
+
+    ours, theirs = tok.encode(probe), hf.encode(probe).ids
+    if ours != theirs or tok.decode(ours) != hf.decode(theirs, skip_special_tokens=False):
+        raise CheckpointError(f"the {tok.kind} tokenizer does not convert to a tokenizers model "
+                              f"that encodes and decodes as it does (first ids {ours[:8]} vs "
+                              f"{theirs[:8]}); it cannot be exported for transformers.")
+
+
+REMOTE_CODE = {
+    "configuration_continuumlm.py": '"""ContinuumLM\'s transformers config, from the installed '
+                                    'package (pip install continuumlm)."""\n'
+                                    "from continuumlm.hf import ContinuumLMConfig  # noqa: F401\n",
+    "modeling_continuumlm.py": '"""ContinuumLM\'s transformers model, from the installed package '
+                               '(pip install continuumlm)."""\n'
+                               "from continuumlm.hf import ContinuumLMForCausalLM  # noqa: F401\n",
+}
+AUTO_MAP = {"AutoConfig": "configuration_continuumlm.ContinuumLMConfig",
+            "AutoModelForCausalLM": "modeling_continuumlm.ContinuumLMForCausalLM"}
+
+
+def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
+    """Write ``model`` (a LanguageModel) and ``tok`` as a transformers folder ``out``:
+    loadable by the Auto classes after ``import continuumlm.hf``, and by tools that never
+    import it with ``trust_remote_code=True`` (``auto_map`` names two one-line modules that
+    import the installed package). ``probe``: text the converted tokenizer is checked on."""
     from transformers import GenerationConfig
 
     from .configuration import ContinuumLMConfig
     from .modeling import ContinuumLMForCausalLM
 
     out = Path(out)
+    converted = hf_tokenizer(tok)
+    check_round_trip(tok, converted, probe + "".join(
+        v for v in getattr(tok, "vocab", [])[:2000] if len(v) == 1))
     specials = special_tokens(tok)
-    eos = tok.eos_id
+    _, eos = end_of_text(tok)
     hf = ContinuumLMForCausalLM(ContinuumLMConfig.from_model_config(
-        model.config, eos_token_id=eos, bos_token_id=eos), model=model)
+        model.config, eos_token_id=eos, bos_token_id=eos, auto_map=AUTO_MAP), model=model)
     hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=eos,
                                             pad_token_id=eos if eos is not None else 0)
     hf.save_pretrained(out)
-    hf_tokenizer(tok).save(str(out / "tokenizer.json"))
+    for name, code in REMOTE_CODE.items():
+        (out / name).write_text(code)
+    converted.save(str(out / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
            "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")

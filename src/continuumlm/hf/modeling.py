@@ -164,6 +164,17 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
             path = Path(snapshot_download(str(pretrained_model_name_or_path),
                                           **{k: kwargs[k] for k in ("revision", "token",
                                                                     "cache_dir") if k in kwargs}))
+        cfg_file = path / "config.json"
+        if cfg_file.is_file():
+            import json
+
+            try:
+                kind = json.loads(cfg_file.read_text()).get("model_type")
+            except (ValueError, AttributeError):
+                kind = None  # ContinuumLM's loader below names what is wrong with the file
+            if kind not in (None, ContinuumLMConfig.model_type):
+                raise CheckpointError(f"{path} holds a {kind!r} model (config.json model_type), "
+                                      f"not a ContinuumLM one; load it with its own class.")
         if config is None or not isinstance(config, ContinuumLMConfig):
             hf_keys = {k: kwargs[k] for k in ("use_cache",) if k in kwargs}
             config = ContinuumLMConfig.from_pretrained(path, **hf_keys)

@@ -1,0 +1,98 @@
+"""``continuumlm harness``: score a checkpoint with lm-evaluation-harness on its own corpus.
+
+The checkpoint is exported (``export --format hf``) into a temporary folder, the split's text
+is written as one document of a local JSON Lines dataset, and a rolling-loglikelihood task
+(the harness's perplexity tasks: word perplexity, byte perplexity, bits per byte) over it is
+run through ``lm_eval.simple_evaluate`` with ``--model hf`` and ``trust_remote_code`` (the
+path a user of the harness's own command line takes). ``continuumlm eval`` is run on the same
+tokens at the same context length beside it, so the two can be compared.
+
+Windows: the harness scores every token, the first one given its end-of-text token, in
+non-overlapping windows of ``max_length``; ``continuumlm eval`` scores every token but the
+first in non-overlapping windows plus one tail window. At the same context length the two
+differ by the first token only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def run_harness(checkpoint, which: str = "best", split: str = "val", context: int | None = None,
+                ode_solver: str | None = None, ode_steps: int | None = None,
+                max_tokens: int | None = None, device: str = "cpu") -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from ..data import prepare_data
+    from ..errors import CheckpointError, DataError
+    from ..eval.perplexity import evaluate_contexts
+    from ..train import load_model_and_tokenizer
+    from ..train.checkpoint import load_run_config
+    from .export import export_hf, hf_tokenizer
+
+    model, tok, ckpt = load_model_and_tokenizer(checkpoint, which)
+    run = load_run_config(ckpt)
+    data = prepare_data(run.data, tok)
+    if split not in data.splits:
+        raise DataError(f"--split {split}: this corpus has the splits "
+                        f"{', '.join(s for s in data.splits if s != 'train')}.")
+    ids = [int(i) for i in data.splits[split][:max_tokens]]
+    text = tok.decode(ids)
+    if hf_tokenizer(tok).encode(text).ids != ids:
+        raise CheckpointError(f"the {split} split's text does not re-encode to the same tokens "
+                              f"through the exported tokenizer; the harness would score other "
+                              f"tokens than continuumlm eval.")
+    context = context or run.train.seq_len
+    solver = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps)) if v}
+    with tempfile.TemporaryDirectory(prefix="continuumlm-harness-") as tmp:
+        tmp = Path(tmp)
+        export_hf(model, tok, tmp / "model")
+        (tmp / "data.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+        name = f"continuumlm_{split}"
+        (tmp / "tasks").mkdir()
+        (tmp / "tasks" / f"{name}.yaml").write_text(TASK.format(name=name,
+                                                                data=tmp / "data.jsonl"))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        args = {"pretrained": str(tmp / "model"), "trust_remote_code": True,
+                "max_length": context, "dtype": "float32", **solver}
+        out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=[name], batch_size=1,
+                                      device=device, task_manager=TaskManager(
+                                          include_path=str(tmp / "tasks")), log_samples=False)
+        harness = {k.split(",")[0]: v for k, v in out["results"][name].items()
+                   if k.split(",")[0] in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+    if solver:
+        model.set_solver(ode_solver, ode_steps, ode_grad="direct")
+    [row] = evaluate_contexts(model, torch.tensor(ids), [context], tok.kind == "char",
+                              torch.device(device))
+    n_bytes = len(text.encode("utf-8"))
+    ours_bpb = row["loss"] * row["tokens"] / math.log(2) / n_bytes
+    return {"checkpoint": str(ckpt), "split": split, "context": context, "tokens": len(ids),
+            "bytes": n_bytes, "nfe": model.last_nfe, **solver,
+            "harness": harness, "ours": {"loss": row["loss"], "bits_per_byte": ours_bpb,
+                                         "targets": row["tokens"]},
+            "bits_per_byte_ratio": harness["bits_per_byte"] / ours_bpb}
