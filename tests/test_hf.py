@@ -284,3 +284,16 @@ def test_bad_folders_and_solvers_are_refused(tmp_path):
     with pytest.raises(ValueError, match="adaptive ODE solver cannot be decoded incrementally"):
         hf.generate(torch.randint(0, 37, (1, 4)), max_new_tokens=2, do_sample=False,
                     pad_token_id=0)
+
+
+def test_without_the_extras_the_commands_name_them(tmp_path, monkeypatch):
+    import sys
+
+    from conftest import run_cli
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    r = run_cli("export", "--format", "hf", "--checkpoint", tmp_path, "--out", tmp_path / "o")
+    assert r.returncode == 2 and "continuumlm[hf]" in r.stderr
+    r = run_cli("harness", "--checkpoint", tmp_path)
+    assert r.returncode == 2 and "continuumlm[eval]" in r.stderr

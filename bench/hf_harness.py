@@ -1,0 +1,86 @@
+"""lm-evaluation-harness on trained checkpoints, at several ODE depths, beside continuumlm eval.
+
+    python bench/hf_harness.py        # writes bench/results/hf_harness.json
+
+Trains (or resumes) the Tiny Shakespeare ODE configs `ode_rk4` (RK4 x 4) and `ode_euler`
+(Euler x 4) at their own settings (seed 1337) into runs/bench/hf_harness/, then runs
+`continuumlm harness --checkpoint RUN --ode-solver S --ode-steps N` on the whole validation
+split at the training context (64): lm-eval's `--model hf` path with trust_remote_code on a
+local rolling-loglikelihood task, and continuumlm eval on the same tokens. Each result is saved
+as it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, RUNS, markdown_table, machine, replace_json  # noqa: E402
+
+RUNS_HERE = RUNS / "hf_harness"
+CLI = [sys.executable, "-m", "continuumlm"]
+PLAN = {"ode_rk4": [("rk4", 1), ("rk4", 2), ("rk4", 4), ("rk4", 8), ("euler", 16)],
+        "ode_euler": [("euler", 4), ("euler", 8), ("rk4", 4)]}
+
+
+def main() -> None:
+    out_json = RESULTS / "hf_harness.json"
+    res = json.loads(out_json.read_text()) if out_json.is_file() else {}
+    res.update({"machine": machine(), "command": "python bench/hf_harness.py"})
+    rows = res.setdefault("rows", {})
+    for name, depths in PLAN.items():
+        run = RUNS_HERE / name
+        if not (run / "checkpoints" / "best").exists() or not _finished(run):
+            subprocess.run([*CLI, "train", "--config", f"configs/shakespeare_char/{name}.toml",
+                            "--out", str(run), "--resume", "auto", "--quiet"], cwd=ROOT,
+                           check=True)
+        for solver, steps in depths:
+            key = f"{name}:{solver}x{steps}"
+            if key in rows:
+                continue
+            r = subprocess.run([*CLI, "harness", "--checkpoint", str(run), "--ode-solver",
+                                solver, "--ode-steps", str(steps), "--json"], cwd=ROOT,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"harness {key} failed:\n{r.stderr[-3000:]}")
+            d = json.loads(r.stdout)
+            rows[key] = {"config": name, "solver": solver, "steps": steps, "nfe": d["nfe"],
+                         "tokens": d["tokens"], "harness_bpb": d["harness"]["bits_per_byte"],
+                         "harness_byte_ppl": d["harness"]["byte_perplexity"],
+                         "harness_word_ppl": d["harness"]["word_perplexity"],
+                         "ours_bpb": d["ours"]["bits_per_byte"], "ours_loss": d["ours"]["loss"],
+                         "ratio": d["bits_per_byte_ratio"]}
+            print(key, rows[key], flush=True)
+            _write(out_json, res)
+    _write(out_json, res)
+
+
+def _finished(run: Path) -> bool:
+    last = run / "metrics.jsonl"
+    if not last.is_file():
+        return False
+    steps = [json.loads(x).get("step", 0) for x in last.read_text().splitlines() if x.strip()]
+    return bool(steps) and max(steps) >= 2000
+
+
+def _write(path: Path, res: dict) -> None:
+    rows = [{**r, "depth": f"{r['solver']} x {r['steps']}",
+             "bpb": f"{r['harness_bpb']:.4f}", "obpb": f"{r['ours_bpb']:.4f}",
+             "wppl": f"{r['harness_word_ppl']:.2f}", "r": f"{r['ratio']:.4f}"}
+            for r in res["rows"].values()]
+    res["setup"] = ("Tiny Shakespeare validation split (111,540 characters), context 64, batch 1; "
+                    "lm-eval 0.4.13 `--model hf` with trust_remote_code on a local "
+                    "loglikelihood_rolling task (`continuumlm harness`); bits per byte of both, "
+                    "the harness's word perplexity")
+    res["table"] = markdown_table(rows, [("config", "checkpoint"), ("depth", "integrated with"),
+                                         ("nfe", "NFE"), ("bpb", "lm-eval bits/byte"),
+                                         ("obpb", "continuumlm eval bits/byte"),
+                                         ("r", "ratio"), ("wppl", "lm-eval word ppl")])
+    replace_json(path, res)
+
+
+if __name__ == "__main__":
+    main()
