@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, RUNS, markdown_table, machine, replace_json  # noqa: E402
+from common import RESULTS, ROOT, RUNS, machine, markdown_table, replace_json  # noqa: E402
 
 RUNS_HERE = RUNS / "hf_harness"
 CLI = [sys.executable, "-m", "continuumlm"]
