@@ -4,6 +4,8 @@ equal ContinuumLM's own decoding), anytime depth from from_pretrained, clear ref
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,6 +119,8 @@ def test_hf_save_pretrained_is_read_by_continuumlm(tmp_path):
     hf = saved(lm, tmp_path)
     hf.save_pretrained(tmp_path / "hf")
     back = LanguageModel.from_pretrained(tmp_path / "hf")
+    for (name, a), (_, b) in zip(lm.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name  # native -> HF -> native: bitwise
     x = torch.randint(0, 37, (1, 9))
     torch.testing.assert_close(back(x)[0], lm(x)[0], rtol=0, atol=0)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -262,6 +266,25 @@ def test_harness_command_agrees_with_eval(tiny_corpus, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     deeper = json.loads(r.stdout)
     assert deeper["nfe"] == 32 and abs(deeper["bits_per_byte_ratio"] - 1) < 0.01
+    # lm-eval's own command line on the kept folder gives the same figure
+    r = run_cli("harness", "--checkpoint", tmp_path / "run", "--json", "--context", "32",
+                "--max-tokens", "400", "--keep", tmp_path / "kept")
+    assert r.returncode == 0, r.stderr[-3000:]
+    kept = json.loads(r.stdout)
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = shlex.split(kept["lm_eval_command"])
+    exe = Path(sys.executable).parent / "lm_eval"
+    done = subprocess.run([str(exe), *cmd[1:], "--output_path", str(tmp_path / "lm_eval_out")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = (tmp_path / "lm_eval_out").rglob("results_*.json")
+    bpb = json.loads(result.read_text())["results"]["continuumlm_val"]["bits_per_byte,none"]
+    assert bpb == pytest.approx(kept["harness"]["bits_per_byte"], rel=1e-6)
 
 
 def test_bad_folders_and_solvers_are_refused(tmp_path):

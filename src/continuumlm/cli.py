@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-tokens", type=_positive_int, help="score only the split's first N "
                    "tokens")
     h.add_argument("--device", default="cpu")
+    h.add_argument("--keep", metavar="DIR", help="write the exported model, the split's text and "
+                   "the task YAML into DIR (new) and print the lm_eval command that scores them")
     h.add_argument("--json", action="store_true")
 
     q = sub.add_parser("mqar", parents=[plugin], help="train and score multi-query associative recall")
@@ -743,9 +745,11 @@ def cmd_harness(args) -> int:
                          "'continuumlm[eval]'.") from None
     from .hf.harness import run_harness
 
+    if args.keep and Path(args.keep).exists():
+        raise UsageError(f"--keep {args.keep} exists; name a new folder.")
     try:
         r = run_harness(args.checkpoint, args.which, args.split, args.context, args.ode_solver,
-                        args.ode_steps, args.max_tokens, args.device)
+                        args.ode_steps, args.max_tokens, args.device, args.keep)
     except ValueError as e:  # a solver the checkpoint cannot take
         raise UsageError(str(e)) from None
     if args.json:
@@ -758,6 +762,8 @@ def cmd_harness(args) -> int:
           f"{h['byte_perplexity']:.4f}  word ppl {h['word_perplexity']:.3f}")
     print(f"continuumlm eval: bits/byte {o['bits_per_byte']:.4f}  loss {o['loss']:.4f} "
           f"nats/token (ratio {r['bits_per_byte_ratio']:.4f})")
+    if args.keep:
+        print(f"kept in {args.keep}; lm-eval's own command:\n  {r['lm_eval_command']}")
     return 0
 
 

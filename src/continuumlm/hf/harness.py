@@ -41,9 +41,20 @@ metadata:
 """
 
 
+def lm_eval_command(folder: Path, name: str, context: int, solver: dict) -> str:
+    """The lm-eval command line that scores the exported model on the written task."""
+    extra = "".join(f",{k}={v}" for k, v in solver.items())
+    return (f"lm_eval --model hf --model_args pretrained={folder / 'model'},"
+            f"trust_remote_code=True,max_length={context},dtype=float32{extra} --tasks {name} "
+            f"--include_path {folder / 'tasks'} --device cpu --batch_size 1")
+
+
 def run_harness(checkpoint, which: str = "best", split: str = "val", context: int | None = None,
                 ode_solver: str | None = None, ode_steps: int | None = None,
-                max_tokens: int | None = None, device: str = "cpu") -> dict:
+                max_tokens: int | None = None, device: str = "cpu",
+                keep: str | Path | None = None) -> dict:
+    """``keep``: write the exported model, the data and the task there (a new folder) and
+    keep them, so lm-eval's own command line (returned as ``lm_eval_command``) can be run."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -68,14 +79,15 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
                               f"tokens than continuumlm eval.")
     context = context or run.train.seq_len
     solver = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps)) if v}
-    with tempfile.TemporaryDirectory(prefix="continuumlm-harness-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="continuumlm-harness-") as scratch:
+        tmp = Path(keep) if keep else Path(scratch)
         export_hf(model, tok, tmp / "model")
         (tmp / "data.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+        data_file = (tmp / "data.jsonl").resolve()
         name = f"continuumlm_{split}"
         (tmp / "tasks").mkdir()
-        (tmp / "tasks" / f"{name}.yaml").write_text(TASK.format(name=name,
-                                                                data=tmp / "data.jsonl"))
+        (tmp / "tasks" / f"{name}.yaml").write_text(TASK.format(name=name, data=data_file))
+        command = lm_eval_command(tmp, name, context, solver)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         args = {"pretrained": str(tmp / "model"), "trust_remote_code": True,
@@ -95,4 +107,5 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
             "bytes": n_bytes, "nfe": model.last_nfe, **solver,
             "harness": harness, "ours": {"loss": row["loss"], "bits_per_byte": ours_bpb,
                                          "targets": row["tokens"]},
-            "bits_per_byte_ratio": harness["bits_per_byte"] / ours_bpb}
+            "bits_per_byte_ratio": harness["bits_per_byte"] / ours_bpb,
+            **({"lm_eval_command": command} if keep else {})}
