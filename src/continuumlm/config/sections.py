@@ -85,6 +85,10 @@ class ModelConfig:
     """Most steps an adaptive solve may take before it stops with an error."""
     ode_time_embedding: str = "none"
     """"sinusoidal" makes the field non-autonomous, dh/dt = Block(h, t)."""
+    ode_dt_embedding: bool = False
+    """Also condition the field on the step size dt = (ode_t1 - ode_t0) / ode_steps (a learned
+    projection of a sinusoidal embedding of log2(1 / dt), zero at first), so that one field can
+    learn to serve several step counts (train.ode_steps_choices). Fixed-grid solvers only."""
     # not part of a config's identity: a run resumed with its plugin given otherwise (an extra
     # --plugin, an entry point) is the same run
     plugins: list[str] = dataclasses.field(default_factory=list, compare=False)
@@ -274,9 +278,35 @@ class TrainConfig:
     hard kill loses at most that much (None: by step count only)."""
     dist_timeout_s: float = 600.0
     """Collective timeout under torchrun: a rank stuck this long fails the job instead of hanging."""
+    ode_steps_choices: list[int] | None = None
+    """Elastic depth (ODE models): each optimizer step integrates with a step count drawn from
+    this list, seeded by train.seed and the step (a resumed run and every rank draw alike);
+    evaluation and checkpoints keep model.ode_steps."""
+    ode_solver_choices: list[str] | None = None
+    """... and with a fixed-grid solver drawn from this list (model.ode_solver if unset)."""
+    consistency_weight: float = 0.0
+    """With ode_steps_choices: add this weight times KL(finer || drawn) of the next-token
+    distributions, the finer solve being the next larger step count of the choices on the same
+    batch (no gradient, dropout off); logged as "consistency"."""
 
     def __post_init__(self) -> None:
         _validate(self, "train")
+        for name in ("ode_steps_choices", "ode_solver_choices"):
+            v = getattr(self, name)
+            if v is not None and not v:
+                raise ConfigError(f"train.{name} is empty; list at least one value, or leave "
+                                  f"it out.")
+        if self.ode_steps_choices is not None and not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 10_000
+                for n in self.ode_steps_choices):
+            raise ConfigError(f"train.ode_steps_choices must list positive integers (up to "
+                              f"10000), got {self.ode_steps_choices}.")
+        if not self.consistency_weight >= 0:
+            raise ConfigError(f"train.consistency_weight must be >= 0, got "
+                              f"{self.consistency_weight}.")
+        if self.consistency_weight > 0 and len(set(self.ode_steps_choices or [])) < 2:
+            raise ConfigError("train.consistency_weight pulls a coarse solve toward a finer one: "
+                              "it needs train.ode_steps_choices with at least two step counts.")
         bad = [s for s in self.requeue_signals if s not in ("SIGUSR1", "SIGUSR2")]
         if bad:
             raise ConfigError(f"train.requeue_signals may list SIGUSR1 and SIGUSR2, got "
@@ -405,6 +435,20 @@ class RunConfig:
     def check(self) -> None:
         """Cross-section checks that need more than one section."""
         m, t = self.model, self.train
+        if (t.ode_steps_choices or t.ode_solver_choices) and m.depth != "ode":
+            raise ConfigError(f"train.ode_steps_choices / ode_solver_choices draw an ODE "
+                              f"model's solver per step; model.depth = {m.depth!r} has none. "
+                              f"Use depth = 'ode', or leave them out.")
+        for solver in t.ode_solver_choices or []:
+            if solver not in SOLVERS:
+                raise ConfigError(f"train.ode_solver_choices: {SOLVERS.unknown_message(solver)}")
+            cls = SOLVERS.component_class(solver)
+            if not getattr(cls, "fixed_grid", True) or solver == "rk2_gated" \
+                    or m.ode_solver == "rk2_gated":
+                raise ConfigError(f"train.ode_solver_choices may list fixed-grid solvers without "
+                                  f"weights of their own (euler, midpoint, heun, rk4, ...), "
+                                  f"and the model's own solver must be one too; got {solver!r} "
+                                  f"with model.ode_solver = {m.ode_solver!r}.")
         if m.position == "learned" and t.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "

@@ -89,6 +89,7 @@ class ODEBlock(nn.Module):
             return field(t, h, cache)
 
         cfg = self.cfg
+        field.dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
         params = tuple(p for p in self.field.parameters())
         x = integrate(f, x, cfg.ode_t0, cfg.ode_t1, self.solver, cfg.ode_steps, cfg.ode_grad,
                       params, where=f"ODE block {self.index}")
@@ -148,6 +149,10 @@ class ODEStack(nn.Module):
             raise ConfigError(
                 "model.ode_grad = 'checkpoint' needs a fixed-grid solver (its steps are known in "
                 "advance); with an adaptive solver use 'adjoint' or 'direct'.")
+        if cfg.ode_dt_embedding and adaptive:
+            raise ConfigError(f"model.ode_dt_embedding conditions the field on a fixed step "
+                              f"size; the adaptive {cfg.ode_solver!r} chooses its own. Use a "
+                              f"fixed-grid solver, or leave ode_dt_embedding off.")
         if not cfg.ode_t1 > cfg.ode_t0:
             raise ConfigError(f"model.ode_t1 ({cfg.ode_t1}) must be greater than model.ode_t0 "
                               f"({cfg.ode_t0}).")

@@ -8,7 +8,9 @@
 
 The state itself is never part of f. With ``ode_time_embedding = "sinusoidal"`` a learned
 projection of a sinusoidal embedding of t is added to every normalized input of f, so the
-field is non-autonomous.
+field is non-autonomous. With ``ode_dt_embedding`` an embedding of the step size (log2 of
+1 / dt: 0 for one step over [0, 1], 3 for eight) is added as well, so that one field can learn
+what each step count needs of it; the ODE block sets ``field.dt`` before each solve.
 """
 
 from __future__ import annotations
@@ -47,9 +49,20 @@ class _Field(nn.Module):
         super().__init__()
         self.time = (SinusoidalTimeEmbedding(cfg.hidden_size)
                      if cfg.ode_time_embedding == "sinusoidal" else None)
+        # log2(1 / dt) spans about 0..10 for 1..1024 steps: periods from 1 to 64 tell them apart
+        self.step_size = (SinusoidalTimeEmbedding(cfg.hidden_size, dim=16, max_period=64.0)
+                          if getattr(cfg, "ode_dt_embedding", False) else None)
+        self.dt = None
 
     def temb(self, t: float, like: torch.Tensor):
-        return None if self.time is None else self.time(t).to(like.dtype)
+        te = None if self.time is None else self.time(t).to(like.dtype)
+        if self.step_size is not None:
+            if self.dt is None:
+                raise RuntimeError("a field with a dt embedding is evaluated outside an ODE "
+                                   "block's solve (field.dt is unset).")
+            de = self.step_size(math.log2(1.0 / self.dt)).to(like.dtype)
+            te = de if te is None else te + de
+        return te
 
     @staticmethod
     def _plus(x: torch.Tensor, te) -> torch.Tensor:

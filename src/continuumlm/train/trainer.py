@@ -36,6 +36,7 @@ from ..ode import ODESolverError, solver_errors
 from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
+from .elastic import ElasticDepth
 from .evaluation import Evaluator, evaluate_loss  # noqa: F401 - evaluate_loss: public here too
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
@@ -187,6 +188,9 @@ class Trainer:
         self.compile_error: str | None = None  # why torch.compile fell back to eager, if it did
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, t, self.device.type)
+        self.elastic = ElasticDepth(self.model, t)
+        self.last_draw: tuple[str, int] | None = None
+        self.last_consistency = math.nan
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=resolve_dtype(self.device, t.dtype) == "float16")
         streams = range(self.dist.rank * t.grad_accum, (self.dist.rank + 1) * t.grad_accum)
@@ -320,6 +324,16 @@ class Trainer:
             state["scaler"] = self.scaler.state_dict()
         return state
 
+    def _elastic_fields(self) -> dict:
+        """What an elastic run logs beside the loss: the logged step's solver and step count,
+        and its consistency term (when it has one)."""
+        if self.last_draw is None:
+            return {}
+        out = {"ode_solver": self.last_draw[0], "ode_steps": self.last_draw[1]}
+        if self.elastic.weight > 0:
+            out["consistency"] = self.last_consistency
+        return out
+
     def _log(self, event: dict) -> None:
         """Log on rank 0; a failed write is kept and stops the run at the next step boundary,
         where every rank learns of it (the others would wait in a collective otherwise)."""
@@ -341,6 +355,13 @@ class Trainer:
         return self.evaluator(self.model)
 
     def train_step(self) -> tuple[float, float]:
+        if not self.elastic.enabled:
+            return self._train_step(None)
+        self.last_draw = self.elastic.draw(self.step)
+        with self.elastic.at(*self.last_draw):
+            return self._train_step(self.last_draw)
+
+    def _train_step(self, draw: tuple[str, int] | None) -> tuple[float, float]:
         t = self.cfg.train
         lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
@@ -350,6 +371,7 @@ class Trainer:
         # float64 (not on MPS, which lacks it), so the sum is the one Python floats gave.
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
+        consistency = torch.zeros((), dtype=acc, device=self.device)
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
         # learning rate's decay horizon (so extending a run with a fixed lr_decay_steps keeps it)
         anneal = max(0.2, 1.0 - self.step / (t.lr_decay_steps or t.max_steps))
@@ -361,9 +383,14 @@ class Trainer:
                 # gradients are all-reduced only on the last micro-step
                 with D.no_grad_sync(self.wrapped, self.model, sync=j == t.grad_accum - 1):
                     with self.amp:
-                        _, loss = self.forward(x, y)
+                        target = self.elastic.target(self.forward, x, *draw) if draw else None
+                        logits, loss = self.forward(x, y)
                         penalty = self.model.penalty()
                         objective = loss + anneal * penalty
+                        if target is not None:
+                            kl = self.elastic.consistency(logits, target)
+                            objective = objective + self.elastic.weight * kl
+                            consistency += kl.detach().to(acc)
                     # Each micro-batch backpropagates its own mean loss; the sum is divided by
                     # grad_accum below. Scaling the loss instead would change the gradient an
                     # adaptive adjoint solve sees (its atol is absolute), so grad_accum and the
@@ -395,8 +422,10 @@ class Trainer:
         # the step's one host synchronisation: whether to apply the update depends on it
         # (with no gradient at all, e.g. a solver error in the first micro-batch, the norm is
         # a CPU zero: hence the device too)
-        summed, self.last_penalty, grad_norm = torch.stack(
-            [total, penalty, grad_norm.detach().to(device=self.device, dtype=acc)]).tolist()
+        summed, self.last_penalty, grad_norm, cons = torch.stack(
+            [total, penalty, grad_norm.detach().to(device=self.device, dtype=acc),
+             consistency]).tolist()
+        self.last_consistency = cons / t.grad_accum
         loss_value = summed / t.grad_accum
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
         scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)
@@ -533,7 +562,8 @@ class Trainer:
                     tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                     self._log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
-                                     "nfe": self.model.last_nfe, "penalty": self.last_penalty})
+                                     "nfe": self.model.last_nfe, "penalty": self.last_penalty,
+                                     **self._elastic_fields()})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0

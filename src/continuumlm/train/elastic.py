@@ -1,0 +1,72 @@
+"""Elastic depth: an ODE model trained with a solver and step count drawn per optimizer step
+(``train.ode_steps_choices``, ``train.ode_solver_choices``), and the shortcut-consistency term
+(``train.consistency_weight``) that pulls the drawn solve's next-token distribution toward a
+finer solve of the same batch.
+
+The draw is a function of (train.seed, step) only, so a resumed run draws what the
+uninterrupted one drew and every rank of a job draws alike, with no state to save. The model
+is switched with ``LanguageModel.set_solver`` for the step and switched back after it:
+evaluation and checkpoints see model.ode_solver and model.ode_steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class ElasticDepth:
+    def __init__(self, model, t):
+        self.model = model
+        self.steps = list(t.ode_steps_choices or [])
+        self.solvers = list(t.ode_solver_choices or [])
+        self.weight = float(t.consistency_weight)
+        self.seed = int(t.seed)
+        self.base = (model.config.ode_solver, model.config.ode_steps)
+        self.enabled = bool(self.steps or self.solvers)
+
+    def draw(self, step: int) -> tuple[str, int]:
+        """(solver, steps) of optimizer step ``step`` (counted from 0)."""
+        rng = np.random.default_rng([self.seed, step, 0xE1A5])
+        steps = self.steps[int(rng.integers(len(self.steps)))] if self.steps else self.base[1]
+        solver = (self.solvers[int(rng.integers(len(self.solvers)))] if self.solvers
+                  else self.base[0])
+        return solver, steps
+
+    def finer(self, steps: int) -> int | None:
+        larger = sorted(n for n in set(self.steps) if n > steps)
+        return larger[0] if larger else None
+
+    @contextlib.contextmanager
+    def at(self, solver: str, steps: int):
+        self.model.set_solver(solver, steps)
+        try:
+            yield
+        finally:
+            self.model.set_solver(*self.base)
+
+    def target(self, forward, x: torch.Tensor, solver: str, steps: int) -> torch.Tensor | None:
+        """Next-token log-probabilities of the finer solve (no gradient, dropout off), or None
+        when there is no consistency term or no finer step count than ``steps``."""
+        fine = self.finer(steps) if self.weight > 0 else None
+        if fine is None:
+            return None
+        was = self.model.training
+        self.model.set_solver(solver, fine)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits, _ = forward(x)
+        finally:
+            self.model.train(was)
+            self.model.set_solver(solver, steps)
+        return F.log_softmax(logits.float(), -1)
+
+    @staticmethod
+    def consistency(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """KL(finer || drawn) per position, averaged."""
+        logp = F.log_softmax(logits.float(), -1)
+        return (target.exp() * (target - logp)).sum(-1).mean()

@@ -1,0 +1,99 @@
+"""Elastic depth: step counts and solvers drawn per step (reproducible across resume), the
+dt embedding (causal, exact cached decoding, parameter count free of steps), the consistency
+term, config validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from continuumlm import ConfigError, load_config
+from continuumlm.testing import (
+    check_cached_decoding,
+    check_causal,
+    check_size_ignores_steps,
+    small_model,
+)
+from continuumlm.train import Trainer
+from continuumlm.train.elastic import ElasticDepth
+from continuumlm.train.logging import read_metrics
+
+
+def elastic_cfg(corpus, *extra):
+    return load_config(None, [
+        "data.dataset=text", f'data.path="{corpus}"', "model.hidden_size=32",
+        "model.num_heads=2", "model.num_layers=1", "model.depth=ode", "model.dropout=0.1",
+        "model.ode_dt_embedding=true", "train.ode_steps_choices=[1, 2, 4]",
+        "train.ode_solver_choices=['euler', 'rk4']", "train.batch_size=4", "train.seq_len=16",
+        "train.max_steps=12", "train.lr_decay_steps=12", "train.warmup_steps=2",
+        "train.log_interval=1", "train.eval_interval=4", "train.eval_iters=2",
+        "train.checkpoint_interval=3", "train.device=cpu", *extra])
+
+
+def test_draws_vary_and_a_resumed_run_repeats_them(tiny_corpus, tmp_path):
+    extra = ["train.consistency_weight=0.5"]
+    Trainer(elastic_cfg(tiny_corpus, *extra), tmp_path / "full", quiet=True).run()
+    Trainer(elastic_cfg(tiny_corpus, *extra, "train.max_steps=6"), tmp_path / "cut",
+            quiet=True).run()
+    Trainer(elastic_cfg(tiny_corpus, *extra), tmp_path / "cut", resume=True, quiet=True).run()
+
+    def events(run):
+        return {e["step"]: e for e in read_metrics(run) if "loss" in e}
+
+    a, b = events(tmp_path / "full"), events(tmp_path / "cut")
+    assert sorted(b) == list(range(1, 13))
+    assert {k: (v["loss"], v["ode_solver"], v["ode_steps"], v["consistency"]) for k, v in a.items()} \
+        == {k: (v["loss"], v["ode_solver"], v["ode_steps"], v["consistency"]) for k, v in b.items()}
+    draws = {(e["ode_solver"], e["ode_steps"]) for e in a.values()}
+    assert len(draws) >= 3  # 12 steps over six (solver, steps) pairs
+    for e in a.values():  # the NFE logged is the drawn solve's
+        assert e["nfe"] == e["ode_steps"] * (4 if e["ode_solver"] == "rk4" else 1)
+    # consistency: positive where a finer step count exists, zero for the finest
+    assert all((e["consistency"] > 0) == (e["ode_steps"] < 4) for e in a.values())
+    # checkpoints and evaluation keep the configured solver
+    from continuumlm.train import load_model_and_tokenizer
+
+    m, _, _ = load_model_and_tokenizer(tmp_path / "cut", "last")
+    assert (m.config.ode_solver, m.config.ode_steps) == ("rk4", 4)
+
+
+def test_the_draw_is_a_function_of_seed_and_step():
+    model = small_model(depth="ode", num_layers=1)
+    t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[1, 2, 4, 8]",
+                           "train.seed=5"]).train
+    a, b = ElasticDepth(model, t), ElasticDepth(model, t)
+    assert [a.draw(s) for s in range(50)] == [b.draw(s) for s in range(50)]  # any rank, any run
+    assert {n for _, n in (a.draw(s) for s in range(50))} == {1, 2, 4, 8}
+    assert a.finer(2) == 4 and a.finer(8) is None
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
+@pytest.mark.parametrize("field", ["sequential", "parallel"])
+def test_dt_embedding_keeps_causality_and_exact_decoding(mixer, field):
+    m = small_model(depth="ode", num_layers=1, mixer=mixer, field=field, ode_dt_embedding=True,
+                    ode_steps=3)
+    for block in m.depth.blocks:  # it starts at zero: make it matter
+        torch.nn.init.normal_(block.field.step_size.proj.weight)
+    check_causal(m)
+    check_cached_decoding(m, torch.randint(0, 37, (2, 5)), 6)
+    x = torch.randint(0, 37, (1, 8))
+    before = m(x)[0]
+    m.set_solver(ode_steps=6)
+    assert not torch.allclose(before, m(x)[0])  # another dt, another field
+    check_size_ignores_steps(depth="ode", num_layers=1, ode_dt_embedding=True)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["train.ode_steps_choices=[0, 2]"], "positive integers"),
+    (["train.ode_steps_choices=[]"], "is empty"),
+    (["model.depth=ode", "train.consistency_weight=0.1", "train.ode_steps_choices=[4]"],
+     "at least two step counts"),
+    (["train.ode_steps_choices=[1, 2]"], "depth = 'discrete' has none"),
+    (["model.depth=ode", "train.ode_solver_choices=['dopri5']"], "fixed-grid solvers"),
+    (["model.depth=ode", "train.ode_solver_choices=['nope']"], "nope"),
+    (["model.depth=ode", "model.ode_solver=dopri5", "model.ode_dt_embedding=true"],
+     "fixed step size"),
+])
+def test_elastic_settings_are_checked(sets, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, sets)
