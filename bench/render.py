@@ -334,7 +334,8 @@ def main() -> None:
                        ("scale", "Training throughput: processes and compile"),
                        ("mfu", "Model FLOPs utilization"),
                        ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
-                       ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding")):
+                       ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding"),
+                       ("hf_harness", "lm-evaluation-harness on trained checkpoints, by depth")):
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]

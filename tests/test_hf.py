@@ -320,3 +320,16 @@ def test_without_the_extras_the_commands_name_them(tmp_path, monkeypatch):
     assert r.returncode == 2 and "continuumlm[hf]" in r.stderr
     r = run_cli("harness", "--checkpoint", tmp_path)
     assert r.returncode == 2 and "continuumlm[eval]" in r.stderr
+
+
+def test_solver_overrides_keep_the_exported_config(tiny_corpus, tmp_path):
+    out = exported_run(tiny_corpus, tmp_path)
+    base = ContinuumLMForCausalLM.from_pretrained(out)
+    deeper = ContinuumLMForCausalLM.from_pretrained(out, ode_steps=8)
+    assert deeper.config.ode_steps == 8 and deeper.config.auto_map == base.config.auto_map
+    assert deeper.config.eos_token_id == base.config.eos_token_id is not None
+    assert deeper.generation_config.eos_token_id == base.config.eos_token_id
+    from continuumlm.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        ContinuumLMForCausalLM.from_pretrained(str(tmp_path / "no" / "such" / "folder"))

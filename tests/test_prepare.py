@@ -38,6 +38,8 @@ def awkward_text(n_lines: int = 400, seed: int = 0) -> str:
         body = " ".join(g.choice(words, int(g.integers(0, 12))))
         out.append(indent + body + ("\n\n" if i % 17 == 0 else "\n"))
     out.insert(n_lines // 2, "long " * 3000 + "\n")
+    out.insert(n_lines // 3, "".join(f"    indented {i} \r\n" for i in range(200)))  # CRLF
+    out.insert(n_lines // 4, " = heading = \n \n" * 50 + "中文没有空格" * 300 + "\r\n")
     return "".join(out)
 
 
@@ -349,8 +351,9 @@ def test_a_killed_prepare_leaves_nothing_that_loads(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not list(out.glob("*.part"))
     p = Prepared(out)
-    assert p.tokenizer.decode(np.asarray(p.splits["train"])) == (tmp_path / "c.txt").read_text()[
-        :p.meta["splits"]["train"]["chars"]]
+    with open(tmp_path / "c.txt", encoding="utf-8", newline="") as f:  # keep its \r\n
+        text = f.read()
+    assert p.tokenizer.decode(np.asarray(p.splits["train"])) == text[:p.meta["splits"]["train"]["chars"]]
 
 
 def test_a_full_disk_during_prepare_is_a_disk_error(tmp_path, monkeypatch):
@@ -474,3 +477,35 @@ def test_processes_preparing_one_corpus_take_turns(tmp_path):
     assert outs[0][0] == outs[1][0]
     folder = Path(outs[0][0].split()[0])
     assert not [p for p in folder.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_review_refusals(tmp_path):
+    """A tokenizer whose encoding depends on where text is cut, an --out inside the inputs,
+    another tool's token files, --dtype in the cache."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    src = write_source("text", tmp_path / "src")
+    meta_tok = Tokenizer(models.BPE())
+    meta_tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    meta_tok.save(str(tmp_path / "sp.json"))
+    r = run_cli("prepare", "--input", src, "--tokenizer", tmp_path / "sp.json",
+                "--out", tmp_path / "o1")
+    assert r.returncode == 2 and "pre-tokenizer (Metaspace)" in r.stderr
+    r = run_cli("prepare", "--input", tmp_path / "src", "--tokenizer", "char",
+                "--out", tmp_path / "src" / "prepared")
+    assert r.returncode == 2 and "inside the input folder" in r.stderr
+    theirs = tmp_path / "nanogpt"
+    theirs.mkdir()
+    (theirs / "train.bin").write_bytes(b"\0\1" * 10)
+    r = run_cli("prepare", "--input", src, "--tokenizer", "char", "--out", theirs)
+    assert r.returncode == 2 and "another tool's" in r.stderr
+    assert (theirs / "train.bin").read_bytes() == b"\0\1" * 10  # kept
+    out = tmp_path / "o2"
+    assert run_cli("prepare", "--input", src, "--tokenizer", "char", "--out", out).returncode == 0
+    r = run_cli("prepare", "--input", src, "--tokenizer", "char", "--dtype", "uint32",
+                "--out", out)
+    assert r.returncode == 2 and "--force" in r.stderr  # another preparation, not "nothing to do"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[data]\ndataset = "text"\npath = "{src}"\n')
+    r = run_cli("prepare", "--config", cfg, "--dtype", "uint32")
+    assert r.returncode == 2 and "apply to --out" in r.stderr

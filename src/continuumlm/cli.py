@@ -557,14 +557,33 @@ def cmd_prepare(args) -> int:
                 raise UsageError(f"--tokenizer {args.tokenizer}: not char, word or bpe, and no "
                                  f"such file; name a kind, or a tokenizer.json (a Hugging Face "
                                  f"tokenizers file or one a ContinuumLM run saved).")
-            spec = TokenizerSpec(given=load_tokenizer(path))
+            given = load_tokenizer(path)
+            why = given.cuttable() if hasattr(given, "cuttable") else None
+            if why:
+                raise UsageError(
+                    f"--tokenizer {args.tokenizer}: {why} makes its encoding depend on where a "
+                    f"long text is cut, so prepare (which streams text in pieces) cannot "
+                    f"promise the ids it would give the whole text. prepare reads byte-level "
+                    f"BPE tokenizers with GPT-2's pre-tokenizer (as bpe trains, and GPT-2's own "
+                    f"tokenizer.json); train one with --tokenizer bpe.")
+            spec = TokenizerSpec(given=given)
     if args.out:
         out = Path(args.out)
+        for named in args.input or []:
+            folder = Path(named).expanduser()
+            if folder.is_dir() and (out.resolve() == folder.resolve()
+                                    or folder.resolve() in out.resolve().parents):
+                raise UsageError(f"--out {out} lies inside the input folder {named}: a later "
+                                 f"prepare of that folder would read these token files as "
+                                 f"text. Prepare into a folder outside the inputs.")
         meta, fresh = prepare_folder(out, plan, spec, args.dtype, args.force, args.quiet, say)
     else:
         from .data.corpora import cache_dir
         from .data.shards import read_meta
 
+        if args.dtype != "auto" or args.force:
+            raise UsageError("--dtype and --force apply to --out; the cache that train reads "
+                             "keeps each preparation once, in the dtype its vocabulary needs.")
         out = prepare_cached(cache_dir() / "prepared", plan, spec, quiet=args.quiet, log=say)
         meta, fresh = read_meta(out), True
     from .data.prepare import warn_unknown

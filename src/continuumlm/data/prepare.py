@@ -41,6 +41,7 @@ from ..errors import DataError, DiskError
 from .sources import Source, documents, file_digest
 from .tokenizers import (
     TOKENIZER_FILE,
+    WHITESPACE_CUTS,
     BPETokenizer,
     CharTokenizer,
     WordTokenizer,
@@ -108,9 +109,11 @@ class Counts:
     bounds: list[tuple[str, int]] = field(default_factory=list)  # stream: (split, end position)
 
 
-def plan_key(plan: Plan, tok: TokenizerSpec, digests: list[tuple[str, str]]) -> str:
+def plan_key(plan: Plan, tok: TokenizerSpec, digests: list[tuple[str, str]],
+             dtype: str = "auto") -> str:
     blob = json.dumps({"format": FORMAT, "version": VERSION, "sources": digests,
-                       "plan": plan.describe(), "tokenizer": tok.describe()}, sort_keys=True)
+                       "plan": plan.describe(), "tokenizer": tok.describe(),
+                       **({"dtype": dtype} if dtype != "auto" else {})}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -271,15 +274,15 @@ def dtype_for(vocab_size: int, requested: str = "auto") -> np.dtype:
 
 def _last_safe_cut(s: str) -> int:
     """The last place in ``s`` where byte-level BPE pre-tokenization can be cut without changing
-    it (a newline between two non-space characters, see tokenizers._SAFE_CUT); 0 if none."""
+    it (ASCII whitespace after a non-space character, see tokenizers._SAFE_CUT); 0 if none."""
     i = len(s)
-    while True:
-        i = s.rfind("\n", 0, i)
+    while i > 0:
+        i = max(s.rfind(c, 0, i) for c in WHITESPACE_CUTS)
         if i <= 0:
             return 0
-        if i + 1 < len(s) and not s[i - 1].isspace() and not s[i + 1].isspace():
-            return i + 1
-        # try the newline before
+        if not s[i - 1].isspace():
+            return i
+    return 0
 
 
 def _last_space_cut(s: str) -> int:
@@ -345,7 +348,7 @@ class _Encoder:
             return k, False
         k = _last_safe_cut(s)
         if k == 0 and len(s) > MAX_BUFFER_CHARS:
-            k = _last_space_cut(s) or len(s)  # a text without newlines (rare)
+            k = len(s)  # tens of megabytes without whitespace: cut anyway (not exact there)
         return k, False
 
     def feed(self, text: str) -> Iterator[np.ndarray]:
@@ -515,8 +518,13 @@ def prepare_into(folder: Path, plan: Plan, spec: TokenizerSpec, key: str,
     return meta
 
 
+OUR_NAMES = {META_FILE, TOKENIZER_FILE, *(f"{s}.bin" for s in SPLIT_NAMES)}
+
+
 def _ours(p: Path) -> bool:
-    return p.name in (META_FILE, TOKENIZER_FILE) or p.name.endswith((".bin", PART))
+    """A file prepare writes (or its temporary name); nothing else is ever deleted."""
+    return p.is_file() and (p.name in OUR_NAMES or (p.name.endswith(PART)
+                                                    and p.name[:-len(PART)] in OUR_NAMES))
 
 
 def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "auto",
@@ -528,17 +536,26 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
     from .shards import read_meta
 
     digests = source_digests(plan)
-    key = plan_key(plan, spec, digests)
+    key = plan_key(plan, spec, digests, dtype)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; name a folder (new or empty) to prepare into.")
+    resolved = out.resolve()
+    for srcs in plan.splits.values():
+        for src in srcs:
+            if resolved in src.path.resolve().parents:
+                raise DataError(f"--out {out} lies inside an input ({src.path} is in it): a "
+                                f"later prepare would read its own token files as text. "
+                                f"Prepare into a folder outside the inputs.")
     if (out / META_FILE).is_file():
         try:
             meta = read_meta(out)
-        except DataError:
+        except DataError as e:
+            if not force:
+                raise DataError(f"{e} (--force prepares it again in place)") from None
             meta = None
         if meta is not None and meta.get("key") == key and not force:
             return meta, False
-        if not force:
+        if meta is not None and not force:
             raise DataError(f"{out} already holds a prepared corpus of other inputs or settings "
                             f"(its meta.json); pass --force to replace it, or choose another "
                             f"--out.")
@@ -548,11 +565,16 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
             raise DataError(f"--out {out} holds files prepare did not write ({', '.join(foreign[:5])}"
                             f"{' ...' if len(foreign) > 5 else ''}); prepare into a new or empty "
                             f"folder, so nothing of yours is overwritten.")
-        for p in out.iterdir():  # an earlier, interrupted or replaced preparation
-            if p.name == META_FILE:
-                p.unlink()
-        for p in out.iterdir():
-            p.unlink()
+        ours = list(out.iterdir())
+        interrupted = any(p.name.endswith(PART) for p in ours)
+        if ours and not (force or interrupted or (out / META_FILE).is_file()):
+            raise DataError(f"--out {out} holds {', '.join(sorted(p.name for p in ours))} but no "
+                            f"meta.json and no unfinished .part files, so they may be another "
+                            f"tool's (nanoGPT writes train.bin and val.bin too); pass --force "
+                            f"to replace them, or prepare into another folder.")
+        (out / META_FILE).unlink(missing_ok=True)  # first: the folder stops looking complete
+        for p in ours:  # an earlier, interrupted or replaced preparation
+            p.unlink(missing_ok=True)
     return prepare_into(out, plan, spec, key, digests, dtype, quiet, log), True
 
 

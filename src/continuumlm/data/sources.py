@@ -29,6 +29,7 @@ from .corpora import cache_dir, sha256_file
 
 BLOCK_BYTES = 1 << 20  # read size of text files: bounds memory per block
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+DATASET_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ def expand(specs: list[str]) -> list[Source]:
         if p.is_file():
             paths = [p]
         elif p.is_dir():
-            paths = sorted(f for f in p.rglob("*") if f.is_file() and not _hidden(f, p))
+            # datasets.save_to_disk writes these beside its .arrow files: metadata, not text
+            paths = sorted(f for f in p.rglob("*") if f.is_file() and not _hidden(f, p)
+                           and f.name not in DATASET_METADATA)
             if not paths:
                 raise DataError(f"the folder {spec} holds no files; point --input (or data.path) "
                                 f"at a folder of text, JSON Lines, Parquet or Arrow files.")
@@ -95,10 +98,11 @@ def expand(specs: list[str]) -> list[Source]:
 
 
 def file_digest(path: Path) -> str:
-    """sha256 of a file, memoized in the user cache by (path, size, mtime, inode), so a second
+    """sha256 of a file, memoized in the user cache by (path, size, mtime, ctime, inode) -- a
+    rewrite changes ctime even when it keeps the size and restores the mtime -- so a second
     run over an unchanged multi-gigabyte corpus does not read it again to name it."""
     st = path.stat()
-    stamp = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    stamp = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}"
     memo = cache_dir() / "digests" / (hashlib.sha256(stamp.encode("utf-8", "surrogateescape"))
                                       .hexdigest()[:32] + ".txt")
     try:

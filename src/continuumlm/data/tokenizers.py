@@ -106,12 +106,16 @@ class WordTokenizer:
     def to_dict(self) -> dict:
         return {"format": FORMAT, "type": self.kind, "vocab": self.vocab}
 
-# A newline between two non-space characters: the byte-level pre-tokenizer (GPT-2's pattern)
-# always splits there, and no pre-token spans it, so text cut at such places pre-tokenizes, and
-# therefore encodes, exactly as the whole text does. (Cutting at every newline does not:
-# "\n" followed by indentation is one pre-token, which training then learns as a merge that
-# encoding line by line could never produce.)
-_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+# A place where ASCII whitespace follows a non-space character. The byte-level pre-tokenizer
+# (GPT-2's pattern) never puts such a pair in one pre-token (a pre-token holding a non-space
+# character ends at it; a whitespace pre-token holds whitespace only), and what it makes of the
+# text on either side does not depend on the other side, so text cut at such places
+# pre-tokenizes, and therefore encodes, exactly as the whole text does. (Cutting after every
+# newline would not: "\n" followed by indentation is one pre-token, which training then learns
+# as a merge that encoding line by line could never produce.)
+_SAFE_CUT = re.compile(r"(?<=[^\s])(?=[ \t\r\n])")
+WHITESPACE_CUTS = " \t\r\n"
+
 
 def _pieces(text: str, size: int = 1 << 14) -> list[str]:
     """``text`` cut into pieces of at least ``size`` characters (but the last) at safe places."""
@@ -179,6 +183,19 @@ class BPETokenizer:
 
     def to_json(self) -> str:
         return self.tok.to_str()
+
+    def cuttable(self) -> str | None:
+        """None when text may be cut at whitespace without changing its encoding (a byte-level
+        pre-tokenizer with GPT-2's pattern and no normalizer, as this class trains); otherwise
+        what stands in the way."""
+        d = json.loads(self.to_json())
+        pre, norm = d.get("pre_tokenizer") or {}, d.get("normalizer")
+        if norm is not None:
+            return f"its normalizer ({norm.get('type')})"
+        if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) \
+                or pre.get("add_prefix_space"):
+            return f"its pre-tokenizer ({pre.get('type') or 'none'})"
+        return None
 
 KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BPETokenizer}
 

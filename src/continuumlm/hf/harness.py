@@ -72,8 +72,19 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
         raise DataError(f"--split {split}: this corpus has the splits "
                         f"{', '.join(s for s in data.splits if s != 'train')}.")
     ids = [int(i) for i in data.splits[split][:max_tokens]]
+    if getattr(tok, "unk_id", None) is not None and tok.unk_id in ids:
+        raise DataError(f"the {split} split holds {ids.count(tok.unk_id):,} <unk> tokens "
+                        f"(characters the training text lacks): the harness scores text, and "
+                        f"<unk> stands for no character of it. Score this split with "
+                        f"`continuumlm eval`.")
+    converted = hf_tokenizer(tok)
     text = tok.decode(ids)
-    if hf_tokenizer(tok).encode(text).ids != ids:
+    for _ in range(4):  # --max-tokens may cut a multi-byte character: drop its first bytes
+        if converted.encode(text).ids == ids or len(ids) < 2:
+            break
+        ids = ids[:-1]
+        text = tok.decode(ids)
+    if converted.encode(text).ids != ids:
         raise CheckpointError(f"the {split} split's text does not re-encode to the same tokens "
                               f"through the exported tokenizer; the harness would score other "
                               f"tokens than continuumlm eval.")

@@ -158,6 +158,12 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         solver or step count (anytime depth, as ``continuumlm eval --ode-steps``); ``dtype``
         casts, ``device_map`` (one device: "cpu", "cuda", "cuda:1", ...) places the model."""
         path = Path(pretrained_model_name_or_path)
+        name = str(pretrained_model_name_or_path)
+        if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~"))
+                                  or name.count("/") > 1):
+            raise CheckpointError(f"{name} is not a folder: name a ContinuumLM checkpoint folder "
+                                  f"(config.json + model.safetensors) or a Hub repository id "
+                                  f"(owner/name).")
         if not path.is_dir():
             from huggingface_hub import snapshot_download
 
@@ -186,8 +192,13 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                 lm.set_solver(ode_solver, ode_steps, ode_grad="direct")
             except ValueError as e:
                 raise CheckpointError(f"{path}: {e}") from None
-            config = ContinuumLMConfig.from_model_config(lm.config, use_cache=config.use_cache)
+            # the loaded config with the new solver (its eos/bos ids, auto_map... kept)
+            config = ContinuumLMConfig.from_dict({**config.to_dict(), **lm.config.to_dict()})
         model = cls(config, model=lm)
+        if (path / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(path)
         dtype = dtype if dtype is not None else torch_dtype
         if dtype not in (None, "auto"):
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
