@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import numpy as np
 import torch
 from common import ROOT, markdown_table, write_json
 
@@ -41,7 +42,10 @@ def main() -> None:
     rows = []
     for split in ("val", "test"):
         if split in data.splits:
-            r = laplace_perplexities(data.splits["train"], data.splits[split], V)
+            # the prepared splits are memmaps of uint16/uint32 ids: int64 tensors here
+            train, stream = (torch.from_numpy(np.asarray(data.splits[s], dtype=np.int64))
+                             for s in ("train", split))
+            r = laplace_perplexities(train, stream, V)
             rows.append({"split": split, **r})
     table = markdown_table(rows, [("split", "split"), ("unigram_ppl", "unigram ppl (Laplace)"),
                                   ("bigram_ppl", "bigram ppl (Laplace)"), ("tokens", "tokens")])
