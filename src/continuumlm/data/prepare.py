@@ -286,8 +286,8 @@ def _last_safe_cut(s: str) -> int:
 
 
 def _last_space_cut(s: str) -> int:
-    """The last "x| y" (a space between two non-space characters): the space begins the next
-    pre-token in GPT-2's pattern, so cutting before it is exact as well."""
+    """The last "x| y" (a space between two non-space characters): where the word tokenizer
+    can cut inside a very long line without splitting a word."""
     i = len(s)
     while True:
         i = s.rfind(" ", 0, i)

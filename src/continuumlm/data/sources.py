@@ -164,7 +164,7 @@ def _text_blocks(src: Source, errors: str) -> Iterator[str]:
                 if not block:
                     return
     except (OSError, EOFError, gzip.BadGzipFile) as e:
-        if isinstance(e, gzip.BadGzipFile) or isinstance(e, EOFError):
+        if isinstance(e, (gzip.BadGzipFile, EOFError)):
             raise DataError(f"{src.path} is not a complete gzip file ({e}); it was truncated or "
                             f"is not gzip-compressed: recompress it, or rename it without .gz "
                             f"if it is plain text.") from None

@@ -80,7 +80,6 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
     _no_split_modules: list[str] = []
-    _supports_cache_class = True
 
     def __init__(self, config: ContinuumLMConfig, model: LanguageModel | None = None):
         super().__init__(config)
