@@ -40,6 +40,17 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _threshold(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not a number") from None
+    if not v >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0 (0: never exit, inf: "
+                                         f"every token after its first step)")
+    return v
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -148,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ode-solver", help="integrate an ODE model's trained fields with this "
                    "solver instead (no retraining)")
     e.add_argument("--ode-steps", type=_positive_int, help="... and/or this many steps")
+    _exit_arguments(e)
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     h = sub.add_parser("harness", parents=[plugin], help="score a checkpoint with "
@@ -197,7 +209,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "capacity (faster per token after a one-off compilation: up to about 5 "
                         "minutes on a 2-core CPU, 9-20 s with a warm compiler cache)")
     g.add_argument("--device", default="cpu")
+    _exit_arguments(g)
     return p
+
+
+def _exit_arguments(parser) -> None:
+    parser.add_argument("--exit-threshold", type=_threshold, metavar="TAU",
+                        help="per-token adaptive depth (ODE models with a fixed-grid solver): "
+                             "a token whose state has settled after a solver step (criterion "
+                             "below TAU) stops integrating for the rest of its block")
+    parser.add_argument("--exit-criterion", choices=("state", "kl"), default="state",
+                        help="state: relative change of the token's state over the step; kl: "
+                             "KL between the next-token distributions read out before and after "
+                             "it (default: state)")
+
+
+def _apply_exit(model, args) -> None:
+    if args.exit_threshold is None:
+        return
+    try:
+        model.set_exit(args.exit_threshold, args.exit_criterion)
+    except ValueError as e:
+        raise UsageError(f"--exit-threshold: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -619,6 +652,7 @@ def cmd_eval(args) -> int:
             model.set_solver(args.ode_solver, args.ode_steps, ode_grad="direct")  # no gradients
         except ValueError as e:
             raise UsageError(str(e)) from None
+    _apply_exit(model, args)
     data = prepare_data(run.data, tok)
     recorded = (load_trainer_state(ckpt).get("data")
                 if (ckpt / STATE_FILE).is_file() else None)
@@ -637,17 +671,32 @@ def cmd_eval(args) -> int:
         print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "depth": cfg.depth,
                           "ode_solver": cfg.ode_solver if cfg.depth == "ode" else None,
                           "ode_steps": cfg.ode_steps if cfg.depth == "ode" else None,
-                          "nfe": model.last_nfe, "results": rows}, indent=2))
+                          "nfe": model.last_nfe,
+                          "exit": ({"threshold": args.exit_threshold,
+                                    "criterion": args.exit_criterion}
+                                   if args.exit_threshold is not None else None),
+                          "results": rows}, indent=2))
         return 0
     print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
-    print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}")
+    exiting = args.exit_threshold is not None
+    print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}"
+          + (f" {'NFE/token':>10}" if exiting else ""))
     for r in rows:
         if "unsupported" in r:
             print(f"{r['context']:>8}  unsupported: {r['unsupported']}")
         else:
             bpc = f"{r['bpc']:.4f}" if "bpc" in r else "-"
-            print(f"{r['context']:>8} {r['loss']:>8.4f} {r['ppl']:>10.3f} {bpc:>7} {r['windows']:>8}")
+            print(f"{r['context']:>8} {r['loss']:>8.4f} {r['ppl']:>10.3f} {bpc:>7} {r['windows']:>8}"
+                  + (f" {r['nfe_per_token']:>10.2f}" if exiting else ""))
+    if exiting:
+        print(f"per-token exit: {args.exit_criterion} < {args.exit_threshold:g}; full depth is "
+              f"{_full_nfe(model)} field evaluations per token")
     return 0
+
+
+def _full_nfe(model) -> int:
+    cfg = model.config
+    return cfg.num_layers * cfg.ode_steps * int(model.depth.blocks[0].solver.evals_per_step)
 
 
 # ---------------------------------------------------------------------------- generate
@@ -659,6 +708,7 @@ def cmd_generate(args) -> int:
 
     device = pick_device(args.device, "--device")
     model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
+    _apply_exit(model, args)
     ids = tok.encode(args.prompt)
     if not ids:
         start = getattr(tok, "eos_id", None)
@@ -687,6 +737,11 @@ def cmd_generate(args) -> int:
             print()
     except ValueError as e:  # bad sampling arguments or a context the model cannot hold
         raise UsageError(str(e)) from None
+    if args.exit_threshold is not None:
+        done, tokens = model.depth.exit_totals
+        print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
+              f"{done / max(tokens, 1):.2f} field evaluations per token on average (prompt "
+              f"included), of {_full_nfe(model)} at full depth", file=sys.stderr)
     return 0
 
 

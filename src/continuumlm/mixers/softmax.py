@@ -63,6 +63,21 @@ class SoftmaxAttention(nn.Module):
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_dropout(y) if self.resid_dropout.p else y
 
+    def write(self, x: torch.Tensor, cache: KVCache) -> None:
+        """Extend the cache with the keys and values of ``x`` without attending: what a token
+        that stopped integrating early (per-token exit) leaves for later tokens to read."""
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = qkv[1], qkv[2]
+        if cache.static is not None:
+            if self.rope is not None:
+                k = self.rope.at(k, cache.static.pos)
+            cache.write(k, v)
+            return
+        if self.rope is not None:
+            k = self.rope(k, cache.length)
+        cache.append(k, v)
+
     def _static_step(self, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token against a fixed-capacity cache, its position a tensor (see cache.py)."""
         _, B, H, T, D = qkv.shape

@@ -4,11 +4,18 @@
 of ``num_layers`` ODE blocks, each a shared-weight vector field integrated over t. Each depth
 module takes ``(x, state=None)``, hands every mixer evaluation its own cache from the decoding
 state, and reports ``last_nfe``: the number of block evaluations in its last forward.
+
+An ODE stack can also stop integrating a token early (:class:`ExitRule`, set with
+``LanguageModel.set_exit``): after each solver step, a token whose state has settled is frozen
+for the rest of that block. See :meth:`ODEBlock._solve_with_exit` for what that means exactly.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -16,10 +23,71 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..nn import MLP, freeze_dropout, make_norm
 from ..ode import ADJOINT_FIXED, AdaptiveSolver, integrate
+from ..ode.solvers import grid
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
 
 log = logging.getLogger("continuumlm")
+
+
+EXIT_CRITERIA = ("state", "kl")
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    """Per-token early exit from every ODE block's fixed-grid solve.
+
+    After solver step n (of N) of a block, a token still integrating is frozen for the rest of
+    that block when its ``criterion`` falls below ``threshold``:
+
+    - ``"state"``: the relative change of its state over the step, ||h_(n+1) - h_n|| / ||h_n||;
+    - ``"kl"``: KL(p_(n+1) || p_n) between the next-token distributions read out (final norm and
+      head) from its states before and after the step; costs one read-out per step and token.
+
+    A criterion reads only the token's own state, which depends only on its prefix, so the
+    decoder stays exactly causal and cached decoding equals recompute at the same threshold.
+    ``readout`` (h -> logits) is given by ``LanguageModel.set_exit``.
+    """
+
+    threshold: float
+    criterion: str = "state"
+    readout: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.criterion not in EXIT_CRITERIA:
+            raise ValueError(f"exit criterion {self.criterion!r} is not one of "
+                             f"{', '.join(EXIT_CRITERIA)}.")
+        if not (isinstance(self.threshold, (int, float)) and self.threshold >= 0
+                and not math.isnan(self.threshold)):
+            raise ValueError(f"the exit threshold must be a number >= 0 (0: never exit; inf: "
+                             f"every token after its first step), got {self.threshold!r}.")
+        if self.criterion == "kl" and self.readout is None:
+            raise ValueError("the 'kl' exit criterion needs a read-out (h -> logits).")
+
+    def settled(self, h_old: torch.Tensor, h_new: torch.Tensor, old_logp):
+        """(bool (B, T): the criterion is below the threshold, the read-out of h_new or None)."""
+        if self.criterion == "state":
+            change = (h_new - h_old).float().norm(dim=-1)
+            crit = change / h_old.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+            return crit < self.threshold, None
+        logp = self.log_probs(h_new)
+        crit = (logp.exp() * (logp - old_logp)).sum(-1)
+        return crit < self.threshold, logp
+
+    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.readout(h).float(), dim=-1)
+
+
+def check_exit_solver(solver, name: str) -> None:
+    """Early exit needs a fixed-grid explicit step h_(n+1) = h_n + dt * (stage combination):
+    zeroing a token's stage derivatives then leaves its state exactly as it was."""
+    if not getattr(solver, "fixed_grid", True) or not hasattr(solver, "step"):
+        raise ValueError(f"per-token exit needs a fixed-grid solver; {name!r} chooses its own "
+                         f"steps (use euler, midpoint, heun, rk4, ...).")
+    if getattr(solver, "reversible", False):
+        raise ValueError(f"per-token exit is not defined for the reversible solver {name!r} "
+                         f"(its two coupled states do not stay put when the field is zero); "
+                         f"use a fixed-grid Runge-Kutta solver such as rk4 or heun.")
 
 
 class TransformerBlock(nn.Module):
@@ -75,29 +143,88 @@ class ODEBlock(nn.Module):
             self.norm_mlp = make_norm(cfg.hidden_size, cfg)
             self.mlp = MLP(cfg)
         self.last_nfe = 0
+        self.last_token_nfe: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DecodeState | None = None,
+                exit_rule: ExitRule | None = None) -> torch.Tensor:
         for d in self._dropouts:
             d.reset()  # one dropout mask per forward, shared by every step and stage
         calls = [0]
         field, key, factory = self.field, self.index, self.field.mixer.cache_factory
 
+        def cache_of(n: int):
+            return state.cache(("ode", key, n), factory) if state is not None else None
+
         def f(t: float, h: torch.Tensor) -> torch.Tensor:
             n = calls[0]
             calls[0] += 1
-            cache = state.cache(("ode", key, n), factory) if state is not None else None
-            return field(t, h, cache)
+            return field(t, h, cache_of(n))
 
         cfg = self.cfg
         field.dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
-        params = tuple(p for p in self.field.parameters())
-        x = integrate(f, x, cfg.ode_t0, cfg.ode_t1, self.solver, cfg.ode_steps, cfg.ode_grad,
-                      params, where=f"ODE block {self.index}")
+        self.last_token_nfe = None
+        if exit_rule is None:
+            params = tuple(p for p in self.field.parameters())
+            x = integrate(f, x, cfg.ode_t0, cfg.ode_t1, self.solver, cfg.ode_steps,
+                          cfg.ode_grad, params, where=f"ODE block {self.index}")
+        else:
+            def write(t: float, h: torch.Tensor) -> torch.Tensor:
+                n = calls[0]
+                calls[0] += 1
+                writer = getattr(field, "write", None)
+                if writer is None:  # a plugin field: evaluate it whole, keep the cache writes
+                    field(t, h, cache_of(n))
+                else:
+                    writer(t, h, cache_of(n))
+                return torch.zeros_like(h)
+
+            x, self.last_token_nfe = self._solve_with_exit(f, write, x, exit_rule,
+                                                              state is not None)
         self.last_nfe = calls[0]
         if self.field.post_mlp:
             x = x + self.mlp(self.norm_mlp(x))
         return x
 
+    def _solve_with_exit(self, f, write, x: torch.Tensor, rule: ExitRule, cached: bool):
+        """The fixed-grid solve with per-token exit; returns (h(t1), field evaluations per
+        token (B, T)).
+
+        A frozen token's stage derivatives are zero, so its stage inputs and its state stay
+        exactly its frozen state: what later tokens read from it at the stages it skips (keys
+        and values, DeltaNet writes, CAT values) is computed from that state, in a full
+        forward and in cached decoding alike. When every token in ``x`` is frozen, the rest
+        of the solve only writes what later tokens read (``field.write``: the mixers' cache
+        writes, no MLP, no attention read), or stops when nothing is cached: that is where
+        the time is saved. Under ``torch.compile`` every stage is evaluated (masked), which
+        gives the same numbers without a data-dependent branch.
+        """
+        cfg, solver = self.cfg, self.solver
+        dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps
+        active = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+        evals = torch.zeros(x.shape[:-1], dtype=torch.int32, device=x.device)
+        per_step = int(solver.evals_per_step)
+        logp = rule.log_probs(x) if rule.criterion == "kl" else None
+        branch = not torch.compiler.is_compiling()
+        h = x
+        times = grid(cfg.ode_t0, cfg.ode_t1, cfg.ode_steps)
+        for n, t in enumerate(times):
+            if branch and not bool(active.any()):
+                if not cached:
+                    break  # nobody reads the stages left
+                h = solver.step(write, t, h, dt)  # h stays h: every derivative is zero
+                continue
+            keep = active.unsqueeze(-1)
+
+            def masked(tt: float, hh: torch.Tensor, keep=keep) -> torch.Tensor:
+                return torch.where(keep, f(tt, hh), 0.0)  # where, not *: 0 * inf is nan
+
+            h_new = solver.step(masked, t, h, dt)
+            evals += active.to(evals.dtype) * per_step
+            if n + 1 < len(times):
+                settled, logp = rule.settled(h, h_new, logp)
+                active = active & ~settled
+            h = h_new
+        return h, evals
 
 class ODEStack(nn.Module):
     """``num_layers`` ODE blocks, each with its own weights (CAT's ``--blocks``)."""
@@ -106,6 +233,9 @@ class ODEStack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(ODEBlock(cfg, i) for i in range(cfg.num_layers))
         self.last_nfe = 0
+        self.exit: ExitRule | None = None  # per-token exit (LanguageModel.set_exit)
+        self.exit_totals = [0, 0]  # field evaluations and tokens since set_exit (eager only)
+        self.last_token_nfe: torch.Tensor | None = None
         self.exact_cache = bool(getattr(self.blocks[0].solver, "fixed_grid", True))
         if not self.exact_cache and cfg.mode == "decoder":
             log.warning(
@@ -161,9 +291,17 @@ class ODEStack(nn.Module):
         if state is not None and not self.exact_cache:
             raise ValueError("an adaptive ODE solver cannot be decoded incrementally (its steps "
                              "depend on the whole sequence); use use_cache=False.")
+        if self.exit is not None:
+            check_exit_solver(self.blocks[0].solver, self.blocks[0].cfg.ode_solver)
         for block in self.blocks:
-            x = block(x, state)
+            x = block(x, state, self.exit)
         self.last_nfe = sum(b.last_nfe for b in self.blocks)
+        # field evaluations per token, over every block
+        self.last_token_nfe = (sum(b.last_token_nfe for b in self.blocks)
+                               if self.exit is not None else None)
+        if self.last_token_nfe is not None and not torch.compiler.is_compiling():
+            self.exit_totals[0] += int(self.last_token_nfe.sum())
+            self.exit_totals[1] += self.last_token_nfe.numel()
         return x
 
 

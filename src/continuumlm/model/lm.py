@@ -20,7 +20,8 @@ from ..nn import make_norm
 from ..registry import DEPTHS, SOLVERS
 from . import generation, memory
 from .cache import DecodeState
-from .depth import DiscreteStack  # noqa: F401 - registers the built-in depths
+# importing depth registers the built-in depths
+from .depth import ExitRule, check_exit_solver
 
 log = logging.getLogger("continuumlm")
 
@@ -83,6 +84,31 @@ class LanguageModel(nn.Module):
     def last_nfe(self) -> int:
         """Block (vector field) evaluations in the last forward pass."""
         return self.depth.last_nfe
+
+    @property
+    def last_token_nfe(self) -> torch.Tensor | None:
+        """With per-token exit (:meth:`set_exit`): the field evaluations each token of the last
+        forward took part in, (B, T), summed over blocks; otherwise None (every token took
+        ``last_nfe``)."""
+        return getattr(self.depth, "last_token_nfe", None)
+
+    def set_exit(self, threshold: float | None, criterion: str = "state") -> None:
+        """Per-token adaptive depth at inference: in every ODE block, a token whose state has
+        settled after a solver step (``criterion`` below ``threshold``; see
+        :class:`continuumlm.model.depth.ExitRule`) stops integrating for the rest of the
+        block. ``None`` turns it off. Needs ``depth = "ode"`` with a fixed-grid solver; the
+        model stays exactly causal and cached decoding equals recompute."""
+        if threshold is None:
+            if hasattr(self.depth, "exit"):
+                self.depth.exit = None
+            return
+        if self.config.depth != "ode":
+            raise ValueError("per-token exit needs depth = 'ode'; a discrete stack has no "
+                             "solver steps to stop early.")
+        check_exit_solver(self.depth.blocks[0].solver, self.config.ode_solver)
+        self.depth.exit = ExitRule(float(threshold), criterion,
+                                   readout=lambda h: self.lm_head(self.norm_f(h)))
+        self.depth.exit_totals = [0, 0]
 
     def penalty(self) -> torch.Tensor:
         """Sum of the regularizers that mixers expose (added to the loss by the trainer)."""

@@ -68,6 +68,17 @@ class _Field(nn.Module):
     def _plus(x: torch.Tensor, te) -> torch.Tensor:
         return x if te is None else x + te
 
+    def write(self, t: float, h: torch.Tensor, cache) -> None:
+        """Only what later tokens read from this evaluation at state ``h``: the mixer's cache
+        writes, for tokens that stopped integrating early (``ExitRule``). No MLP; the mixer's
+        own read is skipped too when it has a ``write(x, cache)``."""
+        x = self.mixer_input(t, h)
+        writer = getattr(self.mixer, "write", None)
+        if writer is None:
+            self.mixer(x, cache)
+        else:
+            writer(x, cache)
+
 
 @register_field("attention")
 class AttentionField(_Field):
@@ -78,8 +89,11 @@ class AttentionField(_Field):
         self.norm = make_norm(cfg.hidden_size, cfg)
         self.mixer = MIXERS[cfg.mixer](cfg)
 
+    def mixer_input(self, t: float, h: torch.Tensor) -> torch.Tensor:
+        return self._plus(self.norm(h), self.temb(t, h))
+
     def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
-        return self.mixer(self._plus(self.norm(h), self.temb(t, h)), cache)
+        return self.mixer(self.mixer_input(t, h), cache)
 
 
 class _TransformerField(_Field):
@@ -91,6 +105,9 @@ class _TransformerField(_Field):
         self.mixer = MIXERS[cfg.mixer](cfg)
         self.norm2 = make_norm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg)
+
+    def mixer_input(self, t: float, h: torch.Tensor) -> torch.Tensor:
+        return self._plus(self.norm1(h), self.temb(t, h))
 
 
 @register_field("sequential")
