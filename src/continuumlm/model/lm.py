@@ -20,6 +20,7 @@ from ..nn import make_norm
 from ..registry import DEPTHS, SOLVERS
 from . import generation, memory
 from .cache import DecodeState
+
 # importing depth registers the built-in depths
 from .depth import ExitRule, check_exit_solver
 
