@@ -31,6 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
     "strategy": ("ddp", "fsdp"),
     "ode_time_embedding": ("none", "sinusoidal"),
+    "ode_adjoint_norm": ("default", "seminorm"),
 }
 
 

@@ -68,7 +68,8 @@ class ModelConfig:
     """Vector field of ODE blocks: attention, sequential or parallel."""
     ode_solver: str = "rk4"
     """Fixed grid: euler, midpoint, heun, rk4 (classical), rk4_38, rk2_gated, reversible_heun;
-    adaptive (torchdiffeq): dopri5, bosh3, adaptive_heun."""
+    adaptive (torchdiffeq's step-size control): tsit5, dopri5, dopri8, bosh3, fehlberg2,
+    adaptive_heun."""
     ode_steps: int = 4
     """Uniform steps of a fixed-grid solver from ode_t0 to ode_t1."""
     ode_grad: str = "direct"
@@ -83,6 +84,11 @@ class ModelConfig:
     """Absolute tolerance of adaptive solvers."""
     ode_max_steps: int = 1000
     """Most steps an adaptive solve may take before it stops with an error."""
+    ode_adjoint_norm: str = "default"
+    """Error norm of the adjoint's backward solve (ode_grad = "adjoint" with an adaptive
+    solver): "default" (torchdiffeq's: state, adjoint state and parameter gradients) or
+    "seminorm" (Kidger et al. 2021: the parameter gradients left out of step-size control,
+    which is exact for them and takes fewer backward steps)."""
     ode_time_embedding: str = "none"
     """"sinusoidal" makes the field non-autonomous, dh/dt = Block(h, t)."""
     ode_dt_embedding: bool = False

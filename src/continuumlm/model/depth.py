@@ -144,6 +144,7 @@ class ODEBlock(nn.Module):
             self.mlp = MLP(cfg)
         self.last_nfe = 0
         self.last_token_nfe: torch.Tensor | None = None
+        self._calls = [0]
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
                 exit_rule: ExitRule | None = None) -> torch.Tensor:
@@ -181,6 +182,7 @@ class ODEBlock(nn.Module):
             x, self.last_token_nfe = self._solve_with_exit(f, write, x, exit_rule,
                                                               state is not None)
         self.last_nfe = calls[0]
+        self._calls = calls  # evaluations made later (by a backward pass) still count here
         if self.field.post_mlp:
             x = x + self.mlp(self.norm_mlp(x))
         return x
@@ -243,6 +245,13 @@ class ODEStack(nn.Module):
                 "over the whole batch and sequence, so future tokens and other batch rows change "
                 "earlier positions' outputs (the decoder is not exactly causal). Use a fixed-grid "
                 "solver (euler, midpoint, heun, rk4, ...) for exact causality.", cfg.ode_solver)
+
+    @property
+    def last_backward_nfe(self) -> int:
+        """Field evaluations made by the backward pass of the last forward so far: the
+        adjoint's backward solve, or the recomputation of checkpointed steps (0 for direct
+        backpropagation, and before any backward)."""
+        return sum(b._calls[0] - b.last_nfe for b in self.blocks)
 
     @staticmethod
     def check_config(cfg) -> None:

@@ -87,6 +87,12 @@ class LanguageModel(nn.Module):
         return self.depth.last_nfe
 
     @property
+    def last_backward_nfe(self) -> int:
+        """Field evaluations the backward pass of the last forward made (adjoint solve or
+        checkpoint recomputation); 0 for a discrete stack or direct backpropagation."""
+        return getattr(self.depth, "last_backward_nfe", 0)
+
+    @property
     def last_token_nfe(self) -> torch.Tensor | None:
         """With per-token exit (:meth:`set_exit`): the field evaluations each token of the last
         forward took part in, (B, T), summed over blocks; otherwise None (every token took

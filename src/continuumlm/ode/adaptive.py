@@ -1,9 +1,11 @@
 """Adaptive solvers and the adjoint, through torchdiffeq.
 
-Adaptive step-size control is torchdiffeq's (dopri5, bosh3, adaptive_heun); the backsolve
-adjoint is torchdiffeq's ``odeint_adjoint``. Our fixed-grid tableaus that torchdiffeq lacks
-(classical RK4; torchdiffeq's "rk4" is the 3/8 rule) are registered with its fixed-grid base
-class so that the adjoint can integrate them too.
+Adaptive step-size control is torchdiffeq's (dopri5, dopri8, bosh3, fehlberg2, adaptive_heun,
+and tsit5 below); the backsolve adjoint is torchdiffeq's ``odeint_adjoint``. Methods that
+torchdiffeq 0.2.5 lacks are added to its method table with its own base classes, so that its
+step-size controller, dense output and adjoint serve them: classical RK4 (torchdiffeq's "rk4"
+is the 3/8 rule) on a fixed grid, and Tsitouras' 5(4) pair (Tsit5, the default of
+DifferentialEquations.jl and diffrax) as an adaptive method.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from ..errors import ContinuumLMError
 from ..registry import SOLVERS
 from .solvers import TABLEAUS, rk_stages
 
-ADAPTIVE_METHODS = ("dopri5", "bosh3", "adaptive_heun")
+# our names -> the torchdiffeq method
+ADAPTIVE_METHODS = {"dopri5": "dopri5", "dopri8": "dopri8", "tsit5": "continuumlm_tsit5",
+                    "bosh3": "bosh3", "fehlberg2": "fehlberg2", "adaptive_heun": "adaptive_heun"}
 # our fixed-grid names -> the torchdiffeq method used by the adjoint
 ADJOINT_FIXED = {"euler": "euler", "midpoint": "midpoint", "heun": "heun2", "rk4_38": "rk4",
                  "rk4": "continuumlm_rk4"}
@@ -52,6 +56,78 @@ def _register_classical_rk4() -> None:
     _odeint_mod.SOLVERS["continuumlm_rk4"] = ClassicalRK4
 
 
+# Tsitouras, "Runge-Kutta pairs of order 5(4) satisfying only the first column simplifying
+# assumption", Comput. Math. Appl. 62 (2011): nodes, stages (row 7 = the fifth-order weights,
+# first same as last) and the difference of the fifth- and fourth-order weights.
+TSIT5_C = (0.161, 0.327, 0.9, 0.9800255409045097, 1.0, 1.0)
+TSIT5_A = (
+    (0.161,),
+    (-0.008480655492356989, 0.335480655492357),
+    (2.8971530571054935, -6.359448489975075, 4.3622954328695815),
+    (5.325864828439257, -11.748883564062828, 7.4955393428898365, -0.09249506636175525),
+    (5.86145544294642, -12.92096931784711, 8.159367898576159, -0.071584973281401,
+     -0.028269050394068383),
+    (0.09646076681806523, 0.01, 0.4798896504144996, 1.379008574103742, -3.290069515436081,
+     2.324710524099774),
+)
+TSIT5_B_ERROR = (-0.00178001105222577714, -0.0008164344596567469, 0.007880878010261995,
+                 -0.1447110071732629, 0.5823571654525552, -0.45808210592918697, 1 / 66)
+# The continuous extension: y(t0 + s dt) = y0 + dt sum_i b_i(s) k_i, b_i(s) = sum_j P[i][j] s^(j+1).
+TSIT5_DENSE = (
+    (1.0, -2.763706197274826, 2.9132554618219126, -1.0530884977290216),
+    (0.0, 0.1317, -0.2234, 0.1017),
+    (0.0, 3.9302962368947516, -5.941033872131505, 2.490627285651253),
+    (0.0, -12.411077166933676, 30.33818863028232, -16.548102889244902),
+    (0.0, 37.50931341651104, -88.1789048947664, 47.37952196281928),
+    (0.0, -27.896526289197286, 65.09189467479366, -34.87065786149661),
+    (0.0, 1.5, -4.0, 2.5),
+)
+
+
+def tsit5_dense_weights(s: float) -> list[float]:
+    """b_i(s) of Tsit5's continuous extension (b_i(1) are the fifth-order weights)."""
+    return [sum(c * s ** (j + 1) for j, c in enumerate(row)) for row in TSIT5_DENSE]
+
+
+def _register_tsit5() -> None:
+    import importlib
+
+    from torchdiffeq._impl.rk_common import RKAdaptiveStepsizeODESolver, _ButcherTableau
+
+    # torchdiffeq's method table (see _register_classical_rk4)
+    _odeint_mod = importlib.import_module("torchdiffeq._impl.odeint")
+    if "continuumlm_tsit5" in _odeint_mod.SOLVERS:
+        return
+    f64 = dict(dtype=torch.float64)
+    b = TSIT5_A[-1] + (0.0,)
+
+    class Tsit5Solver(RKAdaptiveStepsizeODESolver):
+        order = 5
+        tableau = _ButcherTableau(alpha=torch.tensor(TSIT5_C, **f64),
+                                  beta=[torch.tensor(row, **f64) for row in TSIT5_A],
+                                  c_sol=torch.tensor(b, **f64),
+                                  c_error=torch.tensor(TSIT5_B_ERROR, **f64))
+        # torchdiffeq's dense output is a quartic through both ends, both slopes and this
+        # midpoint value, taken here from Tsit5's own continuous extension at s = 1/2
+        mid = torch.tensor(tsit5_dense_weights(0.5), **f64)
+
+    _odeint_mod.SOLVERS["continuumlm_tsit5"] = Tsit5Solver
+
+
+# torchdiffeq steps past t1 and interpolates back to it; the interpolant of these methods is
+# not accurate enough at the tolerances asked of them (dopri8's error at t1 was a thousand times
+# its tolerance), so their solves are made to end a step exactly at t1 (torchdiffeq's step_t).
+LAND_ON_T1 = {"continuumlm_tsit5", "dopri8", "fehlberg2"}
+
+
+def ensure_registered(method: str) -> None:
+    """Add the method to torchdiffeq's table if it is one of ours."""
+    if method == "continuumlm_rk4":
+        _register_classical_rk4()
+    elif method == "continuumlm_tsit5":
+        _register_tsit5()
+
+
 class AdaptiveSolver(nn.Module):
     fixed_grid = False
     reversible = False
@@ -61,6 +137,7 @@ class AdaptiveSolver(nn.Module):
         super().__init__()
         self.method = method
         self.rtol, self.atol, self.max_steps = cfg.ode_rtol, cfg.ode_atol, cfg.ode_max_steps
+        self.adjoint_norm = getattr(cfg, "ode_adjoint_norm", "default")
 
 
 class _Func(nn.Module):
@@ -128,19 +205,26 @@ def solver_errors():
 
 def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint: bool,
                 params: tuple[torch.Tensor, ...], where: str, options: dict | None = None,
-                rtol: float = 1e-7, atol: float = 1e-9):
+                rtol: float = 1e-7, atol: float = 1e-9, adjoint_norm: str = "default"):
     import torchdiffeq
 
+    ensure_registered(method)
     func = _Func(f, params, where, method)
     # float64 time for a float64 state (float32 would round the interval, e.g. 0.1); float32
     # otherwise, as torchdiffeq casts it to the state's dtype anyway
     t = torch.tensor([t0, t1], device=h0.device,
                      dtype=torch.float64 if h0.dtype == torch.float64 else torch.float32)
-    kwargs = dict(method=method, rtol=rtol, atol=atol, options=options or {})
+    options = dict(options or {})
+    backward_options = dict(options)  # max_num_steps; the backward solve ends where it ends
+    if method in LAND_ON_T1:
+        options["step_t"] = t[1:]
+    kwargs = dict(method=method, rtol=rtol, atol=atol, options=options)
     try:
         if adjoint:
-            # the backward solve takes the same options (max_num_steps) by default
-            out = torchdiffeq.odeint_adjoint(func, h0, t, adjoint_params=tuple(params), **kwargs)
+            if adjoint_norm == "seminorm":
+                backward_options["norm"] = "seminorm"
+            out = torchdiffeq.odeint_adjoint(func, h0, t, adjoint_params=tuple(params),
+                                             adjoint_options=backward_options, **kwargs)
         else:
             out = torchdiffeq.odeint(func, h0, t, **kwargs)
     except AssertionError as e:
@@ -150,5 +234,5 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
     return out[-1]
 
 
-for _method in ADAPTIVE_METHODS:
-    SOLVERS.register(_method, partial(AdaptiveSolver, method=_method))
+for _name, _method in ADAPTIVE_METHODS.items():
+    SOLVERS.register(_name, partial(AdaptiveSolver, method=_method))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .adaptive import ADJOINT_FIXED, AdaptiveSolver, _register_classical_rk4, odeint_call
+from .adaptive import ADJOINT_FIXED, AdaptiveSolver, odeint_call
 from .solvers import grid
 
 
@@ -23,7 +23,8 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
     if isinstance(solver, AdaptiveSolver):
         return odeint_call(f, h0, t0, t1, solver.method, grad == "adjoint" and needs_grad, params,
                            where, options={"max_num_steps": solver.max_steps},
-                           rtol=solver.rtol, atol=solver.atol)
+                           rtol=solver.rtol, atol=solver.atol,
+                           adjoint_norm=getattr(solver, "adjoint_norm", "default"))
     dt = (t1 - t0) / steps
     times = grid(t0, t1, steps)
     if getattr(solver, "reversible", False):  # reversible Heun, or a plugin's reversible solver
@@ -35,8 +36,6 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
         return solver.integrate_direct(f, h0, times, dt)
     if grad == "adjoint" and needs_grad:
         method = ADJOINT_FIXED[solver.tableau.name]
-        if method == "continuumlm_rk4":
-            _register_classical_rk4()
         # only h(t1) is returned and stored; the grid fixes the number of steps exactly (a
         # step_size can round into an extra step). The adjoint calls it again on the reversed,
         # negated interval, so it is built from the interval it is given.

@@ -324,6 +324,13 @@ class Trainer:
             state["scaler"] = self.scaler.state_dict()
         return state
 
+    def _backward_nfe(self) -> dict:
+        """An ODE model's field evaluations in its last backward pass (the adjoint's backward
+        solve, or checkpointed steps recomputed), logged beside the forward's ``nfe``."""
+        if self.model.config.depth != "ode":
+            return {}
+        return {"nfe_backward": self.model.last_backward_nfe}
+
     def _elastic_fields(self) -> dict:
         """What an elastic run logs beside the loss: the logged step's solver and step count,
         and its consistency term (when it has one)."""
@@ -563,7 +570,7 @@ class Trainer:
                     self._log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
                                      "nfe": self.model.last_nfe, "penalty": self.last_penalty,
-                                     **self._elastic_fields()})
+                                     **self._backward_nfe(), **self._elastic_fields()})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
