@@ -43,7 +43,7 @@ POSITIVE = {
 }
 
 
-NON_NEGATIVE = {"warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
+NON_NEGATIVE = {"ode_checkpoints", "warmup_steps", "weight_decay", "grad_clip", "min_lr", "vocab_size"}
 
 
 UNIT_INTERVAL = {"dropout": (0.0, 1.0), "train_fraction": (0.0, 1.0), "test_fraction": (0.0, 1.0), "beta1": (0.0, 1.0),

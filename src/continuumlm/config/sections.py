@@ -73,7 +73,8 @@ class ModelConfig:
     ode_steps: int = 4
     """Uniform steps of a fixed-grid solver from ode_t0 to ode_t1."""
     ode_grad: str = "direct"
-    """direct, adjoint, checkpoint or reversible (reversible needs a reversible solver)."""
+    """direct, adjoint, checkpoint, binomial or reversible (reversible needs a reversible
+    solver; binomial keeps ode_checkpoints states and recomputes the rest, exact gradients)."""
     ode_t0: float = 0.0
     """Start of the depth interval the ODE blocks integrate over."""
     ode_t1: float = 1.0
@@ -84,6 +85,9 @@ class ModelConfig:
     """Absolute tolerance of adaptive solvers."""
     ode_max_steps: int = 1000
     """Most steps an adaptive solve may take before it stops with an error."""
+    ode_checkpoints: int = 0
+    """States that ode_grad = "binomial" keeps per ODE block (0: about log2 of ode_steps);
+    fewer keep less memory and recompute more steps in the backward pass."""
     ode_adjoint_norm: str = "default"
     """Error norm of the adjoint's backward solve (ode_grad = "adjoint" with an adaptive
     solver): "default" (torchdiffeq's: state, adjoint state and parameter gradients) or
@@ -483,7 +487,7 @@ def _build(klass, d: dict[str, Any], section: str, source: str | None = None,
         raise
 
 
-GRAD_MODES = ("direct", "adjoint", "checkpoint", "reversible")
+GRAD_MODES = ("direct", "adjoint", "checkpoint", "binomial", "reversible")
 
 
 def _check_selectors(cfg: ModelConfig) -> None:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..nn import MLP, freeze_dropout, make_norm
 from ..ode import ADJOINT_FIXED, AdaptiveSolver, integrate
+from ..ode.binomial import MAX_STEPS as MAX_BINOMIAL_STEPS
 from ..ode.solvers import grid
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
@@ -165,9 +166,11 @@ class ODEBlock(nn.Module):
         field.dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
         self.last_token_nfe = None
         if exit_rule is None:
-            params = tuple(p for p in self.field.parameters())
+            # what f and the solver read (rk2_gated's gate is the solver's)
+            params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
             x = integrate(f, x, cfg.ode_t0, cfg.ode_t1, self.solver, cfg.ode_steps,
-                          cfg.ode_grad, params, where=f"ODE block {self.index}")
+                          cfg.ode_grad, params, where=f"ODE block {self.index}",
+                          checkpoints=cfg.ode_checkpoints)
         else:
             def write(t: float, h: torch.Tensor) -> torch.Tensor:
                 n = calls[0]
@@ -279,15 +282,18 @@ class ODEStack(nn.Module):
                 f"model.ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and "
                 f"the adaptive solvers, not {cfg.ode_solver!r}; use ode_grad = 'direct' or "
                 f"'checkpoint' (or 'reversible' with reversible_heun).")
-        if cfg.ode_grad == "checkpoint" and reversible:
+        if cfg.ode_grad in ("checkpoint", "binomial") and reversible:
             raise ConfigError(
-                f"model.ode_grad = 'checkpoint' is not implemented for {cfg.ode_solver!r}: use "
-                f"ode_grad = 'reversible' (exact gradients, memory constant in the steps, less "
-                f"than checkpointing stores) or 'direct'.")
-        if cfg.ode_grad == "checkpoint" and adaptive:
+                f"model.ode_grad = {cfg.ode_grad!r} is not implemented for {cfg.ode_solver!r}: "
+                f"use ode_grad = 'reversible' (exact gradients, memory constant in the steps, "
+                f"less than checkpointing stores) or 'direct'.")
+        if cfg.ode_grad in ("checkpoint", "binomial") and adaptive:
             raise ConfigError(
-                "model.ode_grad = 'checkpoint' needs a fixed-grid solver (its steps are known in "
-                "advance); with an adaptive solver use 'adjoint' or 'direct'.")
+                f"model.ode_grad = {cfg.ode_grad!r} needs a fixed-grid solver (its steps are "
+                f"known in advance); with an adaptive solver use 'adjoint' or 'direct'.")
+        if cfg.ode_grad == "binomial" and cfg.ode_steps > MAX_BINOMIAL_STEPS:
+            raise ConfigError(f"model.ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} "
+                              f"steps, not ode_steps = {cfg.ode_steps}; use 'checkpoint'.")
         if cfg.ode_dt_embedding and adaptive:
             raise ConfigError(f"model.ode_dt_embedding conditions the field on a fixed step "
                               f"size; the adaptive {cfg.ode_solver!r} chooses its own. Use a "

@@ -3,6 +3,8 @@
 - ``direct``: autograd through every solver operation (memory grows with steps);
 - ``checkpoint``: each step is recomputed in backward (torch.utils.checkpoint), only the states
   at step boundaries are stored; gradients are exact;
+- ``binomial``: binomial checkpointing (binomial.py): ``checkpoints`` states kept, the rest
+  recomputed on the Revolve schedule; exact gradients, memory independent of the steps;
 - ``adjoint``: torchdiffeq's backsolve adjoint, O(1) memory in steps, gradients approximate;
 - ``reversible``: the reversible Heun backward that rebuilds states (see reversible.py).
 """
@@ -13,12 +15,16 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .adaptive import ADJOINT_FIXED, AdaptiveSolver, odeint_call
+from .binomial import default_checkpoints, integrate_binomial
 from .solvers import grid
 
 
 def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, grad: str,
-              params: tuple[torch.Tensor, ...] = (), where: str = "ODE block") -> torch.Tensor:
-    """Integrate dh/dt = f(t, h) from t0 to t1 and return h(t1)."""
+              params: tuple[torch.Tensor, ...] = (), where: str = "ODE block",
+              checkpoints: int = 0) -> torch.Tensor:
+    """Integrate dh/dt = f(t, h) from t0 to t1 and return h(t1). ``params``: every tensor with
+    a gradient that f (and the solver) read; ``checkpoints``: states kept by ``binomial``
+    (0: about log2 of the steps)."""
     needs_grad = torch.is_grad_enabled() and (h0.requires_grad or any(p.requires_grad for p in params))
     if isinstance(solver, AdaptiveSolver):
         return odeint_call(f, h0, t0, t1, solver.method, grad == "adjoint" and needs_grad, params,
@@ -45,6 +51,9 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
 
         return odeint_call(f, h0, t0, t1, method, True, params, where,
                            options={"grid_constructor": grid_constructor})
+    if grad == "binomial" and needs_grad:
+        return integrate_binomial(lambda i, h: solver.step(f, times[i], h, dt), h0, steps,
+                                  checkpoints or default_checkpoints(steps), params)
     h = h0
     for t in times:
         if grad == "checkpoint" and needs_grad:
