@@ -209,7 +209,9 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
     import torchdiffeq
 
     ensure_registered(method)
-    func = _Func(f, params, where, method)
+    # errors name the solver as the config does (tsit5, not the torchdiffeq table's name)
+    name = next((k for k, v in ADAPTIVE_METHODS.items() if v == method), method)
+    func = _Func(f, params, where, name)
     # float64 time for a float64 state (float32 would round the interval, e.g. 0.1); float32
     # otherwise, as torchdiffeq casts it to the state's dtype anyway
     t = torch.tensor([t0, t1], device=h0.device,
