@@ -49,10 +49,15 @@ def main() -> None:
     ap.add_argument("--also-test", action="store_true",
                     help="also report the test split once, at the end (PTB); added to existing "
                     "JSON whose run folder is still there")
+    ap.add_argument("--tag", help="name the runs and JSON <config>-<TAG>_seed<N> (e.g. one "
+                    "point of a hyperparameter sweep made with --set), so they sit beside the "
+                    "config's own")
     args = ap.parse_args()
     config = Path(args.config).resolve()
     args.config = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
     name = f"{config.parent.name}-{config.stem}"  # e.g. shakespeare_char-cat_fourier
+    if args.tag:
+        name += f"-{args.tag}"
     for seed in args.seeds:
         dest = Path(args.out) / f"{name}_seed{seed}.json"
         run = RUNS / f"{name}_seed{seed}"
@@ -113,7 +118,7 @@ def main() -> None:
                  "train": [[m["step"], m["loss"]] for m in metrics
                            if "loss" in m and m["step"] % 50 == 0]}
         result = {
-            "config": args.config, "overrides": args.set, "seed": seed,
+            "config": args.config, "overrides": args.set, "seed": seed, "tag": args.tag,
             # as a user types it in the repository, not this machine's paths
             "command": "continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
             "val_loss_full_split": row["loss"], "val_bpc": row.get("bpc"),

@@ -26,6 +26,9 @@ SH = "configs/shakespeare_char"
 QUICK_TRAIN = ["train.max_steps=6", "train.eval_interval=3", "train.eval_iters=2",
                "train.checkpoint_interval=3", "train.log_interval=1", "train.lr_decay_steps=6",
                "train.warmup_steps=2"]
+# a quarter of configs/ptb_std's 5,860 steps, with its schedule: the dropout sweep
+PTB_QUARTER = ["--set", "train.max_steps=1465", "--set", "train.lr_decay_steps=1465",
+               "--set", "train.checkpoint_interval=250"]
 QUICK_MQAR = ["train.max_steps=6", "train.eval_interval=3", "train.log_interval=1",
               "mqar.train_examples=256", "mqar.test_examples=64", "train.warmup_steps=2"]
 
@@ -70,8 +73,21 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         Step("ngram_ref.py", output="ptb-ngram"),
     ]),
     "elasticity": ("Anytime depth: the trained ODE models re-integrated with other solvers and "
-                   "step counts, no retraining (needs the shakespeare experiment's runs)", [
+                   "step counts, no retraining, and per-token exit thresholds (needs the "
+                   "shakespeare experiment's runs)", [
+        _train(f"{SH}/ode_elastic.toml", [1337]),
+        _train(f"{SH}/ode_elastic_consistency.toml", [1337]),
         Step("depth_elasticity.py", output="depth_elasticity"),
+        Step("depth_exit.py", output="depth_exit"),
+    ]),
+    "ptb_std": ("Penn Treebank in the standard setup (10k vocabulary, ~4.6 M parameters, "
+                "Zaremba-small's 12 M tokens): dropout swept at a quarter of the budget on the "
+                "validation split, then three seeds per model, the test split scored once", [
+        *[_train(f"configs/ptb_std/{c}.toml", [1], "--tag", f"sweep_dropout{d}",
+                 "--set", f"model.dropout={d}", *PTB_QUARTER)
+          for c in ("transformer", "ode_euler") for d in ("0.1", "0.3", "0.5")],
+        *[_train(f"configs/ptb_std/{c}.toml", [1, 2, 3], "--also-test")
+          for c in ("transformer", "ode_euler")],
     ]),
     "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
              "and 64 key-value pairs; softmax and ODE-DeltaNet at 64 also trained on Zoology's mix of "
@@ -86,7 +102,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
             "mfu", "data_scale", "hf_generate")],
     ]),
 }
-ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "mqar", "bench"]
+ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "ptb_std", "mqar", "bench"]
 
 
 def run_child(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
