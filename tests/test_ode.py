@@ -207,7 +207,7 @@ def test_unknown_ode_selectors_list_valid_names(key, value, valid):
 @pytest.mark.parametrize("kw,needle", [
     (dict(ode_grad="reversible", ode_solver="rk4"), "reversible_heun"),
     (dict(ode_grad="adjoint", ode_solver="rk2_gated"), "adjoint"),
-    (dict(ode_grad="checkpoint", ode_solver="dopri5"), "fixed-grid"),
+    (dict(ode_grad="binomial", ode_solver="dopri5"), "fixed-grid"),
     (dict(ode_grad="checkpoint", ode_solver="reversible_heun"), "ode_grad = 'reversible'"),
     (dict(ode_t0=1.0, ode_t1=0.5), "greater"),
 ])

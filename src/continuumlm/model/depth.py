@@ -287,10 +287,11 @@ class ODEStack(nn.Module):
                 f"model.ode_grad = {cfg.ode_grad!r} is not implemented for {cfg.ode_solver!r}: "
                 f"use ode_grad = 'reversible' (exact gradients, memory constant in the steps, "
                 f"less than checkpointing stores) or 'direct'.")
-        if cfg.ode_grad in ("checkpoint", "binomial") and adaptive:
+        if cfg.ode_grad == "binomial" and adaptive:
             raise ConfigError(
-                f"model.ode_grad = {cfg.ode_grad!r} needs a fixed-grid solver (its steps are "
-                f"known in advance); with an adaptive solver use 'adjoint' or 'direct'.")
+                "model.ode_grad = 'binomial' needs a fixed-grid solver (its schedule is planned "
+                "from the number of steps); with an adaptive solver use 'checkpoint' (the "
+                "accepted steps replayed: exact gradients), 'adjoint' or 'direct'.")
         if cfg.ode_grad == "binomial" and cfg.ode_steps > MAX_BINOMIAL_STEPS:
             raise ConfigError(f"model.ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} "
                               f"steps, not ode_steps = {cfg.ode_steps}; use 'checkpoint'.")

@@ -150,6 +150,7 @@ class _Func(nn.Module):
         self.plist = nn.ParameterList([p for p in params if isinstance(p, nn.Parameter)])
         self.last_step: tuple[float, float] | None = None  # the step last attempted: (t, dt)
         self.backward = False
+        self.accepted = None  # an aca.AcceptedSteps while a checkpointed solve searches
 
     def forward(self, t, y):
         global _active
@@ -164,6 +165,10 @@ class _Func(nn.Module):
 
     def callback_step_adjoint(self, t0, y0, dt):
         self.last_step, self.backward = (_number(t0), _number(dt)), True
+
+    def callback_accept_step(self, t0, y0, dt):
+        if self.accepted is not None:
+            self.accepted.accept(t0, y0, dt)
 
 
 def _number(x) -> float:
@@ -205,7 +210,10 @@ def solver_errors():
 
 def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint: bool,
                 params: tuple[torch.Tensor, ...], where: str, options: dict | None = None,
-                rtol: float = 1e-7, atol: float = 1e-9, adjoint_norm: str = "default"):
+                rtol: float = 1e-7, atol: float = 1e-9, adjoint_norm: str = "default",
+                checkpoint: bool = False):
+    """h(t1) of torchdiffeq's solve with ``method``. ``adjoint``: gradients by its backsolve
+    adjoint; ``checkpoint``: by replaying the accepted steps (aca.py)."""
     import torchdiffeq
 
     ensure_registered(method)
@@ -218,7 +226,7 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
                      dtype=torch.float64 if h0.dtype == torch.float64 else torch.float32)
     options = dict(options or {})
     backward_options = dict(options)  # max_num_steps; the backward solve ends where it ends
-    if method in LAND_ON_T1:
+    if method in LAND_ON_T1 or checkpoint:  # a checkpointed solve replays steps: none past t1
         options["step_t"] = t[1:]
     kwargs = dict(method=method, rtol=rtol, atol=atol, options=options)
     try:
@@ -227,6 +235,14 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
                 backward_options["norm"] = "seminorm"
             out = torchdiffeq.odeint_adjoint(func, h0, t, adjoint_params=tuple(params),
                                              adjoint_options=backward_options, **kwargs)
+        elif checkpoint:
+            from .aca import AcceptedSteps, checkpointed
+
+            func.accepted = AcceptedSteps(t[1])
+            with torch.no_grad():  # the controller's search: which steps to take
+                torchdiffeq.odeint(func, h0, t, **kwargs)
+            intervals, func.accepted = func.accepted.intervals(), None
+            return checkpointed(func, h0, intervals, method, tuple(params))
         else:
             out = torchdiffeq.odeint(func, h0, t, **kwargs)
     except AssertionError as e:

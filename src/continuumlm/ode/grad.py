@@ -2,7 +2,8 @@
 
 - ``direct``: autograd through every solver operation (memory grows with steps);
 - ``checkpoint``: each step is recomputed in backward (torch.utils.checkpoint), only the states
-  at step boundaries are stored; gradients are exact;
+  at step boundaries are stored; gradients are exact; with an adaptive solver, the accepted
+  steps are recorded and replayed (aca.py), gradients exact for the computed solution;
 - ``binomial``: binomial checkpointing (binomial.py): ``checkpoints`` states kept, the rest
   recomputed on the Revolve schedule; exact gradients, memory independent of the steps;
 - ``adjoint``: torchdiffeq's backsolve adjoint, O(1) memory in steps, gradients approximate;
@@ -29,6 +30,7 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
     if isinstance(solver, AdaptiveSolver):
         return odeint_call(f, h0, t0, t1, solver.method, grad == "adjoint" and needs_grad, params,
                            where, options={"max_num_steps": solver.max_steps},
+                           checkpoint=grad == "checkpoint" and needs_grad,
                            rtol=solver.rtol, atol=solver.atol,
                            adjoint_norm=getattr(solver, "adjoint_norm", "default"))
     dt = (t1 - t0) / steps
