@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from continuumlm.ode.aca import AcceptedSteps, replay
-from continuumlm.ode.adaptive import ADAPTIVE_METHODS, _Func, odeint_call
+from continuumlm.ode.adaptive import ADAPTIVE_METHODS, _RecordingFunc, odeint_call
 
 METHODS = sorted(ADAPTIVE_METHODS)
 
@@ -46,7 +46,7 @@ def test_gradient_equals_direct_backprop_through_the_accepted_steps(name):
     # the reference: the same search, then the accepted steps replayed with autograd
     import torchdiffeq
 
-    func = _Func(field, tuple(field.parameters()), "test", name)
+    func = _RecordingFunc(field, tuple(field.parameters()), "test", name)
     t = torch.tensor([0.0, 1.5], dtype=torch.float64)
     func.accepted = AcceptedSteps(t[1])
     with torch.no_grad():

@@ -298,6 +298,18 @@ class TrainConfig:
     """With ode_steps_choices: add this weight times KL(finer || drawn) of the next-token
     distributions, the finer solve being the next larger step count of the choices on the same
     batch (no gradient, dropout off); logged as "consistency"."""
+    kinetic_weight: float = 0.0
+    """ODE models: add this weight times the kinetic energy of the solve, the integral of
+    ||f||^2 / hidden_size over t per token, averaged (Finlay et al. 2020): straighter
+    trajectories that adaptive solvers take in fewer steps. Logged as "kinetic"."""
+    jacobian_weight: float = 0.0
+    """ODE models: add this weight times the integral of ||df/dh||_F^2 / hidden_size along the
+    solve, estimated with one Gaussian probe per forward (Hutchinson; one extra
+    vector-Jacobian product per evaluation). Logged as "jacobian"."""
+    steer: float = 0.0
+    """ODE models: STEER (Ghosh et al. 2020) draws each training step's end time uniformly from
+    [ode_t1 - steer, ode_t1 + steer] (from the seed and the step, so a resumed run and every
+    rank draw alike); evaluation integrates to ode_t1. Must be below ode_t1 - ode_t0."""
 
     def __post_init__(self) -> None:
         _validate(self, "train")
@@ -311,6 +323,9 @@ class TrainConfig:
                 for n in self.ode_steps_choices):
             raise ConfigError(f"train.ode_steps_choices must list positive integers (up to "
                               f"10000), got {self.ode_steps_choices}.")
+        for name in ("kinetic_weight", "jacobian_weight", "steer"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}.")
         if not self.consistency_weight >= 0:
             raise ConfigError(f"train.consistency_weight must be >= 0, got "
                               f"{self.consistency_weight}.")
@@ -445,6 +460,18 @@ class RunConfig:
     def check(self) -> None:
         """Cross-section checks that need more than one section."""
         m, t = self.model, self.train
+        regs = [n for n in ("kinetic_weight", "jacobian_weight", "steer") if getattr(t, n)]
+        if regs and m.depth != "ode":
+            raise ConfigError(f"train.{regs[0]} regularizes an ODE model's solve; model.depth = "
+                              f"{m.depth!r} has none. Use depth = 'ode', or leave it out.")
+        if t.steer and t.compile:
+            raise ConfigError("train.steer changes the solve's end time every step, which "
+                              "would recompile a compiled model every step; leave "
+                              "train.compile off with STEER.")
+        if t.steer and not t.steer < m.ode_t1 - m.ode_t0:
+            raise ConfigError(f"train.steer = {t.steer} must be below model.ode_t1 - "
+                              f"model.ode_t0 = {m.ode_t1 - m.ode_t0}, so that every drawn end "
+                              f"time stays after ode_t0.")
         if (t.ode_steps_choices or t.ode_solver_choices) and m.depth != "ode":
             raise ConfigError(f"train.ode_steps_choices / ode_solver_choices draw an ODE "
                               f"model's solver per step; model.depth = {m.depth!r} has none. "

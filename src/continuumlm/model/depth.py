@@ -12,6 +12,8 @@ for the rest of that block. See :meth:`ODEBlock._solve_with_exit` for what that 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -77,6 +79,19 @@ class ExitRule:
 
     def log_probs(self, h: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.readout(h).float(), dim=-1)
+
+
+@dataclass(frozen=True)
+class SolveExtras:
+    """Training-time additions to every ODE block's solve (set by the trainer, used only in
+    training mode): the kinetic energy integral of ||f||^2 / C and the Hutchinson estimate of
+    the Jacobian's squared Frobenius norm / C (one Gaussian probe per forward) along the solve,
+    per token (Finlay et al. 2020, "How to train your neural ODE"), and STEER's end time for
+    this step (Ghosh et al. 2020)."""
+
+    kinetic: bool = False
+    jacobian: bool = False
+    t1: float | None = None
 
 
 def check_exit_solver(solver, name: str) -> None:
@@ -145,10 +160,12 @@ class ODEBlock(nn.Module):
             self.mlp = MLP(cfg)
         self.last_nfe = 0
         self.last_token_nfe: torch.Tensor | None = None
+        self.last_regularizers: dict[str, torch.Tensor] = {}
         self._calls = [0]
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
-                exit_rule: ExitRule | None = None) -> torch.Tensor:
+                exit_rule: ExitRule | None = None,
+                extras: SolveExtras | None = None) -> torch.Tensor:
         for d in self._dropouts:
             d.reset()  # one dropout mask per forward, shared by every step and stage
         calls = [0]
@@ -163,14 +180,24 @@ class ODEBlock(nn.Module):
             return field(t, h, cache_of(n))
 
         cfg = self.cfg
-        field.dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
+        extras = extras if (extras is not None and self.training) else None
+        t1 = extras.t1 if extras is not None and extras.t1 is not None else cfg.ode_t1
+        field.dt = (t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
         self.last_token_nfe = None
+        self.last_regularizers = {}
         if exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)
             params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
-            x = integrate(f, x, cfg.ode_t0, cfg.ode_t1, self.solver, cfg.ode_steps,
+            if extras is not None and (extras.kinetic or extras.jacobian):
+                f, x = self._augmented(f, x, extras)
+            x = integrate(f, x, cfg.ode_t0, t1, self.solver, cfg.ode_steps,
                           cfg.ode_grad, params, where=f"ODE block {self.index}",
                           checkpoints=cfg.ode_checkpoints)
+            if x.shape[-1] != cfg.hidden_size:  # the integrals ride along as extra channels
+                C = cfg.hidden_size
+                names = [n for n in ("kinetic", "jacobian") if getattr(extras, n)]
+                self.last_regularizers = {n: x[..., C + i].mean() for i, n in enumerate(names)}
+                x = x[..., :C]
         else:
             def write(t: float, h: torch.Tensor) -> torch.Tensor:
                 n = calls[0]
@@ -189,6 +216,42 @@ class ODEBlock(nn.Module):
         if self.field.post_mlp:
             x = x + self.mlp(self.norm_mlp(x))
         return x
+
+    def _augmented(self, f, x: torch.Tensor, extras: SolveExtras):
+        """(f, x) of the solve with the regularizers' integrals as extra channels, so that
+        every solver and gradient mode integrates them along with h."""
+        C = x.shape[-1]
+        probe = torch.randn_like(x) if extras.jacobian else None
+        k = int(extras.kinetic) + int(extras.jacobian)
+
+        # the Jacobian term is differentiated twice: attention's fused CPU kernels have no
+        # second derivative, its composite (math) form has
+        kernels = contextlib.nullcontext
+        if probe is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            kernels = functools.partial(sdpa_kernel, [SDPBackend.MATH])
+
+        def f_aug(t, z):
+            outer = torch.is_grad_enabled()  # off where a solve runs without a graph
+            # the Jacobian term needs a graph even then; the slice is taken inside it, since
+            # a view taken without one would hide its base from torch.autograd.grad
+            with torch.enable_grad() if probe is not None else contextlib.nullcontext(), \
+                    kernels():
+                h = z[..., :C]
+                if probe is not None and not h.requires_grad:
+                    h = h.detach().requires_grad_(True)
+                dh = f(t, h)
+                rates = []
+                if extras.kinetic:
+                    rates.append(dh.pow(2).mean(-1, keepdim=True))
+                if probe is not None:  # probe^T (df/dh): one vector-Jacobian product
+                    vjp = torch.autograd.grad(dh, h, probe, create_graph=outer)[0]
+                    rates.append(vjp.pow(2).mean(-1, keepdim=True))
+            out = torch.cat([dh, *rates], -1)
+            return out if outer else out.detach()
+
+        return f_aug, torch.cat([x, x.new_zeros(*x.shape[:-1], k)], -1)
 
     def _solve_with_exit(self, f, write, x: torch.Tensor, rule: ExitRule, cached: bool):
         """The fixed-grid solve with per-token exit; returns (h(t1), field evaluations per
@@ -240,6 +303,8 @@ class ODEStack(nn.Module):
         self.last_nfe = 0
         self.exit: ExitRule | None = None  # per-token exit (LanguageModel.set_exit)
         self.exit_totals = [0, 0]  # field evaluations and tokens since set_exit (eager only)
+        self.extras: SolveExtras | None = None  # regularizers and STEER (the trainer's)
+        self.last_regularizers: dict[str, torch.Tensor] = {}
         self.last_token_nfe: torch.Tensor | None = None
         self.exact_cache = bool(getattr(self.blocks[0].solver, "fixed_grid", True))
         if not self.exact_cache and cfg.mode == "decoder":
@@ -310,8 +375,13 @@ class ODEStack(nn.Module):
         if self.exit is not None:
             check_exit_solver(self.blocks[0].solver, self.blocks[0].cfg.ode_solver)
         for block in self.blocks:
-            x = block(x, state, self.exit)
+            x = block(x, state, self.exit, self.extras)
         self.last_nfe = sum(b.last_nfe for b in self.blocks)
+        regs: dict[str, torch.Tensor] = {}
+        for b in self.blocks:  # summed over blocks
+            for name, value in b.last_regularizers.items():
+                regs[name] = regs[name] + value if name in regs else value
+        self.last_regularizers = regs
         # field evaluations per token, over every block
         self.last_token_nfe = (sum(b.last_token_nfe for b in self.blocks)
                                if self.exit is not None else None)

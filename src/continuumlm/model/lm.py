@@ -87,6 +87,13 @@ class LanguageModel(nn.Module):
         return self.depth.last_nfe
 
     @property
+    def last_regularizers(self) -> dict[str, torch.Tensor]:
+        """The ODE regularizers of the last training forward ({"kinetic": ..., "jacobian":
+        ...}, each the per-token integral averaged, summed over blocks), as the trainer asked
+        for them through ``depth.extras``; empty otherwise."""
+        return getattr(self.depth, "last_regularizers", {})
+
+    @property
     def last_backward_nfe(self) -> int:
         """Field evaluations the backward pass of the last forward made (adjoint solve or
         checkpoint recomputation); 0 for a discrete stack or direct backpropagation."""

@@ -150,7 +150,6 @@ class _Func(nn.Module):
         self.plist = nn.ParameterList([p for p in params if isinstance(p, nn.Parameter)])
         self.last_step: tuple[float, float] | None = None  # the step last attempted: (t, dt)
         self.backward = False
-        self.accepted = None  # an aca.AcceptedSteps while a checkpointed solve searches
 
     def forward(self, t, y):
         global _active
@@ -165,6 +164,14 @@ class _Func(nn.Module):
 
     def callback_step_adjoint(self, t0, y0, dt):
         self.last_step, self.backward = (_number(t0), _number(dt)), True
+
+
+
+class _RecordingFunc(_Func):
+    """A field whose solve records its accepted steps (a checkpointed solve's search). Apart,
+    because torchdiffeq warns when a solver cannot make a callback the field defines."""
+
+    accepted = None  # an aca.AcceptedSteps
 
     def callback_accept_step(self, t0, y0, dt):
         if self.accepted is not None:
@@ -219,7 +226,7 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
     ensure_registered(method)
     # errors name the solver as the config does (tsit5, not the torchdiffeq table's name)
     name = next((k for k, v in ADAPTIVE_METHODS.items() if v == method), method)
-    func = _Func(f, params, where, name)
+    func = (_RecordingFunc if checkpoint else _Func)(f, params, where, name)
     # float64 time for a float64 state (float32 would round the interval, e.g. 0.1); float32
     # otherwise, as torchdiffeq casts it to the state's dtype anyway
     t = torch.tensor([t0, t1], device=h0.device,

@@ -1,7 +1,8 @@
 """Elastic depth: an ODE model trained with a solver and step count drawn per optimizer step
 (``train.ode_steps_choices``, ``train.ode_solver_choices``), and the shortcut-consistency term
 (``train.consistency_weight``) that pulls the drawn solve's next-token distribution toward a
-finer solve of the same batch.
+finer solve of the same batch. Also the solve's regularizers (``train.kinetic_weight``,
+``train.jacobian_weight``) and STEER's drawn end time (``train.steer``): :class:`SolveRegularizers`.
 
 The draw is a function of (train.seed, step) only, so a resumed run draws what the
 uninterrupted one drew and every rank of a job draws alike, with no state to save. The model
@@ -70,3 +71,49 @@ class ElasticDepth:
         """KL(finer || drawn) per position, averaged."""
         logp = F.log_softmax(logits.float(), -1)
         return (target.exp() * (target - logp)).sum(-1).mean()
+
+
+class SolveRegularizers:
+    """What the trainer adds to an ODE model's solves in training: the kinetic and Jacobian
+    integrals (computed by the model along the solve, ``model.depth.extras``) with their
+    weights, and STEER's end time, drawn like the elastic draws from (seed, step)."""
+
+    def __init__(self, model, t):
+        self.model = model
+        self.kinetic, self.jacobian = float(t.kinetic_weight), float(t.jacobian_weight)
+        self.steer, self.seed = float(t.steer), int(t.seed)
+        self.enabled = bool(self.kinetic or self.jacobian or self.steer)
+
+    def end_time(self, step: int) -> float | None:
+        if not self.steer:
+            return None
+        rng = np.random.default_rng([self.seed, step, 0x57EE])
+        return self.model.config.ode_t1 + float(rng.uniform(-self.steer, self.steer))
+
+    @contextlib.contextmanager
+    def at(self, step: int):
+        """The model's solves regularized as step ``step`` asks, for the step only."""
+        if not self.enabled:
+            yield
+            return
+        from ..model.depth import SolveExtras
+
+        self.model.depth.extras = SolveExtras(kinetic=self.kinetic > 0,
+                                              jacobian=self.jacobian > 0,
+                                              t1=self.end_time(step))
+        try:
+            yield
+        finally:
+            self.model.depth.extras = None
+
+    def terms(self) -> dict[str, torch.Tensor]:
+        """The weighted terms of the last forward, by name (added to the objective)."""
+        regs = self.model.last_regularizers
+        out = {}
+        for name, weight in (("kinetic", self.kinetic), ("jacobian", self.jacobian)):
+            if weight > 0:
+                out[name] = regs[name]
+        return out
+
+    def weight(self, name: str) -> float:
+        return {"kinetic": self.kinetic, "jacobian": self.jacobian}[name]

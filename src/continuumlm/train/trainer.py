@@ -36,7 +36,7 @@ from ..ode import ODESolverError, solver_errors
 from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
-from .elastic import ElasticDepth
+from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import Evaluator, evaluate_loss  # noqa: F401 - evaluate_loss: public here too
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
@@ -189,6 +189,8 @@ class Trainer:
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, t, self.device.type)
         self.elastic = ElasticDepth(self.model, t)
+        self.solve_reg = SolveRegularizers(self.model, t)
+        self.last_regularizers: dict[str, float] = {}
         self.last_draw: tuple[str, int] | None = None
         self.last_consistency = math.nan
         self.scaler = torch.amp.GradScaler(
@@ -333,10 +335,14 @@ class Trainer:
 
     def _elastic_fields(self) -> dict:
         """What an elastic run logs beside the loss: the logged step's solver and step count,
-        and its consistency term (when it has one)."""
+        and its consistency term (when it has one); a regularized one, its regularizers
+        (unweighted) and STEER's end time."""
+        out: dict = dict(self.last_regularizers)
+        if self.solve_reg.steer:
+            out["ode_t1"] = self.solve_reg.end_time(self.step - 1)
         if self.last_draw is None:
-            return {}
-        out = {"ode_solver": self.last_draw[0], "ode_steps": self.last_draw[1]}
+            return out
+        out.update({"ode_solver": self.last_draw[0], "ode_steps": self.last_draw[1]})
         if self.elastic.weight > 0:
             out["consistency"] = self.last_consistency
         return out
@@ -362,11 +368,12 @@ class Trainer:
         return self.evaluator(self.model)
 
     def train_step(self) -> tuple[float, float]:
-        if not self.elastic.enabled:
-            return self._train_step(None)
-        self.last_draw = self.elastic.draw(self.step)
-        with self.elastic.at(*self.last_draw):
-            return self._train_step(self.last_draw)
+        with self.solve_reg.at(self.step):
+            if not self.elastic.enabled:
+                return self._train_step(None)
+            self.last_draw = self.elastic.draw(self.step)
+            with self.elastic.at(*self.last_draw):
+                return self._train_step(self.last_draw)
 
     def _train_step(self, draw: tuple[str, int] | None) -> tuple[float, float]:
         t = self.cfg.train
@@ -379,6 +386,8 @@ class Trainer:
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
         consistency = torch.zeros((), dtype=acc, device=self.device)
+        reg_names = ("kinetic", "jacobian")
+        reg_sums = torch.zeros(len(reg_names), dtype=acc, device=self.device)
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
         # learning rate's decay horizon (so extending a run with a fixed lr_decay_steps keeps it)
         anneal = max(0.2, 1.0 - self.step / (t.lr_decay_steps or t.max_steps))
@@ -398,6 +407,9 @@ class Trainer:
                             kl = self.elastic.consistency(logits, target)
                             objective = objective + self.elastic.weight * kl
                             consistency += kl.detach().to(acc)
+                        for name, term in self.solve_reg.terms().items():
+                            objective = objective + self.solve_reg.weight(name) * term
+                            reg_sums[reg_names.index(name)] += term.detach().to(acc)
                     # Each micro-batch backpropagates its own mean loss; the sum is divided by
                     # grad_accum below. Scaling the loss instead would change the gradient an
                     # adaptive adjoint solve sees (its atol is absolute), so grad_accum and the
@@ -429,10 +441,12 @@ class Trainer:
         # the step's one host synchronisation: whether to apply the update depends on it
         # (with no gradient at all, e.g. a solver error in the first micro-batch, the norm is
         # a CPU zero: hence the device too)
-        summed, self.last_penalty, grad_norm, cons = torch.stack(
-            [total, penalty, grad_norm.detach().to(device=self.device, dtype=acc),
-             consistency]).tolist()
+        summed, self.last_penalty, grad_norm, cons, *regs = torch.cat(
+            [torch.stack([total, penalty, grad_norm.detach().to(device=self.device, dtype=acc),
+                          consistency]), reg_sums]).tolist()
         self.last_consistency = cons / t.grad_accum
+        self.last_regularizers = {n: v / t.grad_accum for n, v in zip(reg_names, regs)
+                                  if self.solve_reg.weight(n) > 0}
         loss_value = summed / t.grad_accum
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
         scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)

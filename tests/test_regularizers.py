@@ -1,0 +1,169 @@
+"""The ODE solve's regularizers (train.kinetic_weight, train.jacobian_weight) and STEER
+(train.steer): the integrals against references computed from the field's own evaluations,
+gradients equal across gradient modes (double backward through recomputation), only in
+training, logged apart and reproduced by a resumed run; config refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from continuumlm import ConfigError, LanguageModel, ModelConfig, load_config
+from continuumlm.model.depth import SolveExtras
+from continuumlm.ode.solvers import TABLEAUS
+
+BASE = dict(vocab_size=29, hidden_size=16, num_heads=2, num_layers=1, max_seq_len=32,
+            depth="ode", ode_time_embedding="sinusoidal")
+
+
+def build(**kw) -> LanguageModel:
+    torch.manual_seed(0)
+    m = LanguageModel(ModelConfig(**{**BASE, **kw})).double().train()
+    with torch.no_grad():
+        for b in m.depth.blocks:
+            b.field.time.proj.weight.normal_(0, 0.2)
+    return m
+
+
+def field_outputs(m, idx):
+    """Every evaluation of the field in an ordinary forward, in order."""
+    outs = []
+    field = m.depth.blocks[0].field
+    handle = field.register_forward_hook(lambda mod, args, out: outs.append(out.detach()))
+    with torch.no_grad():
+        m(idx)
+    handle.remove()
+    return outs
+
+
+@pytest.mark.parametrize("solver,steps", [("euler", 3), ("rk4", 2), ("heun", 3)])
+def test_kinetic_energy_is_the_solvers_quadrature_of_the_squared_field(solver, steps):
+    m = build(ode_solver=solver, ode_steps=steps)
+    idx = torch.randint(0, 29, (2, 7))
+    outs = field_outputs(m, idx)
+    b, dt = TABLEAUS[solver].b, 1.0 / steps
+    ref = sum(dt * b[i % len(b)] * o.pow(2).mean(-1) for i, o in enumerate(outs)).mean()
+    m.depth.extras = SolveExtras(kinetic=True)
+    with torch.no_grad():
+        plain = m(idx)[0]
+    got = m.last_regularizers["kinetic"]
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    m.depth.extras = None
+    with torch.no_grad():  # the integral rides along: h itself is unchanged
+        torch.testing.assert_close(m(idx)[0], plain, rtol=0, atol=1e-12)
+
+
+def test_jacobian_term_is_the_probed_vector_jacobian_product():
+    m = build(ode_solver="euler", ode_steps=1, dropout=0.0)
+    idx = torch.randint(0, 29, (2, 5))
+    m.depth.extras = SolveExtras(jacobian=True)
+    torch.manual_seed(7)
+    m(idx)
+    got = m.last_regularizers["jacobian"]
+    # reference: the same probe (the first draw after the seed), df/dh at h0 by autograd
+    x = m.tok_emb(idx)  # rope positions: nothing added before the depth
+    torch.manual_seed(7)
+    probe = torch.randn_like(x)
+    h = x.detach().requires_grad_(True)
+    field = m.depth.blocks[0].field
+    field.dt = 1.0
+    vjp = torch.autograd.grad(field(0.0, h), h, probe)[0]
+    torch.testing.assert_close(got, vjp.pow(2).mean(-1).mean(), rtol=1e-10, atol=0)
+
+
+def grads(m, idx, seed=3):
+    m.zero_grad()
+    torch.manual_seed(seed)
+    _, loss = m(idx, idx.roll(-1, 1))
+    regs = m.last_regularizers
+    (loss + 0.5 * regs["kinetic"] + 0.3 * regs["jacobian"]).backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kw", [dict(ode_grad="checkpoint"), dict(ode_grad="binomial",
+                                                                  ode_checkpoints=1)],
+                         ids=["checkpoint", "binomial"])
+def test_gradients_through_recomputation_equal_direct(kw):
+    idx = torch.randint(0, 29, (2, 6))
+    ref = build(ode_solver="rk4", ode_steps=3)
+    ref.depth.extras = SolveExtras(kinetic=True, jacobian=True)
+    g_d = grads(ref, idx)
+    m = build(ode_solver="rk4", ode_steps=3, **kw)
+    m.load_state_dict(ref.state_dict())
+    m.depth.extras = SolveExtras(kinetic=True, jacobian=True)
+    g = grads(m, idx)
+    for n in g_d:
+        torch.testing.assert_close(g[n], g_d[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("kw", [dict(ode_solver="tsit5", ode_grad="adjoint"),
+                                dict(ode_solver="tsit5", ode_grad="checkpoint"),
+                                dict(ode_solver="rk4", ode_grad="adjoint"),
+                                dict(ode_solver="reversible_heun", ode_grad="reversible")],
+                         ids=lambda k: f"{k['ode_solver']}-{k['ode_grad']}")
+def test_every_gradient_mode_takes_the_regularizers(kw):
+    m = build(**kw)
+    m.depth.extras = SolveExtras(kinetic=True, jacobian=True)
+    g = grads(m, torch.randint(0, 29, (2, 6)))
+    assert g and all(torch.isfinite(v).all() for v in g.values())
+    assert set(m.last_regularizers) == {"kinetic", "jacobian"}
+
+
+def test_only_in_training_and_steer_moves_the_end_time():
+    m = build(ode_solver="euler", ode_steps=2)
+    idx = torch.randint(0, 29, (1, 5))
+    m.eval()
+    with torch.no_grad():
+        ref = m(idx)[0]
+        m.depth.extras = SolveExtras(kinetic=True, t1=1.3)
+        assert torch.equal(m(idx)[0], ref) and m.last_regularizers == {}
+    m.train()
+    with torch.no_grad():
+        longer = m(idx)[0]
+    m.depth.extras = None
+    m2 = build(ode_solver="euler", ode_steps=2, ode_t1=1.3)
+    m2.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(longer, m2.train()(idx)[0], rtol=0, atol=1e-12)
+
+
+def reg_cfg(corpus, *extra):
+    return load_config(None, [
+        "data.dataset=text", f'data.path="{corpus}"', "model.hidden_size=32",
+        "model.num_heads=2", "model.num_layers=1", "model.depth=ode", "model.dropout=0.1",
+        "model.ode_solver=rk4", "model.ode_steps=2", "train.kinetic_weight=0.1",
+        "train.jacobian_weight=0.01", "train.steer=0.25", "train.batch_size=4",
+        "train.seq_len=16", "train.max_steps=8", "train.lr_decay_steps=8",
+        "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=4",
+        "train.eval_iters=2", "train.checkpoint_interval=3", "train.device=cpu", *extra])
+
+
+def test_training_logs_them_and_a_resumed_run_repeats_them(tiny_corpus, tmp_path):
+    from continuumlm.train import Trainer
+    from continuumlm.train.logging import read_metrics
+
+    Trainer(reg_cfg(tiny_corpus), tmp_path / "full", quiet=True).run()
+    Trainer(reg_cfg(tiny_corpus, "train.max_steps=3"), tmp_path / "cut", quiet=True).run()
+    Trainer(reg_cfg(tiny_corpus), tmp_path / "cut", resume=True, quiet=True).run()
+
+    def events(run):
+        return {e["step"]: e for e in read_metrics(run) if "loss" in e}
+
+    a, b = events(tmp_path / "full"), events(tmp_path / "cut")
+    keys = ("loss", "kinetic", "jacobian", "ode_t1")
+    assert {k: tuple(v[x] for x in keys) for k, v in a.items()} == \
+        {k: tuple(v[x] for x in keys) for k, v in b.items()}
+    assert all(e["kinetic"] > 0 and e["jacobian"] > 0 for e in a.values())
+    assert len({e["ode_t1"] for e in a.values()}) == len(a)
+    assert all(0.75 <= e["ode_t1"] <= 1.25 for e in a.values())
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["model.depth=discrete"], "regularizes an ODE model"),
+    (["train.steer=1.0"], "must be below"),
+    (["train.kinetic_weight=-1"], ">= 0"),
+    (["train.compile=true"], "recompile"),
+])
+def test_refusals(tiny_corpus, extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        reg_cfg(tiny_corpus, *extra)
