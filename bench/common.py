@@ -24,6 +24,22 @@ DOCS_DIR = Path(os.environ.get("CONTINUUMLM_DOCS_DIR", ROOT / "docs"))
 SHARED_CORES = 0.2
 
 
+def finished_run(run: Path) -> bool:
+    """Whether the training run in ``run`` has a checkpoint of its last step (a run still
+    going, or stopped early, has only earlier ones: its model is not the one a result names)."""
+    last = run / "checkpoints" / "last"
+    if not last.exists():
+        return False
+    from continuumlm.train.checkpoint import load_run_config
+
+    name = last.resolve().name  # step-NNNNNNNN
+    try:
+        step = int(name.rpartition("-")[2])
+    except ValueError:
+        return False
+    return step >= load_run_config(last.resolve()).train.max_steps
+
+
 def machine_busy_seconds() -> float | None:
     """CPU seconds all cores have spent busy since boot (Linux /proc/stat), or None elsewhere."""
     try:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import RESULTS, RUNS, markdown_table, write_json
+from common import RESULTS, RUNS, finished_run, markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
@@ -32,7 +32,7 @@ def main() -> None:
     rows, missing = [], []
     for model in MODELS:
         run = RUNS / f"shakespeare_char-{model}_seed1337"
-        trained = (run / "checkpoints" / "last").exists()
+        trained = finished_run(run)
         if not trained and not any(k[0] == model for k in have):
             missing.append(model)
             continue
