@@ -298,6 +298,20 @@ def main() -> None:
                   "above: it validates on a random 10% of shuffled training chunks (not PTB's "
                   "valid file), keeps a different vocabulary, and its two models are not "
                   "parameter-matched.", ""]
+    std = training_table(results, "configs/ptb_std/", test=True)
+    if std.count("\n") > 1:
+        parts += ["## Penn Treebank, standard setup", "",
+                  "Mikolov's files with the full 10,000-word vocabulary, about 4.6 M parameters "
+                  "counting embeddings, Zaremba et al.'s small-LSTM budget of about 12 M tokens "
+                  "(5,860 steps of 32 x 64); loss in nats/word. Rows with `model.dropout` and "
+                  "1,465 steps are the dropout sweep at a quarter of the budget, judged on the "
+                  "validation split only; the rows without overrides are the headline runs, "
+                  "whose test split is scored once, at the end. Produced by `continuumlm "
+                  "experiment ptb_std`.", "", std, "",
+                  "Reference points (Zaremba, Sutskever & Vinyals 2014, cited, not rerun): "
+                  "small LSTM (2 x 200, 4.6 M parameters, no dropout, 13 epochs) valid 120.7 / "
+                  "test 114.5 perplexity; medium LSTM (2 x 650, dropout 0.5, 39 epochs) valid "
+                  "86.2 / test 82.7.", ""]
     mq = mqar_table(results)
     if mq.count("\n") > 1:
         parts += ["## Multi-query associative recall (MQAR)", "",
@@ -331,6 +345,7 @@ def main() -> None:
                        ("mixer_step", "Training step by mixer at equal depth and NFE"),
                        ("decode_speed", "Decoding: cached vs recompute"),
                        ("depth_elasticity", "Anytime depth"),
+                       ("depth_exit", "Per-token adaptive depth"),
                        ("scale", "Training throughput: processes and compile"),
                        ("mfu", "Model FLOPs utilization"),
                        ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
@@ -339,6 +354,11 @@ def main() -> None:
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]
+            if r.get("decoding_table"):
+                parts += ["Cached greedy decoding at full depth and at the largest threshold of "
+                          "each criterion within 0.5% of full depth's val loss (speeds measured "
+                          "while other work shared the cores are understated; `other_cores` in "
+                          "the JSON):", "", r["decoding_table"], ""]
     figures = plots(results)
     if figures:
         parts += ["## Figures", "", *[f + "\n" for f in figures]]
@@ -427,6 +447,12 @@ def plots(results: dict[str, dict]) -> list[str]:
                lambda k: f"trained {k[0]}, eval {k[1]}", xscale="log",
                xlabel="NFE per forward", ylabel="val loss",
                title="Anytime depth: one trained field, other solvers")
+    if "depth_exit" in results:
+        series("depth_exit", results["depth_exit"]["rows"],
+               lambda r: (r["model"], r["criterion"]), lambda r: r["nfe_per_token"],
+               lambda r: r["val_loss"], lambda k: f"{k[0]}, exit on {k[1]}",
+               xlabel="field evaluations per token (mean)", ylabel="val loss",
+               title="Per-token exit: loss vs mean depth")
     return lines
 
 
