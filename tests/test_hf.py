@@ -333,3 +333,72 @@ def test_solver_overrides_keep_the_exported_config(tiny_corpus, tmp_path):
 
     with pytest.raises(CheckpointError, match="is not a folder"):
         ContinuumLMForCausalLM.from_pretrained(str(tmp_path / "no" / "such" / "folder"))
+
+
+@pytest.mark.parametrize("corpus,split,tokenizer", [("tinyshakespeare", "val", "char"),
+                                                    ("ptb", "test", "word")])
+def test_shipped_task_yamls_score_the_split_continuumlm_scores(data_dir, tmp_path, monkeypatch,
+                                                               corpus, split, tokenizer):
+    """tasks/continuumlm_*.yaml read the local corpus, cut as ContinuumLM cuts it: the whole
+    split's text encodes (exported tokenizer) to exactly the tokens continuumlm eval scores,
+    and lm-eval's bits per byte on a prefix equal ours on the same tokens within 1% (ours
+    leave out the first token, which the harness scores after its end-of-text token)."""
+    pytest.importorskip("lm_eval")
+    import math
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from conftest import REPO, run_cli
+    from continuumlm.config import load_config
+    from continuumlm.data import prepare_data
+    from continuumlm.eval.perplexity import evaluate_contexts
+    from continuumlm.hf.export import hf_tokenizer
+    from continuumlm.train import Trainer, load_model_and_tokenizer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.syspath_prepend(str(REPO / "tasks"))
+    from continuumlm_corpora import split_text
+
+    cfg = load_config(None, [f"data.dataset={corpus}", f"data.tokenizer={tokenizer}",
+                             "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
+                             "model.depth=ode", "model.ode_steps=2", "train.batch_size=2",
+                             "train.seq_len=32", "train.max_steps=2", "train.eval_interval=2",
+                             "train.eval_iters=1", "train.device=cpu"])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    model, tok, ckpt = load_model_and_tokenizer(tmp_path / "run", "last")
+    data = prepare_data(cfg.data, tok)
+    text = split_text(corpus, split)
+    assert hf_tokenizer(tok).encode(text).ids == [int(i) for i in data.splits[split]]
+
+    r = run_cli("export", "--format", "hf", "--checkpoint", tmp_path / "run", "--out",
+                tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    n = 1500
+    out = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(tmp_path / "hf"), "trust_remote_code": True,
+                                "max_length": 32, "dtype": "float32"},
+        tasks=[f"continuumlm_{corpus if corpus == 'ptb' else 'shakespeare'}_{split}"],
+        batch_size=1, device="cpu", log_samples=False,
+        task_manager=TaskManager(include_path=str(REPO / "tasks"), metadata={"max_chars": n}))
+    [res] = out["results"].values()
+    prefix = text[:n]
+    ids = hf_tokenizer(tok).encode(prefix).ids
+    [row] = evaluate_contexts(model, torch.tensor(ids), [32], tokenizer == "char",
+                              torch.device("cpu"))
+    ours = row["loss"] * row["tokens"] / math.log(2) / len(prefix.encode("utf-8"))
+    assert res["bits_per_byte,none"] == pytest.approx(ours, rel=0.01)
+
+
+def test_word_vocabulary_with_one_character_words_exports(tmp_path):
+    """PTB's vocabulary holds one-character words (a, $, &): the export's round-trip probe
+    keeps them apart and ends its lines, as the converted tokenizer needs."""
+    from continuumlm.data.tokenizers import WordTokenizer
+    from continuumlm.hf.export import export_hf, hf_tokenizer
+
+    tok = WordTokenizer.train("a $ & the cat sat on a mat\nN years ago\n", 100)
+    assert {"a", "$", "&"} <= set(tok.vocab)
+    model = small_model(vocab_size=tok.vocab_size)
+    export_hf(model, tok, tmp_path / "hf", probe="the cat\na mat")
+    text = "the $ cat & a\nyears ago\n"
+    assert hf_tokenizer(tok).encode(text).ids == tok.encode(text)
