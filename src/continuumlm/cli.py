@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     pp.add_argument("--input", nargs="+", metavar="SRC", help="text files, folders (recursive, "
                     "sorted), glob patterns, .gz files, JSON Lines / Parquet / Arrow files")
-    pp.add_argument("--tokenizer", default="bpe", metavar="{char,word,bpe,PATH}",
-                    help="train a char, word or bpe tokenizer, or encode with an existing "
+    pp.add_argument("--tokenizer", default="bpe", metavar="{char,word,bpe,tiktoken:NAME,PATH}",
+                    help="train a char, word or bpe tokenizer, encode with a tiktoken encoding "
+                         "whose files tiktoken has locally (tiktoken:gpt2), or with an existing "
                          "tokenizer.json (a path; default: bpe)")
     pp.add_argument("--vocab-size", type=_positive_int, help="word/bpe vocabulary (bpe default "
                     "4096)")
@@ -584,12 +585,20 @@ def cmd_prepare(args) -> int:
                                  f"vocabulary holds 256 bytes and <|endoftext|> before any merge.")
             spec = TokenizerSpec(args.tokenizer, args.vocab_size, args.vocab_source,
                                  args.unknown_chars, args.sample_chars, args.seed)
+        elif args.tokenizer.startswith("tiktoken:"):
+            from .data.tiktoken_bpe import from_tiktoken
+
+            if args.vocab_size:
+                raise UsageError("--vocab-size has no effect with a tiktoken encoding (its "
+                                 "vocabulary is fixed); leave it out.")
+            spec = TokenizerSpec(given=from_tiktoken(args.tokenizer.partition(":")[2]))
         else:
             path = Path(args.tokenizer)
             if not path.exists():
-                raise UsageError(f"--tokenizer {args.tokenizer}: not char, word or bpe, and no "
-                                 f"such file; name a kind, or a tokenizer.json (a Hugging Face "
-                                 f"tokenizers file or one a ContinuumLM run saved).")
+                raise UsageError(f"--tokenizer {args.tokenizer}: not char, word, bpe or "
+                                 f"tiktoken:NAME, and no such file; name a kind, a tiktoken "
+                                 f"encoding, or a tokenizer.json (a Hugging Face tokenizers "
+                                 f"file or one a ContinuumLM run saved).")
             given = load_tokenizer(path)
             why = given.cuttable() if hasattr(given, "cuttable") else None
             if why:
