@@ -151,6 +151,6 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
         cells = []
         for key, _ in columns:
             v = r.get(key, "")
-            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+            cells.append("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v))
         body.append("| " + " | ".join(cells) + " |")
     return "\n".join([head, sep, *body])

@@ -75,6 +75,34 @@ def test_streamed_encoding_equals_the_whole_texts(kind, tmp_path, tiny_blocks):
     assert meta["splits"]["train"]["chars"] == n
 
 
+@pytest.mark.parametrize("workers", ["1", "3"])
+def test_word_chunks_encoded_by_worker_processes_equal_one_process(workers, tmp_path,
+                                                                   tiny_blocks, monkeypatch):
+    """The word tokenizer's chunks go to worker processes (spawned; results written in order,
+    a bounded number in flight); the token files equal those of one process and the whole
+    text's encoding, lines cut inside included."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setenv("CONTINUUMLM_PREPARE_WORKERS", workers)
+    submitted = []
+    real = ProcessPoolExecutor.submit
+    monkeypatch.setattr(ProcessPoolExecutor, "submit",
+                        lambda self, *a, **k: submitted.append(a[1]) or real(self, *a, **k))
+    text = awkward_text(seed=3)
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    n = int(len(text) * 0.8)
+    tok = WordTokenizer.train(text[:n])
+    P.prepare_folder(tmp_path / "out", plan_for(tmp_path / "c.txt", train_fraction=0.8),
+                     P.TokenizerSpec(given=tok), quiet=True)
+    prepared = Prepared(tmp_path / "out")
+    for split, part in (("train", text[:n]), ("val", text[n:])):
+        assert np.asarray(prepared.splits[split]).tolist() == tok.encode(part), split
+    if workers == "1":
+        assert not submitted
+    else:  # most of the text went through the workers
+        assert sum(len(t) for t in submitted) > 0.8 * len(text)
+
+
 def test_prepared_tokenizer_equals_the_in_memory_one(tmp_path, tiny_blocks):
     """A training text within the sample bound trains the tokenizer on all of it: the same
     vocabulary and merges as training on the text in one piece."""

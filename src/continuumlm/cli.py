@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="word/bpe tokenizers train on at most this many characters (a seeded "
                          "sample of a larger training text)")
     pp.add_argument("--seed", type=_seed, default=0, help="seed of the tokenizer's sample")
-    pp.add_argument("--workers", type=_positive_int, help="threads of the bpe tokenizer's "
-                    "batch encoding (default: every core)")
+    pp.add_argument("--workers", type=_positive_int, help="processes that encode with the word "
+                    "tokenizer, threads of the bpe tokenizer's batch encoding (default: every "
+                    "core)")
     pp.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
                     help="token file dtype (auto: uint16 for vocabularies up to 65,536)")
     pp.add_argument("--out", help="folder to write (new or empty; --config without --out "
@@ -543,8 +544,9 @@ def cmd_inspect(args) -> int:
 # ---------------------------------------------------------------------------- prepare
 
 def cmd_prepare(args) -> int:
-    if args.workers:  # read by the tokenizers library when its thread pool starts
-        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
+    if args.workers:  # read by the tokenizers library when its thread pool starts, and by
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # the word tokenizer's processes
+        os.environ["CONTINUUMLM_PREPARE_WORKERS"] = str(args.workers)
     from .data import _plan, tokenizer_spec
     from .data.prepare import Plan, TokenizerSpec, prepare_cached, prepare_folder
     from .data.sources import expand

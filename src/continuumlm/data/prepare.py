@@ -297,11 +297,35 @@ def _last_space_cut(s: str) -> int:
             return i
 
 
-class _Encoder:
-    """Streams text through a tokenizer, cutting it only where the encoding does not change."""
+# The word tokenizer is plain Python (split and look up), so its chunks are encoded in worker
+# processes (the char table is vectorized, bpe runs in the tokenizers library's threads).
+_WORKER_TOKENIZER = None
 
-    def __init__(self, tok, dtype):
+
+def _start_word_worker(vocab: list[str]) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = WordTokenizer(vocab)
+
+
+def _encode_words(text: str, dtype: str, trim: bool) -> np.ndarray:
+    ids = np.asarray(_WORKER_TOKENIZER.encode(text), dtype=dtype)
+    return ids[:-1] if trim else ids
+
+
+def word_workers() -> int:
+    """Processes that encode word-tokenizer chunks: $CONTINUUMLM_PREPARE_WORKERS (``prepare
+    --workers``), else every core."""
+    n = os.environ.get("CONTINUUMLM_PREPARE_WORKERS")
+    return max(1, int(n)) if n else max(1, os.cpu_count() or 1)
+
+
+class _Encoder:
+    """Streams text through a tokenizer, cutting it only where the encoding does not change.
+    ``pool``: an executor that encodes word-tokenizer chunks (feed then yields futures)."""
+
+    def __init__(self, tok, dtype, pool=None):
         self.tok, self.dtype = tok, dtype
+        self.pool = pool if isinstance(tok, WordTokenizer) else None
         self.buf: list[str] = []
         self.n = 0
         self.last = "\n"
@@ -360,8 +384,11 @@ class _Encoder:
             k, inside_line = self._cut(s)
             if k:
                 self.buf, self.n = [s[k:]], len(s) - k
+                # the word tokenizer ends the cut line with <eos>; the line goes on
+                if self.pool is not None:
+                    yield self.pool.submit(_encode_words, s[:k], self.dtype.name, inside_line)
+                    return
                 ids = self._encode(s[:k])
-                # the word tokenizer ended the cut line with <eos>; the line goes on
                 yield ids[:-1] if inside_line else ids
             else:
                 self.buf = [s]
@@ -395,14 +422,33 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
     total_bytes = sum(counts.chars.values())  # about a byte per character; for the bar only
     bar = _progress(total_bytes, quiet)
     limit = np.iinfo(dtype).max
+    pool = None
+    workers = word_workers()
+    if isinstance(tok, WordTokenizer) and workers > 1 and total_bytes > 2 * CHUNK_CHARS:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: the parent may hold threads (torch's) that a fork would copy mid-lock
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_word_worker, initargs=(tok.vocab,))
+    pending: list[tuple[str, object]] = []  # in order; futures while workers encode them
 
     def close(split: str) -> None:
         enc = encoders.pop(split)
         write(split, enc.flush())
+        drain(0)
         stats[split]["unknown_chars"] = enc.unknown
 
     def write(split: str, arrays) -> None:
         for ids in arrays:
+            pending.append((split, ids))
+            drain(2 * workers)  # at most this many chunks in flight
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
+            split, ids = pending.pop(0)
+            if not isinstance(ids, np.ndarray):
+                ids = ids.result()
             if ids.size and int(ids.max()) > limit:
                 raise DataError(f"token id {int(ids.max())} does not fit {dtype.name}; the "
                                 f"tokenizer's ids exceed its stated vocabulary.")
@@ -415,7 +461,7 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
                 for done in list(encoders):  # splits come one after another
                     close(done)
                 files[split] = open(folder / f"{split}.bin{PART}", "wb")
-                encoders[split] = _Encoder(tok, dtype)
+                encoders[split] = _Encoder(tok, dtype, pool)
                 stats[split] = {"file": f"{split}.bin", "tokens": 0, "chars": 0, "documents": 1,
                                 "_sha": hashlib.sha256()}
             st = stats[split]
@@ -436,6 +482,8 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
             os.fsync(f.fileno())
     finally:
         bar.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
         for f in files.values():
             f.close()
     for st in stats.values():
