@@ -240,3 +240,87 @@ def test_rope_angles_stay_float32_when_the_model_is_cast():
         table = cast(x.bfloat16(), offset=pos)
         for got in (step, table):
             torch.testing.assert_close(got.float(), want, rtol=0, atol=0.03)
+
+
+# ------------------------------------------------------------------ CAT's other quadratures
+
+def cat(**own):
+    torch.manual_seed(0)
+    m = model("continuous", num_layers=1, max_seq_len=64,
+              components={"continuous": {"sob_lambda": 1e-3, **own}}).double()
+    att = m.depth.layers[0].mixer
+    with torch.no_grad():
+        att.coef.normal_(0, 0.5)  # a kernel that prefers some distances
+    return m, att
+
+
+def test_exact_quadrature_is_the_sum_over_every_earlier_token():
+    """quadrature = "exact" against the definition, one query at a time:
+    y_i = sum_{j <= i} softmax_j(phi(s_i)^T C phi(t_j)) v_j (then out_proj)."""
+    _, att = cat(quadrature="exact")
+    x = torch.randn(2, 23, att.num_heads * att.head_dim, dtype=torch.float64)
+    got = att(x)
+    B, T, C = x.shape
+    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    phi = att.phi(torch.arange(T, dtype=torch.float64) / att.scale)       # (T, F)
+    W = torch.einsum("if,hfg,jg->hij", phi, att.coef, phi)                # (H, T, T)
+    rows = []
+    for i in range(T):
+        p = torch.softmax(W[:, i, :i + 1], -1)                            # (H, i+1)
+        rows.append(torch.einsum("hj,bhjd->bhd", p, v[:, :, :i + 1]))
+    want = att.out_proj(torch.stack(rows, 2).transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_composite_quadrature_with_one_panel_is_gauss_legendre():
+    _, gauss = cat(quadrature="gauss", n_quad=8)
+    _, comp = cat(quadrature="composite", n_quad=8, panel=64)  # one panel covers every query
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    torch.testing.assert_close(comp(x), gauss(x), rtol=1e-10, atol=1e-12)
+    # more panels: more nodes for later queries, so the rows differ past the first panel
+    _, many = cat(quadrature="composite", n_quad=8, panel=10)
+    a, b = many(x), gauss(x)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+    p, lo, hi, alpha = many.quadrature(torch.tensor([0, 9, 35]), 40)
+    assert p.shape[-1] == 4 * 8  # the furthest query (35) reaches 4 panels of 10
+    assert torch.allclose(p.sum(-1), torch.ones_like(p.sum(-1)))
+    assert (p[:, 0, 8:] == 0).all() and (p[:, 1, 8:] == 0).all()  # one panel for s < 10
+
+
+def test_bias_mode_without_a_kernel_is_softmax_attention():
+    """mode = "bias" is softmax(q.k / sqrt(d) + W); with C = 0 it is plain causal attention on
+    its own q, k and v projections."""
+    _, att = cat(mode="bias")
+    with torch.no_grad():
+        att.coef.zero_()
+    x = torch.randn(2, 17, 32, dtype=torch.float64)
+    B, T, C = x.shape
+    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
+    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
+    assert att.penalty() == 0  # the Sobolev penalty acts on C
+
+
+@pytest.mark.parametrize("own", [{"quadrature": "exact"}, {"mode": "bias"},
+                                 {"quadrature": "composite", "panel": 5, "n_quad": 4}],
+                         ids=["exact", "bias", "composite"])
+@pytest.mark.parametrize("depth", ["discrete", "ode"])
+def test_cat_variants_are_causal_and_decode_exactly(own, depth):
+    from continuumlm.testing import check_cached_decoding, check_causal, check_trains
+
+    m = model("continuous", depth=depth, components={"continuous": own}).double()
+    check_causal(m, atol=1e-10)
+    check_cached_decoding(m, torch.randint(0, 31, (2, 5)), 12, atol=1e-9)
+    check_trains(m)
+
+
+def test_cat_settings_by_their_flat_names():
+    from continuumlm.config import load_config
+
+    cfg = load_config(None, ["model.mixer=continuous", "model.cat_quadrature=exact",
+                             "model.cat_mode=bias", "model.cat_panel=64"])
+    own = cfg.model.component("continuous")
+    assert (own.quadrature, own.mode, own.panel) == ("exact", "bias", 64)

@@ -24,6 +24,9 @@ LEGACY_KEYS = {
     "cat_n_quad": ("continuous", "n_quad"),
     "cat_sob_lambda": ("continuous", "sob_lambda"),
     "cat_length": ("continuous", "length"),
+    "cat_quadrature": ("continuous", "quadrature"),
+    "cat_panel": ("continuous", "panel"),
+    "cat_mode": ("continuous", "mode"),
 }
 
 

@@ -21,6 +21,16 @@ over ``n_quad`` Gauss-Legendre nodes t_j with weights w_j. Choices that differ f
 
 The kernel depends on positions only, so one (H, T, T) mixing matrix serves the whole batch.
 Decoding stores the token values; one new token costs O(n_quad * head_dim) per head.
+
+``quadrature`` chooses the nodes: "gauss" (CAT's: ``n_quad`` Gauss-Legendre nodes on [0, s],
+so a query at position 4999 reads 64 of 5000 tokens), "composite" (Gauss-Legendre on panels of
+``panel`` tokens: the node count grows with the context), or "exact" (every earlier token is a
+node with equal weight: softmax_j(W(s_i, t_j)) v_j, which is scaled-dot-product attention with
+queries C^T phi(s_i) and keys phi(t_j): one SDPA call, exact at every length).
+
+``mode = "bias"`` makes the kernel a learned positional prior of ordinary attention:
+softmax_j(q_i k_j / sqrt(d) + W(s_i, t_j)) over every earlier token, as one SDPA call on
+queries [q / sqrt(d), C^T phi(s)] and keys [k, phi(t)]; the Sobolev penalty still acts on C.
 A Sobolev (biharmonic) penalty sum (f^2 + g^2)^2 C_fg^2, times ``sob_lambda``, is exposed
 through ``penalty()`` and added to the loss by the trainer.
 """
@@ -37,7 +47,7 @@ import torch.nn as nn
 from ..config import setting
 from ..nn import SharedDropout, make_linear
 from ..registry import register_mixer
-from .cache import SeqCache
+from .cache import KVCache, SeqCache
 
 
 class ValueCache(SeqCache):
@@ -63,6 +73,15 @@ class ContinuousAttention(nn.Module):
         """Weight of the Sobolev (biharmonic) penalty on the kernel coefficients."""
         length: int = setting(0, ge=0)
         """Positions per unit of continuous position s (0 = max_seq_len)."""
+        quadrature: str = setting("gauss", choices=("gauss", "composite", "exact"))
+        """Nodes of the integral over [0, s]: "gauss" (n_quad Gauss-Legendre nodes, CAT's),
+        "composite" (n_quad nodes per panel of `panel` tokens), "exact" (every token)."""
+        panel: int = setting(256, gt=0)
+        """Tokens per panel of the composite Gauss-Legendre quadrature."""
+        mode: str = setting("kernel", choices=("kernel", "bias"))
+        """"kernel": attention weights from the continuous kernel alone (CAT); "bias": the
+        kernel added to q.k / sqrt(d) of ordinary attention over every token (a learned
+        positional prior; the quadrature setting is not used)."""
 
     cache_factory = ValueCache
     query_chunk = 512  # queries per block (bounds memory at long contexts)
@@ -85,6 +104,12 @@ class ContinuousAttention(nn.Module):
         decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
         self.coef = nn.Parameter(torch.randn(cfg.num_heads, own.n_freq, own.n_freq) * 0.02 * decay)
         self.n_quad = own.n_quad
+        self.quadrature_kind, self.panel, self.mode = own.quadrature, own.panel, own.mode
+        self.exact = own.mode == "bias" or own.quadrature == "exact"
+        if own.mode == "bias":
+            self.qk = make_linear(cfg.hidden_size, 2 * cfg.hidden_size, cfg)
+        if self.exact:  # keys (and values) per token, as softmax attention keeps them
+            self.cache_factory = KVCache
         self._build_constants(None, torch.float32)
         self.dropout = SharedDropout(cfg.dropout)
 
@@ -131,9 +156,13 @@ class ContinuousAttention(nn.Module):
         dt = torch.promote_types(self.coef.dtype, torch.float32)
         s = q_pos.to(dt) / self.scale                                   # (Tq,)
         upper = s if self.causal else torch.full_like(s, (n_keys - 1) / self.scale)
-        t = upper[:, None] * self.nodes.to(dt)[None, :]                 # (Tq, Q) nodes in [0, upper]
+        if self.quadrature_kind == "composite":
+            t, log_w = self._panels(upper, dt)
+        else:
+            t = upper[:, None] * self.nodes.to(dt)[None, :]             # (Tq, Q) nodes in [0, upper]
+            log_w = self.log_w.to(dt)
         a = torch.einsum("if,hfg->hig", self.phi(s), self.coef.to(dt))  # (H, Tq, F)
-        scores = torch.einsum("hig,iqg->hiq", a, self.phi(t)) + self.log_w.to(dt)
+        scores = torch.einsum("hig,iqg->hiq", a, self.phi(t)) + log_w
         p = torch.softmax(scores, dim=-1)                               # (H, Tq, Q)
         u = t * self.scale                                              # node in token units
         bound = (q_pos if self.causal else torch.full_like(q_pos, n_keys - 1)).to(u.dtype)
@@ -143,6 +172,28 @@ class ContinuousAttention(nn.Module):
         lo = lo.long()
         hi = torch.minimum(lo + 1, bound[:, None].long())
         return p, lo, hi, alpha
+
+    def _panels(self, upper: torch.Tensor, dt):
+        """Composite Gauss-Legendre nodes on [0, upper] in panels of ``panel`` tokens: (Tq, M*Q)
+        nodes and log-weights (-inf on the panels a query does not reach); the panel count M
+        is that of the furthest query, so nodes grow with the context."""
+        width = self.panel / self.scale                                 # a panel, in s
+        count = torch.clamp(torch.ceil(upper / width), min=1)            # panels per query
+        m = int(count.max())
+        k = torch.arange(m, device=upper.device, dtype=dt)               # (M,)
+        start = k[None, :] * width                                        # (Tq, M)
+        end = torch.minimum(start + width, upper[:, None])
+        size = (end - start).clamp(min=0)                                # 0 past the query
+        nodes, w = self.nodes.to(dt), self.log_w.to(dt).exp()
+        t = (start[..., None] + size[..., None] * nodes).flatten(1)      # (Tq, M*Q)
+        weight = (size[..., None] * w).flatten(1)
+        # a query at s = 0 has one panel of width 0: its nodes all sit at 0, equally weighted
+        zero = (upper == 0)[:, None]
+        log_w = torch.where(weight > 0, weight.clamp_min(torch.finfo(dt).tiny).log(),
+                            torch.full_like(weight, float("-inf")))
+        log_w = torch.where(zero & (torch.arange(t.shape[1], device=t.device) < len(nodes)),
+                            torch.zeros_like(log_w), log_w)
+        return t, log_w
 
     def mixing(self, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
         """(H, Tq, n_keys) weights: row i mixes the values of tokens 0..n_keys-1."""
@@ -164,7 +215,53 @@ class ContinuousAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
+    def _keys(self, x: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dt):
+        """Queries and keys of the exact (SDPA) forms, (B, H, T, F [+ D]) in ``dt``."""
+        B, T, _ = x.shape
+        with torch.autocast(x.device.type, enabled=False):
+            a = torch.einsum("if,hfg->hig", self.phi(q_pos.to(dt) / self.scale),
+                             self.coef.to(dt))                          # (H, Tq, F)
+            kphi = self.phi(k_pos.to(dt) / self.scale)                  # (Tk, F)
+        q = a.unsqueeze(0).expand(B, -1, -1, -1)
+        k = kphi.expand(B, self.num_heads, -1, -1)
+        if self.mode == "bias":
+            qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q = torch.cat([qk[0].to(dt) * self.head_dim ** -0.5, q], -1)
+            k = torch.cat([qk[1].to(dt), k], -1)
+        return q, k
+
+    def _exact(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """The exact forms (quadrature "exact", mode "bias"): one SDPA over every earlier token,
+        in float32 at least (the kernel reads positions)."""
+        B, T, C = x.shape
+        dt = torch.promote_types(self.coef.dtype, torch.float32)
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        static = cache is not None and cache.static is not None
+        offset = 0 if cache is None or static else cache.length
+        if cache is not None and not self.causal:
+            raise ValueError("incremental decoding needs mode = 'decoder'.")
+        q_pos = cache.static.pos if static else torch.arange(offset, offset + T, device=x.device)
+        q, k = self._keys(x, q_pos, q_pos, dt)
+        mask, is_causal = None, False
+        if static:
+            k, v = cache.write(k, v.to(dt))
+            mask = cache.static.mask
+        else:
+            if cache is not None:
+                k, v = cache.append(k, v.to(dt))
+            if self.causal and offset == 0:
+                is_causal = T > 1
+            elif self.causal and T > 1:  # a chunk after cached tokens
+                rows = torch.arange(offset, offset + T, device=x.device)[:, None]
+                mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= rows
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v.to(dt), attn_mask=mask, is_causal=is_causal, scale=1.0)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.out_proj(y))
+
     def forward(self, x: torch.Tensor, cache: ValueCache | None = None) -> torch.Tensor:
+        if self.exact:
+            return self._exact(x, cache)
         B, T, C = x.shape
         v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         offset = 0
