@@ -275,7 +275,13 @@ def main() -> None:
                   "causal. CAT's own printed numbers are not comparable: its continuous model "
                   "and its baseline both see the token they predict. Produced by "
                   "`python bench/train_seeds.py configs/cat_protocol/NAME.toml --contexts "
-                  "128,512,1024,5000`.", "", cat, ""]
+                  "128,512,1024,5000`. Quadrature of each continuous row: `cat_fourier` "
+                  "CAT's 32 Gauss-Legendre nodes on [0, s] (a query at 4999 reads 64 of "
+                  "5000 tokens); `cat_composite` 32 nodes per 256-token panel (identical to "
+                  "`cat_fourier` at the training context, 640 nodes at 5000); `cat_exact` "
+                  "every earlier token (the exact sum, one SDPA call); `cat_bias` ordinary "
+                  "attention with the continuous kernel added to q.k/sqrt(d), over every "
+                  "token.", "", cat, ""]
         parts += [TAIL_NOTE, ""] if "†" in cat else []
     ptb = training_table(results, "configs/ptb/", test=True)
     if ptb.count("\n") > 1:
