@@ -352,6 +352,8 @@ def main() -> None:
                        ("decode_speed", "Decoding: cached vs recompute"),
                        ("depth_elasticity", "Anytime depth"),
                        ("depth_exit", "Per-token adaptive depth"),
+                       ("elastic_cost", "Training cost of elastic depth"),
+                       ("adaptive_grads", "Gradients of adaptive solves"),
                        ("scale", "Training throughput: processes and compile"),
                        ("mfu", "Model FLOPs utilization"),
                        ("data_scale", "Corpora at scale: prepare and memory-mapped training"),

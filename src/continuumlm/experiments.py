@@ -80,6 +80,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_elastic_consistency.toml", [1337]),
         Step("depth_elasticity.py", output="depth_elasticity"),
         Step("depth_exit.py", output="depth_exit"),
+        Step("elastic_cost.py", quick=False, output="elastic_cost"),
     ]),
     "ptb_std": ("Penn Treebank in the standard setup (10k vocabulary, ~4.6 M parameters, "
                 "Zaremba-small's 12 M tokens): dropout swept at a quarter of the budget on the "
@@ -100,7 +101,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
               "steps, decoding, 1 vs 2 processes and compile, MFU, corpora at scale, HF generate", [
         *[Step(f"{b}.py", quick=False, output=b) for b in (
             "ode_cost", "ode_memory", "deltanet_kernels", "mixer_step", "decode_speed", "scale",
-            "mfu", "data_scale", "hf_generate")],
+            "mfu", "data_scale", "hf_generate", "adaptive_grads")],
     ]),
 }
 ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "ptb_std", "mqar", "bench"]
