@@ -437,3 +437,29 @@ def test_bitnet_cached_decoding_is_exact_up_to_its_activation_rounding(mixer):
     assert_cached_decoding_exact(small_model(**cfg).double(), prompt, 40, atol=1e-10)
     torch.manual_seed(0)
     assert_cached_decoding_exact(small_model(**cfg), prompt, 40, atol=2e-2)
+
+
+def test_dynamic_tanh_norm():
+    """norm_type = "dyt": gamma * tanh(alpha x) + beta per token, alpha 0.5 at first; a model
+    built with it is causal, decodes exactly and trains every DyT parameter."""
+    from continuumlm import ModelConfig
+    from continuumlm.nn.norm import DynamicTanh
+    from continuumlm.testing import check_cached_decoding, check_causal, check_trains
+
+    norm = DynamicTanh(6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(6.0))
+        norm.bias.copy_(torch.full((6,), 0.25))
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(norm(x), torch.tanh(0.5 * x) * torch.arange(6.0) + 0.25)
+    for depth in ("discrete", "ode"):
+        torch.manual_seed(0)
+        m = LanguageModel(ModelConfig(vocab_size=37, hidden_size=32, num_heads=4, num_layers=2,
+                                      max_seq_len=64, norm_type="dyt", bias=True,
+                                      depth=depth)).eval()
+        assert any(isinstance(mod, DynamicTanh) for mod in m.modules())
+        check_causal(m)
+        check_cached_decoding(m, torch.randint(0, 37, (2, 5)), 10)
+        check_trains(m)
+        alphas = [mod.alpha for mod in m.modules() if isinstance(mod, DynamicTanh)]
+        assert all(a.grad is not None and a.item() == 0.5 for a in alphas)

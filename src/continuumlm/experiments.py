@@ -59,7 +59,8 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/deltanet_conv.toml", [1337, 1, 2]),
         *[_train(f"{SH}/{c}.toml", [1337]) for c in (
             "ode_euler", "ode_rk4x1", "ode_parallel_euler", "ode_parallel_rk4x1", "ode_parallel",
-            "ode_wide_rk4x1", "ode_attention", "ode_attention_bitnet", "ode_deltanet",
+            "ode_wide_rk4x1", "ode_attention", "ode_attention_bitnet", "ode_attention_dyt",
+            "ode_deltanet",
             "cat_fourier", "cat_cheb")],
     ]),
     "cat_protocol": ("CAT's context-length protocol: train at 256, evaluate at 128-5000", [

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 # Allowed values of the plain choice fields. The selectors that name pluggable parts
 # (mixer, depth, ...) are checked against their registries instead, see ``_check_selectors``.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "norm_type": ("layernorm", "rmsnorm"),
+    "norm_type": ("layernorm", "rmsnorm", "dyt"),
     "mode": ("decoder", "encoder"),
     "position": ("rope", "learned", "none"),
     "dataset": ("tinyshakespeare", "ptb", "text", "prepared"),

@@ -44,7 +44,8 @@ class ModelConfig:
     """Dropout on embeddings, attention weights and residual branches (one mask per forward
     inside an ODE field, shared by every step and stage)."""
     norm_type: str = "layernorm"
-    """"layernorm" or "rmsnorm"."""
+    """"layernorm", "rmsnorm" or "dyt" (Dynamic Tanh: gamma * tanh(alpha x) + beta, no
+    statistics; the default of the ODE-attention seed's implementation)."""
     use_bitnet: bool = False
     """BitNet b1.58 projections: ternary weights and 8-bit activations, trained through a
     straight-through estimator."""

@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+
+
+class DynamicTanh(nn.Module):
+    """Dynamic Tanh (DyT; Zhu et al. 2025, "Transformers without Normalization"):
+    y = gamma * tanh(alpha * x) + beta, a learned scalar alpha (0.5 at first) and per-channel
+    gamma and beta; no statistics over the features, so each token's output depends on its own
+    values only. Written here: torch has no DyT layer."""
+
+    def __init__(self, dim: int, alpha: float = 0.5, bias: bool = True):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((1,), alpha))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.alpha * x) * self.weight
+        return y + self.bias if self.bias is not None else y
 
 
 def make_norm(dim: int, cfg) -> nn.Module:
@@ -10,4 +28,7 @@ def make_norm(dim: int, cfg) -> nn.Module:
         return nn.LayerNorm(dim, bias=cfg.bias)
     if cfg.norm_type == "rmsnorm":
         return nn.RMSNorm(dim, eps=1e-6)
-    raise ValueError(f"model.norm_type = {cfg.norm_type!r} is not one of layernorm, rmsnorm.")
+    if cfg.norm_type == "dyt":
+        return DynamicTanh(dim, bias=cfg.bias)
+    raise ValueError(f"model.norm_type = {cfg.norm_type!r} is not one of layernorm, rmsnorm, "
+                     f"dyt.")
