@@ -1,4 +1,5 @@
 import logging
+import types
 import re
 
 import pytest
@@ -357,3 +358,39 @@ def test_set_solver_changes_integration_and_validates():
     assert ck.config.ode_solver == "reversible_heun" and ck.config.ode_grad == "direct"
     with pytest.raises(ValueError, match="discrete"):
         LanguageModel(ModelConfig(vocab_size=29, hidden_size=32, num_heads=4)).set_solver("rk4")
+
+
+def test_reversible_heun_refuses_a_trajectory_it_cannot_rebuild():
+    """dh/dt = lambda h with lambda = 10 (dissipative in backward time, growing forward): the
+    parasitic root makes the float32 reconstruction fail; the backward says so instead of
+    returning gradients of another trajectory (the trainer counts the error as a bad step)."""
+    from continuumlm.ode import ODESolverError, ReversibleError
+    from continuumlm.ode.solvers import grid
+
+    solver = ReversibleHeun(types.SimpleNamespace(reversible_tol=1e-3))
+    lam = torch.tensor(-10.0, requires_grad=True)
+    h0 = torch.ones(4, requires_grad=True)
+    times = grid(0.0, 1.0, 64)
+    h1 = solver.integrate_reversible(lambda t, h: lam * h, h0, times, 1 / 64, (lam,))
+    with pytest.raises(ReversibleError, match="stability region") as e:
+        h1.sum().backward()
+    assert isinstance(e.value, ODESolverError) and solver.last_reconstruction_error > 1e-3
+    # a field inside the region (oscillatory, small steps) rebuilds and passes
+    w = torch.tensor(1.0, requires_grad=True)
+    h = torch.tensor([1.0, 0.0], requires_grad=True)
+    rot = lambda t, s: w * torch.stack([-s[1], s[0]])  # noqa: E731
+    solver.integrate_reversible(rot, h, times, 1 / 64, (w,)).sum().backward()
+    assert solver.last_reconstruction_error < 1e-5 and w.grad is not None
+
+
+def test_gated_rk2_changes_its_step_count_and_keeps_its_gate():
+    m = ode_model(ode_solver="rk2_gated", ode_steps=2).eval()
+    gates = [b.solver.gate for b in m.depth.blocks]
+    idx = torch.randint(0, 29, (1, 6))
+    m.set_solver(ode_steps=8)
+    with torch.no_grad():
+        m(idx)
+    assert m.last_nfe == 2 * 8 * len(gates)
+    assert [b.solver.gate for b in m.depth.blocks] == gates  # the trained weights stay
+    with pytest.raises(ValueError, match="weights of its own"):
+        m.set_solver("rk4")

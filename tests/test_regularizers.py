@@ -131,7 +131,8 @@ def reg_cfg(corpus, *extra):
     return load_config(None, [
         "data.dataset=text", f'data.path="{corpus}"', "model.hidden_size=32",
         "model.num_heads=2", "model.num_layers=1", "model.depth=ode", "model.dropout=0.1",
-        "model.ode_solver=rk4", "model.ode_steps=2", "train.kinetic_weight=0.1",
+        "model.ode_solver=tsit5", "model.ode_rtol=1e-3", "model.ode_atol=1e-4",
+        "train.kinetic_weight=0.1",
         "train.jacobian_weight=0.01", "train.steer=0.25", "train.batch_size=4",
         "train.seq_len=16", "train.max_steps=8", "train.lr_decay_steps=8",
         "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=4",
@@ -158,11 +159,20 @@ def test_training_logs_them_and_a_resumed_run_repeats_them(tiny_corpus, tmp_path
     assert all(0.75 <= e["ode_t1"] <= 1.25 for e in a.values())
 
 
+def test_seminorm_needs_an_adaptive_adjoint():
+    with pytest.raises(ConfigError, match="needs ode_grad = 'adjoint' with an adaptive"):
+        ModelConfig(**{**BASE, "ode_adjoint_norm": "seminorm", "ode_solver": "rk4",
+                       "ode_grad": "adjoint"})
+    ModelConfig(**{**BASE, "ode_adjoint_norm": "seminorm", "ode_solver": "tsit5",
+                   "ode_grad": "adjoint"})
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["model.depth=discrete"], "regularizes an ODE model"),
     (["train.steer=1.0"], "must be below"),
     (["train.kinetic_weight=-1"], ">= 0"),
     (["train.compile=true"], "recompile"),
+    (["model.ode_solver=rk4"], "fixed-grid 'rk4' every solve takes the same steps"),
 ])
 def test_refusals(tiny_corpus, extra, needle):
     with pytest.raises(ConfigError, match=needle):

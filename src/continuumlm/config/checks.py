@@ -39,7 +39,7 @@ POSITIVE = {
     "hidden_size", "num_heads", "num_layers", "ffn_hidden_size", "max_seq_len", "ode_steps",
     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_iters",
     "log_interval", "checkpoint_interval", "keep_checkpoints", "train_chars", "lr_decay_steps", "max_bad_steps",
-    "dist_timeout_s", "lr", "ode_rtol", "ode_atol", "ode_max_steps", "num_kv_pairs", "train_examples", "test_examples", "power_a", "tokenizer_sample_chars",
+    "dist_timeout_s", "lr", "ode_rtol", "ode_atol", "ode_max_steps", "reversible_tol", "num_kv_pairs", "train_examples", "test_examples", "power_a", "tokenizer_sample_chars",
 }
 
 

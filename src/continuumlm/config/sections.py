@@ -86,6 +86,10 @@ class ModelConfig:
     """Absolute tolerance of adaptive solvers."""
     ode_max_steps: int = 1000
     """Most steps an adaptive solve may take before it stops with an error."""
+    reversible_tol: float = 1e-3
+    """ode_grad = "reversible": the largest distance (relative to the state's largest value, at
+    least 1) between the initial state the backward rebuilds and the true one; beyond it the
+    step fails as a solver error (the method's stability region is narrow)."""
     ode_checkpoints: int = 0
     """States that ode_grad = "binomial" keeps per ODE block (0: about log2 of ode_steps);
     fewer keep less memory and recompute more steps in the backward pass."""
@@ -465,6 +469,14 @@ class RunConfig:
         if regs and m.depth != "ode":
             raise ConfigError(f"train.{regs[0]} regularizes an ODE model's solve; model.depth = "
                               f"{m.depth!r} has none. Use depth = 'ode', or leave it out.")
+        weighted = [n for n in ("kinetic_weight", "jacobian_weight") if getattr(t, n)]
+        if weighted and m.depth == "ode" and getattr(SOLVERS.component_class(m.ode_solver),
+                                                     "fixed_grid", True):
+            raise ConfigError(f"train.{weighted[0]} makes an adaptive solver's dynamics cheaper "
+                              f"to integrate (fewer steps for the same tolerance); with the "
+                              f"fixed-grid {m.ode_solver!r} every solve takes the same steps, so "
+                              f"it would only constrain the field. Use an adaptive solver "
+                              f"(tsit5, dopri5, ...) or leave it out.")
         if t.steer and t.compile:
             raise ConfigError("train.steer changes the solve's end time every step, which "
                               "would recompile a compiled model every step; leave "

@@ -360,6 +360,13 @@ class ODEStack(nn.Module):
         if cfg.ode_grad == "binomial" and cfg.ode_steps > MAX_BINOMIAL_STEPS:
             raise ConfigError(f"model.ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} "
                               f"steps, not ode_steps = {cfg.ode_steps}; use 'checkpoint'.")
+        if getattr(cfg, "ode_adjoint_norm", "default") == "seminorm" and not (
+                adaptive and cfg.ode_grad == "adjoint"):
+            raise ConfigError(
+                f"model.ode_adjoint_norm = 'seminorm' sets the error norm of the adjoint's "
+                f"adaptive backward solve; it needs ode_grad = 'adjoint' with an adaptive "
+                f"solver (tsit5, dopri5, ...), not ode_grad = {cfg.ode_grad!r} with "
+                f"{cfg.ode_solver!r}.")
         if cfg.ode_dt_embedding and adaptive:
             raise ConfigError(f"model.ode_dt_embedding conditions the field on a fixed step "
                               f"size; the adaptive {cfg.ode_solver!r} chooses its own. Use a "

@@ -169,11 +169,23 @@ class LanguageModel(nn.Module):
         changes = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps),
                                      ("ode_grad", ode_grad)) if v is not None}
         new = dataclasses.replace(self.config, **changes)  # validated like any config
+        if new.ode_solver == "reversible_heun" and self.config.ode_solver != "reversible_heun":
+            log.warning("set_solver: integrating a field trained with %s by reversible_heun; "
+                        "the method is stable only for oscillatory dynamics (lambda dt on the "
+                        "imaginary axis, |lambda dt| < 1), and its reversible backward checks "
+                        "that it can rebuild the states (model.reversible_tol).",
+                        self.config.ode_solver)
         for block in self.depth.blocks:
+            if new.ode_solver == self.config.ode_solver:  # the same method: keep its weights
+                if getattr(block.solver, "reversible", False):
+                    block.solver.tol = new.reversible_tol
+                block.cfg = new
+                continue
             solver = SOLVERS[new.ode_solver](new)
             if any(True for _ in solver.parameters()) or any(True for _ in block.solver.parameters()):
                 raise ValueError(f"cannot switch between {self.config.ode_solver!r} and "
-                                 f"{new.ode_solver!r}: rk2_gated has trained weights of its own.")
+                                 f"{new.ode_solver!r}: rk2_gated has trained weights of its own "
+                                 f"(its step count can change: set_solver(ode_steps=N)).")
             block.solver, block.cfg = solver, new
         self.depth.exact_cache = bool(getattr(self.depth.blocks[0].solver, "fixed_grid", True))
         self.config = new

@@ -18,12 +18,12 @@ from .adaptive import (
 )
 from .fields import AttentionField, ParallelField, SequentialField
 from .grad import integrate
-from .reversible import ReversibleHeun
+from .reversible import ReversibleError, ReversibleHeun
 from .solvers import TABLEAUS, FixedGridSolver, GatedRK2, Tableau, rk_step
 
 __all__ = [
     "ADAPTIVE_METHODS", "ADJOINT_FIXED", "FIELDS", "GRAD_MODES", "SOLVERS", "TABLEAUS",
     "AdaptiveSolver", "AttentionField", "FixedGridSolver", "GatedRK2", "ODESolverError",
-    "ParallelField", "ReversibleHeun", "SequentialField", "Tableau", "integrate", "rk_step",
+    "ParallelField", "ReversibleError", "ReversibleHeun", "SequentialField", "Tableau", "integrate", "rk_step",
     "solver_errors",
 ]
