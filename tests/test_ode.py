@@ -1,6 +1,6 @@
 import logging
-import types
 import re
+import types
 
 import pytest
 import torch
