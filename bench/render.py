@@ -375,6 +375,45 @@ def main() -> None:
     print(f"wrote {DOCS}")
 
 
+def _family(stem: str) -> str:
+    if stem.startswith("cat_"):
+        return "continuous attention (CAT)"
+    if "deltanet" in stem:
+        return "DeltaNet"
+    if stem.startswith("ode_"):
+        return "ODE (softmax attention)"
+    return "discrete Transformer"
+
+
+def _shakespeare_summary(results: dict[str, dict]) -> list[dict]:
+    """One point per Shakespeare config: mean val loss over its seeds, training time per token
+    (from the runs measured alone when any was), parameters."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in results.values():
+        if r.get("config", "").startswith("configs/shakespeare_char/") and not r.get("tag") \
+                and "val_loss_full_split" in r and not r.get("overrides"):
+            groups[r["config"]].append(r)
+    out = []
+    for config, runs in sorted(groups.items()):
+        timed, _ = timed_runs(runs)
+        tps = statistics.mean(r["tokens_per_s_median"] for r in timed)
+        stem = Path(config).stem
+        out.append({"name": stem, "family": _family(stem), "us_per_token": 1e6 / tps,
+                    "parameters": runs[0]["parameters"],
+                    "val": statistics.mean(r["val_loss_full_split"] for r in runs)})
+    return out
+
+
+def _pareto(rows: list[dict], key: str) -> list[dict]:
+    """The rows no other row beats on both ``key`` (lower) and val loss (lower)."""
+    front, best = [], float("inf")
+    for r in sorted(rows, key=lambda r: (r[key], r["val"])):
+        if r["val"] < best:
+            front.append(r)
+            best = r["val"]
+    return front
+
+
 def plots(results: dict[str, dict]) -> list[str]:
     """PNG figures in docs/img from the same JSON; returns markdown lines linking them."""
     try:
@@ -390,34 +429,84 @@ def plots(results: dict[str, dict]) -> list[str]:
     lines = []
 
     curves = {r["config"]: r["curve"] for r in results.values()
-              if r.get("curve") and r.get("seed") == 1337
+              if r.get("curve") and r.get("seed") == 1337 and not r.get("tag")
               and r["config"].startswith("configs/shakespeare_char/")}
+    families = {"discrete Transformer": [], "ODE (softmax attention)": [],
+                "DeltaNet": [], "continuous attention (CAT)": []}
+    for config in sorted(curves):
+        families[_family(Path(config).stem)].append(config)
+    styles = ["-", "--", "-.", ":"]
     for kind, ylabel in (("val", "val loss (nats/char)"), ("train", "train loss (nats/char)")):
         if not curves:
             break
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for config, c in sorted(curves.items()):
-            if c.get(kind):
-                steps, vals = zip(*c[kind])
-                ax.plot(steps, vals, marker="o" if kind == "val" else None, ms=3,
-                        lw=1 if kind == "train" else 1.5, label=Path(config).stem)
-        ax.set(xlabel="step", ylabel=ylabel, ylim=(1.3, 3.0),
-               title=f"Tiny Shakespeare, baby-GPT budget: {kind} loss (seed 1337)")
-        ax.legend(fontsize=7)
+        fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True, sharey=True)
+        for ax, (family, configs) in zip(axes.flat, families.items()):
+            colors = plt.cm.tab10.colors
+            for i, config in enumerate(configs):
+                c = curves[config]
+                if c.get(kind):
+                    steps, vals = zip(*c[kind])
+                    ax.plot(steps, vals, color=colors[i % 10], ls=styles[(i // 10) % 4],
+                            marker="o" if kind == "val" else None, ms=2.5,
+                            lw=1 if kind == "train" else 1.4, label=Path(config).stem)
+            ax.set(title=family, ylim=(1.3, 3.0))
+            ax.grid(alpha=0.3)
+            if configs:
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                          frameon=False)
+        for ax in axes[-1]:
+            ax.set_xlabel("optimizer step (batch 12 x 64 characters)")
+        for ax in axes[:, 0]:
+            ax.set_ylabel(ylabel)
+        fig.suptitle(f"Tiny Shakespeare, baby-GPT budget: {kind} loss by model family "
+                     f"(seed 1337)")
         fig.tight_layout()
-        fig.savefig(img / f"shakespeare_{kind}_curves.png", dpi=120)
+        fig.savefig(img / f"shakespeare_{kind}_curves.png", dpi=110)
+        plt.close(fig)
         lines.append(f"![{kind} curves](img/shakespeare_{kind}_curves.png)")
+    summary = _shakespeare_summary(results)
+    if summary:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+        for ax, key, xlabel, xscale in (
+                (axes[0], "us_per_token", "training time per token (us, 2 CPU cores)", "log"),
+                (axes[1], "parameters", "parameters", "log")):
+            markers = dict(zip(families, "osD^"))
+            for family in families:
+                pts = [r for r in summary if r["family"] == family]
+                if pts:
+                    ax.scatter([r[key] for r in pts], [r["val"] for r in pts],
+                               marker=markers[family], s=36, label=family)
+            front = _pareto(summary, key)
+            ax.plot([r[key] for r in front], [r["val"] for r in front], color="k", lw=1,
+                    ls="--", label="Pareto front")
+            for i, r in enumerate(front):  # alternate sides: neighbours on the front are close
+                ax.annotate(r["name"], (r[key], r["val"]), fontsize=6.5,
+                            xytext=(4, 4 if i % 2 else -10), textcoords="offset points")
+            ax.set(xscale=xscale, xlabel=xlabel)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("val loss, whole split (nats/char, mean over seeds)")
+        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        fig.suptitle("Tiny Shakespeare: loss against training cost and size, every row")
+        fig.tight_layout()
+        fig.savefig(img / "shakespeare_pareto.png", dpi=110)
+        plt.close(fig)
+        lines.append("![loss against cost](img/shakespeare_pareto.png)")
 
     def series(name, rows, series_of, x, y, label, **axes):
         """One line per series (rows grouped by series_of(row)), saved as img/<name>.png."""
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key in dict.fromkeys(series_of(r) for r in rows):
-            pts = [(x(r), y(r)) for r in rows if series_of(r) == key and y(r) is not None]
-            ax.plot(*zip(*pts), marker="o", label=label(key))
+        fig, ax = plt.subplots(figsize=(8.5, 4.5))
+        styles = ["-", "--", "-.", ":"]
+        for i, key in enumerate(dict.fromkeys(series_of(r) for r in rows)):
+            pts = sorted((x(r), y(r)) for r in rows if series_of(r) == key and y(r) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3.5, ls=styles[(i // 10) % 4],
+                        color=plt.cm.tab10.colors[i % 10], label=label(key))
         ax.set(**axes)
-        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         fig.tight_layout()
-        fig.savefig(img / f"{name}.png", dpi=120)
+        fig.savefig(img / f"{name}.png", dpi=110)
+        plt.close(fig)
         lines.append(f"![{axes['title']}](img/{name}.png)")
 
     if "ode_memory" in results:
