@@ -354,6 +354,7 @@ def main() -> None:
                        ("depth_exit", "Per-token adaptive depth"),
                        ("elastic_cost", "Training cost of elastic depth"),
                        ("adaptive_grads", "Gradients of adaptive solves"),
+                       ("seminorm_run", "The seminorm adjoint in training"),
                        ("scale", "Training throughput: processes and compile"),
                        ("mfu", "Model FLOPs utilization"),
                        ("data_scale", "Corpora at scale: prepare and memory-mapped training"),

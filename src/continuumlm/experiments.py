@@ -102,7 +102,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
               "steps, decoding, 1 vs 2 processes and compile, MFU, corpora at scale, HF generate", [
         *[Step(f"{b}.py", quick=False, output=b) for b in (
             "ode_cost", "ode_memory", "deltanet_kernels", "mixer_step", "decode_speed", "scale",
-            "mfu", "data_scale", "hf_generate", "adaptive_grads")],
+            "mfu", "data_scale", "hf_generate", "adaptive_grads", "seminorm_run")],
     ]),
 }
 ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "ptb_std", "mqar", "bench"]
