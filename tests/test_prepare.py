@@ -78,7 +78,7 @@ def test_streamed_encoding_equals_the_whole_texts(kind, tmp_path, tiny_blocks):
 @pytest.mark.parametrize("workers", ["1", "3"])
 def test_word_chunks_encoded_by_worker_processes_equal_one_process(workers, tmp_path,
                                                                    tiny_blocks, monkeypatch):
-    """The word tokenizer's chunks go to worker processes (spawned; results written in order,
+    """The word tokenizer's chunks go to worker processes (results written in order,
     a bounded number in flight); the token files equal those of one process and the whole
     text's encoding, lines cut inside included."""
     from concurrent.futures import ProcessPoolExecutor

@@ -424,12 +424,15 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
     limit = np.iinfo(dtype).max
     pool = None
     workers = word_workers()
-    if isinstance(tok, WordTokenizer) and workers > 1 and total_bytes > 2 * CHUNK_CHARS:
+    if isinstance(tok, WordTokenizer) and workers > 1 and total_bytes > 8 * CHUNK_CHARS:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        # spawn: the parent may hold threads (torch's) that a fork would copy mid-lock
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        # fork where there is one: a spawned worker would import the package (and torch with
+        # it, seconds each) before its first chunk; a forked one runs only str.split and dict
+        # lookups, nothing that could wait on a lock another thread of this process held
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
                                    initializer=_start_word_worker, initargs=(tok.vocab,))
     pending: list[tuple[str, object]] = []  # in order; futures while workers encode them
 
