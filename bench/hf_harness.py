@@ -48,6 +48,9 @@ def main() -> None:
     rows = res.setdefault("rows", {})
     for name, (config, seed, split, depths) in PLAN.items():
         run = RUNS_HERE / name
+        keys = [f"{name}:{d[0]}x{d[1]}" if d else f"{name}:trained" for d in depths]
+        if all(k in rows for k in keys):
+            continue  # recorded already: no need to train it again
         if not finished_run(run):
             subprocess.run([*CLI, "train", "--config", config, "--out", str(run), "--resume",
                             "auto", "--quiet", "--set", f"train.seed={seed}"], cwd=ROOT,
