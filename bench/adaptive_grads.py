@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RUNS, OtherLoad, finished_run, markdown_table, write_json
+from common import RUNS, OtherLoad, finished_run, markdown_table, rss_now_kb, write_json
 
 RUN = RUNS / "shakespeare_char-ode_rk4_seed1337"
 ROWS = [(s, g, n) for s in ("tsit5", "dopri5")
@@ -72,7 +72,7 @@ def child(solver: str, grad: str, norm: str, out: str) -> None:
     _, loss = model(x[:1, :2], y[:1, :2])  # warm-up
     loss.backward()
     model.zero_grad(set_to_none=True)
-    before = _rss_kb()
+    before = rss_now_kb()
     t0 = time.perf_counter()
     _, loss = model(x, y)
     nfe = model.last_nfe
@@ -94,14 +94,6 @@ def reference(out: str) -> None:
     loss.backward()
     torch.save(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]),
                out)
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def main() -> None:

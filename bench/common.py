@@ -24,6 +24,18 @@ DOCS_DIR = Path(os.environ.get("CONTINUUMLM_DOCS_DIR", ROOT / "docs"))
 SHARED_CORES = 0.2
 
 
+def rss_now_kb() -> int:
+    """This process's resident set size now (Linux /proc), in kB; 0 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def finished_run(run: Path) -> bool:
     """Whether the training run in ``run`` has a checkpoint of its last step (a run still
     going, or stopped early, has only earlier ones: its model is not the one a result names)."""

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from common import OtherLoad, markdown_table, write_json
+from common import OtherLoad, markdown_table, rss_now_kb, write_json
 
 MODES = [("direct", "euler"), ("checkpoint", "euler"), ("binomial", "euler"),
          ("adjoint", "euler"), ("direct", "reversible_heun"), ("reversible", "reversible_heun")]
@@ -43,7 +43,7 @@ def child(mode: str, solver: str, steps: int) -> None:
     _, loss = model(x[:1, :2], x[:1, :2])  # warm-up: imports and one-off allocations
     loss.backward()
     model.zero_grad(set_to_none=True)
-    before_kb = _rss_now_kb()
+    before_kb = rss_now_kb()
     t0 = time.perf_counter()
     _, loss = model(x, x)
     loss.backward()
@@ -58,14 +58,6 @@ def child(mode: str, solver: str, steps: int) -> None:
     seconds = min(seconds, time.perf_counter() - t0)
     print(json.dumps({"peak_mb": (peak_kb - before_kb) / 1024, "seconds": seconds, "nfe": nfe,
                       "backward_nfe": backward_nfe, "recompute": backward_nfe / nfe}))
-
-
-def _rss_now_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def main() -> None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .binomial import reverse_step
+
 
 def _method_tableau(method: str, like: torch.Tensor):
     import importlib
@@ -89,18 +91,9 @@ class _CheckpointedReplay(torch.autograd.Function):
         saved = ctx.saved_tensors
         params, kept = saved[:ctx.num_params], saved[ctx.num_params:]
         grads: list[torch.Tensor | None] = [None] * len(params)
-        train = [p for p in params if p.requires_grad]
         for (t0, t1), h in zip(reversed(ctx.intervals), reversed(kept)):
-            with torch.enable_grad():
-                x = h.detach().requires_grad_(True)
-                out = _step(ctx.func, ctx.tableau, x, t0, t1)
-            got = torch.autograd.grad(out, [x, *train], g, allow_unused=True)
-            g, it = got[0], iter(got[1:])
-            for k, p in enumerate(params):
-                if p.requires_grad:
-                    d = next(it)
-                    if d is not None:
-                        grads[k] = d if grads[k] is None else grads[k] + d
+            g = reverse_step(lambda x, t0=t0, t1=t1: _step(ctx.func, ctx.tableau, x, t0, t1),
+                             h, g, params, grads)
         return (g, None, None, None, *grads)
 
 

@@ -124,21 +124,27 @@ def _advance(step, h: torch.Tensor, i: int, j: int) -> torch.Tensor:
     return h
 
 
+def reverse_step(step, h: torch.Tensor, g: torch.Tensor, params, grads: list):
+    """Backpropagate ``g`` through one recomputed step ``step(h)`` (with a graph): returns the
+    gradient at ``h`` and adds the parameters' gradients into ``grads`` (None: none yet)."""
+    with torch.enable_grad():
+        x = h.detach().requires_grad_(True)
+        out = step(x)
+    got = torch.autograd.grad(out, [x, *(p for p in params if p.requires_grad)], g,
+                              allow_unused=True)
+    it = iter(got[1:])
+    for k, p in enumerate(params):
+        if p.requires_grad:
+            d = next(it)
+            if d is not None:
+                grads[k] = d if grads[k] is None else grads[k] + d
+    return got[0]
+
+
 def _reverse(step, h_i, i: int, j: int, c: int, g_j, params, grads):
     """Gradient at h_i of <g_j, h_j>, accumulating the parameters' gradients into ``grads``."""
     if j - i == 1:
-        with torch.enable_grad():
-            x = h_i.detach().requires_grad_(True)
-            out = step(i, x)
-        need = [x] + [p for p in params if p.requires_grad]
-        got = torch.autograd.grad(out, need, g_j, allow_unused=True)
-        it = iter(got[1:])
-        for k, p in enumerate(params):
-            if p.requires_grad:
-                g = next(it)
-                if g is not None:
-                    grads[k] = g if grads[k] is None else grads[k] + g
-        return got[0]
+        return reverse_step(lambda x: step(i, x), h_i, g_j, params, grads)
     if c == 0:  # no free checkpoint: each step's input recomputed from h_i
         g = g_j
         for k in range(j - 1, i - 1, -1):
