@@ -402,3 +402,27 @@ def test_word_vocabulary_with_one_character_words_exports(tmp_path):
     export_hf(model, tok, tmp_path / "hf", probe="the cat\na mat")
     text = "the $ cat & a\nyears ago\n"
     assert hf_tokenizer(tok).encode(text).ids == tok.encode(text)
+
+
+def test_harness_scores_a_word_vocabulary_with_unk(tiny_corpus, tmp_path, monkeypatch):
+    """A capped word vocabulary maps rare words to <unk>: the harness scores the text the ids
+    decode to (rare words spelled <unk>, as Penn Treebank's files are), which encodes back to
+    the same ids, and agrees with continuumlm eval."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    from conftest import run_cli
+    from continuumlm.config import load_config
+    from continuumlm.train import Trainer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
+                             "data.tokenizer=word", "data.vocab_size=8", "model.hidden_size=32",
+                             "model.num_heads=2", "model.num_layers=1", "train.batch_size=2",
+                             "train.seq_len=16", "train.max_steps=2", "train.eval_interval=2",
+                             "train.eval_iters=1", "train.device=cpu"])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    r = run_cli("harness", "--checkpoint", tmp_path / "run", "--json", "--context", "16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert abs(res["bits_per_byte_ratio"] - 1) < 0.01

@@ -7,6 +7,9 @@ run through ``lm_eval.simple_evaluate`` with ``--model hf`` and ``trust_remote_c
 path a user of the harness's own command line takes). ``continuumlm eval`` is run on the same
 tokens at the same context length beside it, so the two can be compared.
 
+Word vocabularies: the split is scored as the text its ids decode to, rare words as
+``<unk>`` (Penn Treebank's own practice), which encodes back to the same ids.
+
 Windows: the harness scores every token, the first one given its end-of-text token, in
 non-overlapping windows of ``max_length``; ``continuumlm eval`` scores every token but the
 first in non-overlapping windows plus one tail window. At the same context length the two
@@ -72,7 +75,10 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
         raise DataError(f"--split {split}: this corpus has the splits "
                         f"{', '.join(s for s in data.splits if s != 'train')}.")
     ids = [int(i) for i in data.splits[split][:max_tokens]]
-    if getattr(tok, "unk_id", None) is not None and tok.unk_id in ids:
+    # a char vocabulary's <unk> stands for characters the text has and the vocabulary lacks:
+    # no text spells it. A word vocabulary's <unk> is a word of the text it decodes to (PTB's
+    # own files hold it), which encodes back to the same id: that text is what is scored.
+    if tok.kind == "char" and getattr(tok, "unk_id", None) is not None and tok.unk_id in ids:
         raise DataError(f"the {split} split holds {ids.count(tok.unk_id):,} <unk> tokens "
                         f"(characters the training text lacks): the harness scores text, and "
                         f"<unk> stands for no character of it. Score this split with "
