@@ -88,7 +88,10 @@ def _write(path: Path, res: dict) -> None:
                     "(82,430 words), context 64, batch 1; "
                     "lm-eval 0.4.13 `--model hf` with trust_remote_code on a local "
                     "loglikelihood_rolling task (`continuumlm harness`); bits per byte of both, "
-                    "the harness's word perplexity")
+                    "the harness's word perplexity (per whitespace-separated word of the text: "
+                    "on PTB the line ends, which ContinuumLM scores as <eos> tokens, are not "
+                    "words, so it is exp(total / words) where the per-token perplexity of "
+                    "continuumlm eval is exp(total / tokens))")
     res["table"] = markdown_table(rows, [("config", "checkpoint"), ("split", "split"),
                                          ("depth", "integrated with"),
                                          ("nfe", "NFE"), ("bpb", "lm-eval bits/byte"),
