@@ -93,3 +93,32 @@ def test_in_a_model_the_backward_recomputes_each_accepted_step_once():
     assert m.last_backward_nfe > 0 and (m.last_backward_nfe % 7 == 0)
     assert forward > m.last_backward_nfe
     check_trains(small_model(**kw))
+
+
+def test_the_backward_recomputes_under_the_forwards_autocast():
+    """Under bf16 autocast the replayed steps are recomputed in bf16 too, so the gradient is
+    that of the output returned (the reference: the same replay, differentiated directly,
+    inside the same autocast)."""
+    import torchdiffeq
+
+    field = Field().float()
+    h0 = torch.randn(3, 6)
+    method = ADAPTIVE_METHODS["tsit5"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = h0.clone().requires_grad_(True)
+        out = odeint_call(field, h, 0.0, 1.5, method, False, tuple(field.parameters()), "test",
+                          options={"max_num_steps": 10_000}, rtol=1e-4, atol=1e-6,
+                          checkpoint=True)
+    out.float().sum().backward()
+    g = h.grad.clone()
+    func = _RecordingFunc(field, tuple(field.parameters()), "test", "tsit5")
+    t = torch.tensor([0.0, 1.5])
+    func.accepted = AcceptedSteps(t[1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torchdiffeq.odeint(func, h0, t, method=method, rtol=1e-4, atol=1e-6,
+                           options={"max_num_steps": 10_000, "step_t": t[1:]})
+    h = h0.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = replay(field, h, func.accepted.intervals(), method)
+    ref.float().sum().backward()
+    torch.testing.assert_close(g, h.grad, rtol=1e-5, atol=1e-6)

@@ -324,3 +324,41 @@ def test_cat_settings_by_their_flat_names():
                              "model.cat_mode=bias", "model.cat_panel=64"])
     own = cfg.model.component("continuous")
     assert (own.quadrature, own.mode, own.panel) == ("exact", "bias", 64)
+
+
+def test_bias_mode_is_attention_plus_the_kernel():
+    """mode = "bias" with a kernel: softmax_j(q_i.k_j / sqrt(d) + phi(s_i)^T C phi(t_j)) v_j over
+    j <= i, against the formula written out."""
+    _, att = cat(mode="bias")
+    x = torch.randn(2, 19, 32, dtype=torch.float64)
+    B, T, C = x.shape
+    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
+    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    phi = att.phi(torch.arange(T, dtype=torch.float64) / att.scale)
+    W = torch.einsum("if,hfg,jg->hij", phi, att.coef, phi)
+    scores = q @ k.transpose(-2, -1) / att.head_dim ** 0.5 + W
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    y = torch.softmax(scores, -1) @ v
+    want = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
+
+
+def test_exact_forms_keep_the_kernel_in_float32_under_autocast(monkeypatch):
+    """Under bf16 autocast the projections run in bf16, but the attention over positions (its
+    queries C^T phi(s) and keys phi(t)) runs in float32, with autocast off."""
+    import torch.nn.functional as F
+
+    _, att = cat(quadrature="exact")
+    att = att.float()
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        seen.append((q.dtype, k.dtype, torch.is_autocast_enabled("cpu"), out.dtype))
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        att(torch.randn(1, 300, 32))
+    assert seen == [(torch.float32, torch.float32, False, torch.float32)]

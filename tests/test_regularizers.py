@@ -177,3 +177,54 @@ def test_seminorm_needs_an_adaptive_adjoint():
 def test_refusals(tiny_corpus, extra, needle):
     with pytest.raises(ConfigError, match=needle):
         reg_cfg(tiny_corpus, *extra)
+
+
+def test_jacobian_term_gradient_against_finite_differences():
+    """The Jacobian term is differentiated through a vector-Jacobian product (a second
+    derivative): its gradient on a few weights matches central differences of the term,
+    computed with the same probe (same seed)."""
+    m = build(ode_solver="tsit5", ode_rtol=1e-9, ode_atol=1e-11, dropout=0.0)
+    m.depth.extras = SolveExtras(jacobian=True)
+    idx = torch.randint(0, 29, (1, 5))
+
+    def term():
+        torch.manual_seed(11)
+        m(idx)
+        return m.last_regularizers["jacobian"]
+
+    m.zero_grad()
+    term().backward()
+    w = m.depth.blocks[0].field.mlp.fc.weight
+    for i, j in ((0, 0), (3, 5), (7, 2)):
+        analytic = w.grad[i, j].item()
+        eps = 1e-5
+        with torch.no_grad():
+            w[i, j] += eps
+            up = term().item()
+            w[i, j] -= 2 * eps
+            down = term().item()
+            w[i, j] += eps
+        numeric = (up - down) / (2 * eps)
+        assert abs(analytic - numeric) <= 1e-5 * max(1.0, abs(numeric)), (i, j, analytic, numeric)
+    assert w.grad.abs().sum() > 0
+
+
+def test_exit_refused_in_a_regularized_training_step():
+    m = build(ode_solver="rk4")
+    m.set_exit(0.5)
+    m.depth.extras = SolveExtras(t1=1.1)
+    with pytest.raises(ValueError, match="inference setting"):
+        m(torch.randint(0, 29, (1, 5)))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["train.ode_steps_choices=[2, 4]", "train.consistency_weight=0.5",
+      "model.ode_solver=rk4", "train.kinetic_weight=0", "train.jacobian_weight=0"],
+     "different intervals"),
+    (["model.ode_solver=rk4", "model.ode_grad=binomial", "train.kinetic_weight=0",
+      "train.jacobian_weight=0", "train.steer=0", "train.ode_steps_choices=[2, 5000]"],
+     "at most 4096"),
+])
+def test_more_refusals(tiny_corpus, extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        reg_cfg(tiny_corpus, *extra)

@@ -314,9 +314,13 @@ def _encode_words(text: str, dtype: str, trim: bool) -> np.ndarray:
 
 def word_workers() -> int:
     """Processes that encode word-tokenizer chunks: $CONTINUUMLM_PREPARE_WORKERS (``prepare
-    --workers``), else every core."""
+    --workers``), else every core this process may use."""
     n = os.environ.get("CONTINUUMLM_PREPARE_WORKERS")
-    return max(1, int(n)) if n else max(1, os.cpu_count() or 1)
+    if n:
+        return max(1, int(n))
+    # the cores this process may run on (a container's share, not the host's count)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
 
 
 class _Encoder:

@@ -254,8 +254,9 @@ class ContinuousAttention(nn.Module):
             elif self.causal and T > 1:  # a chunk after cached tokens
                 rows = torch.arange(offset, offset + T, device=x.device)[:, None]
                 mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= rows
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v.to(dt), attn_mask=mask, is_causal=is_causal, scale=1.0)
+        with torch.autocast(x.device.type, enabled=False):  # autocast would make it bf16
+            y = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v.to(dt), attn_mask=mask, is_causal=is_causal, scale=1.0)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
 

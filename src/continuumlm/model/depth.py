@@ -381,6 +381,11 @@ class ODEStack(nn.Module):
                              "depend on the whole sequence); use use_cache=False.")
         if self.exit is not None:
             check_exit_solver(self.blocks[0].solver, self.blocks[0].cfg.ode_solver)
+            if self.extras is not None and self.training:
+                raise ValueError("per-token exit is an inference setting; it cannot run in a "
+                                 "training step that regularizes the solve or moves its end "
+                                 "time (train.kinetic_weight, jacobian_weight, steer): call "
+                                 "model.set_exit(None) before training.")
         for block in self.blocks:
             x = block(x, state, self.exit, self.extras)
         self.last_nfe = sum(b.last_nfe for b in self.blocks)

@@ -77,6 +77,11 @@ class _CheckpointedReplay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h0, func, intervals, method, *params):
         ctx.func, ctx.intervals = func, intervals
+        # the backward recomputes each step under the forward's autocast setting, or it would
+        # differentiate another function than the one that made the output
+        kind = h0.device.type
+        ctx.autocast = dict(device_type=kind, enabled=torch.is_autocast_enabled(kind),
+                            dtype=torch.get_autocast_dtype(kind))
         ctx.tableau = _method_tableau(method, h0)
         kept, h = [], h0
         for t0, t1 in intervals:
@@ -91,9 +96,10 @@ class _CheckpointedReplay(torch.autograd.Function):
         saved = ctx.saved_tensors
         params, kept = saved[:ctx.num_params], saved[ctx.num_params:]
         grads: list[torch.Tensor | None] = [None] * len(params)
-        for (t0, t1), h in zip(reversed(ctx.intervals), reversed(kept)):
-            g = reverse_step(lambda x, t0=t0, t1=t1: _step(ctx.func, ctx.tableau, x, t0, t1),
-                             h, g, params, grads)
+        with torch.autocast(**ctx.autocast):
+            for (t0, t1), h in zip(reversed(ctx.intervals), reversed(kept)):
+                g = reverse_step(lambda x, t0=t0, t1=t1: _step(ctx.func, ctx.tableau, x, t0, t1),
+                                 h, g, params, grads)
         return (g, None, None, None, *grads)
 
 

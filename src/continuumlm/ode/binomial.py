@@ -15,7 +15,6 @@ a small dynamic programme (written here: torch has no such scheduler).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
@@ -28,8 +27,7 @@ def default_checkpoints(steps: int) -> int:
 MAX_STEPS = 4096
 
 
-@lru_cache(maxsize=8)
-def _tables(n: int, c: int):
+def _build_tables(n: int, c: int):
     """cost[k][m]: fewest steps advanced without a graph to reverse m steps from a held start
     with k free checkpoints; split[k][m]: the best first split (0: none). Filled bottom-up with
     cost[k][m] = min over s of s + cost[k-1][m-s] + cost[k][s], cost[k][1] = 0 and
@@ -52,6 +50,18 @@ def _tables(n: int, c: int):
         cost.append(cur)
         split.append(where)
     return cost, split
+
+
+_TABLES: list = [0, 0, None]  # the largest tables built so far: [steps, checkpoints, tables]
+
+
+def _tables(n: int, c: int):
+    """Tables that cover n steps and c checkpoints: one set serves every smaller plan (the
+    nested plans of a backward pass all are), so a backward builds at most one."""
+    if n > _TABLES[0] or c > _TABLES[1]:
+        n, c = max(n, _TABLES[0]), max(c, _TABLES[1])
+        _TABLES[:] = [n, c, _build_tables(n, c)]
+    return _TABLES[2]
 
 
 def _plan(n: int, c: int) -> tuple[int, int]:
@@ -94,25 +104,28 @@ class _BinomialSolve(torch.autograd.Function):
     def forward(ctx, h0, step, n, c, autocast, *params):
         ctx.step, ctx.n, ctx.autocast = step, n, autocast
         ctx.points = spine(n, c)
-        kept, h, i = [h0], h0, 0
+        # the spine's states are made here without a graph: held on ctx (not saved tensors)
+        # so that the backward can let each go once its segment is reversed, keeping at most
+        # c + 1 states alive at any time, as the schedule assumes
+        ctx.kept, h, i = [], h0, 0
         for start, _ in ctx.points[1:]:
             h = _advance(step, h, i, start)
-            kept.append(h)
+            ctx.kept.append(h)
             i = start
         h = _advance(step, h, i, n)
-        ctx.save_for_backward(*params, *kept)
-        ctx.num_params = len(params)
+        ctx.save_for_backward(h0, *params)
         return h
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        params, kept = saved[:ctx.num_params], saved[ctx.num_params:]
+        h0, *params = ctx.saved_tensors
         grads: list[torch.Tensor | None] = [None] * len(params)
         g, end = grad_out, ctx.n
         with torch.autocast(**ctx.autocast):
-            for (start, free), h in zip(reversed(ctx.points), reversed(kept)):
+            for start, free in reversed(ctx.points):
+                h = ctx.kept.pop() if start else h0
                 g = _reverse(ctx.step, h, start, end, free, g, params, grads)
+                del h
                 end = start
         return (g, None, None, None, None, *grads)
 
