@@ -149,3 +149,35 @@ def test_refusals():
     with pytest.raises(ValueError, match="fixed-grid"):  # a solver swapped in afterwards
         m.set_solver("dopri5", ode_grad="direct")
         m(torch.randint(0, V, (1, 4)))
+
+
+def test_eval_and_generate_take_an_exit_threshold(tiny_corpus, tmp_path):
+    import json
+
+    from conftest import run_cli
+    from continuumlm.config import load_config
+    from continuumlm.train import Trainer
+
+    def trained(name, depth):
+        cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
+                                 "model.hidden_size=32", "model.num_heads=2",
+                                 "model.num_layers=1", f"model.depth={depth}",
+                                 "model.ode_steps=3", "train.batch_size=2", "train.seq_len=16",
+                                 "train.max_steps=2", "train.eval_interval=2",
+                                 "train.eval_iters=1", "train.device=cpu"])
+        Trainer(cfg, tmp_path / name, quiet=True).run()
+        return tmp_path / name
+
+    run = trained("ode", "ode")
+    r = run_cli("eval", "--checkpoint", run, "--exit-threshold", "inf", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["exit"] == {"threshold": float("inf"), "criterion": "state"}
+    assert out["results"][0]["nfe_per_token"] == 4  # one RK4 step of three
+    r = run_cli("generate", "--checkpoint", run, "--prompt", "the cat", "--max-new-tokens", "5",
+                "--exit-threshold", "0.5", "--exit-criterion", "kl")
+    assert r.returncode == 0 and "field evaluations per token on average" in r.stderr
+    r = run_cli("eval", "--checkpoint", trained("flat", "discrete"), "--exit-threshold", "0.1")
+    assert r.returncode == 2 and "needs depth = 'ode'" in r.stderr
+    r = run_cli("eval", "--checkpoint", run, "--exit-threshold", "-1")
+    assert r.returncode == 2 and ">= 0" in r.stderr
