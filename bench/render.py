@@ -121,8 +121,9 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
 
     clauses, untimed = [], []
     for n in sorted(x for x in runs if x.startswith("ode_")):
-        # a variant in BitNet precision against the same model in full precision
-        ref = (n.removesuffix("_bitnet") if n.endswith("_bitnet") else
+        # a variant (BitNet precision, Dynamic Tanh) against the same model without it
+        variant = next((v for v in ("_bitnet", "_dyt") if n.endswith(v)), None)
+        ref = (n.removesuffix(variant) if variant else
                "deltanet" if "deltanet" in n and "deltanet" in runs else baseline)
         if ref not in runs:
             continue
@@ -148,6 +149,8 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
             if untimed else "")
     if any(n.endswith("_bitnet") and n.removesuffix("_bitnet") in runs for n in runs):
         what = f"a BitNet row against the same model in full precision; {what}"
+    if any(n.endswith("_dyt") and n.removesuffix("_dyt") in runs for n in runs):
+        what = f"a Dynamic Tanh row against the same model with LayerNorm; {what}"
     return [f"ODE rows against their discrete counterparts ({what}): " + "; ".join(clauses)
             + "." + note, ""]
 
@@ -259,7 +262,9 @@ def main() -> None:
         "FLOPs); `ode_attention` integrates four attention-only fields, and "
         "`ode_attention_bitnet` is the same model with BitNet b1.58 projections (ternary "
         "weights, 8-bit activations, trained through a straight-through estimator), set "
-        "against `ode_attention` below; "
+        "against `ode_attention` below, as is `ode_attention_dyt` (Dynamic Tanh, "
+        "gamma tanh(alpha x) + beta with alpha 0.5 at first, in place of every LayerNorm, "
+        "the default of the ODE-attention seed's implementation); "
         "`ode_deltanet` is DeltaNet inside one ODE block; `cat_*` the causal continuous "
         "attention.",
         "",
