@@ -429,6 +429,7 @@ def plots(results: dict[str, dict]) -> list[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: plots not regenerated (pip install -e '.[plot]')")
         return []
@@ -512,6 +513,8 @@ def plots(results: dict[str, dict]) -> list[str]:
                 ax.plot(*zip(*pts), marker="o", ms=3.5, ls=styles[(i // 10) % 4],
                         color=plt.cm.tab10.colors[i % 10], label=label(key))
         ax.set(**axes)
+        if axes.get("xscale") == "log":  # minor labels (3x10^2, 4x10^2, ...) overprint
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         fig.tight_layout()
@@ -538,6 +541,8 @@ def plots(results: dict[str, dict]) -> list[str]:
                 for r in ctx for c in r["contexts"]]
         series("cat_context", rows, lambda r: r["config"], lambda r: r["context"],
                lambda r: r["loss"], str, xscale="log", xlabel="evaluation context (chars)",
+               xticks=sorted({r["context"] for r in rows}),
+               xticklabels=[str(c) for c in sorted({r["context"] for r in rows})],
                ylabel="cross-entropy (nats/char)",
                title="CAT protocol: trained at 256, evaluated longer")
     ptb = [r for r in results.values() if r.get("config", "").startswith("configs/ptb/")
