@@ -85,7 +85,6 @@ def main() -> None:
     old = json.loads(path.read_text()) if path.is_file() else {"rows": [], "decoding": []}
     have = {(r["model"], r["criterion"], r["tau"]): r for r in old["rows"]}
     rows, decoding = [], {(d["model"], d["criterion"], d["tau"]): d for d in old["decoding"]}
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     for model in MODELS:
         run = RUNS / f"shakespeare_char-{model}_seed1337"
         trained = finished_run(run)

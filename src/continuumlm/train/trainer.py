@@ -333,7 +333,7 @@ class Trainer:
             return {}
         return {"nfe_backward": self.model.last_backward_nfe}
 
-    def _elastic_fields(self) -> dict:
+    def _solve_fields(self) -> dict:
         """What an elastic run logs beside the loss: the logged step's solver and step count,
         and its consistency term (when it has one); a regularized one, its regularizers
         (unweighted) and STEER's end time."""
@@ -584,7 +584,7 @@ class Trainer:
                     self._log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
                                      "nfe": self.model.last_nfe, "penalty": self.last_penalty,
-                                     **self._backward_nfe(), **self._elastic_fields()})
+                                     **self._backward_nfe(), **self._solve_fields()})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
