@@ -5,7 +5,7 @@
     python bench/mqar_runs.py --by-distance configs/mqar/deltanet_kv64.toml
     python bench/mqar_runs.py --fresh configs/mqar/deltanet_kv64.toml
 
-Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its state file when
+Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its checkpoints when
 interrupted) and writes bench/results/mqar-<name>.json once the run is complete; a config whose
 complete JSON exists is skipped, and so is one whose JSON records an unfinished run (see
 --snapshot) whose run folder is gone (delete the JSON to train it again from scratch).

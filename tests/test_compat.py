@@ -82,12 +82,19 @@ def test_a_legacy_run_resumes_with_a_config_in_the_new_spelling(legacy_run, tmp_
     raw = tomllib.loads((legacy_run / "config.toml").read_text())
     model = {k: v for k, v in raw["model"].items() if not k.startswith(("cat_", "deltanet_"))}
     lines = ["[model]", *(f"{k} = {json.dumps(v)}" for k, v in model.items()),
-             "", "[model.deltanet]", "short_conv = 4", ""]
+             "", "[model.deltanet]", "short_conv = 4", 'activation = "none"', "beta_bias = true",
+             'head_norm = "model"', ""]
     for section in ("data", "train"):
         lines += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in raw[section].items()
                                     if v is not None), ""]
     new = tmp_path / "new.toml"
     new.write_text("\n".join(lines).replace("True", "true").replace("False", "false"))
+    # without the feature map of its time (today's defaults follow fla) it is another model
+    bare = tmp_path / "bare.toml"
+    bare.write_text("\n".join(x for x in new.read_text().splitlines()
+                               if not x.startswith(("activation", "beta_bias", "head_norm"))))
+    r = run_cli("train", "--config", bare, "--out", legacy_run, "--resume", "--quiet")
+    assert r.returncode == 2 and "model.deltanet.activation" in r.stderr, r.stderr
     r = run_cli("train", "--config", new, "--out", legacy_run, "--resume", "--quiet", "--set",
                 "train.max_steps=6")
     assert r.returncode == 0, r.stderr

@@ -390,3 +390,72 @@ def test_chunkwise_kernel_compiles_as_one_graph():
     ex = torch._dynamo.explain(lambda q, k, v, b, s: delta_rule_chunkwise(
         q, k, v, b, chunk_size=32, initial_state=s))(q, k, v, beta, init)
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+
+
+def _deltanet_reference(layer, x, silu: bool):
+    """The layer's forward spelled out with the token-loop kernel: (SiLU) -> L2 norm -> delta
+    rule -> per-head norm -> SiLU gate -> output projection."""
+    B, T, C = x.shape
+    H = layer.num_heads
+    D = C // H
+
+    def heads(t):
+        return t.view(B, T, H, D).transpose(1, 2)
+
+    q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
+    if silu:
+        q, k, v = F.silu(q), F.silu(k), F.silu(v)
+    q, k = F.normalize(heads(q), dim=-1), F.normalize(heads(k), dim=-1)
+    beta = torch.sigmoid(layer.beta_proj(x)).transpose(1, 2)
+    o, _ = delta_rule_recurrent(q, k, heads(v), beta)
+    o = layer.norm(o).transpose(1, 2).reshape(B, T, C)
+    return layer.o_proj(o * F.silu(layer.g_proj(x)))
+
+
+@pytest.mark.parametrize("settings, silu, norm, bias", [
+    ({}, True, torch.nn.RMSNorm, False),  # (Float32RMSNorm) flash-linear-attention's layer
+    ({"activation": "none", "beta_bias": True, "head_norm": "model"}, False,
+     torch.nn.LayerNorm, True),  # the map of earlier versions
+])
+def test_deltanet_feature_maps_against_the_spelled_out_layer(settings, silu, norm, bias):
+    from conftest import small_config
+    from continuumlm.mixers.deltanet import DeltaNetAttention
+
+    torch.manual_seed(0)
+    cfg = small_config(mixer="deltanet", components={"deltanet": settings})
+    layer = DeltaNetAttention(cfg).double()
+    assert isinstance(layer.norm, norm) and (layer.beta_proj.bias is not None) == bias
+    x = torch.randn(2, 37, 32, dtype=torch.float64)  # not a multiple of the chunk
+    torch.testing.assert_close(layer(x), _deltanet_reference(layer, x, silu), rtol=1e-10,
+                               atol=1e-10)
+
+
+@pytest.mark.parametrize("activation", ["silu", "none"])
+def test_both_deltanet_maps_are_causal_and_decode_exactly(activation):
+    from continuumlm.testing import check_component
+
+    check_component("mixer", "deltanet",
+                    components={"deltanet": {"activation": activation, "short_conv": 0}})
+
+
+def test_a_config_saved_before_the_fla_defaults_reads_as_the_model_it_trained():
+    """Saved configs (checkpoints, run.json, HF config.json) that lack the new keys build
+    earlier versions' layer; a new config gets flash-linear-attention's map; a table of a
+    mixer that is not selected, with nothing but old defaults, compares equal to none."""
+    from continuumlm import ModelConfig
+
+    old = {"vocab_size": 37, "hidden_size": 32, "num_heads": 4, "mixer": "deltanet",
+           "deltanet": {"short_conv": 4}}
+    saved = ModelConfig.from_dict(old, saved=True).component("deltanet")
+    assert (saved.activation, saved.beta_bias, saved.head_norm) == ("none", True, "model")
+    assert saved.short_conv == 4
+    new = ModelConfig.from_dict(old).component("deltanet")
+    assert (new.activation, new.beta_bias, new.head_norm) == ("silu", False, "rms")
+    flat = {k: v for k, v in old.items() if k != "deltanet"} | {"deltanet_short_conv": 0}
+    assert ModelConfig.from_dict(flat, saved=True).component("deltanet").activation == "none"
+    other = {**flat, "mixer": "softmax"}  # 0.1 wrote every flat key whatever the mixer
+    assert ModelConfig.from_dict(other, saved=True) == ModelConfig.from_dict(
+        {k: v for k, v in other.items() if k != "deltanet_short_conv"}, saved=True)
+    # what is saved now holds every key, so it reads back as itself
+    cfg = ModelConfig.from_dict(old)
+    assert ModelConfig.from_dict(cfg.to_dict(), saved=True) == cfg

@@ -38,7 +38,8 @@ def test_hf_generation_equals_ours(mixer, depth, solver, tmp_path):
     lm = build(mixer, depth, solver)
     hf = saved(lm, tmp_path)
     assert isinstance(hf, ContinuumLMForCausalLM)
-    prompt = torch.randint(0, lm.config.vocab_size, (1, 5))
+    # not the pad id (0): generate would mask it out, which these models refuse
+    prompt = torch.randint(1, lm.config.vocab_size, (1, 5))
     n = 6
     out = hf.generate(prompt, max_new_tokens=n, do_sample=False, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=0)
@@ -64,7 +65,7 @@ def test_generate_feeds_one_token_per_step_after_the_prompt(tmp_path, monkeypatc
 
     monkeypatch.setattr(lm, "hidden_states", spy)
     hf.model = lm
-    hf.generate(torch.randint(0, 37, (1, 7)), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    hf.generate(torch.randint(1, 37, (1, 7)), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert seen == [(7, 0), (1, 7), (1, 8), (1, 9)]
 
 

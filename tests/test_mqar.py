@@ -147,7 +147,9 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
     monkeypatch.setattr(M, "recall_accuracy", real)
-    assert torch.load(tmp_path / "cut" / "state.pt", weights_only=True)["step"] == 4
+    # the checkpoint written after the evaluation at step 4 (the one at step 8 never was)
+    assert torch.load(tmp_path / "cut" / "checkpoints" / "last" / "trainer_state.pt",
+                      weights_only=True)["step"] == 4
     # the interrupted run leaves a record of how far it got, marked unfinished
     part = M.progress(tmp_path / "cut")
     assert not part["complete"] and not part["stopped_early"]
@@ -294,24 +296,96 @@ def test_mixed_pair_counts_config_and_run(tmp_path):
         M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)
 
 
-def test_mqar_state_saved_before_a_config_key_existed_still_resumes(tmp_path, monkeypatch):
-    """A state saved by a version without ``train_kv_pairs`` resumes: the missing key takes its
-    default, which is what that version did."""
-    import continuumlm.train.mqar as M
+LEGACY = Path(__file__).parent / "data" / "mqar-state-pt"
 
-    real = M.recall_accuracy
-    monkeypatch.setattr(M, "recall_accuracy", _dies_at_evaluation(2, real))
-    with pytest.raises(KeyboardInterrupt):
-        M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)
-    monkeypatch.setattr(M, "recall_accuracy", real)
-    path = tmp_path / "run" / "state.pt"
-    st = torch.load(path, weights_only=True)
-    del st["config"]["mqar"]["train_kv_pairs"]
-    torch.save(st, path)
-    assert M.progress(tmp_path / "run", _mqar_cfg())["steps"] == 4
-    assert M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)["steps"] == 8
-    with pytest.raises(ValueError, match="other settings"):  # a changed key is still refused
-        M.progress(tmp_path / "run", _mqar_cfg("mqar.train_kv_pairs=[4]"))
+
+def _legacy_run(tmp_path, drop_key: bool = False) -> Path:
+    """A copy of a run folder the standalone MQAR loop of earlier versions wrote (its
+    ``state.pt`` at step 4 of _mqar_cfg()'s 8 steps: the process died at the second
+    evaluation); ``drop_key``: as saved by a version without ``mqar.train_kv_pairs``."""
+    run = tmp_path / "legacy"
+    shutil.copytree(LEGACY, run)
+    if drop_key:
+        st = torch.load(run / "state.pt", weights_only=True)
+        del st["config"]["mqar"]["train_kv_pairs"]
+        torch.save(st, run / "state.pt")
+    return run
+
+
+def _golden():
+    return json.loads((Path(__file__).parent / "data" / "mqar_golden.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["softmax", "ode_deltanet"])
+def test_mqar_on_the_trainer_reproduces_the_standalone_loop(tmp_path, name):
+    """Per-step losses and held-out recall equal, bit for bit, those of the standalone loop
+    MQAR had before it became a task on the trainer (tests/data/mqar_golden.json)."""
+    import continuumlm.train.mqar as M
+    from continuumlm.train.logging import read_metrics
+
+    g = _golden()[name]
+    r = M.run_mqar(_mqar_cfg(*g["set"]), tmp_path / "run", quiet=True)
+    assert [[e["step"], e["loss"]] for e in read_metrics(tmp_path / "run") if "loss" in e] \
+        == g["losses"]
+    assert r["history"] == g["history"] and r["parameters"] == g["parameters"]
+
+
+@pytest.mark.parametrize("drop_key", [False, True])
+def test_a_run_of_the_standalone_loop_is_adopted_and_continues_exactly(tmp_path, drop_key):
+    """A state.pt run folder (the standalone loop's) is read as it is by progress and
+    recall_by_distance, and the same command continues it on the trainer: the losses of its
+    remaining steps are the uninterrupted loop's. A state saved before a config key existed
+    (drop_key) takes the key's default, which is what that version did."""
+    import continuumlm.train.mqar as M
+    from continuumlm.train.logging import read_metrics
+
+    run = _legacy_run(tmp_path, drop_key)
+    g = _golden()["softmax"]
+    part = M.progress(run, _mqar_cfg())
+    assert part["steps"] == 4 and not part["complete"] and part["history"] == g["history"][:1]
+    assert M.recall_by_distance(run)["step"] == 4
+    with pytest.raises(ValueError, match="other settings"):
+        M.run_mqar(_mqar_cfg("train.lr=0.5"), run, quiet=True)
+    assert not (run / "checkpoints").exists()
+    r = M.run_mqar(_mqar_cfg(), run, quiet=True)
+    assert r["steps"] == 8 and r["complete"] and r["history"] == g["history"]
+    assert [[e["step"], e["loss"]] for e in read_metrics(run) if "loss" in e] == g["losses"]
+    assert (run / "state.pt").exists()  # kept: nothing of the old run is lost
+    assert M.progress(run) == r and M.fresh_recall(run)["step"] == 8
+
+
+def test_an_mqar_checkpoint_is_refused_by_eval_with_a_reason(tmp_path):
+    """MQAR models have no tokenizer: eval and generate say so instead of a missing file."""
+    import continuumlm.train.mqar as M
+    from continuumlm import CheckpointError
+    from continuumlm.train import load_model_and_tokenizer
+
+    M.run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "run", quiet=True)
+    with pytest.raises(CheckpointError, match="MQAR task .* no tokenizer"):
+        load_model_and_tokenizer(tmp_path / "run")
+
+
+def test_mqar_runs_with_gradient_accumulation_and_bfloat16(tmp_path):
+    """On the trainer MQAR gains its options: grad_accum splits each step's examples into
+    micro-batches (the same examples as one batch of their total size: equal first loss), and
+    autocast runs (bf16 on CPU)."""
+    import continuumlm.train.mqar as M
+    from continuumlm.train.logging import read_metrics
+
+    def first_loss(d):
+        return next(e["loss"] for e in read_metrics(d) if "loss" in e)
+
+    M.run_mqar(_mqar_cfg("train.max_steps=2", "train.batch_size=16"), tmp_path / "one",
+               quiet=True)
+    M.run_mqar(_mqar_cfg("train.max_steps=2", "train.batch_size=8", "train.grad_accum=2"),
+               tmp_path / "two", quiet=True)
+    assert first_loss(tmp_path / "two") == pytest.approx(first_loss(tmp_path / "one"), rel=1e-5)
+    r = M.run_mqar(_mqar_cfg("train.max_steps=4", "train.dtype=bf16"), tmp_path / "bf16",
+                   quiet=True)
+    assert r["complete"] and r["steps"] == 4
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+        M.run_mqar(_mqar_cfg("train.batch_size=64", "train.grad_accum=2"), tmp_path / "big",
+                   quiet=True)
 
 
 def test_fresh_recall_scores_the_final_model_on_unseen_sequences(tmp_path):
@@ -328,9 +402,10 @@ def test_fresh_recall_scores_the_final_model_on_unseen_sequences(tmp_path):
     held, train = M._test_set(cfg)[0], M._train_set(cfg)[0]
     assert not (x[:, None] == held[None]).all(-1).any()
     assert not (x[:, None] == train[None]).all(-1).any()
-    st = torch.load(tmp_path / "f" / M.STATE, weights_only=False)
-    model = M._quiet_model(M.RunConfig.from_dict(st["config"]))
-    model.load_state_dict(st["model"])
+    from safetensors.torch import load_model
+
+    model = M._quiet_model(cfg)  # run_mqar gave cfg the task's model settings
+    load_model(model, str(tmp_path / "f" / "checkpoints" / "last" / "model.safetensors"))
     assert fresh["accuracy"] == recall_accuracy(model, x, y)
 
 
@@ -347,3 +422,35 @@ def test_example_counts_that_cannot_fit_are_refused_before_generating(tmp_path, 
     with pytest.raises(ConfigError, match=r"mqar.test_examples = 100,000,000 .* lower"):
         M.run_mqar(cfg, tmp_path / "run", quiet=True)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_mqar_under_two_processes_equals_one_process_with_accumulation(tmp_path):
+    """`continuumlm mqar --nproc 2`: rank r reads slice r of each step's examples, so two
+    processes train what one process with grad_accum 2 trains (equal losses and recall)."""
+    from continuumlm.train.logging import read_metrics
+
+    root = Path(__file__).resolve().parents[1]
+    config = root / "configs" / "mqar" / "softmax_kv16.toml"
+    sets = ["model.hidden_size=32", "model.num_heads=2", "mqar.vocab_size=64",
+            "mqar.seq_len=32", "mqar.num_kv_pairs=4", "mqar.train_examples=96",
+            "mqar.test_examples=32", "train.max_steps=6", "train.batch_size=8",
+            "train.eval_interval=3", "train.warmup_steps=2", "train.log_interval=1",
+            "train.device=cpu"]
+    args = sum((["--set", x] for x in sets), [])
+    cli = str(Path(sys.executable).parent / "continuumlm")
+    two = subprocess.run([cli, "mqar", "--config", str(config), "--out", str(tmp_path / "two"),
+                          "--nproc", "2", *args], capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr
+    one = run_cli("mqar", "--config", config, "--out", tmp_path / "one", *args,
+                  "--set", "train.grad_accum=2")
+    assert one.returncode == 0, one.stderr
+
+    def losses(d):
+        return [e["loss"] for e in read_metrics(d) if "loss" in e]
+
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    a = json.loads((tmp_path / "two" / "result.json").read_text())
+    b = json.loads((tmp_path / "one" / "result.json").read_text())
+    assert a["complete"] and a["steps"] == b["steps"] == 6
+    assert [h[0] for h in a["history"]] == [3, 6]

@@ -345,12 +345,18 @@ def test_a_new_run_never_writes_into_another_runs_folder(tiny_corpus, tmp_path):
     assert (own / "config.toml").read_text().startswith("# my notes")
     run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "mq", quiet=True)
     before = (tmp_path / "mq" / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match="state.pt"):
+    with pytest.raises(ConfigError, match="checkpoints"):
         Trainer(tiny_cfg(tiny_corpus, "train.max_steps=2"), tmp_path / "mq", quiet=True)
+    with pytest.raises(ConfigError, match=r"holds a MQAR \(continuumlm mqar\) run, not a "
+                                          r"language-modeling"):
+        Trainer(tiny_cfg(tiny_corpus, "train.max_steps=2"), tmp_path / "mq", resume=True,
+                quiet=True)
     assert (tmp_path / "mq" / "metrics.jsonl").read_text() == before
     Trainer(tiny_cfg(tiny_corpus, "train.max_steps=3"), tmp_path / "tr", quiet=True).run()
-    with pytest.raises(ConfigError, match="checkpoints"):
+    before = (tmp_path / "tr" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="holds a language-modeling .* run, not a MQAR"):
         run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "tr", quiet=True)
+    assert (tmp_path / "tr" / "metrics.jsonl").read_text() == before
 
 
 def test_inspect_reads_a_config_saved_with_a_byte_order_mark(tmp_path):

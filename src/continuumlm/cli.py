@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     q.add_argument("--out", help="run folder (default: runs/mqar/<config name>)")
     q.add_argument("--quiet", action="store_true")
+    q.add_argument("--nproc", type=_positive_int, help="train with N processes on this machine "
+                   "(torchrun --standalone --nproc_per_node=N, as for train)")
 
     i = sub.add_parser("inspect", parents=[plugin], help="parameter count and NFE of a config's model")
     i.add_argument("--config", required=True)
@@ -473,14 +475,32 @@ def cmd_train(args) -> int:
 
 def cmd_mqar(args) -> int:
     from .config import load_config
+    from .train import distributed
     from .train.mqar import run_mqar
 
     cfg = load_config(args.config, args.set, plugins=args.plugin)
     out = Path(args.out) if args.out else Path("runs") / "mqar" / Path(args.config).stem
+    if args.nproc and args.nproc > 1:
+        if distributed.env_from_environment().enabled:
+            raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
+                             "already sets the number of processes).")
+        from .train.mqar import prepare_run_folder
+
+        try:  # a bad config is reported here, once; an earlier version's run folder adopted
+            prepare_run_folder(cfg, out)
+        except ValueError as e:
+            raise UsageError(f"[mqar]: {e}") from None
+        return launch_torchrun(args.nproc, args.argv)
     try:
         r = run_mqar(cfg, out, quiet=args.quiet)
     except ValueError as e:  # task sizes that do not fit together
         raise UsageError(f"[mqar]: {e}") from None
+    if not distributed.env_from_environment().is_main:
+        return 0
+    if r.get("interrupted"):
+        print(f"stopped by {r['interrupted']} (checkpoint saved; last evaluation at step "
+              f"{r['steps']}); the same command continues the run")
+        return 130 if r["interrupted"] == "SIGINT" else 128 + signal.SIGTERM
     print(f"done: {r['mixer']}/{r['depth']}, {r['num_kv_pairs']} pairs at length {r['seq_len']}: "
           f"recall accuracy {r['accuracy']:.4f} (best {r['best_accuracy']:.4f}) after "
           f"{r['steps']} steps, {r['seconds']:.0f} s; run folder {out}")

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..registry import FIELDS, MIXERS, SOLVERS
-from .checks import _in, _origin, _suggest, _validate
+from .checks import _in, _origin, _strict, _suggest, _validate
 
 # the plain [model] keys (filled in by sections.py): a component table may not shadow them
 MODEL_KEYS: set[str] = set()
@@ -103,6 +103,18 @@ def _component_class(name: str) -> type | None:
     return _configurable().get(name)
 
 
+def _saved_defaults(cls) -> dict[str, Any]:
+    """A component Config's ``saved_defaults``: for settings whose default changed, the value a
+    run saved before the setting existed had (every run saved since records the setting)."""
+    return dict(getattr(cls.Config, "saved_defaults", None) or {})
+
+
+def _defaults(cls) -> list:
+    """The Configs a component has when nothing is set (read back from a saved run, also the
+    one with its saved defaults)."""
+    return [cls.Config()] + ([] if _strict() else [cls.Config(**_saved_defaults(cls))])
+
+
 def _build_components(cfg) -> dict[str, Any]:
     """Each [model.NAME] table as its component's Config, checked; plus the defaults of the
     selected mixer, field and solver when they have settings and none were given."""
@@ -133,14 +145,17 @@ def _build_components(cfg) -> dict[str, Any]:
                 raise ConfigError(f"unknown key model.{name}.{key}{_suggest(key, known)}; "
                                   f"valid keys of [model.{name}] are: "
                                   f"{', '.join(sorted(known))}.")
+        if not _strict():  # a saved run: keys it lacks take what it did before they existed
+            value = {**_saved_defaults(cls), **value}
         obj = cls.Config(**value)
         _validate(obj, f"model.{name}")
         built[name] = obj
     selected = (cfg.mixer, cfg.field, cfg.ode_solver)
     for name in selected:
         if name in configurable and name not in built:
-            built[name] = configurable[name].Config()
+            cls = configurable[name]
+            built[name] = cls.Config(**({} if _strict() else _saved_defaults(cls)))
     # the defaults of a component that is not selected say nothing (0.1 checkpoints hold every
     # flat setting whatever the mixer): left out, so equal configs compare equal
     return {name: c for name, c in built.items()
-            if name in selected or c != configurable[name].Config()}
+            if name in selected or c not in _defaults(configurable[name])}

@@ -19,13 +19,14 @@ The kernels take q, k, v and beta as given: normalization and scaling are the la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import setting
-from ..nn import SharedDropout, make_linear, make_norm
+from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm
 from ..registry import register_mixer
 
 
@@ -326,9 +327,12 @@ class ShortConv(nn.Module):
 
 @register_mixer("deltanet")
 class DeltaNetAttention(nn.Module):
-    """The DeltaNet token mixer: projections, L2-normalized q/k, sigmoid write strength, the
-    delta-rule kernel, a per-head norm on the readout, a SiLU output gate and the output
-    projection. ``mode = "encoder"`` sums a left-to-right and a right-to-left scan."""
+    """The DeltaNet token mixer: projections, SiLU (after the short convolution when there is
+    one), L2-normalized q/k, sigmoid write strength, the delta-rule kernel, a per-head
+    RMSNorm on the readout, a SiLU output gate and the output projection, as
+    flash-linear-attention's DeltaNet layer with use_gate = True (the differences that remain
+    are listed in docs/continuous_depth.md, Mixers). ``mode = "encoder"`` sums a left-to-right and a
+    right-to-left scan."""
 
     @dataclass
     class Config:
@@ -336,6 +340,20 @@ class DeltaNetAttention(nn.Module):
 
         short_conv: int = setting(0, ge=0)
         """Kernel size of the causal depthwise convolution on q, k and v (0 = off)."""
+        activation: str = setting("silu", choices=("silu", "none"))
+        """Without the short convolution: "silu" applies SiLU to q, k and v before the delta
+        rule, as flash-linear-attention's DeltaNet layer does (its qk_activation = "silu");
+        "none" feeds the projections as they are (q and k only L2-normalized), the map of
+        earlier versions. With the convolution SiLU follows it either way."""
+        beta_bias: bool = setting(False)
+        """A bias on the write-strength (beta) projection; fla's b_proj has none."""
+        head_norm: str = setting("rms", choices=("rms", "model"))
+        """The per-head norm of the readout: "rms" is RMSNorm (eps 1e-5) as fla's o_norm;
+        "model" is model.norm_type (LayerNorm by default), as earlier versions."""
+
+        # what a run saved before these keys existed did: read back, it builds that model
+        saved_defaults: ClassVar[dict] = {"activation": "none", "beta_bias": True,
+                                          "head_norm": "model"}
 
     cache_factory = DeltaNetCache
     chunk_size = 64
@@ -353,12 +371,14 @@ class DeltaNetAttention(nn.Module):
         self.g_proj = make_linear(C, C, cfg)
         self.o_proj = make_linear(C, C, cfg)
         self.o_proj.residual_proj = True
-        self.beta_proj = nn.Linear(C, cfg.num_heads, bias=True)
+        own = cfg.component("deltanet")
+        self.beta_proj = nn.Linear(C, cfg.num_heads, bias=own.beta_bias)
         self.convs = None
-        kernel = cfg.component("deltanet").short_conv
-        if kernel:
-            self.convs = nn.ModuleDict({n: ShortConv(C, kernel) for n in "qkv"})
-        self.norm = make_norm(cfg.head_dim, cfg)
+        if own.short_conv:
+            self.convs = nn.ModuleDict({n: ShortConv(C, own.short_conv) for n in "qkv"})
+        self.silu_qkv = own.activation == "silu"
+        self.norm = (Float32RMSNorm(cfg.head_dim, eps=1e-5) if own.head_norm == "rms"
+                     else make_norm(cfg.head_dim, cfg))
         self.dropout = SharedDropout(cfg.dropout)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -377,6 +397,8 @@ class DeltaNetAttention(nn.Module):
                 proj[name] = F.silu(y)
                 if cache is not None:
                     cache.update_conv(name, new_hist)
+        elif self.silu_qkv:
+            proj = {name: F.silu(p) for name, p in proj.items()}
         q = F.normalize(self._heads(proj["q"]), dim=-1)
         k = F.normalize(self._heads(proj["k"]), dim=-1)
         v = self._heads(proj["v"])

@@ -148,8 +148,20 @@ class LanguageModel(nn.Module):
         return self.norm_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                state: DecodeState | None = None):
-        logits = self.lm_head(self.hidden_states(idx, state))
+                state: DecodeState | None = None, targets_only: bool = False):
+        """(logits, loss): logits (B, T, vocab), and the mean cross-entropy over the targets
+        that are not -1 (None without targets). ``targets_only``: the head is applied only at
+        the positions with a target, so logits are (number of targets, vocab) in row-major
+        order; the loss is the same at a fraction of the vocabulary-sized work (a task whose
+        targets are sparse, like MQAR's queries)."""
+        h = self.hidden_states(idx, state)
+        if targets_only:
+            if targets is None:
+                raise ValueError("targets_only needs targets: it keeps the positions that have one.")
+            keep = targets >= 0
+            logits = self.lm_head(h[keep])
+            return logits, F.cross_entropy(logits.float(), targets[keep])
+        logits = self.lm_head(h)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1),

@@ -3,7 +3,7 @@
 from .dropout import SharedDropout, freeze_dropout
 from .linear import BitLinear, make_linear, ternary_weights
 from .mlp import MLP
-from .norm import make_norm
+from .norm import Float32RMSNorm, make_norm
 from .position import RotaryEmbedding
 
-__all__ = ["SharedDropout", "freeze_dropout", "BitLinear", "make_linear", "ternary_weights", "MLP", "make_norm", "RotaryEmbedding"]
+__all__ = ["SharedDropout", "freeze_dropout", "BitLinear", "make_linear", "ternary_weights", "MLP", "make_norm", "Float32RMSNorm", "RotaryEmbedding"]

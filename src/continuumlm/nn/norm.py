@@ -6,6 +6,18 @@ import torch
 import torch.nn as nn
 
 
+class Float32RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32 whatever the input (as flash-linear-attention keeps
+    DeltaNet's o_norm, and as autocast runs LayerNorm); under autocast the output stays
+    float32 like LayerNorm's, otherwise it takes the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() if self.weight is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            y = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, weight, self.eps)
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 class DynamicTanh(nn.Module):
     """Dynamic Tanh (DyT; Zhu et al. 2025, "Transformers without Normalization"):
     y = gamma * tanh(alpha * x) + beta, a learned scalar alpha (0.5 at first) and per-channel

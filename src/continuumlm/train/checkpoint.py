@@ -32,7 +32,7 @@ import torch
 
 from ..config import RunConfig
 from ..data.corpora import sha256_file
-from ..data.tokenizers import load_tokenizer, save_tokenizer
+from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer, save_tokenizer
 from ..errors import CheckpointError, first_line
 from ..model.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel
 
@@ -104,7 +104,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
         else:
             (tmp / CONFIG_FILE).write_text(json.dumps(raw.config.to_dict(), indent=2) + "\n")
             os.rename(shards, tmp / SHARDS_DIR)
-        save_tokenizer(tokenizer, tmp)
+        if tokenizer is not None:  # a task without text (MQAR) has none
+            save_tokenizer(tokenizer, tmp)
         (tmp / RUN_FILE).write_text(json.dumps(run_cfg.to_dict(), indent=2) + "\n")
         torch.save(trainer_state, tmp / STATE_FILE)
         _write_manifest(tmp, step)
@@ -331,6 +332,15 @@ def load_model_and_tokenizer(path: str | Path, which: str = "last", map_location
     if not (ckpt / WEIGHTS_FILE).exists() and (ckpt / SHARDS_DIR).is_dir():
         raise CheckpointError(f"{ckpt} holds FSDP shards, not {WEIGHTS_FILE}; consolidate them "
                               f"first with: continuumlm export --checkpoint {ckpt}")
+    if not (ckpt / TOKENIZER_FILE).exists() and (ckpt / STATE_FILE).exists():
+        task = (load_trainer_state(ckpt).get("task") or {}).get("name")
+        if task == "mqar":
+            raise CheckpointError(
+                f"{ckpt} holds a model of the MQAR task (`continuumlm mqar`): its tokens are "
+                f"the task's integer ids, with no tokenizer, so it cannot be evaluated or "
+                f"sampled on text. Its recall is in the run folder's result.json (the same "
+                f"`continuumlm mqar` command continues the run; bench/mqar_runs.py --fresh "
+                f"scores it on unseen sequences).")
     model = LanguageModel.from_pretrained(ckpt, map_location=map_location)
     tok = load_tokenizer(ckpt)
     if tok.vocab_size != model.config.vocab_size:

@@ -49,8 +49,9 @@ class ElasticDepth:
         finally:
             self.model.set_solver(*self.base)
 
-    def target(self, forward, x: torch.Tensor, solver: str, steps: int) -> torch.Tensor | None:
-        """Next-token log-probabilities of the finer solve (no gradient, dropout off), or None
+    def target(self, logits_of, solver: str, steps: int) -> torch.Tensor | None:
+        """Next-token log-probabilities of the finer solve (``logits_of()``: the batch's
+        logits as the task's objective computes them; no gradient, dropout off), or None
         when there is no consistency term or no finer step count than ``steps``."""
         fine = self.finer(steps) if self.weight > 0 else None
         if fine is None:
@@ -60,7 +61,7 @@ class ElasticDepth:
         self.model.eval()
         try:
             with torch.no_grad():
-                logits, _ = forward(x)
+                logits = logits_of()
         finally:
             self.model.train(was)
             self.model.set_solver(solver, steps)

@@ -1,30 +1,31 @@
-"""Train and evaluate a model on multi-query associative recall (``continuumlm mqar``).
+"""Multi-query associative recall as a task on the trainer (``continuumlm mqar``).
 
 A fixed training set is sampled once from a seeded generator and visited in shuffled epochs;
-recall accuracy is measured on a held-out set drawn from a different seed. Results go to
-``metrics.jsonl`` and ``result.json`` in the run folder.
+recall accuracy is measured on a held-out set drawn from a different seed. The run is an
+ordinary training run (:class:`~continuumlm.train.trainer.Trainer`: AMP, DDP/FSDP, bad-step
+handling, signals, checkpoints in ``checkpoints/``, exact resume) with this module's task
+supplying the data, the objective and the evaluation.
 
 The loss is the cross-entropy at the query positions only (every other target is ignored), so
-the output layer is applied to those positions alone: the same loss as a full forward at a
-fraction of the vocabulary-sized work. The run saves ``state.pt`` at every evaluation; running
-the same command again continues from it (same batches, same result as an uninterrupted run).
-``result.json`` is rewritten at every evaluation too, with ``"complete": false`` until the run
-stops, so an interrupted run still leaves a record of how far it got (:func:`progress`).
+the output layer is applied to those positions alone (``model(x, y, targets_only=True)``): the
+same loss as a full forward at a fraction of the vocabulary-sized work. A checkpoint is saved
+after every evaluation; running the same command again continues from the newest one (same
+batches, same result as an uninterrupted run). ``result.json`` is rewritten at every evaluation
+too, with ``"complete": false`` until the run stops, so an interrupted run still leaves a record
+of how far it got (:func:`progress`). A run folder written by the standalone MQAR loop of earlier
+versions (``state.pt``) is adopted: its state becomes a checkpoint, and the run continues.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
-from ..config import RunConfig, dump_toml
+from ..config import RunConfig
 from ..data.mqar import (
     mqar_batch,
     mqar_bytes,
@@ -34,21 +35,18 @@ from ..data.mqar import (
     recall_accuracy,
 )
 from ..errors import CheckpointError, ConfigError
-from ..model.lm import LanguageModel, check_memory
+from ..model.lm import LanguageModel
 from ..model.memory import available_memory
-from ..ode import solver_errors
-from .logging import MetricsLogger, refuse_foreign_files
-from .optim import lr_at, make_optimizer
-from .trainer import pick_device
+from .checkpoint import load_run_config, load_trainer_state, save_checkpoint, verify_checkpoint
+from .optim import make_optimizer
+from .tasks import Evaluation
 
-STATE = "state.pt"
+LEGACY_STATE = "state.pt"  # the standalone loop's state file (earlier versions)
 
 
 def query_loss(model: LanguageModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the positions with a target (y >= 0), the head applied only there."""
-    h = model.hidden_states(x)
-    mask = y >= 0
-    return F.cross_entropy(model.lm_head(h[mask]).float(), y[mask])
+    return model(x, y, targets_only=True)[1]
 
 
 def _test_set(cfg: RunConfig, offset: int = 10_000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,17 +62,6 @@ def _test_set(cfg: RunConfig, offset: int = 10_000) -> tuple[torch.Tensor, torch
 FRESH_OFFSET = 20_000
 
 
-def fresh_recall(out: str | Path) -> dict:
-    """Recall of the model in ``out/state.pt`` on the fresh held-out set:
-    ``{"step", "accuracy"}``."""
-    st = _load_state(Path(out) / STATE, _WHILE_RUNNING)
-    cfg = RunConfig.from_dict(st["config"], saved=True)
-    model = _quiet_model(cfg)
-    model.load_state_dict(st["model"])
-    x, y = _test_set(cfg, FRESH_OFFSET)
-    return {"step": st["step"], "accuracy": recall_accuracy(model, x, y)}
-
-
 def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     # one pair count draws exactly mqar_batch's sequences, so both cases share one call (the
     # config has checked that every pair count fits the vocabulary and the sequence length)
@@ -82,6 +69,139 @@ def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return mqar_mixed_batch(q.train_examples, q.vocab_size, q.seq_len,
                             q.train_kv_pairs or [q.num_kv_pairs], q.power_a,
                             torch.Generator().manual_seed(cfg.train.seed))
+
+
+class EpochSampler:
+    """A fixed set of examples visited in shuffled epochs: each optimizer step takes the next
+    ``batch_size x grad_accum x world_size`` examples of a permutation drawn from its own
+    seeded generator, reshuffling when fewer than that are left (as Zoology trains MQAR).
+    Rank r's micro-step j reads slice r * grad_accum + j of the step's examples, so one process
+    with grad_accum 1 reads exactly what the standalone loop read. Every rank keeps the same
+    state (the permutation, the cursor, the generator)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int,
+                 rank: int = 0, world: int = 1, grad_accum: int = 1):
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.slot0, self.per_step = rank * grad_accum, batch_size * grad_accum * world
+        if self.per_step > len(x):
+            raise ConfigError(
+                f"mqar.train_examples = {len(x):,} is fewer than one optimizer step's examples "
+                f"(train.batch_size x train.grad_accum x processes = {self.per_step:,}); raise "
+                f"mqar.train_examples or lower the batch.")
+        self.order = torch.Generator().manual_seed(seed + 1)
+        self.perm, self.cursor, self.base = torch.randperm(len(x), generator=self.order), 0, 0
+
+    def next(self, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if micro_step == 0:  # a new optimizer step
+            if self.cursor + self.per_step > len(self.x):
+                self.perm, self.cursor = torch.randperm(len(self.x), generator=self.order), 0
+            self.base = self.cursor
+            self.cursor += self.per_step
+        at = self.base + (self.slot0 + micro_step) * self.batch_size
+        idx = self.perm[at:at + self.batch_size]
+        return self.x[idx], self.y[idx]
+
+    def state_dict(self) -> dict:
+        return {"perm": self.perm, "cursor": self.cursor, "order": self.order.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not {"perm", "cursor", "order"} <= state.keys() or len(state["perm"]) != len(self.x):
+            raise ValueError("its sampler state is not that of an MQAR run with this training "
+                             "set size")
+        self.perm, self.cursor = state["perm"], int(state["cursor"])
+        self.order.set_state(state["order"])
+
+
+class RecallEvaluator:
+    """Recall accuracy on the held-out set every ``train.eval_interval`` steps and at the last
+    one (not before the first step); ``stop`` once it reaches ``mqar.stop_accuracy``. Every
+    rank scores the whole set (under FSDP every forward is a collective)."""
+
+    def __init__(self, x, y, t, q, device, amp):
+        self.x, self.y, self.t, self.q, self.device, self.amp = x, y, t, q, device, amp
+
+    def due(self, step: int) -> bool:
+        return step > 0 and (step % self.t.eval_interval == 0 or step >= self.t.max_steps)
+
+    def __call__(self, model) -> Evaluation:
+        with self.amp:
+            acc = recall_accuracy(model, self.x.to(self.device), self.y.to(self.device))
+        return Evaluation(1.0 - acc, {"accuracy": acc}, f"recall accuracy {acc:.4f}",
+                          stop=acc >= self.q.stop_accuracy)
+
+
+class MQARTask:
+    """The MQAR task for :class:`~continuumlm.train.trainer.Trainer` (see the module's text).
+    Its part of the trainer state: the evaluation history, the best accuracy and the run's
+    wall time so far, from which :func:`progress` rebuilds the record."""
+
+    name = "mqar"
+    checkpoint_each_evaluation = True
+    tokenizer = None
+
+    def __init__(self, cfg: RunConfig, out: Path, resumed_from: Path | None = None,
+                 state: dict | None = None):
+        if resumed_from is not None and not _same_settings(
+                load_run_config(resumed_from).to_dict(), cfg):
+            raise ConfigError(f"{out} holds an MQAR run with other settings (its "
+                              f"{resumed_from / 'run.json'}); use another --out, or delete the "
+                              f"folder to restart.")
+        self.cfg, self.out = cfg, out
+        self.train_x, self.train_y = _train_set(cfg)
+        self.test_x, self.test_y = _test_set(cfg)
+        saved = (state or {}).get("task") or {}
+        self.history = [list(h) for h in saved.get("history", [])]
+        self.best = float(saved.get("best", 0.0))
+        self.elapsed0, self.start = float(saved.get("elapsed", 0.0)), time.perf_counter()
+
+    def sampler(self, t, dist) -> EpochSampler:
+        return EpochSampler(self.train_x, self.train_y, t.batch_size, t.seed, dist.rank,
+                            dist.world_size, t.grad_accum)
+
+    @staticmethod
+    def merge_sampler_states(states: list[dict]) -> dict:
+        return states[0]  # every rank alike
+
+    def evaluator(self, t, device, amp, dist, fsdp) -> RecallEvaluator:
+        return RecallEvaluator(self.test_x, self.test_y, t, self.cfg.mqar, device, amp)
+
+    @staticmethod
+    def forward(fn, x, y):
+        return fn(x, y, targets_only=True)
+
+    def elapsed(self) -> float:
+        return self.elapsed0 + time.perf_counter() - self.start
+
+    def state(self) -> dict:
+        return {"history": self.history, "best": self.best, "elapsed": self.elapsed()}
+
+    @staticmethod
+    def trainer_state() -> dict:
+        return {}
+
+    def on_evaluation(self, trainer, evaluation: Evaluation) -> None:
+        acc = evaluation.fields["accuracy"]
+        # a resumed run scores its first step again (the same weights): one entry per step
+        self.history = [h for h in self.history if h[0] != trainer.step] + [[trainer.step, acc]]
+        self.best = max(self.best, acc)
+
+    def record(self, trainer) -> None:
+        _write_result(self.out, self.result(trainer, complete=False))
+
+    def on_end(self, trainer, summary: dict) -> None:
+        _write_result(self.out, self.result(trainer, complete=not summary["interrupted"]))
+
+    def result(self, trainer, complete: bool) -> dict:
+        step, acc = self.history[-1] if self.history else (trainer.step, 0.0)
+        return _result(self.cfg, trainer.model.num_parameters(), step, acc, self.best,
+                       self.history, self.elapsed(), complete)
+
+
+def _task_model(cfg: RunConfig):
+    """The model settings the task imposes: its vocabulary, room for its sequences."""
+    q = cfg.mqar
+    return dataclasses.replace(cfg.model, vocab_size=q.vocab_size,
+                               max_seq_len=max(cfg.model.max_seq_len, q.seq_len))
 
 
 def _check_data_memory(q) -> None:
@@ -107,17 +227,6 @@ def _same_settings(saved: dict, cfg: RunConfig) -> bool:
     return RunConfig.from_dict(saved, saved=True).to_dict() == cfg.to_dict()
 
 
-def _load_state(path: Path, advice: str) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path} cannot be read ({e}); {advice}.") from None
-
-
-# advice for a state file read from outside the run (it may be mid-write)
-_WHILE_RUNNING = "it is being written or is damaged: try again after the next evaluation"
-
-
 def _quiet_model(cfg: RunConfig) -> LanguageModel:
     """The run's model, built without drawing from the global RNG (a caller's seeded stream,
     or a run going on in the same process, stays as it was)."""
@@ -125,98 +234,75 @@ def _quiet_model(cfg: RunConfig) -> LanguageModel:
         return LanguageModel(cfg.model)
 
 
-def _task_model(cfg: RunConfig):
-    """The model settings the task imposes: its vocabulary, room for its sequences."""
-    q = cfg.mqar
-    return dataclasses.replace(cfg.model, vocab_size=q.vocab_size,
-                               max_seq_len=max(cfg.model.max_seq_len, q.seq_len))
+def _has_checkpoints(out: Path) -> bool:
+    root = out / "checkpoints"
+    return (root / "last").exists() or any(root.glob("step-*"))
 
 
 def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
+    """Train ``cfg``'s model on MQAR into ``out`` (continuing the run there, if any) and return
+    its record (also in ``out/result.json``). A run stopped by a signal returns its record
+    with ``"complete": false`` and ``"interrupted"`` naming the signal."""
+    import gc
+
+    from . import distributed
+    from .trainer import Trainer
+
     out = Path(out)
+    prepare_run_folder(cfg, out)
+    try:
+        trainer = Trainer(cfg, out, resume=_has_checkpoints(out), quiet=quiet, task=MQARTask)
+        summary = trainer.run()
+        # the model and its DDP/FSDP state go while the process group still exists
+        del trainer
+        gc.collect()
+        distributed.teardown(wait=True)
+    finally:
+        distributed.teardown()
+    if not distributed.env_from_environment().is_main:  # rank 0 writes the record
+        return {"steps": summary["step"], "interrupted": summary["interrupted"]}
+    result = json.loads((out / "result.json").read_text())
+    return {**result, "interrupted": summary["interrupted"]} if summary["interrupted"] else result
+
+
+def prepare_run_folder(cfg: RunConfig, out: Path) -> None:
+    """Before training: the config suits the task (it gets the task's model settings), the
+    data fits in memory, and a run folder of the standalone loop is adopted (one process:
+    the launcher of a multi-process run, or the run itself)."""
+    from . import distributed
+
     cfg.check_trainable()
-    t, q = cfg.train, cfg.mqar
     cfg.model = _task_model(cfg)
-    device = pick_device(t.device)
-    check_memory(cfg.model, device, training=True)
-    _check_data_memory(q)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(t.seed)
-    train_x, train_y = _train_set(cfg)
-    test_x, test_y = _test_set(cfg)
-    model = LanguageModel(cfg.model).to(device)
-    opt = make_optimizer(model, t, device.type)
-    order = torch.Generator().manual_seed(t.seed + 1)
-    perm, cursor, step = torch.randperm(q.train_examples, generator=order), 0, 0
-    acc, best, elapsed, history = 0.0, 0.0, 0.0, []
-    state_path = out / STATE
-    resumed = state_path.exists()
-    if not resumed:  # a training run's folder
-        refuse_foreign_files(out, ("checkpoints", "tb"), "A new MQAR run")
-    if resumed:
-        st = _load_state(state_path, "delete it to start the run afresh")
-        if not _same_settings(st["config"], cfg):
-            raise ConfigError(f"{out} holds an MQAR run with other settings (its "
-                              f"{STATE}); use another --out, or delete the folder to restart.")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        order.set_state(st["order"])
-        torch.set_rng_state(st["torch_rng"])
-        perm, cursor, step = st["perm"], st["cursor"], st["step"]
-        acc, best, elapsed, history = st["accuracy"], st["best"], st["elapsed"], st["history"]
-    (out / "config.toml").write_text(dump_toml(cfg))
-    logger = MetricsLogger(out, resume_step=step if resumed else None, tensorboard=False,
-                           keep_resume_evaluation=True)
-    tty = sys.stdout.isatty() and not quiet
-    say = (lambda m: None) if quiet else (lambda m: print(m, flush=True))
-    if resumed:
-        say(f"resuming at step {step} from {state_path}")
-    bar = tqdm(total=t.max_steps, initial=step, disable=not tty, file=sys.stdout)
-    start = time.perf_counter() - elapsed
-    done = acc >= q.stop_accuracy and step > 0
-    while step < t.max_steps and not done:
-        if cursor + t.batch_size > q.train_examples:
-            perm, cursor = torch.randperm(q.train_examples, generator=order), 0
-        idx = perm[cursor:cursor + t.batch_size]
-        cursor += t.batch_size
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, t)
-        loss = query_loss(model, train_x[idx].to(device), train_y[idx].to(device))
-        opt.zero_grad(set_to_none=True)
-        with solver_errors():  # an adjoint's backward solve runs in here
-            loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        step += 1
-        bar.update(1)
-        if step % t.log_interval == 0:
-            logger.log({"step": step, "loss": loss.item(), "lr": lr_at(step - 1, t)})
-        if step % t.eval_interval == 0 or step == t.max_steps:
-            acc = recall_accuracy(model, test_x.to(device), test_y.to(device))
-            best = max(best, acc)
-            history.append([step, acc])
-            logger.log({"step": step, "accuracy": acc})
-            msg = f"step {step}: loss {loss.item():.4f}, recall accuracy {acc:.4f}"
-            bar.write(msg) if tty else say(msg)
-            done = acc >= q.stop_accuracy
-            tmp = state_path.with_suffix(".tmp")
-            torch.save({"config": cfg.to_dict(), "model": model.state_dict(),
-                        "optimizer": opt.state_dict(), "order": order.get_state(),
-                        "torch_rng": torch.get_rng_state(), "perm": perm, "cursor": cursor,
-                        "step": step, "accuracy": acc, "best": best,
-                        "elapsed": time.perf_counter() - start, "history": history}, tmp)
-            tmp.replace(state_path)
-            if not done and step < t.max_steps:
-                _write_result(out, _result(cfg, model.num_parameters(), step, acc, best,
-                                           history, time.perf_counter() - start,
-                                           complete=False))
-    bar.close()
-    logger.close()
-    result = _result(cfg, model.num_parameters(), step, acc, best, history,
-                     time.perf_counter() - start, complete=True)
-    _write_result(out, result)
-    return result
+    _check_data_memory(cfg.mqar)
+    if not _has_checkpoints(out) and (out / LEGACY_STATE).exists():
+        if distributed.env_from_environment().enabled:
+            raise ConfigError(f"{out} holds a run of an earlier version's MQAR loop "
+                              f"({LEGACY_STATE}); continue it once with one process (or with "
+                              f"`continuumlm mqar --nproc N`, which adopts it first).")
+        _adopt_legacy_state(out, cfg)
+
+
+def _adopt_legacy_state(out: Path, cfg: RunConfig) -> None:
+    """Turn the standalone loop's ``state.pt`` into the checkpoint of its step, from which the
+    trainer continues exactly where that loop would have (same batches, same optimizer and RNG
+    state). The file itself stays."""
+    path = out / LEGACY_STATE
+    st = _load_state(path, "delete the folder to start the run afresh")
+    if not _same_settings(st["config"], cfg):
+        raise ConfigError(f"{out} holds an MQAR run with other settings (its {LEGACY_STATE}); "
+                          f"use another --out, or delete the folder to restart.")
+    model = _quiet_model(cfg)
+    model.load_state_dict(st["model"])
+    opt = make_optimizer(model, cfg.train, "cpu")
+    opt.load_state_dict(st["optimizer"])
+    state = {"step": st["step"], "best_val": 1.0 - st["best"],
+             "sampler": {"perm": st["perm"], "cursor": st["cursor"], "order": st["order"]},
+             "torch_rng": st["torch_rng"], "rank_rng": [st["torch_rng"]], "rank_cuda_rng": [None],
+             "world_size": 1, "skipped_steps": 0, "bad_steps": 0, "optimizer": opt.state_dict(),
+             "task": {"name": "mqar", "history": st["history"], "best": st["best"],
+                      "elapsed": st["elapsed"]}}
+    save_checkpoint(out / "checkpoints", st["step"], model, None, cfg, state,
+                    keep=cfg.train.keep_checkpoints)
 
 
 def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
@@ -228,7 +314,7 @@ def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
             "mixer": cfg.model.mixer, "depth": cfg.model.depth,
             "num_kv_pairs": q.num_kv_pairs, "train_kv_pairs": q.train_kv_pairs,
             "seq_len": q.seq_len, "history": history,
-            "examples_seen": step * t.batch_size}
+            "examples_seen": step * t.batch_size * t.grad_accum}
 
 
 def _write_result(out: Path, result: dict) -> None:
@@ -237,46 +323,102 @@ def _write_result(out: Path, result: dict) -> None:
     tmp.replace(out / "result.json")
 
 
+def _load_state(path: Path, advice: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path} cannot be read ({e}); {advice}.") from None
+
+
+# advice for a file read from outside the run (it may be mid-write)
+_WHILE_RUNNING = "it is being written or is damaged: try again after the next evaluation"
+
+
+def _last_evaluated(out: Path) -> tuple[RunConfig, dict, Path | dict] | None:
+    """(run config, task state with "step", where the weights are) of the newest state saved
+    right after an evaluation: a checkpoint whose step is its history's last (a checkpoint a
+    signal wrote between evaluations is passed over), or the standalone loop's ``state.pt``
+    (its weights in the returned dict). None before the first evaluation."""
+    root = out / "checkpoints"
+    for ckpt in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            verify_checkpoint(ckpt)
+            st = load_trainer_state(ckpt)
+            cfg = load_run_config(ckpt)
+        except (CheckpointError, ConfigError, OSError):
+            continue  # being replaced, or damaged: an older one
+        task = st.get("task") or {}
+        if task.get("history") and task["history"][-1][0] == st["step"]:
+            return cfg, {**task, "step": st["step"]}, ckpt
+    if (out / LEGACY_STATE).exists():
+        st = _load_state(out / LEGACY_STATE, _WHILE_RUNNING)
+        return (RunConfig.from_dict(st["config"], saved=True),
+                {"history": st["history"], "best": st["best"], "elapsed": st["elapsed"],
+                 "step": st["step"]}, {"model": st["model"]})
+    return None
+
+
+def _evaluated_model(out: Path) -> tuple[RunConfig, dict, LanguageModel]:
+    found = _last_evaluated(Path(out))
+    if found is None:
+        raise CheckpointError(f"{out} holds no MQAR run that has evaluated yet (no checkpoint "
+                              f"after an evaluation in {Path(out) / 'checkpoints'}).")
+    cfg, task, where = found
+    model = _quiet_model(cfg)
+    if isinstance(where, dict):
+        model.load_state_dict(where["model"])
+    else:
+        from safetensors.torch import load_model
+
+        load_model(model, str(where / "model.safetensors"))
+    return cfg, task, model
+
+
+def fresh_recall(out: str | Path) -> dict:
+    """Recall of the run's model at its last evaluation on the fresh held-out set:
+    ``{"step", "accuracy"}``."""
+    cfg, task, model = _evaluated_model(Path(out))
+    x, y = _test_set(cfg, FRESH_OFFSET)
+    return {"step": task["step"], "accuracy": recall_accuracy(model, x, y)}
+
+
 def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     """The result record of the run in ``out`` as far as it got, or None before its first
-    evaluation. Read from ``state.pt`` (written at every evaluation), so it also works while the
-    run is still going. With ``cfg``, a run with other settings is refused (ConfigError)."""
+    evaluation. Read from the newest checkpoint saved after an evaluation, so it also works
+    while the run is still going. With ``cfg``, a run with other settings is refused
+    (ConfigError)."""
     out = Path(out)
-    done = out / "result.json"
-    state_path = out / STATE
-    if not state_path.exists():
+    found = _last_evaluated(out)
+    if found is None:
         return None
-    st = _load_state(state_path, _WHILE_RUNNING)
+    saved, task, _ = found
     if cfg is not None:
         cfg = dataclasses.replace(cfg, model=_task_model(cfg))
-        if not _same_settings(st["config"], cfg):
+        if not _same_settings(saved.to_dict(), cfg):
             raise ConfigError(f"{out} holds an MQAR run with other settings than the config "
                               f"and --set options given; record it with the ones it ran with.")
+    done = out / "result.json"
     if done.exists():
         result = json.loads(done.read_text())
-        if result.get("complete", True) and result["steps"] == st["step"]:
+        if result.get("complete", True) and result["steps"] == task["step"]:
             return {**result, "complete": True}
-    cfg = RunConfig.from_dict(st["config"], saved=True)
-    params = _quiet_model(cfg).num_parameters()  # tied weights counted once
+    params = _quiet_model(saved).num_parameters()  # tied weights counted once
+    step, acc = task["history"][-1]
     # the last evaluation reached the target or the last step: only result.json was missing
-    complete = st["step"] >= cfg.train.max_steps or st["accuracy"] >= cfg.mqar.stop_accuracy
-    return _result(cfg, params, st["step"], st["accuracy"], st["best"], st["history"],
-                   st["elapsed"], complete=complete)
+    complete = step >= saved.train.max_steps or acc >= saved.mqar.stop_accuracy
+    return _result(saved, params, step, acc, task["best"], task["history"], task["elapsed"],
+                   complete=complete)
 
 
 DISTANCE_EDGES = (0, 32, 64, 128)
 
 
 def recall_by_distance(out: str | Path, edges: tuple[int, ...] = DISTANCE_EDGES) -> dict:
-    """Held-out recall of the model in ``out/state.pt`` (its last evaluation) split by how far
-    each query lies after its key-value pair: buckets [edges[i], edges[i+1]), the last one
-    open-ended. Shows whether errors come from long distances or everywhere. Returns
+    """Held-out recall of the run's model at its last evaluation split by how far each query
+    lies after its key-value pair: buckets [edges[i], edges[i+1]), the last one open-ended.
+    Shows whether errors come from long distances or everywhere. Returns
     ``{"step": step of that evaluation, "buckets": [{"from", "to", "queries", "accuracy"}]}``."""
-    out = Path(out)
-    st = _load_state(out / STATE, _WHILE_RUNNING)
-    cfg = RunConfig.from_dict(st["config"], saved=True)
-    model = _quiet_model(cfg)
-    model.load_state_dict(st["model"])
+    cfg, task, model = _evaluated_model(Path(out))
     x, y = _test_set(cfg)
     hits = query_hits(model, x, y)
     dist = query_distances(x, y, cfg.mqar.num_kv_pairs)
@@ -287,4 +429,4 @@ def recall_by_distance(out: str | Path, edges: tuple[int, ...] = DISTANCE_EDGES)
         n = int(sel.sum())
         rows.append({"from": lo, "to": hi, "queries": n,
                      "accuracy": hits[sel].float().mean().item() if n else None})
-    return {"step": st["step"], "buckets": rows}
+    return {"step": task["step"], "buckets": rows}

@@ -83,24 +83,57 @@ def absolute_data_path(data):
     return dataclasses.replace(data, path=str(Path(data.path).expanduser().absolute()))
 
 
-def open_run_folder(cfg: RunConfig, out: Path, resume: bool):
+def _differences(saved: RunConfig, cfg: RunConfig, limit: int = 4) -> list[str]:
+    """``section.key: run value -> given value`` for the [model] and [data] keys that differ
+    (component tables flattened: model.deltanet.activation)."""
+    def flat(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a = {**flat(saved.model.to_dict(), "model."), **flat(dataclasses.asdict(saved.data), "data.")}
+    b = {**flat(cfg.model.to_dict(), "model."), **flat(dataclasses.asdict(cfg.data), "data.")}
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    shown = [f"{k}: the run's {a.get(k)!r}, given {b.get(k)!r}" for k in keys[:limit]]
+    return shown + ([f"{len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+TASK_NAMES = {"lm": "language-modeling (continuumlm train)", "mqar": "MQAR (continuumlm mqar)"}
+RESUMED_BY = {"lm": "continuumlm train --resume", "mqar": "the continuumlm mqar command"}
+
+
+def open_run_folder(cfg: RunConfig, out: Path, resume: bool, task: str = "lm"):
     """For a new run, check that ``out`` holds no other run; for ``resume``, find the newest
     usable checkpoint and check that ``cfg`` changes only [train] settings. Returns (trainer
     state or None, the checkpoint folder or None); fills in ``cfg.data.path`` (absolute, so
     `eval` and `--resume` read the same file from any folder) and, on resume, the model's
-    vocabulary size."""
+    vocabulary size. A run resumes only on the task it was started on (``task``)."""
     ckpt_root = out / "checkpoints"
     cfg.data = absolute_data_path(cfg.data)
     if resume:
         ckpt, saved, state = find_resumable(out)
+        ran = (state.get("task") or {}).get("name", "lm")  # runs before tasks: language modeling
+        if ran != task:
+            raise ConfigError(
+                f"{out} holds a {TASK_NAMES.get(ran, ran)} run, not a "
+                f"{TASK_NAMES.get(task, task)} one; continue it with "
+                f"{RESUMED_BY.get(ran, 'the command that started it')}, or choose another "
+                f"--out.")
         saved.data = absolute_data_path(saved.data)
         if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
             cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
         if saved.model != cfg.model or saved.data != cfg.data:
+            differ = _differences(saved, cfg)
             raise ConfigError(
                 f"--resume: the [model] or [data] settings differ from those the run in "
-                f"{out} was started with; a resumed run may change only [train] keys "
-                f"(e.g. train.max_steps). Drop --config/--set for those sections.")
+                f"{out} was started with"
+                f"{' (' + '; '.join(differ) + ')' if differ else ''}; a resumed run may change "
+                f"only [train] keys (e.g. train.max_steps). Drop --config/--set for those "
+                f"sections.")
         return state, ckpt
     if (ckpt_root / "last").is_symlink() or any(ckpt_root.glob("step-*")) \
             or any(ckpt_root.glob(".old-step-*")):

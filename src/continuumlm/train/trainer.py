@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import sys
@@ -14,19 +13,11 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
-from ..data import (
-    BatchSampler,
-    Dataset,
-    changed_splits,
-    corpus_name,
-    load_tokenizer,
-    prepare_data,
-)
+from ..data import load_tokenizer
 from ..data.batches import stream_seed
 from ..errors import (
     CheckpointError,
     ConfigError,
-    DataError,
     DiskError,
     TrainingError,
     first_line,
@@ -37,11 +28,12 @@ from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
 from .elastic import ElasticDepth, SolveRegularizers
-from .evaluation import Evaluator, evaluate_loss  # noqa: F401 - evaluate_loss: public here too
+from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
 from .signals import StopSignals
+from .tasks import Evaluation, LanguageModelingTask
 
 
 def pick_device(name: str, given_by: str = "train.device") -> torch.device:
@@ -99,13 +91,27 @@ class _NullLogger:
         pass
 
 
+def language_modeling(cfg: RunConfig, out: Path, resumed_from: Path | None,
+                      state: dict | None) -> LanguageModelingTask:
+    """The default task: next-token prediction on ``[data]``'s corpus (a resumed run reads its
+    own tokenizer)."""
+    tokenizer = load_tokenizer(resumed_from) if resumed_from else None
+    return LanguageModelingTask(cfg, out, resumed_from, state, tokenizer)
+
+
+language_modeling.name = LanguageModelingTask.name
+
+
 class Trainer:
+    """Trains ``cfg.model`` on a task (``task``: called as task(cfg, out, resumed_from, state)
+    once the run folder is open, and naming the task in ``task.name``; next-token prediction
+    on ``[data]`` by default, see :mod:`continuumlm.train.tasks`)."""
+
     def __init__(self, cfg: RunConfig, out_dir: str | Path, resume: bool = False,
-                 quiet: bool = False):
+                 quiet: bool = False, task=language_modeling):
         self.out = Path(out_dir)
         self.quiet = quiet
-        state, self.resumed_from = open_run_folder(cfg, self.out, resume)
-        tokenizer = load_tokenizer(self.resumed_from) if self.resumed_from else None
+        state, self.resumed_from = open_run_folder(cfg, self.out, resume, task.name)
         cfg.check_trainable()
         self.cfg = cfg
         t = cfg.train
@@ -125,31 +131,8 @@ class Trainer:
         self.fsdp = self.checkpointer.fsdp
         torch.manual_seed(t.seed)  # the same initial weights on every rank
 
-        self.data: Dataset = prepare_data(cfg.data, tokenizer)
-        self.tokenizer = self.data.tokenizer
-        vocab = self.tokenizer.vocab_size
-        if cfg.model.vocab_size == 0:
-            cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab)
-        elif cfg.model.vocab_size != vocab:
-            raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} but the tokenizer has "
-                              f"{vocab} tokens; leave model.vocab_size at 0 to take it from the "
-                              f"tokenizer (cap word/bpe vocabularies with data.vocab_size).")
-        # training reads the train and val splits only (a changed test split is eval's concern)
-        changed = [n for n in changed_splits(state.get("data") if state else None, self.data)
-                   if n in ("train", "val")]
-        if changed:
-            raise DataError(
-                f"--resume: the text of the {' and '.join(changed)} split"
-                f"{'s' if len(changed) > 1 else ''} differs from the one the run in {self.out} "
-                f"was trained on (sha256 recorded in {self.resumed_from / 'trainer_state.pt'}); "
-                f"{corpus_name(cfg.data)} was changed since. A resumed run must read the same "
-                f"text: restore it, or start a new run in another --out.")
-        for split in ("train", "val"):
-            n = len(self.data.splits[split])
-            if n < t.seq_len + 1:
-                raise DataError(f"the {split} split has {n} tokens, fewer than one window of "
-                                f"train.seq_len + 1 = {t.seq_len + 1}; use a longer corpus or a "
-                                f"shorter train.seq_len.")
+        self.task = task(cfg, self.out, self.resumed_from, state)
+        self.tokenizer = self.task.tokenizer
 
         # self.model is the LanguageModel itself (what checkpoints save: never a wrapper's
         # "module." or torch.compile's "_orig_mod." names); self.wrapped adds DDP/FSDP and
@@ -195,9 +178,7 @@ class Trainer:
         self.last_consistency = math.nan
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=resolve_dtype(self.device, t.dtype) == "float16")
-        streams = range(self.dist.rank * t.grad_accum, (self.dist.rank + 1) * t.grad_accum)
-        self.sampler = BatchSampler(self.data.splits["train"], t.batch_size, t.seq_len, t.seed,
-                                    streams)
+        self.sampler = self.task.sampler(t, self.dist)
         if self.dist.rank > 0:  # dropout masks differ between ranks
             torch.manual_seed(stream_seed(t.seed, 10**6 + self.dist.rank))
         self.step = 0
@@ -241,15 +222,14 @@ class Trainer:
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
         self.signals = StopSignals(requeue=t.requeue_signals)
         self.log_failure: DiskError | None = None
-        self.evaluator = Evaluator(self.data.splits["val"], t, self.device, self.amp, self.dist,
-                                   self.fsdp)
+        self.evaluator = self.task.evaluator(t, self.device, self.amp, self.dist, self.fsdp)
 
         if self.main:
             self.checkpointer.prepare()
             # The loop evaluates at its first step only on an eval_interval multiple or at the
             # end; otherwise an evaluation logged at the resume step (a finished run's last one,
             # now extended) stays: it scored the very weights resumed from.
-            redo = self.step % t.eval_interval == 0 or self.step >= t.max_steps
+            redo = self.evaluator.due(self.step)
             self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None,
                                         keep_resume_evaluation=not redo)
             try:  # once nothing else can fail
@@ -306,19 +286,18 @@ class Trainer:
         # each rank's own CUDA generator too: it draws that rank's dropout masks on a GPU
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         per_rank = self.dist.gather((self.sampler.state_dict(), torch.get_rng_state(), cuda_rng))
-        streams = {m: g for sampler, _, _ in per_rank for m, g in sampler["streams"].items()}
         state = {
             "step": self.step,
             "best_val": self.best_val,
-            "sampler": {"streams": streams},
+            "sampler": self.task.merge_sampler_states([s for s, _, _ in per_rank]),
             "torch_rng": per_rank[0][1],
             "rank_rng": [rng for _, rng, _ in per_rank],
             "rank_cuda_rng": [rng for _, _, rng in per_rank],
             "world_size": self.dist.world_size,
             "skipped_steps": self.skipped_steps,
             "bad_steps": self.bad_steps,
-            "data": self.data.fingerprint,
-            "prepared_meta_sha256": self.data.meta_digest,  # the meta.json the run read
+            "task": {"name": self.task.name, **self.task.state()},
+            **self.task.trainer_state(),
         }
         if not self.fsdp:  # FSDP keeps the optimizer state in the shards
             state["optimizer"] = self.optimizer.state_dict()
@@ -364,7 +343,7 @@ class Trainer:
         return self.checkpointer.save(self.step, self.model, self.optimizer, self.tokenizer,
                                       self.cfg, self.trainer_state(), best=best)
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> Evaluation:
         return self.evaluator(self.model)
 
     def train_step(self) -> tuple[float, float]:
@@ -399,8 +378,10 @@ class Trainer:
                 # gradients are all-reduced only on the last micro-step
                 with D.no_grad_sync(self.wrapped, self.model, sync=j == t.grad_accum - 1):
                     with self.amp:
-                        target = self.elastic.target(self.forward, x, *draw) if draw else None
-                        logits, loss = self.forward(x, y)
+                        target = (self.elastic.target(
+                            lambda x=x, y=y: self.task.forward(self.forward, x, y)[0], *draw)
+                            if draw else None)
+                        logits, loss = self.task.forward(self.forward, x, y)
                         penalty = self.model.penalty()
                         objective = loss + anneal * penalty
                         if target is not None:
@@ -538,27 +519,31 @@ class Trainer:
         # a resumed run's checkpoint is at its first step already
         self.checkpointer.saved_at = self.step if self.resumed_from is not None else None
         self.signals.install()
-        interrupted, finished = None, False
+        interrupted, finished, reached = None, False, False
         try:
             while True:
                 # each step: evaluate when due, save when due (once per step: saving a step
                 # twice would replace the folder `last` points at), stop when asked, train
                 paused = time.perf_counter()
-                improved = False
+                improved = evaluated = reached = False
                 if self.evaluator.due(self.step):
-                    last_val = self.evaluate()
-                    improved = last_val < self.best_val
-                    self.best_val = min(self.best_val, last_val)
-                    self._log({"step": self.step, "val_loss": last_val,
-                                     "val_ppl": math.exp(min(last_val, 50.0))})
+                    ev = self.evaluate()
+                    last_val, evaluated, reached = ev.score, True, ev.stop
+                    improved = ev.score < self.best_val
+                    self.best_val = min(self.best_val, ev.score)
+                    self._log({"step": self.step, **ev.fields})
                     train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
-                    say(f"step {self.step}: {train_part}val loss {last_val:.4f} "
-                        f"(ppl {math.exp(min(last_val, 50.0)):.2f})")
-                if self.checkpointer.due(self.step, improved):
+                    say(f"step {self.step}: {train_part}{ev.text}")
+                    self.task.on_evaluation(self, ev)  # the task's state, before it is saved
+                each = evaluated and self.task.checkpoint_each_evaluation and self.step > 0
+                if self.checkpointer.due(self.step, improved) or (
+                        each and self.checkpointer.saved_at != self.step):
                     self.save(best=improved and self.step > 0)
+                if evaluated and self.main:  # after the save: a record never runs ahead of it
+                    self.task.record(self)
                 # the throughput window counts training only: move its start past the pause
                 window_start += time.perf_counter() - paused
-                if self.step >= t.max_steps:
+                if self.step >= t.max_steps or reached:
                     break
                 # all ranks alike; a metrics write that failed on rank 0 stops every rank
                 interrupted = self.signals.agreed_stop(self.dist, self.device,
@@ -602,9 +587,13 @@ class Trainer:
             except DiskError:
                 if finished:  # else the error already on its way says more
                     raise
-        return {"step": self.step, "val_loss": last_val, "interrupted": interrupted,
+        summary = {"step": self.step, "val_loss": last_val, "interrupted": interrupted,
                 "skipped_steps": self.skipped_steps, "best_val_loss": self.best_val,
                 "parameters": self.model.num_parameters(), "train_seconds": train_time,
                 "compiled": bool(t.compile) and self.compile_error is None,
                 "compile_error": self.compile_error,
-                "tokens_per_s": tokens_per_step * steps_run / train_time if train_time else math.nan}
+                "tokens_per_s": tokens_per_step * steps_run / train_time if train_time else math.nan,
+                "stopped_early": reached and self.step < t.max_steps}
+        if self.main:
+            self.task.on_end(self, summary)
+        return summary
