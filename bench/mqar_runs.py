@@ -4,6 +4,7 @@
     python bench/mqar_runs.py --snapshot configs/mqar/deltanet_kv64.toml
     python bench/mqar_runs.py --by-distance configs/mqar/deltanet_kv64.toml
     python bench/mqar_runs.py --fresh configs/mqar/deltanet_kv64.toml
+    python bench/mqar_runs.py configs/mqar/deltanet_kv64.toml --set train.lr=1e-2 --tag lr1e-2
 
 Runs ``continuumlm mqar`` into runs/bench/mqar-<name> (it continues from its checkpoints when
 interrupted) and writes bench/results/mqar-<name>.json once the run is complete; a config whose
@@ -49,6 +50,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--tag", help="a variant of the config made by --set options (e.g. another "
+                    "learning rate): recorded as mqar-<name>-<tag>.json, trained in "
+                    "runs/bench/mqar-<name>-<tag>")
     ap.add_argument("--snapshot", action="store_true",
                     help="record an unfinished run's progress and exit")
     ap.add_argument("--by-distance", action="store_true",
@@ -59,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     config = Path(args.config)
     config = config if config.is_absolute() else (ROOT / config)
-    name = f"mqar-{config.stem}"
+    name = f"mqar-{config.stem}" + (f"-{args.tag}" if args.tag else "")
     dest = RESULTS / f"{name}.json"
 
     def recorded() -> dict | None:
@@ -127,6 +131,8 @@ def main() -> None:
         by_distance = recall_by_distance(run)
         result["fresh_accuracy"] = fresh_recall(run)["accuracy"]
     result = _record(result, config, args.set, cmd)
+    if args.tag:
+        result["tag"] = args.tag
     result["recall_by_distance"] = by_distance["buckets"]
     _write(dest, result)
 

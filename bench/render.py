@@ -155,11 +155,59 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
             + "." + note, ""]
 
 
+def mqar_records(results: dict[str, dict]) -> list[dict]:
+    """One record per MQAR config: the plain one, or, when a learning-rate sweep
+    (bench/mqar_sweep.py) has summarized it, the record of its best rate, marked with
+    ``shown_lr`` ("best of N"). Records of single sweep rates (tagged) are not rows."""
+    out = []
+    for key, r in results.items():
+        if not key.startswith("mqar-") or r.get("tag"):
+            continue
+        if "lr_sweep" in r:
+            best = next(x for x in r["lr_sweep"] if x["lr"] == r["lr_best"])
+            shown = results.get(best["record"].removesuffix(".json"), r)
+            r = {**shown, "lr_sweep": r["lr_sweep"],
+                 "shown_lr": f"{r['lr_best']:g} (best of {len(r['lr_sweep'])})"}
+        out.append(r)
+    return sorted(out, key=lambda r: (r["num_kv_pairs"], r["config"]))
+
+
+def mqar_lr(r: dict) -> str:
+    if "shown_lr" in r:
+        return r["shown_lr"]
+    lr = next((o.split("=", 1)[1] for o in r.get("overrides", []) if o.startswith("train.lr=")),
+              None)
+    if lr is None:
+        import tomllib
+
+        lr = tomllib.loads((ROOT / r["config"]).read_text()).get("train", {}).get("lr", "")
+    return f"{float(lr):g}" if lr != "" else ""
+
+
+def mqar_sweep_table(results: dict[str, dict]) -> str:
+    """Held-out recall at every learning rate of each swept config."""
+    recs = [r for r in mqar_records(results) if r.get("lr_sweep")]
+    if not recs:
+        return ""
+    rows = []
+    for r in recs:
+        for x in r["lr_sweep"]:
+            rows.append({"config": config_cell(r["config"], []), "lr": f"{x['lr']:g}",
+                         "acc": f"{100 * x['accuracy']:.1f}%",
+                         "fresh": "" if x.get("fresh_accuracy") is None
+                         else f"{100 * x['fresh_accuracy']:.2f}%",
+                         "steps": f"{x['steps']} of {x['max_steps']}"
+                         + ("" if x["complete"] else " (unfinished)")})
+    return markdown_table(rows, [("config", "config"), ("lr", "learning rate"),
+                                 ("acc", "recall (last evaluation)"),
+                                 ("fresh", "final model, fresh set"), ("steps", "steps")])
+
+
 def mqar_table(results: dict[str, dict]) -> str:
     rows = []
-    for r in sorted((r for k, r in results.items() if k.startswith("mqar-")),
-                    key=lambda r: (r["num_kv_pairs"], r["config"])):
+    for r in mqar_records(results):
         rows.append({"config": config_cell(r["config"], r.get("overrides")), "mixer": r["mixer"],
+                     "lr": mqar_lr(r),
                      "depth": r["depth"],
                      "pairs": str(r["num_kv_pairs"]) + (
                          f" (trained on {', '.join(map(str, r['train_kv_pairs']))})"
@@ -171,16 +219,15 @@ def mqar_table(results: dict[str, dict]) -> str:
                      + ("" if r.get("complete", True) else " (unfinished)"),
                      "min": f"{r['seconds'] / 60:.0f}"})
     return markdown_table(rows, [("config", "config"), ("mixer", "mixer"), ("depth", "depth"),
-                                 ("pairs", "key-value pairs"), ("acc", "recall (last evaluation)"),
+                                 ("pairs", "key-value pairs"), ("lr", "learning rate"),
+                                 ("acc", "recall (last evaluation)"),
                                  ("best", "best"), ("fresh", "final model, fresh set"), ("steps", "steps"), ("min", "minutes")])
 
 
 def mqar_distance_table(results: dict[str, dict]) -> str:
     """Recall split by how far a query lies after its key-value pair, one row per record that
     carries the split (the same evaluation as the main table's last one)."""
-    recs = sorted((r for k, r in results.items()
-                   if k.startswith("mqar-") and r.get("recall_by_distance")),
-                  key=lambda r: (r["num_kv_pairs"], r["config"]))
+    recs = [r for r in mqar_records(results) if r.get("recall_by_distance")]
     if not recs:
         return ""
     buckets = [(b["from"], b["to"]) for b in recs[0]["recall_by_distance"]]
@@ -346,6 +393,11 @@ def main() -> None:
                   "for that key again), and values are drawn with replacement (two keys may "
                   "share a value).", "",
                   mq, ""]
+        sweep = mqar_sweep_table(results)
+        if sweep:
+            parts += ["Learning-rate sweeps (`python bench/mqar_sweep.py configs/mqar/NAME.toml`, "
+                      "Zoology's four rates): the table above shows each swept config's best "
+                      "rate; every rate's run is below.", "", sweep, ""]
         md = mqar_distance_table(results)
         if md:
             parts += ["Recall at that evaluation split by how far each query lies after its "

@@ -90,3 +90,38 @@ def test_depth_elasticity_without_its_models_writes_nothing(tmp_path):
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "experiment shakespeare" in r.stderr, r.stderr
     assert not (tmp_path / "results").exists()
+
+
+def _mqar_record(acc: float, complete: bool = True, **kw) -> dict:
+    return {"config": "configs/mqar/softmax_kv64.toml", "overrides": [], "mixer": "softmax",
+            "depth": "discrete", "num_kv_pairs": 64, "train_kv_pairs": [], "accuracy": acc,
+            "best_accuracy": acc, "steps": 100, "max_steps": 100, "complete": complete,
+            "seconds": 60.0, **kw}
+
+
+def test_an_mqar_learning_rate_sweep_reports_its_best_rate(tmp_path, monkeypatch):
+    """bench/mqar_sweep.py: the plain record (the config's own rate) and the tagged ones are
+    summarized into lr_sweep; the best complete rate wins over a higher unfinished one; the
+    results page shows that rate's run as the config's row and every rate below."""
+    import json
+
+    import mqar_sweep
+    import render
+
+    monkeypatch.setattr(mqar_sweep, "RESULTS", tmp_path)
+    name = "mqar-softmax_kv64"
+    records = {name: _mqar_record(0.04),
+               f"{name}-lr0.001": _mqar_record(0.995, overrides=["train.lr=0.001"], tag="lr0.001"),
+               f"{name}-lr0.01": _mqar_record(0.999, False, overrides=["train.lr=0.01"],
+                                              tag="lr0.01")}
+    assert mqar_sweep.summarize(name, 3e-3, [1e-3, 3e-3, 1e-2, 1e-4]) is None  # 1e-4 missing
+    for key, r in records.items():
+        (tmp_path / f"{key}.json").write_text(json.dumps(r))
+    s = mqar_sweep.summarize(name, 3e-3, [1e-3, 3e-3, 1e-2])
+    assert s["lr_best"] == 1e-3 and [x["lr"] for x in s["lr_sweep"]] == [1e-3, 3e-3, 1e-2]
+    assert s["accuracy"] == 0.04  # the plain record keeps its own run's figures
+    shown = render.mqar_records({**records, name: s})
+    assert len(shown) == 1 and shown[0]["accuracy"] == 0.995
+    assert shown[0]["shown_lr"] == "0.001 (best of 3)"
+    table = render.mqar_sweep_table({**records, name: s})
+    assert table.count("\n") == 4 and "(unfinished)" in table

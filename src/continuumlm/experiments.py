@@ -97,6 +97,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
              "pair counts", [
         *[_mqar(f"{m}_kv{n}") for n in (16, 64) for m in ("softmax", "deltanet", "ode_deltanet")],
         *[_mqar(f"{m}_kv64_mixed") for m in ("softmax", "ode_deltanet")],
+        # Zoology's four learning rates for every row below 99% at one rate (hours each on a
+        # CPU; not run by --quick)
+        *[Step("mqar_sweep.py", [f"configs/mqar/{n}.toml"], quick=False)
+          for n in ("softmax_kv64", "ode_deltanet_kv64", "ode_deltanet_kv64_mixed")],
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
               "steps, decoding, 1 vs 2 processes and compile, MFU, corpora at scale, HF generate", [
