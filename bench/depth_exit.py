@@ -6,7 +6,8 @@ threshold tau varies, for both exit criteria, and the cached-decoding speed it g
 Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): ode_rk4 (one
 shared block, trained at RK4 x 4, NFE 16) and, where trained, ode_elastic and
 ode_elastic_consistency (trained across solvers and step counts, the latter with the
-shortcut-consistency term). Each is evaluated at its trained solver with `continuumlm eval
+shortcut-consistency term) and ode_rk4_readout (ode_rk4 trained with the read-out of every
+intermediate step supervised, train.step_readout_weight). Each is evaluated at its trained solver with `continuumlm eval
 --exit-threshold TAU --exit-criterion C` on 400 evenly spread validation windows of 64
 characters. Rows already in the JSON are kept, so a model whose run folder is gone keeps its
 recorded figures.
@@ -30,7 +31,7 @@ import torch
 from common import RESULTS, RUNS, OtherLoad, finished_run, markdown_table, write_json
 
 CLI = str(Path(sys.executable).parent / "continuumlm")
-MODELS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency"]
+MODELS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_rk4_readout"]
 # spanning what the criteria measure on ode_rk4 (10-90% of tokens: a relative change of 0.35-0.85
 # per step, a KL of 0.005-2.8 between successive read-outs)
 TAUS = {"state": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),

@@ -228,3 +228,81 @@ def test_exit_refused_in_a_regularized_training_step():
 def test_more_refusals(tiny_corpus, extra, needle):
     with pytest.raises(ConfigError, match=needle):
         reg_cfg(tiny_corpus, *extra)
+
+
+@pytest.mark.parametrize("grad", ["direct", "checkpoint"])
+def test_step_readout_is_the_readout_loss_of_every_state_between_steps(grad):
+    """train.step_readout_weight: the term is the mean cross-entropy of the read-out of the
+    states after steps 1..N-1 of every block, computed here by stepping the solver by hand;
+    its gradient reaches the field (checkpointed steps too)."""
+    import torch.nn.functional as F
+
+    from continuumlm.ode.grad import grid
+    from continuumlm.train.elastic import step_readout_loss
+
+    m = build(ode_solver="rk4", ode_steps=3, ode_grad=grad, num_layers=2)
+    idx, y = torch.randint(0, 29, (2, 7)), torch.randint(0, 29, (2, 7))
+    y[0, :2] = -1  # ignored, as in the model's loss
+    m.depth.extras = SolveExtras(readout=True)
+    m(idx, y)
+    term = step_readout_loss(m, y)
+    assert len(m.depth.last_step_states) == 2 * 2  # two blocks, two states between 3 steps
+    # by hand: the same blocks, stepped one at a time
+    losses, x = [], m.tok_emb(idx)
+    m.depth.extras = None
+    for block in m.depth.blocks:
+        block.eval()  # no dropout in BASE anyway; the hand-made solve below
+        calls = [0]
+
+        def f(t, h, block=block):
+            return block.field(t, h, None)
+
+        dt = 1.0 / 3
+        h = x
+        for n, t in enumerate(grid(0.0, 1.0, 3)):
+            h = block.solver.step(f, t, h, dt)
+            if n < 2:
+                logits = m.lm_head(m.norm_f(h))
+                losses.append(F.cross_entropy(logits.flatten(0, 1), y.reshape(-1),
+                                              ignore_index=-1))
+        x = h
+    m.train()
+    torch.testing.assert_close(term, torch.stack(losses).mean(), rtol=1e-10, atol=1e-12)
+    term.backward()
+    grads = [p.grad for p in m.depth.blocks[0].field.parameters() if p.grad is not None]
+    assert grads and sum(g.abs().sum() for g in grads) > 0
+    m.depth.extras = None
+    m(idx)  # without the extras nothing is kept
+    assert m.depth.last_step_states == []
+
+
+def test_training_with_step_readout_logs_it_and_resumes_exactly(tiny_corpus, tmp_path):
+    from continuumlm.train import Trainer
+    from continuumlm.train.logging import read_metrics
+
+    sets = ["model.ode_solver=rk4", "model.ode_steps=2", "train.kinetic_weight=0",
+            "train.jacobian_weight=0", "train.steer=0", "train.step_readout_weight=0.5"]
+    Trainer(reg_cfg(tiny_corpus, *sets), tmp_path / "full", quiet=True).run()
+    Trainer(reg_cfg(tiny_corpus, *sets, "train.max_steps=3"), tmp_path / "cut", quiet=True).run()
+    Trainer(reg_cfg(tiny_corpus, *sets), tmp_path / "cut", resume=True, quiet=True).run()
+
+    def events(run):
+        return {e["step"]: (e["loss"], e["step_readout"]) for e in read_metrics(run)
+                if "loss" in e}
+
+    assert events(tmp_path / "full") == events(tmp_path / "cut")
+    assert all(r > 0 for _, r in events(tmp_path / "full").values())
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["model.depth=discrete"], "has none"),
+    (["model.ode_solver=dopri5"], "'dopri5' is adaptive"),
+    (["model.ode_solver=reversible_heun", "model.ode_grad=reversible"], "is reversible"),
+    (["model.ode_solver=rk4", "model.ode_grad=adjoint"], "'direct' or 'checkpoint'"),
+    (["model.ode_solver=rk4", "model.ode_steps=1"], "at least two steps"),
+])
+def test_step_readout_refusals(tiny_corpus, extra, needle):
+    base = ["train.kinetic_weight=0", "train.jacobian_weight=0", "train.steer=0",
+            "train.step_readout_weight=0.1"]
+    with pytest.raises(ConfigError, match=needle):
+        reg_cfg(tiny_corpus, *base, *extra)

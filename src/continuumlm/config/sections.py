@@ -311,6 +311,12 @@ class TrainConfig:
     """ODE models: add this weight times the integral of ||df/dh||_F^2 / hidden_size along the
     solve, estimated with one Gaussian probe per forward (Hutchinson; one extra
     vector-Jacobian product per evaluation). Logged as "jacobian"."""
+    step_readout_weight: float = 0.0
+    """ODE models with a fixed-grid solver: add this weight times the mean cross-entropy of the
+    read-out (final norm + head) of every intermediate solver step's state, in every block
+    (deep supervision along depth: a solve that is good at every step, which per-token exit,
+    eval --exit-threshold, needs). Needs model.ode_grad = "direct" or "checkpoint" and at
+    least two steps. Logged as "step_readout"."""
     steer: float = 0.0
     """ODE models: STEER (Ghosh et al. 2020) draws each training step's end time uniformly from
     [ode_t1 - steer, ode_t1 + steer] (from the seed and the step, so a resumed run and every
@@ -328,7 +334,7 @@ class TrainConfig:
                 for n in self.ode_steps_choices):
             raise ConfigError(f"train.ode_steps_choices must list positive integers (up to "
                               f"10000), got {self.ode_steps_choices}.")
-        for name in ("kinetic_weight", "jacobian_weight", "steer"):
+        for name in ("kinetic_weight", "jacobian_weight", "steer", "step_readout_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}.")
         if not self.consistency_weight >= 0:
@@ -477,6 +483,29 @@ class RunConfig:
                               f"fixed-grid {m.ode_solver!r} every solve takes the same steps, so "
                               f"it would only constrain the field. Use an adaptive solver "
                               f"(tsit5, dopri5, ...) or leave it out.")
+        if t.step_readout_weight:
+            solvers = [m.ode_solver, *(t.ode_solver_choices or [])]
+            steps = [m.ode_steps, *(t.ode_steps_choices or [])]
+            if m.depth != "ode":
+                raise ConfigError(f"train.step_readout_weight reads out an ODE model's solver "
+                                  f"steps; model.depth = {m.depth!r} has none. Use depth = "
+                                  f"'ode', or leave it out.")
+            for name in solvers:
+                cls = SOLVERS.component_class(name)
+                if not getattr(cls, "fixed_grid", True) or getattr(cls, "reversible", False):
+                    raise ConfigError(
+                        f"train.step_readout_weight reads out the states of a fixed grid of "
+                        f"steps; {name!r} is {'reversible' if getattr(cls, 'reversible', False) else 'adaptive'} "
+                        f"(its steps are not kept as a graph). Use a fixed-grid solver such as "
+                        f"euler or rk4, or leave it out.")
+            if m.ode_grad not in ("direct", "checkpoint"):
+                raise ConfigError(f"train.step_readout_weight needs the states of every step "
+                                  f"in the graph: model.ode_grad = 'direct' or 'checkpoint', "
+                                  f"not {m.ode_grad!r}.")
+            if max(steps) < 2:
+                raise ConfigError(f"train.step_readout_weight reads out the states between "
+                                  f"solver steps; model.ode_steps = {m.ode_steps} has none. Use "
+                                  f"at least two steps.")
         if t.steer and t.consistency_weight:
             raise ConfigError("train.steer moves each training step's end time, and "
                               "train.consistency_weight pulls that solve toward a finer one "

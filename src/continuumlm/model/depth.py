@@ -92,6 +92,7 @@ class SolveExtras:
     kinetic: bool = False
     jacobian: bool = False
     t1: float | None = None
+    readout: bool = False  # keep the state after every step but the last (step_states)
 
 
 def check_exit_solver(solver, name: str) -> None:
@@ -161,6 +162,7 @@ class ODEBlock(nn.Module):
         self.last_nfe = 0
         self.last_token_nfe: torch.Tensor | None = None
         self.last_regularizers: dict[str, torch.Tensor] = {}
+        self.step_states: list[torch.Tensor] = []
         self._calls = [0]
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
@@ -188,11 +190,17 @@ class ODEBlock(nn.Module):
         if exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)
             params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
+            C = x.shape[-1]
             if extras is not None and (extras.kinetic or extras.jacobian):
                 f, x = self._augmented(f, x, extras)
+            self.step_states = []
+            observe = None
+            if extras is not None and extras.readout:
+                def observe(n: int, h: torch.Tensor) -> None:
+                    self.step_states.append(h[..., :C])
             x = integrate(f, x, cfg.ode_t0, t1, self.solver, cfg.ode_steps,
                           cfg.ode_grad, params, where=f"ODE block {self.index}",
-                          checkpoints=cfg.ode_checkpoints)
+                          checkpoints=cfg.ode_checkpoints, observe=observe)
             if x.shape[-1] != cfg.hidden_size:  # the integrals ride along as extra channels
                 C = cfg.hidden_size
                 names = [n for n in ("kinetic", "jacobian") if getattr(extras, n)]
@@ -305,6 +313,7 @@ class ODEStack(nn.Module):
         self.exit_totals = [0, 0]  # field evaluations and tokens since set_exit (eager only)
         self.extras: SolveExtras | None = None  # regularizers and STEER (the trainer's)
         self.last_regularizers: dict[str, torch.Tensor] = {}
+        self.last_step_states: list[torch.Tensor] = []  # SolveExtras.readout's states
         self.last_token_nfe: torch.Tensor | None = None
         self.exact_cache = bool(getattr(self.blocks[0].solver, "fixed_grid", True))
         if not self.exact_cache and cfg.mode == "decoder":
@@ -394,6 +403,8 @@ class ODEStack(nn.Module):
             for name, value in b.last_regularizers.items():
                 regs[name] = regs[name] + value if name in regs else value
         self.last_regularizers = regs
+        # the states between solver steps, every block's (with SolveExtras.readout)
+        self.last_step_states = [h for b in self.blocks for h in b.step_states]
         # field evaluations per token, over every block
         self.last_token_nfe = (sum(b.last_token_nfe for b in self.blocks)
                                if self.exit is not None else None)

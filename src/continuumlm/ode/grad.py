@@ -22,11 +22,20 @@ from .solvers import grid
 
 def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, grad: str,
               params: tuple[torch.Tensor, ...] = (), where: str = "ODE block",
-              checkpoints: int = 0) -> torch.Tensor:
+              checkpoints: int = 0, observe=None) -> torch.Tensor:
     """Integrate dh/dt = f(t, h) from t0 to t1 and return h(t1). ``params``: every tensor with
     a gradient that f (and the solver) read; ``checkpoints``: states kept by ``binomial``
-    (0: about log2 of the steps)."""
+    (0: about log2 of the steps); ``observe(n, h)``: called with the state after every step n
+    but the last, in the graph (fixed-grid solvers, ``direct`` or ``checkpoint`` only: the
+    other modes keep no graph of the steps)."""
     needs_grad = torch.is_grad_enabled() and (h0.requires_grad or any(p.requires_grad for p in params))
+    if observe is not None and (isinstance(solver, AdaptiveSolver)
+                                or getattr(solver, "reversible", False)
+                                or grad not in ("direct", "checkpoint")):
+        raise ValueError(f"the states between solver steps are kept only by a fixed-grid, "
+                         f"non-reversible solver with ode_grad 'direct' or 'checkpoint' "
+                         f"(here {getattr(solver, 'method', type(solver).__name__)!s}, "
+                         f"{grad!r}).")
     if isinstance(solver, AdaptiveSolver):
         return odeint_call(f, h0, t0, t1, solver.method, grad == "adjoint" and needs_grad, params,
                            where, options={"max_num_steps": solver.max_steps},
@@ -57,9 +66,11 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
         return integrate_binomial(lambda i, h: solver.step(f, times[i], h, dt), h0, steps,
                                   checkpoints or default_checkpoints(steps), params)
     h = h0
-    for t in times:
+    for n, t in enumerate(times):
         if grad == "checkpoint" and needs_grad:
             h = checkpoint(solver.step, f, t, h, dt, use_reentrant=False)
         else:
             h = solver.step(f, t, h, dt)
+        if observe is not None and n + 1 < len(times):
+            observe(n, h)
     return h

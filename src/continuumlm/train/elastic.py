@@ -82,8 +82,9 @@ class SolveRegularizers:
     def __init__(self, model, t):
         self.model = model
         self.kinetic, self.jacobian = float(t.kinetic_weight), float(t.jacobian_weight)
+        self.readout = float(t.step_readout_weight)
         self.steer, self.seed = float(t.steer), int(t.seed)
-        self.enabled = bool(self.kinetic or self.jacobian or self.steer)
+        self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.readout)
 
     def end_time(self, step: int) -> float | None:
         if not self.steer:
@@ -101,20 +102,36 @@ class SolveRegularizers:
 
         self.model.depth.extras = SolveExtras(kinetic=self.kinetic > 0,
                                               jacobian=self.jacobian > 0,
-                                              t1=self.end_time(step))
+                                              t1=self.end_time(step), readout=self.readout > 0)
         try:
             yield
         finally:
             self.model.depth.extras = None
 
-    def terms(self) -> dict[str, torch.Tensor]:
-        """The weighted terms of the last forward, by name (added to the objective)."""
+    def terms(self, targets: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The terms of the last forward, by name, unweighted (the trainer adds each times its
+        weight to the objective); ``targets``: the batch's, for the step read-outs."""
         regs = self.model.last_regularizers
         out = {}
         for name, weight in (("kinetic", self.kinetic), ("jacobian", self.jacobian)):
             if weight > 0:
                 out[name] = regs[name]
+        if self.readout > 0:
+            out["step_readout"] = step_readout_loss(self.model, targets)
         return out
 
     def weight(self, name: str) -> float:
-        return {"kinetic": self.kinetic, "jacobian": self.jacobian}[name]
+        return {"kinetic": self.kinetic, "jacobian": self.jacobian,
+                "step_readout": self.readout}[name]
+
+
+def step_readout_loss(model, targets: torch.Tensor) -> torch.Tensor:
+    """The mean, over the states between solver steps of the last forward (every block's),
+    of the cross-entropy of their read-out (final norm + head) against ``targets`` (-1:
+    ignored, as in the model's own loss)."""
+    losses = []
+    for h in model.depth.last_step_states:
+        logits = model.lm_head(model.norm_f(h)).flatten(0, -2)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        losses.append(F.cross_entropy(logits, targets.reshape(-1), ignore_index=-1))
+    return torch.stack(losses).mean()

@@ -365,7 +365,7 @@ class Trainer:
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
         consistency = torch.zeros((), dtype=acc, device=self.device)
-        reg_names = ("kinetic", "jacobian")
+        reg_names = ("kinetic", "jacobian", "step_readout")
         reg_sums = torch.zeros(len(reg_names), dtype=acc, device=self.device)
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
         # learning rate's decay horizon (so extending a run with a fixed lr_decay_steps keeps it)
@@ -388,7 +388,7 @@ class Trainer:
                             kl = self.elastic.consistency(logits, target)
                             objective = objective + self.elastic.weight * kl
                             consistency += kl.detach().to(acc)
-                        for name, term in self.solve_reg.terms().items():
+                        for name, term in self.solve_reg.terms(y).items():
                             objective = objective + self.solve_reg.weight(name) * term
                             reg_sums[reg_names.index(name)] += term.detach().to(acc)
                     # Each micro-batch backpropagates its own mean loss; the sum is divided by
