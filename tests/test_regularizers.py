@@ -252,7 +252,6 @@ def test_step_readout_is_the_readout_loss_of_every_state_between_steps(grad):
     m.depth.extras = None
     for block in m.depth.blocks:
         block.eval()  # no dropout in BASE anyway; the hand-made solve below
-        calls = [0]
 
         def f(t, h, block=block):
             return block.field(t, h, None)
