@@ -6,7 +6,8 @@ best, with every rate's record.
 
 Each rate is one ``bench/mqar_runs.py`` run (resumable, recorded as
 bench/results/mqar-<name>-lr<rate>.json); the config's own rate is its plain record
-(mqar-<name>.json), so a run already made is not made again. Rates run one after another.
+(mqar-<name>.json), so a run already made is not made again, and it is always one of the
+rates compared (added to --lrs when not in it). Rates run one after another.
 Once every rate's record exists (complete, or with ``--snapshot`` as far as it got), the plain
 record gains ``lr_sweep`` (every rate: accuracy, fresh-set accuracy, steps, whether complete,
 its record) and ``lr_best`` (the rate with the highest held-out recall at its last evaluation,
@@ -34,12 +35,17 @@ def tag(lr: float) -> str:
     return f"lr{lr:g}"
 
 
+def rates(base_lr: float, lrs: list[float]) -> list[float]:
+    """The rates compared: ``lrs`` and the config's own."""
+    return sorted(set(lrs) | {base_lr})
+
+
 def summarize(name: str, base_lr: float, lrs: list[float]) -> dict | None:
-    """The plain record with ``lr_sweep`` and ``lr_best`` filled in from every rate's record;
-    None while a rate has no record yet."""
+    """The plain record with ``lr_sweep`` and ``lr_best`` filled in from the record of every
+    rate (``lrs`` and the config's own); None while a rate has no record yet."""
     base_path = RESULTS / f"{name}.json"
     rows = []
-    for lr in lrs:
+    for lr in rates(base_lr, lrs):
         path = base_path if lr == base_lr else RESULTS / f"{name}-{tag(lr)}.json"
         if not path.exists():
             return None
@@ -70,7 +76,7 @@ def main() -> None:
         sys.exit(f"--lrs {args.lrs!r}: give distinct positive rates")
     base_lr = load_config(config).train.lr
     name = f"mqar-{config.stem}"
-    for lr in lrs:
+    for lr in rates(base_lr, lrs):
         cmd = [sys.executable, RUNS_SCRIPT, str(config)]
         if lr != base_lr:
             cmd += ["--set", f"train.lr={lr:g}", "--tag", tag(lr)]

@@ -114,10 +114,15 @@ def test_an_mqar_learning_rate_sweep_reports_its_best_rate(tmp_path, monkeypatch
                f"{name}-lr0.001": _mqar_record(0.995, overrides=["train.lr=0.001"], tag="lr0.001"),
                f"{name}-lr0.01": _mqar_record(0.999, False, overrides=["train.lr=0.01"],
                                               tag="lr0.01")}
-    assert mqar_sweep.summarize(name, 3e-3, [1e-3, 3e-3, 1e-2, 1e-4]) is None  # 1e-4 missing
+    assert mqar_sweep.summarize(name, 3e-3, [1e-3, 1e-2]) is None  # nothing recorded yet
     for key, r in records.items():
-        (tmp_path / f"{key}.json").write_text(json.dumps(r))
-    s = mqar_sweep.summarize(name, 3e-3, [1e-3, 3e-3, 1e-2])
+        if key != name:
+            (tmp_path / f"{key}.json").write_text(json.dumps(r))
+    assert mqar_sweep.summarize(name, 3e-3, [1e-3, 1e-2]) is None  # the config's own rate
+    (tmp_path / f"{name}.json").write_text(json.dumps(records[name]))
+    assert mqar_sweep.summarize(name, 3e-3, [1e-3, 1e-2, 1e-4]) is None  # 1e-4 missing
+    # the config's own rate (3e-3) is compared even when --lrs leaves it out
+    s = mqar_sweep.summarize(name, 3e-3, [1e-3, 1e-2])
     assert s["lr_best"] == 1e-3 and [x["lr"] for x in s["lr_sweep"]] == [1e-3, 3e-3, 1e-2]
     assert s["accuracy"] == 0.04  # the plain record keeps its own run's figures
     shown = render.mqar_records({**records, name: s})

@@ -459,3 +459,17 @@ def test_a_config_saved_before_the_fla_defaults_reads_as_the_model_it_trained():
     # what is saved now holds every key, so it reads back as itself
     cfg = ModelConfig.from_dict(old)
     assert ModelConfig.from_dict(cfg.to_dict(), saved=True) == cfg
+
+
+def test_a_fresh_hugging_face_config_gets_todays_deltanet():
+    """ContinuumLMConfig reads its settings like a saved config; with no [deltanet] table at
+    all it is a fresh config and gets fla's map, while a config.json written before the keys
+    existed (a table without them) keeps the map it was trained with."""
+    pytest.importorskip("transformers")
+    from continuumlm.hf import ContinuumLMConfig
+
+    fresh = ContinuumLMConfig(mixer="deltanet").to_model_config().component("deltanet")
+    assert (fresh.activation, fresh.beta_bias, fresh.head_norm) == ("silu", False, "rms")
+    old = ContinuumLMConfig(mixer="deltanet", deltanet={"short_conv": 0})
+    old = old.to_model_config().component("deltanet")
+    assert (old.activation, old.beta_bias, old.head_norm) == ("none", True, "model")

@@ -454,3 +454,66 @@ def test_mqar_under_two_processes_equals_one_process_with_accumulation(tmp_path)
     b = json.loads((tmp_path / "one" / "result.json").read_text())
     assert a["complete"] and a["steps"] == b["steps"] == 6
     assert [h[0] for h in a["history"]] == [3, 6]
+    assert a["examples_seen"] == b["examples_seen"] == 6 * 16
+    # sharded (FSDP): the recall is scored through the model's forward, which gathers weights
+    fsdp = subprocess.run([cli, "mqar", "--config", str(config), "--out", str(tmp_path / "fsdp"),
+                           "--nproc", "2", *args, "--set", "train.strategy=fsdp"],
+                          capture_output=True, text=True, timeout=600)
+    assert fsdp.returncode == 0, fsdp.stderr
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    c = json.loads((tmp_path / "fsdp" / "result.json").read_text())
+    assert [h[0] for h in c["history"]] == [3, 6]
+
+
+def test_a_run_that_died_before_its_first_evaluation_starts_again(tmp_path, monkeypatch):
+    """No checkpoint yet (the first comes with the first evaluation): the same command clears
+    the run's own config.toml and metrics and starts it again; another run's files are
+    refused, not cleared."""
+    import continuumlm.train.mqar as M
+    from continuumlm import ConfigError
+    from continuumlm.train.logging import read_metrics
+
+    real = M.recall_accuracy
+    monkeypatch.setattr(M, "recall_accuracy", _dies_at_evaluation(1, real))
+    with pytest.raises(KeyboardInterrupt):
+        M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)
+    monkeypatch.setattr(M, "recall_accuracy", real)
+    assert (tmp_path / "run" / "config.toml").exists()
+    assert not (tmp_path / "run" / "checkpoints" / "last").exists()
+    with pytest.raises(ConfigError, match="already holds"):  # not this run's files
+        M.run_mqar(_mqar_cfg("train.lr=0.5"), tmp_path / "run", quiet=True)
+    r = M.run_mqar(_mqar_cfg(), tmp_path / "run", quiet=True)
+    full = M.run_mqar(_mqar_cfg(), tmp_path / "full", quiet=True)
+    assert r["history"] == full["history"]
+    assert [e["loss"] for e in read_metrics(tmp_path / "run") if "loss" in e] == \
+        [e["loss"] for e in read_metrics(tmp_path / "full") if "loss" in e]
+
+
+def test_the_evaluated_checkpoint_survives_pruning(tmp_path, monkeypatch):
+    """Checkpoints saved between evaluations (here every step, keeping one) never prune the
+    one the record was made from: progress and recall_by_distance read that step."""
+    import continuumlm.train.mqar as M
+
+    sets = ("train.checkpoint_interval=1", "train.keep_checkpoints=1")
+    monkeypatch.setattr(M, "recall_accuracy", _dies_at_evaluation(2, M.recall_accuracy))
+    with pytest.raises(KeyboardInterrupt):
+        M.run_mqar(_mqar_cfg(*sets), tmp_path / "run", quiet=True)
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "last").resolve().name == "step-00000007"
+    assert (root / "evaluated").resolve().name == "step-00000004"
+    assert M.progress(tmp_path / "run")["steps"] == 4
+    assert M.recall_by_distance(tmp_path / "run")["step"] == 4
+
+
+def test_a_run_continues_only_with_the_process_count_it_was_trained_with(tmp_path):
+    import continuumlm.train.mqar as M
+    from continuumlm import ConfigError
+    from continuumlm.train.checkpoint import load_trainer_state
+
+    M.run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "run", quiet=True)
+    last = (tmp_path / "run" / "checkpoints" / "last").resolve()
+    state = {**load_trainer_state(last), "world_size": 2}
+    cfg = _mqar_cfg("train.max_steps=4")
+    cfg.model = M._task_model(cfg)
+    with pytest.raises(ConfigError, match="trained with 2 process.*--nproc 2"):
+        M.MQARTask(cfg, tmp_path / "run", last, state)

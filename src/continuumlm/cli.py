@@ -495,11 +495,19 @@ def cmd_mqar(args) -> int:
         r = run_mqar(cfg, out, quiet=args.quiet)
     except ValueError as e:  # task sizes that do not fit together
         raise UsageError(f"[mqar]: {e}") from None
+    # exit statuses as for train: a requeue signal gives REQUEUE_STATUS on every rank
+    requeue = r.get("interrupted") in cfg.train.requeue_signals
     if not distributed.env_from_environment().is_main:
-        return 0
+        return REQUEUE_STATUS if requeue else 0
     if r.get("interrupted"):
-        print(f"stopped by {r['interrupted']} (checkpoint saved; last evaluation at step "
-              f"{r['steps']}); the same command continues the run")
+        where = (f"last evaluation at step {r['steps']}" if "accuracy" in r
+                 else "before its first evaluation")
+        print(f"stopped by {r['interrupted']} (checkpoint saved; {where}); the same command "
+              f"continues the run")
+        if requeue:
+            return REQUEUE_STATUS
+        if distributed.env_from_environment().enabled:
+            return 0  # under torchrun the launcher reports the signal
         return 130 if r["interrupted"] == "SIGINT" else 128 + signal.SIGTERM
     print(f"done: {r['mixer']}/{r['depth']}, {r['num_kv_pairs']} pairs at length {r['seq_len']}: "
           f"recall accuracy {r['accuracy']:.4f} (best {r['best_accuracy']:.4f}) after "

@@ -152,9 +152,11 @@ def _build_components(cfg) -> dict[str, Any]:
         built[name] = obj
     selected = (cfg.mixer, cfg.field, cfg.ode_solver)
     for name in selected:
+        # no table at all: today's defaults, saved or not (every saved run wrote the table of
+        # its selected components, or the flat 0.1 names that map to one; a fresh Hugging Face
+        # config, read like a saved one, must not get an earlier version's defaults)
         if name in configurable and name not in built:
-            cls = configurable[name]
-            built[name] = cls.Config(**({} if _strict() else _saved_defaults(cls)))
+            built[name] = configurable[name].Config()
     # the defaults of a component that is not selected say nothing (0.1 checkpoints hold every
     # flat setting whatever the mixer): left out, so equal configs compare equal
     return {name: c for name, c in built.items()

@@ -68,14 +68,16 @@ def mqar_mixed_batch(n: int, vocab_size: int, seq_len: int, kv_pairs: list[int],
 def query_hits(model, inputs: torch.Tensor, targets: torch.Tensor,
                batch_size: int = 64) -> torch.Tensor:
     """Whether the model's most likely next token is the value, for every query, in the order
-    of ``targets[targets >= 0]``. The output layer is applied at the query positions only."""
+    of ``targets[targets >= 0]``. The output layer is applied at the query positions only,
+    through the model's forward (so a sharded FSDP model gathers its weights as in training)."""
     was_training = model.training
     model.eval()
     hits = []
-    for i in range(0, len(inputs), batch_size):
-        x, y = inputs[i:i + batch_size], targets[i:i + batch_size]
-        mask = y >= 0
-        hits.append((model.lm_head(model.hidden_states(x)[mask]).argmax(-1) == y[mask]).cpu())
+    with torch.no_grad():
+        for i in range(0, len(inputs), batch_size):
+            x, y = inputs[i:i + batch_size], targets[i:i + batch_size]
+            logits, _ = model(x, y, targets_only=True)
+            hits.append((logits.argmax(-1) == y[y >= 0]).cpu())
     model.train(was_training)
     return torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
 

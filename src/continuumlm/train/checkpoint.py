@@ -86,9 +86,10 @@ def _write_manifest(folder: Path, step: int) -> None:
 
 def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer, run_cfg: RunConfig,
                     trainer_state: dict, best: bool = False, keep: int = 3,
-                    shards: Path | None = None) -> Path:
+                    shards: Path | None = None, evaluated: bool = False) -> Path:
     """Write ``step-NNNNNNNN`` atomically. ``shards``: a torch.distributed.checkpoint folder
-    (FSDP) moved in as ``sharded/`` in place of ``model.safetensors``."""
+    (FSDP) moved in as ``sharded/`` in place of ``model.safetensors``. ``evaluated``: point
+    ``evaluated`` at it (the state a task's record was made from; never pruned)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"{STEP_PREFIX}{step:08d}"
     final = ckpt_root / name
@@ -125,6 +126,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
     _point(ckpt_root / "last", name)
     if best:
         _point(ckpt_root / "best", name)
+    if evaluated:
+        _point(ckpt_root / "evaluated", name)
     _prune(ckpt_root, keep)
     return final
 
@@ -148,7 +151,8 @@ def recover_interrupted_save(ckpt_root: Path) -> None:
 def _prune(ckpt_root: Path, keep: int) -> None:
     steps = sorted(p for p in ckpt_root.iterdir()
                    if p.name.startswith(STEP_PREFIX) and p.is_dir() and not p.is_symlink())
-    protected = {(ckpt_root / n).resolve() for n in ("last", "best") if (ckpt_root / n).exists()}
+    protected = {(ckpt_root / n).resolve() for n in ("last", "best", "evaluated")
+                 if (ckpt_root / n).exists()}
     for p in steps[:-keep] if keep > 0 else []:
         if p.resolve() not in protected:
             shutil.rmtree(p, ignore_errors=True)

@@ -69,7 +69,7 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     def save(self, step: int, model, optimizer, tokenizer, cfg, state: dict,
-             best: bool = False) -> Path | None:
+             best: bool = False, evaluated: bool = False) -> Path | None:
         """Write the checkpoint of ``step`` (every rank calls this; rank 0 writes)."""
         shards = None
         if self.fsdp:
@@ -86,7 +86,8 @@ class Checkpointer:
         path, failure = None, None
         if self.dist.is_main:
             try:
-                path = self._write(step, model, optimizer, tokenizer, cfg, state, best, shards)
+                path = self._write(step, model, optimizer, tokenizer, cfg, state, best, shards,
+                                   evaluated)
             except DiskError as e:
                 failure = e
         # decided on every rank alike: the others would wait for rank 0 in the next collective
@@ -100,7 +101,8 @@ class Checkpointer:
         self.saved_at, self.saved_time = step, time.monotonic()
         return path
 
-    def _write(self, step, model, optimizer, tokenizer, cfg, state, best, shards) -> Path:
+    def _write(self, step, model, optimizer, tokenizer, cfg, state, best, shards,
+               evaluated=False) -> Path:
         """Rank 0's part of a save: refuse it when the disk cannot hold it (when that is cheap
         to tell: not for FSDP, whose shards are already written), then write it; any failure
         of the file system is a DiskError."""
@@ -118,7 +120,8 @@ class Checkpointer:
                 raise disk_error(what, self.root, e, self.root, self.out, need)
         try:
             return save_checkpoint(self.root, step, model, tokenizer, cfg, state, best=best,
-                                   keep=self.t.keep_checkpoints, shards=shards)
+                                   keep=self.t.keep_checkpoints, shards=shards,
+                                   evaluated=evaluated)
         except (OSError, SafetensorError) as e:  # safetensors reports ENOSPC its own way
             raise disk_error(what, self.root, e, self.root, self.out, need) from None
         except RuntimeError as e:

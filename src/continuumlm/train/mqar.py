@@ -117,8 +117,9 @@ class RecallEvaluator:
     one (not before the first step); ``stop`` once it reaches ``mqar.stop_accuracy``. Every
     rank scores the whole set (under FSDP every forward is a collective)."""
 
-    def __init__(self, x, y, t, q, device, amp):
+    def __init__(self, x, y, t, q, device, amp, dist=None):
         self.x, self.y, self.t, self.q, self.device, self.amp = x, y, t, q, device, amp
+        self.dist = dist if dist is not None and dist.enabled else None
 
     def due(self, step: int) -> bool:
         return step > 0 and (step % self.t.eval_interval == 0 or step >= self.t.max_steps)
@@ -126,6 +127,8 @@ class RecallEvaluator:
     def __call__(self, model) -> Evaluation:
         with self.amp:
             acc = recall_accuracy(model, self.x.to(self.device), self.y.to(self.device))
+        if self.dist is not None:  # every rank alike (it decides when all of them stop)
+            acc = self.dist.all_reduce_sum([acc], self.device)[0] / self.dist.world_size
         return Evaluation(1.0 - acc, {"accuracy": acc}, f"recall accuracy {acc:.4f}",
                           stop=acc >= self.q.stop_accuracy)
 
@@ -141,11 +144,19 @@ class MQARTask:
 
     def __init__(self, cfg: RunConfig, out: Path, resumed_from: Path | None = None,
                  state: dict | None = None):
-        if resumed_from is not None and not _same_settings(
-                load_run_config(resumed_from).to_dict(), cfg):
-            raise ConfigError(f"{out} holds an MQAR run with other settings (its "
-                              f"{resumed_from / 'run.json'}); use another --out, or delete the "
-                              f"folder to restart.")
+        from .distributed import env_from_environment
+
+        self.world = env_from_environment().world_size
+        if resumed_from is not None:
+            _refuse_other_settings(load_run_config(resumed_from).to_dict(), cfg, out,
+                                   resumed_from / "run.json")
+            ran = int(state.get("world_size", 1))
+            if ran != self.world:
+                raise ConfigError(
+                    f"{out} holds an MQAR run trained with {ran} process(es); continuing it "
+                    f"with {self.world} would change its batch (each step reads "
+                    f"batch_size x grad_accum x processes examples). Continue it with "
+                    f"{'--nproc ' + str(ran) if ran > 1 else 'one process'}.")
         self.cfg, self.out = cfg, out
         self.train_x, self.train_y = _train_set(cfg)
         self.test_x, self.test_y = _test_set(cfg)
@@ -155,6 +166,7 @@ class MQARTask:
         self.elapsed0, self.start = float(saved.get("elapsed", 0.0)), time.perf_counter()
 
     def sampler(self, t, dist) -> EpochSampler:
+        self.start = time.perf_counter()  # the run's time starts here, after the model's build
         return EpochSampler(self.train_x, self.train_y, t.batch_size, t.seed, dist.rank,
                             dist.world_size, t.grad_accum)
 
@@ -163,7 +175,7 @@ class MQARTask:
         return states[0]  # every rank alike
 
     def evaluator(self, t, device, amp, dist, fsdp) -> RecallEvaluator:
-        return RecallEvaluator(self.test_x, self.test_y, t, self.cfg.mqar, device, amp)
+        return RecallEvaluator(self.test_x, self.test_y, t, self.cfg.mqar, device, amp, dist)
 
     @staticmethod
     def forward(fn, x, y):
@@ -189,12 +201,13 @@ class MQARTask:
         _write_result(self.out, self.result(trainer, complete=False))
 
     def on_end(self, trainer, summary: dict) -> None:
-        _write_result(self.out, self.result(trainer, complete=not summary["interrupted"]))
+        if self.history:  # stopped before its first evaluation: nothing to record
+            _write_result(self.out, self.result(trainer, complete=not summary["interrupted"]))
 
     def result(self, trainer, complete: bool) -> dict:
-        step, acc = self.history[-1] if self.history else (trainer.step, 0.0)
+        step, acc = self.history[-1]
         return _result(self.cfg, trainer.model.num_parameters(), step, acc, self.best,
-                       self.history, self.elapsed(), complete)
+                       self.history, self.elapsed(), complete, self.world)
 
 
 def _task_model(cfg: RunConfig):
@@ -225,6 +238,17 @@ def _same_settings(saved: dict, cfg: RunConfig) -> bool:
     """Whether a saved run's config is ``cfg``; keys added to the config since the run was saved
     take their defaults (which reproduce what the run did before they existed)."""
     return RunConfig.from_dict(saved, saved=True).to_dict() == cfg.to_dict()
+
+
+def _refuse_other_settings(saved: dict, cfg: RunConfig, out: Path, where: Path) -> None:
+    from .resume import differences
+
+    old = RunConfig.from_dict(saved, saved=True)
+    if old.to_dict() != cfg.to_dict():
+        differ = differences(old, cfg, ("model", "data", "train", "mqar"))
+        raise ConfigError(f"{out} holds an MQAR run with other settings ({'; '.join(differ)}; "
+                          f"its settings are in {where}); use another --out, or delete the "
+                          f"folder to restart.")
 
 
 def _quiet_model(cfg: RunConfig) -> LanguageModel:
@@ -261,6 +285,8 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
         distributed.teardown()
     if not distributed.env_from_environment().is_main:  # rank 0 writes the record
         return {"steps": summary["step"], "interrupted": summary["interrupted"]}
+    if not (out / "result.json").exists():  # stopped before its first evaluation
+        return {"steps": summary["step"], "interrupted": summary["interrupted"]}
     result = json.loads((out / "result.json").read_text())
     return {**result, "interrupted": summary["interrupted"]} if summary["interrupted"] else result
 
@@ -274,6 +300,9 @@ def prepare_run_folder(cfg: RunConfig, out: Path) -> None:
     cfg.check_trainable()
     cfg.model = _task_model(cfg)
     _check_data_memory(cfg.mqar)
+    if not _has_checkpoints(out) and not (out / LEGACY_STATE).exists() \
+            and not distributed.env_from_environment().enabled:
+        _clear_unstarted_run(cfg, out)
     if not _has_checkpoints(out) and (out / LEGACY_STATE).exists():
         if distributed.env_from_environment().enabled:
             raise ConfigError(f"{out} holds a run of an earlier version's MQAR loop "
@@ -282,15 +311,43 @@ def prepare_run_folder(cfg: RunConfig, out: Path) -> None:
         _adopt_legacy_state(out, cfg)
 
 
+def _clear_unstarted_run(cfg: RunConfig, out: Path) -> None:
+    """The files a run leaves before its first checkpoint (config.toml, metrics.jsonl, tb/:
+    the first checkpoint comes with the first evaluation) are removed when they are this same
+    run's, so the same command starts it again; anyone else's files are left for the trainer
+    to refuse."""
+    import shutil
+
+    from ..config import load_config
+    from .logging import read_metrics
+
+    saved = out / "config.toml"
+    if not saved.is_file() or (out / "result.json").exists():
+        return
+    try:
+        same = load_config(saved).to_dict() == cfg.to_dict()
+        steps = [e.get("step", 0) for e in read_metrics(out)] \
+            if (out / "metrics.jsonl").exists() else []
+    except (ValueError, OSError):
+        return
+    # a step logged past the first evaluation means a checkpoint was written (and is gone)
+    first = min(cfg.train.eval_interval, cfg.train.max_steps)
+    if not same or any(isinstance(s, (int, float)) and s > first for s in steps):
+        return
+    print(f"{out} holds no checkpoint of this run (it stopped before its first evaluation); "
+          f"starting it again", flush=True)
+    saved.unlink()
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(out / "tb", ignore_errors=True)
+
+
 def _adopt_legacy_state(out: Path, cfg: RunConfig) -> None:
     """Turn the standalone loop's ``state.pt`` into the checkpoint of its step, from which the
     trainer continues exactly where that loop would have (same batches, same optimizer and RNG
     state). The file itself stays."""
     path = out / LEGACY_STATE
     st = _load_state(path, "delete the folder to start the run afresh")
-    if not _same_settings(st["config"], cfg):
-        raise ConfigError(f"{out} holds an MQAR run with other settings (its {LEGACY_STATE}); "
-                          f"use another --out, or delete the folder to restart.")
+    _refuse_other_settings(st["config"], cfg, out, path)
     model = _quiet_model(cfg)
     model.load_state_dict(st["model"])
     opt = make_optimizer(model, cfg.train, "cpu")
@@ -302,11 +359,11 @@ def _adopt_legacy_state(out: Path, cfg: RunConfig) -> None:
              "task": {"name": "mqar", "history": st["history"], "best": st["best"],
                       "elapsed": st["elapsed"]}}
     save_checkpoint(out / "checkpoints", st["step"], model, None, cfg, state,
-                    keep=cfg.train.keep_checkpoints)
+                    keep=cfg.train.keep_checkpoints, evaluated=True)
 
 
 def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
-            history: list, seconds: float, complete: bool) -> dict:
+            history: list, seconds: float, complete: bool, world: int = 1) -> dict:
     t, q = cfg.train, cfg.mqar
     return {"accuracy": acc, "best_accuracy": best, "steps": step, "max_steps": t.max_steps,
             "complete": complete, "stopped_early": complete and step < t.max_steps,
@@ -314,7 +371,7 @@ def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
             "mixer": cfg.model.mixer, "depth": cfg.model.depth,
             "num_kv_pairs": q.num_kv_pairs, "train_kv_pairs": q.train_kv_pairs,
             "seq_len": q.seq_len, "history": history,
-            "examples_seen": step * t.batch_size * t.grad_accum}
+            "examples_seen": step * t.batch_size * t.grad_accum * world}
 
 
 def _write_result(out: Path, result: dict) -> None:
@@ -340,7 +397,9 @@ def _last_evaluated(out: Path) -> tuple[RunConfig, dict, Path | dict] | None:
     signal wrote between evaluations is passed over), or the standalone loop's ``state.pt``
     (its weights in the returned dict). None before the first evaluation."""
     root = out / "checkpoints"
-    for ckpt in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+    # the one `evaluated` points at first (kept from pruning), then any other, newest first
+    linked = [(root / "evaluated").resolve()] if (root / "evaluated").exists() else []
+    for ckpt in [*linked, *sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)]:
         try:
             verify_checkpoint(ckpt)
             st = load_trainer_state(ckpt)
@@ -349,7 +408,8 @@ def _last_evaluated(out: Path) -> tuple[RunConfig, dict, Path | dict] | None:
             continue  # being replaced, or damaged: an older one
         task = st.get("task") or {}
         if task.get("history") and task["history"][-1][0] == st["step"]:
-            return cfg, {**task, "step": st["step"]}, ckpt
+            return cfg, {**task, "step": st["step"],
+                         "world_size": int(st.get("world_size", 1))}, ckpt
     if (out / LEGACY_STATE).exists():
         st = _load_state(out / LEGACY_STATE, _WHILE_RUNNING)
         return (RunConfig.from_dict(st["config"], saved=True),
@@ -407,7 +467,7 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
     # the last evaluation reached the target or the last step: only result.json was missing
     complete = step >= saved.train.max_steps or acc >= saved.mqar.stop_accuracy
     return _result(saved, params, step, acc, task["best"], task["history"], task["elapsed"],
-                   complete=complete)
+                   complete=complete, world=task.get("world_size", 1))
 
 
 DISTANCE_EDGES = (0, 32, 64, 128)

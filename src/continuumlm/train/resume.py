@@ -83,8 +83,9 @@ def absolute_data_path(data):
     return dataclasses.replace(data, path=str(Path(data.path).expanduser().absolute()))
 
 
-def _differences(saved: RunConfig, cfg: RunConfig, limit: int = 4) -> list[str]:
-    """``section.key: run value -> given value`` for the [model] and [data] keys that differ
+def differences(saved: RunConfig, cfg: RunConfig, sections=("model", "data"),
+                limit: int = 4) -> list[str]:
+    """``section.key: the run's value, given value`` for the keys of ``sections`` that differ
     (component tables flattened: model.deltanet.activation)."""
     def flat(d: dict, prefix: str) -> dict:
         out = {}
@@ -95,8 +96,15 @@ def _differences(saved: RunConfig, cfg: RunConfig, limit: int = 4) -> list[str]:
                 out[f"{prefix}{k}"] = v
         return out
 
-    a = {**flat(saved.model.to_dict(), "model."), **flat(dataclasses.asdict(saved.data), "data.")}
-    b = {**flat(cfg.model.to_dict(), "model."), **flat(dataclasses.asdict(cfg.data), "data.")}
+    def sections_of(c: RunConfig) -> dict:
+        out = {}
+        for name in sections:
+            part = getattr(c, name)
+            out.update(flat(part.to_dict() if hasattr(part, "to_dict")
+                            else dataclasses.asdict(part), f"{name}."))
+        return out
+
+    a, b = sections_of(saved), sections_of(cfg)
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     shown = [f"{k}: the run's {a.get(k)!r}, given {b.get(k)!r}" for k in keys[:limit]]
     return shown + ([f"{len(keys) - limit} more"] if len(keys) > limit else [])
@@ -127,7 +135,7 @@ def open_run_folder(cfg: RunConfig, out: Path, resume: bool, task: str = "lm"):
         if cfg.model.vocab_size == 0:  # filled in from the tokenizer when the run started
             cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
         if saved.model != cfg.model or saved.data != cfg.data:
-            differ = _differences(saved, cfg)
+            differ = differences(saved, cfg)
             raise ConfigError(
                 f"--resume: the [model] or [data] settings differ from those the run in "
                 f"{out} was started with"

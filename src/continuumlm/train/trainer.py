@@ -338,10 +338,12 @@ class Trainer:
             if not self.dist.enabled:
                 raise
 
-    def save(self, best: bool = False) -> Path | None:
-        """Write a checkpoint of the current step (rank 0 writes; every rank must call this)."""
+    def save(self, best: bool = False, evaluated: bool = False) -> Path | None:
+        """Write a checkpoint of the current step (rank 0 writes; every rank must call this);
+        ``evaluated``: right after the step's evaluation, for a task that records from it."""
         return self.checkpointer.save(self.step, self.model, self.optimizer, self.tokenizer,
-                                      self.cfg, self.trainer_state(), best=best)
+                                      self.cfg, self.trainer_state(), best=best,
+                                      evaluated=evaluated)
 
     def evaluate(self) -> Evaluation:
         return self.evaluator(self.model)
@@ -538,7 +540,7 @@ class Trainer:
                 each = evaluated and self.task.checkpoint_each_evaluation and self.step > 0
                 if self.checkpointer.due(self.step, improved) or (
                         each and self.checkpointer.saved_at != self.step):
-                    self.save(best=improved and self.step > 0)
+                    self.save(best=improved and self.step > 0, evaluated=each)
                 if evaluated and self.main:  # after the save: a record never runs ahead of it
                     self.task.record(self)
                 # the throughput window counts training only: move its start past the pause
