@@ -333,7 +333,13 @@ def main() -> None:
                   "`cat_fourier` at the training context, 640 nodes at 5000); `cat_exact` "
                   "every earlier token (the exact sum, one SDPA call); `cat_bias` ordinary "
                   "attention with the continuous kernel added to q.k/sqrt(d), over every "
-                  "token.", "", cat, ""]
+                  "token. Positions map to s = i / 256 (the training context), and the "
+                  "Fourier kernel is periodic with period 2 in s: past 512 tokens a key and "
+                  "the one 512 tokens before it get the same kernel value (tested in "
+                  "tests/test_mixers.py), so in the kernel modes the weight spreads over "
+                  "about 10 aliases of each offset at 5000 tokens, whatever the quadrature. "
+                  "A run tagged `length5120` trains with positions scaled to 5120 "
+                  "(`--set model.continuous.length=5120`) instead.", "", cat, ""]
         parts += [TAIL_NOTE, ""] if "†" in cat else []
     ptb = training_table(results, "configs/ptb/", test=True)
     if ptb.count("\n") > 1:
