@@ -337,9 +337,10 @@ def main() -> None:
                   "Fourier kernel is periodic with period 2 in s: past 512 tokens a key and "
                   "the one 512 tokens before it get the same kernel value (tested in "
                   "tests/test_mixers.py), so in the kernel modes the weight spreads over "
-                  "about 10 aliases of each offset at 5000 tokens, whatever the quadrature. "
-                  "A run tagged `length5120` trains with positions scaled to 5120 "
-                  "(`--set model.continuous.length=5120`) instead.", "", cat, ""]
+                  "about 10 aliases of each offset at 5000 tokens, whatever the quadrature."
+                  + (" The run tagged `length5120` trains with positions scaled to 5120 "
+                     "(`--set model.continuous.length=5120`) instead."
+                     if any("length5120" in k for k in results) else ""), "", cat, ""]
         parts += [TAIL_NOTE, ""] if "†" in cat else []
     ptb = training_table(results, "configs/ptb/", test=True)
     if ptb.count("\n") > 1:
