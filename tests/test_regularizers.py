@@ -273,6 +273,10 @@ def test_step_readout_is_the_readout_loss_of_every_state_between_steps(grad):
     m.depth.extras = None
     m(idx)  # without the extras nothing is kept
     assert m.depth.last_step_states == []
+    m.set_solver("rk4", 1)  # an elastic draw of one step: no state between steps, term 0
+    m.depth.extras = SolveExtras(readout=True)
+    m(idx, y)
+    assert step_readout_loss(m, y).item() == 0.0
 
 
 def test_training_with_step_readout_logs_it_and_resumes_exactly(tiny_corpus, tmp_path):

@@ -130,6 +130,8 @@ def step_readout_loss(model, targets: torch.Tensor) -> torch.Tensor:
     of the cross-entropy of their read-out (final norm + head) against ``targets`` (-1:
     ignored, as in the model's own loss)."""
     losses = []
+    if not model.depth.last_step_states:  # a one-step solve (an elastic draw) has none
+        return model.tok_emb.weight.new_zeros(())
     for h in model.depth.last_step_states:
         logits = model.lm_head(model.norm_f(h)).flatten(0, -2)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
