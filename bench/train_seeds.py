@@ -33,6 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
 
+def _last_tenth_mean(metrics: list[dict], key: str) -> float | None:
+    values = [m[key] for m in metrics if key in m and "loss" in m]
+    tail = values[len(values) - max(1, len(values) // 10):] if values else []
+    return sum(tail) / len(tail) if tail else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -125,6 +131,10 @@ def main() -> None:
             "val_loss_in_training": vals[-1]["val_loss"], "final_step": vals[-1]["step"],
             "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
             "nfe": nfe[-1] if nfe else None,
+            # adaptive solvers: the mean forward (and backward) NFE over the last tenth of the
+            # logged training steps, where the learned dynamics have settled
+            "nfe_mean_last_tenth": _last_tenth_mean(metrics, "nfe"),
+            "nfe_backward_mean_last_tenth": _last_tenth_mean(metrics, "nfe_backward"),
             "wall_seconds": None if resumed else wall,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
             # cores that other work kept busy while it trained (its own threads excluded): above

@@ -84,6 +84,11 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         Step("depth_exit.py", output="depth_exit"),
         Step("elastic_cost.py", quick=False, output="elastic_cost"),
     ]),
+    "regularizers": ("NFE regularizers on an adaptive solver: ode_rk4's model trained with "
+                     "Tsit5, without and with RNODE's kinetic and Jacobian terms", [
+        _train(f"{SH}/ode_tsit5.toml", [1337]),
+        _train(f"{SH}/ode_tsit5_rnode.toml", [1337]),
+    ]),
     "ptb_std": ("Penn Treebank in the standard setup (10k vocabulary, ~4.6 M parameters, "
                 "Zaremba-small's 12 M tokens): dropout swept at a quarter of the budget on the "
                 "validation split, then three seeds per model, the test split scored once", [
@@ -110,7 +115,8 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
             "mfu", "data_scale", "hf_generate", "adaptive_grads", "seminorm_run")],
     ]),
 }
-ORDER = ["shakespeare", "elasticity", "cat_protocol", "ptb", "ptb_std", "mqar", "bench"]
+ORDER = ["shakespeare", "elasticity", "regularizers", "cat_protocol", "ptb", "ptb_std", "mqar",
+         "bench"]
 
 
 def run_child(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

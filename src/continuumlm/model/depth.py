@@ -302,6 +302,9 @@ class ODEBlock(nn.Module):
             h = h_new
         return h, evals
 
+_WARNED: set[str] = set()  # adaptive solvers whose non-causality was announced
+
+
 class ODEStack(nn.Module):
     """``num_layers`` ODE blocks, each with its own weights (CAT's ``--blocks``)."""
 
@@ -316,7 +319,8 @@ class ODEStack(nn.Module):
         self.last_step_states: list[torch.Tensor] = []  # SolveExtras.readout's states
         self.last_token_nfe: torch.Tensor | None = None
         self.exact_cache = bool(getattr(self.blocks[0].solver, "fixed_grid", True))
-        if not self.exact_cache and cfg.mode == "decoder":
+        if not self.exact_cache and cfg.mode == "decoder" and cfg.ode_solver not in _WARNED:
+            _WARNED.add(cfg.ode_solver)  # once per solver and process: models are rebuilt often
             log.warning(
                 "model.ode_solver = %r is adaptive: its step-size controller takes one error norm "
                 "over the whole batch and sequence, so future tokens and other batch rows change "
