@@ -122,29 +122,37 @@ def test_continuous_attention_rows_are_convex_and_long_contexts_run(basis):
     assert m(torch.randint(0, 31, (1, 5000)))[0].shape == (1, 5000, 31)  # CAT's longest context
 
 
-def test_continuous_fourier_kernel_aliases_past_twice_its_length():
-    """The Fourier kernel is periodic in position with period 2 * length: in the exact kernel
-    mode, swapping the tokens at positions j and j - 2 * length changes no later output,
-    while swapping j with j - 2 * length + 1 does. That is why a model trained with the
-    default length (max_seq_len) cannot hold at contexts far past it; a one-time warning says
-    so when it reads that far."""
+def test_continuous_fourier_kernel_aliases_past_its_length():
+    """The Fourier kernel cos(pi f s) is even about s = 1 and periodic with period 2: in the
+    exact kernel mode, swapping the tokens at positions length + k and length - k, or at j and
+    j - 2 * length, changes no later output, while swapping other pairs does. That is why a
+    model trained with the default length (max_seq_len) cannot hold at contexts past it; a
+    one-time warning says so when it reads past position length."""
     import warnings
 
     m = model("continuous", num_layers=1, max_seq_len=8, position="none",
               components={"continuous": {"quadrature": "exact", "length": 8}}).double()
     att = m.depth.layers[0].mixer
-    assert att.unique_range() == 16
+    assert att.unique_range() == 9
     x = torch.randn(1, 40, 32, dtype=torch.float64)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         y = att(x)
         att(x)
-    assert len([w for w in seen if "repeat every 16 tokens" in str(w.message)]) == 1
-    for other, same in ((14, True), (15, False)):
+    assert len([w for w in seen if "reflect and repeat past token 8" in str(w.message)]) == 1
+    for a, b, same in ((30, 14, True), (10, 6, True), (12, 4, True), (30, 15, False),
+                       (10, 7, False)):
         swapped = x.clone()
-        swapped[:, [30, other]] = x[:, [other, 30]]
-        close = torch.allclose(att(swapped)[:, 31:], y[:, 31:], rtol=1e-9, atol=1e-12)
-        assert close == same, other
+        swapped[:, [a, b]] = x[:, [b, a]]
+        later = max(a, b) + 1
+        close = torch.allclose(att(swapped)[:, later:], y[:, later:], rtol=1e-9, atol=1e-12)
+        assert close == same, (a, b)
+    with warnings.catch_warnings(record=True) as seen:  # positions 0..8 are told apart
+        warnings.simplefilter("always")
+        fresh = model("continuous", num_layers=1, max_seq_len=8, position="none",
+                      components={"continuous": {"quadrature": "exact", "length": 8}})
+        fresh.depth.layers[0].mixer(torch.randn(1, 9, 32))
+    assert not [w for w in seen if "kernel positions" in str(w.message)]
 
 
 def test_bitlinear_normalizes_features_only_and_stays_causal():

@@ -303,9 +303,17 @@ def test_training_with_step_readout_logs_it_and_resumes_exactly(tiny_corpus, tmp
     (["model.ode_solver=reversible_heun", "model.ode_grad=reversible"], "is reversible"),
     (["model.ode_solver=rk4", "model.ode_grad=adjoint"], "'direct' or 'checkpoint'"),
     (["model.ode_solver=rk4", "model.ode_steps=1"], "at least two steps"),
+    (["model.ode_solver=rk4", "model.ode_steps=4", "train.ode_steps_choices=[1]"],
+     r"train.ode_steps_choices = \[1\] has none"),
+    (["model.ode_solver=rk4", "train.ode_steps_choices=[2]", "train.ode_solver_choices=[\"dopri5\"]"],
+     "'dopri5' is adaptive"),
 ])
 def test_step_readout_refusals(tiny_corpus, extra, needle):
     base = ["train.kinetic_weight=0", "train.jacobian_weight=0", "train.steer=0",
             "train.step_readout_weight=0.1"]
     with pytest.raises(ConfigError, match=needle):
         reg_cfg(tiny_corpus, *base, *extra)
+    # the elastic choices are what training integrates with: an adaptive model solver is
+    # not used then
+    reg_cfg(tiny_corpus, *base, "train.ode_steps_choices=[1, 2]",
+            "train.ode_solver_choices=[\"rk4\"]")

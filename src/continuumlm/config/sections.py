@@ -484,8 +484,9 @@ class RunConfig:
                               f"it would only constrain the field. Use an adaptive solver "
                               f"(tsit5, dopri5, ...) or leave it out.")
         if t.step_readout_weight:
-            solvers = [m.ode_solver, *(t.ode_solver_choices or [])]
-            steps = [m.ode_steps, *(t.ode_steps_choices or [])]
+            # what training integrates with: the elastic choices replace the model's own
+            solvers = list(t.ode_solver_choices or [m.ode_solver])
+            steps = list(t.ode_steps_choices or [m.ode_steps])
             if m.depth != "ode":
                 raise ConfigError(f"train.step_readout_weight reads out an ODE model's solver "
                                   f"steps; model.depth = {m.depth!r} has none. Use depth = "
@@ -503,9 +504,11 @@ class RunConfig:
                                   f"in the graph: model.ode_grad = 'direct' or 'checkpoint', "
                                   f"not {m.ode_grad!r}.")
             if max(steps) < 2:
+                where = ("train.ode_steps_choices" if t.ode_steps_choices
+                         else "model.ode_steps")
                 raise ConfigError(f"train.step_readout_weight reads out the states between "
-                                  f"solver steps; model.ode_steps = {m.ode_steps} has none. Use "
-                                  f"at least two steps.")
+                                  f"solver steps; {where} = {t.ode_steps_choices or m.ode_steps} "
+                                  f"has none. Use at least two steps.")
         if t.steer and t.consistency_weight:
             raise ConfigError("train.steer moves each training step's end time, and "
                               "train.consistency_weight pulls that solve toward a finer one "

@@ -15,11 +15,12 @@ over ``n_quad`` Gauss-Legendre nodes t_j with weights w_j. Choices that differ f
 - Positions map to s by a fixed scale (token i is at s = i / ``length``), never by the
   current sequence length, so a token's output does not depend on how many tokens follow it.
   Past the scale, Fourier features continue periodically and Chebyshev arguments are clamped.
-  So with the Fourier basis, W(s, t) = W(s, t - 2) = W(s - 2, t): a key 2 * ``length``
-  tokens before another has the same kernel value, and the kernel alone cannot tell them apart
-  (with Chebyshev, every position past ``length`` is alike). Evaluating past that range (a
-  one-time warning says so) needs a ``length`` that covers the longest context; ``mode =
-  "bias"`` keeps the content term, which can.
+  So with the Fourier basis cos(pi f s), which is even about s = 1 and periodic with period 2,
+  a key at position length + k gets the kernel value of the key at length - k (and of every
+  position 2 * length apart from either): only positions 0..length are told apart (with
+  Chebyshev, every position past ``length`` is alike). Evaluating past that range (a one-time
+  warning says so) needs a ``length`` that covers the longest context; ``mode = "bias"`` keeps
+  the content term, which can tell tokens apart.
 - Normalization: the softmax runs over the quadrature nodes with the log weights added, so p
   is a proper discrete distribution and y a convex combination of values (CAT's rows sum to
   about 1e-3, which damps the signal).
@@ -267,21 +268,23 @@ class ContinuousAttention(nn.Module):
         return self.dropout(self.out_proj(y))
 
     def unique_range(self) -> int:
-        """Tokens over which the kernel's positions are distinct: 2 * length (Fourier's
-        period) or length (Chebyshev's clamp)."""
-        return int(self.scale * (2 if self.basis == "fourier" else 1))
+        """Tokens over which the kernel's positions are distinct: positions 0..length (past
+        it Fourier features reflect, cos(pi f (2 - s)) = cos(pi f s), and Chebyshev's clamp)."""
+        return int(self.scale) + 1
 
     def _check_range(self, n_tokens: int) -> None:
         if n_tokens > self.unique_range() and not getattr(self, "_range_warned", False) \
                 and not torch.compiler.is_compiling():
             self._range_warned = True
-            what = ("repeat every" if self.basis == "fourier" else "are all alike past")
+            what = ("reflect and repeat" if self.basis == "fourier" else "are all alike")
+            advice = ("the content term still tells tokens apart, the positional prior does "
+                      "not" if self.mode == "bias" else "train with model.continuous.length "
+                      "covering the longest context (or mode = 'bias') to evaluate there")
             warnings.warn(
                 f"continuous attention reads {n_tokens} tokens, but its kernel positions "
-                f"{what} {self.unique_range()} tokens (model.continuous.length = "
-                f"{int(self.scale)}, basis {self.basis!r}): tokens that far apart get the same "
-                f"kernel value. Train with model.continuous.length covering the longest "
-                f"context (or mode = 'bias') to evaluate there.", stacklevel=2)
+                f"{what} past token {int(self.scale)} (model.continuous.length = "
+                f"{int(self.scale)}, basis {self.basis!r}): keys at different positions get "
+                f"the same kernel value there; {advice}.", stacklevel=2)
 
     def forward(self, x: torch.Tensor, cache: ValueCache | None = None) -> torch.Tensor:
         if cache is None or cache.static is None:  # the compiled decoding step is not checked

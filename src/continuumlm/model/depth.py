@@ -187,13 +187,13 @@ class ODEBlock(nn.Module):
         field.dt = (t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
         self.last_token_nfe = None
         self.last_regularizers = {}
+        self.step_states = []
         if exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)
             params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
             C = x.shape[-1]
             if extras is not None and (extras.kinetic or extras.jacobian):
                 f, x = self._augmented(f, x, extras)
-            self.step_states = []
             observe = None
             if extras is not None and extras.readout:
                 def observe(n: int, h: torch.Tensor) -> None:
@@ -326,6 +326,12 @@ class ODEStack(nn.Module):
                 "over the whole batch and sequence, so future tokens and other batch rows change "
                 "earlier positions' outputs (the decoder is not exactly causal). Use a fixed-grid "
                 "solver (euler, midpoint, heun, rk4, ...) for exact causality.", cfg.ode_solver)
+
+    def clear_step_states(self) -> None:
+        """Let go of the states SolveExtras.readout kept (and their graph)."""
+        self.last_step_states = []
+        for b in self.blocks:
+            b.step_states = []
 
     @property
     def last_backward_nfe(self) -> int:

@@ -17,6 +17,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class ElasticDepth:
@@ -107,6 +108,7 @@ class SolveRegularizers:
             yield
         finally:
             self.model.depth.extras = None
+            getattr(self.model.depth, "clear_step_states", lambda: None)()  # the graph goes
 
     def terms(self, targets: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The terms of the last forward, by name, unweighted (the trainer adds each times its
@@ -128,12 +130,20 @@ class SolveRegularizers:
 def step_readout_loss(model, targets: torch.Tensor) -> torch.Tensor:
     """The mean, over the states between solver steps of the last forward (every block's),
     of the cross-entropy of their read-out (final norm + head) against ``targets`` (-1:
-    ignored, as in the model's own loss)."""
-    losses = []
-    if not model.depth.last_step_states:  # a one-step solve (an elastic draw) has none
+    ignored, as in the model's own loss). The head runs at the positions with a target only,
+    and each read-out is recomputed in the backward pass rather than kept (a vocabulary-sized
+    tensor per state would undo what ode_grad = "checkpoint" saves)."""
+    states = model.depth.last_step_states
+    if not states:  # a one-step solve (an elastic draw) has none
         return model.tok_emb.weight.new_zeros(())
-    for h in model.depth.last_step_states:
-        logits = model.lm_head(model.norm_f(h)).flatten(0, -2)
+    keep = targets >= 0
+    wanted = targets[keep]
+
+    def readout(h: torch.Tensor) -> torch.Tensor:
+        logits = model.lm_head(model.norm_f(h[keep]))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        losses.append(F.cross_entropy(logits, targets.reshape(-1), ignore_index=-1))
+        return F.cross_entropy(logits, wanted)
+
+    losses = [checkpoint(readout, h, use_reentrant=False) if torch.is_grad_enabled()
+              else readout(h) for h in states]
     return torch.stack(losses).mean()
