@@ -81,7 +81,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_elastic_consistency.toml", [1337]),
         _train(f"{SH}/ode_rk4_readout.toml", [1337]),
         Step("depth_elasticity.py", output="depth_elasticity"),
-        Step("depth_exit.py", output="depth_exit"),
+        Step("depth_exit.py"),  # incremental: adds the rows of newly trained models
         Step("elastic_cost.py", quick=False, output="elastic_cost"),
     ]),
     "regularizers": ("NFE regularizers on an adaptive solver: ode_rk4's model trained with "
