@@ -1,0 +1,216 @@
+"""eval, generate, export and harness: what is done with a trained checkpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .common import UsageError, _apply_exit
+
+# ---------------------------------------------------------------------------- eval
+
+def cmd_eval(args) -> int:
+    from ..data import changed_splits, corpus_name, prepare_data
+    from ..eval.perplexity import evaluate_contexts
+    from ..train import load_model_and_tokenizer, pick_device
+    from ..train.checkpoint import STATE_FILE, load_run_config, load_trainer_state
+
+    device = pick_device(args.device, "--device")
+    model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
+    run = load_run_config(ckpt)
+    if args.ode_solver or args.ode_steps:
+        try:
+            model.set_solver(args.ode_solver, args.ode_steps, ode_grad="direct")  # no gradients
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    _apply_exit(model, args)
+    data = prepare_data(run.data, tok)
+    recorded = (load_trainer_state(ckpt).get("data")
+                if (ckpt / STATE_FILE).is_file() else None)
+    if args.split in changed_splits(recorded, data):
+        print(f"warning: the {args.split} split's text differs from the one recorded when this "
+              f"run was trained ({corpus_name(run.data)} was changed since); these figures "
+              f"are not comparable with those of the same split made then.", file=sys.stderr)
+    if args.split not in data.splits:
+        raise UsageError(f"--split {args.split}: this corpus has the splits "
+                         f"{', '.join(s for s in data.splits if s != 'train')}.")
+    contexts = args.context_lengths or [run.train.seq_len]
+    rows = evaluate_contexts(model, data.splits[args.split], contexts, tok.kind == "char", device,
+                             max_windows=args.max_windows)
+    if args.json:
+        cfg = model.config
+        print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "depth": cfg.depth,
+                          "ode_solver": cfg.ode_solver if cfg.depth == "ode" else None,
+                          "ode_steps": cfg.ode_steps if cfg.depth == "ode" else None,
+                          "nfe": model.last_nfe,
+                          "exit": ({"threshold": args.exit_threshold,
+                                    "criterion": args.exit_criterion}
+                                   if args.exit_threshold is not None else None),
+                          "results": rows}, indent=2))
+        return 0
+    print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
+    exiting = args.exit_threshold is not None
+    print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}"
+          + (f" {'NFE/token':>10}" if exiting else ""))
+    for r in rows:
+        if "unsupported" in r:
+            print(f"{r['context']:>8}  unsupported: {r['unsupported']}")
+        else:
+            bpc = f"{r['bpc']:.4f}" if "bpc" in r else "-"
+            print(f"{r['context']:>8} {r['loss']:>8.4f} {r['ppl']:>10.3f} {bpc:>7} {r['windows']:>8}"
+                  + (f" {r['nfe_per_token']:>10.2f}" if exiting else ""))
+    if exiting:
+        print(f"per-token exit: {args.exit_criterion} < {args.exit_threshold:g}; full depth is "
+              f"{_full_nfe(model)} field evaluations per token")
+    return 0
+
+
+def _full_nfe(model) -> int:
+    cfg = model.config
+    return cfg.num_layers * cfg.ode_steps * int(model.depth.blocks[0].solver.evals_per_step)
+
+
+# ---------------------------------------------------------------------------- generate
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from ..train import load_model_and_tokenizer, pick_device
+
+    device = pick_device(args.device, "--device")
+    model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
+    _apply_exit(model, args)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        start = getattr(tok, "eos_id", None)
+        if start is None:
+            raise UsageError("--prompt is empty and this tokenizer has no start token; give at "
+                             "least one character of prompt.")
+        ids = [start]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    stop = tok.eos_id if tok.kind == "bpe" else None
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
+                  eos_token_id=stop, compile=args.compile)
+    try:
+        if args.num_samples == 1:
+            _stream(model, tok, idx, args, kwargs)
+        else:
+            out = model.generate(idx, args.max_new_tokens, **kwargs)
+            for i, row in enumerate(out.tolist()):
+                new = row[len(ids):]
+                if stop is not None and stop in new:  # rows that finished early are padded
+                    new = new[:new.index(stop) + 1]  # with end-of-text: print it once
+                if i:
+                    print("\n---")
+                print(tok.decode(ids + new), end="")
+            print()
+    except ValueError as e:  # bad sampling arguments or a context the model cannot hold
+        raise UsageError(str(e)) from None
+    if args.exit_threshold is not None:
+        done, tokens = model.depth.exit_totals
+        print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
+              f"{done / max(tokens, 1):.2f} field evaluations per token on average (prompt "
+              f"included), of {_full_nfe(model)} at full depth", file=sys.stderr)
+    return 0
+
+
+def _stream(model, tok, idx, args, kwargs) -> None:
+    stream = model.generate_stream(idx, args.max_new_tokens, **kwargs)  # bad arguments raise here
+    ids = idx[0].tolist()
+    printed = tok.decode(ids)
+    sys.stdout.write(printed)
+    for nxt in stream:
+        ids.append(int(nxt[0]))
+        text = tok.decode(ids)
+        if text.endswith("\ufffd"):
+            continue  # an incomplete multi-byte character: wait for the rest
+        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
+        sys.stdout.flush()
+        printed = text
+    text = tok.decode(ids)
+    if text != printed:  # generation stopped inside a multi-byte character: show what came
+        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+
+# ---------------------------------------------------------------------------- export
+
+def cmd_export(args) -> int:
+    from ..train.checkpoint import export_sharded, resolve_checkpoint
+
+    if args.format == "hf":
+        return _export_hf(args)
+    if args.out:
+        raise UsageError("--out is the folder of --format hf; the safetensors export writes "
+                         "into the checkpoint folder itself.")
+    done = set()
+    for which in [args.which] if args.which else ["last", "best"]:
+        try:
+            ckpt = resolve_checkpoint(args.checkpoint, which).resolve()
+        except CheckpointError:
+            if which == "best" and not args.which:  # a run that never improved has no best
+                continue
+            raise
+        if ckpt not in done:  # last and best are often the same step
+            done.add(export_sharded(ckpt))
+            print(f"wrote {ckpt / 'model.safetensors'} (consolidated from {ckpt / 'sharded'})")
+    return 0
+
+
+def _export_hf(args) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("export --hf needs transformers: pip install 'continuumlm[hf]'.") from None
+    from ..hf.export import export_hf
+    from ..train import load_model_and_tokenizer
+
+    if not args.out:
+        raise UsageError("--format hf needs --out DIR, the folder to write.")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists and is not an empty folder; export into a new one.")
+    model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which or "best")
+    export_hf(model, tok, out)
+    print(f"wrote {out} from {ckpt}: load it with AutoModelForCausalLM.from_pretrained("
+          f"{str(out)!r}) after `import continuumlm.hf`, or with trust_remote_code=True")
+    return 0
+
+
+def cmd_harness(args) -> int:
+    try:
+        import lm_eval  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("harness needs lm-evaluation-harness and transformers: pip install "
+                         "'continuumlm[eval]'.") from None
+    from ..hf.harness import run_harness
+
+    if args.keep and Path(args.keep).exists():
+        raise UsageError(f"--keep {args.keep} exists; name a new folder.")
+    try:
+        r = run_harness(args.checkpoint, args.which, args.split, args.context, args.ode_solver,
+                        args.ode_steps, args.max_tokens, args.device, args.keep)
+    except ValueError as e:  # a solver the checkpoint cannot take
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    h, o = r["harness"], r["ours"]
+    print(f"{r['checkpoint']} — {r['split']} split, {r['tokens']:,} tokens, context "
+          f"{r['context']}, NFE {r['nfe']}")
+    print(f"lm-eval:          bits/byte {h['bits_per_byte']:.4f}  byte ppl "
+          f"{h['byte_perplexity']:.4f}  word ppl {h['word_perplexity']:.3f}")
+    print(f"continuumlm eval: bits/byte {o['bits_per_byte']:.4f}  loss {o['loss']:.4f} "
+          f"nats/token (ratio {r['bits_per_byte_ratio']:.4f})")
+    if args.keep:
+        print(f"kept in {args.keep}; lm-eval's own command:\n  {r['lm_eval_command']}")
+    return 0
+
+

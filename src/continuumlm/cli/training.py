@@ -1,0 +1,260 @@
+"""train and mqar: runs, their resumption, and torchrun for several processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ..errors import DISK_STATUS, REQUEUE_STATUS, ContinuumLMError
+from .common import UsageError
+
+# ---------------------------------------------------------------------------- train
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run this command under torchrun's launcher with ``nproc`` processes (in this process,
+    as ``torchrun`` would). Exit status: 0; 2 when the ranks stopped on a user error (bad
+    input, divergence), which they printed; 74 on a disk fault and 75 on a requeue signal
+    (every rank alike); 130 on Ctrl-C (the ranks save a checkpoint first); 1 when a rank
+    crashed, with its error printed above this summary."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = ["--standalone", f"--nproc_per_node={nproc}", "-m", "continuumlm", *rest]
+    print("launching: torchrun " + " ".join(cmd), flush=True)
+    # a scheduler's warning signal reaches this launcher only: pass it on to the ranks, which
+    # save and exit with REQUEUE_STATUS
+    previous = {sig: signal.signal(sig, _forward_to_children)
+                for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        run(parse_args(cmd))
+    except ChildFailedError as e:
+        # -15: a rank the launcher terminated (SIGTERM) because another one had ended
+        codes = {f.exitcode for f in e.failures.values()} - {-15}
+        if len(codes) == 1 and codes <= {2, DISK_STATUS, REQUEUE_STATUS}:
+            return codes.pop()  # every rank ended alike: a user error, a disk, a requeue
+        ranks = ", ".join(f"rank {r} exited with {f.exitcode}"
+                          for r, f in sorted(e.failures.items()))
+        print(f"error: the {nproc}-process job failed ({ranks}); the failing rank's error is "
+              f"printed above.", file=sys.stderr)
+        return 1
+    except SignalException as e:  # Ctrl-C or SIGTERM: the launcher passed it on to the ranks
+        print(f"launcher stopped by signal {e.sigval}", file=sys.stderr)
+        return 130 if e.sigval == 2 else 128 + int(e.sigval)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _forward_to_children(signum, frame) -> None:
+    """Send the signal on to this process's children, the ranks (Linux /proc): not to their
+    own children (compile workers), which the signal would kill."""
+
+    me, children = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    for pid in children:
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
+def _without_resume(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = i + 1 < len(argv) and argv[i + 1] == "auto"
+        elif not a.startswith("--resume="):
+            out.append(a)
+    return out
+
+
+def _resume_mode(args, out: Path, clear: bool = True) -> bool:
+    """--resume (must resume), --resume auto (resume when the folder has a checkpoint, else
+    start afresh: with ``clear``, a run that died before its first checkpoint is cleared when it
+    is this same run), or neither."""
+    if args.resume is None:
+        return False
+    if args.resume == "yes":
+        return True
+    if args.resume != "auto":
+        raise UsageError(f"--resume takes no value or 'auto', got {args.resume!r}.")
+    root = out / "checkpoints"
+    # what the trainer counts as a run's checkpoints (a dangling `last` too: --resume says
+    # what is wrong with it)
+    if (root / "last").is_symlink() or any(root.glob("step-*")) or any(root.glob(".old-step-*")):
+        return True
+    if args.config is None:
+        raise UsageError(f"--resume auto: {out} holds no checkpoint to continue and there is no "
+                         f"--config to start the run from; pass --config FILE.")
+    if clear:
+        _clear_unstarted_run(args, out)
+    return False
+
+
+def _clear_unstarted_run(args, out: Path) -> None:
+    """The files a run leaves before its first checkpoint (config.toml, metrics.jsonl, tb/)
+    are removed when they are this run's (its config.toml describes the same run), so a
+    requeued job starts again; anyone else's files are left for the trainer to refuse."""
+    import dataclasses
+    import shutil
+
+    from ..config import load_config
+
+    saved_toml = out / "config.toml"
+    if not saved_toml.is_file() or (out / "state.pt").exists() or (out / "result.json").exists():
+        return
+    try:
+        saved = load_config(saved_toml)
+    except ContinuumLMError:
+        return
+    from ..train.resume import absolute_data_path
+
+    cfg = load_config(args.config, args.set, plugins=args.plugin)
+    cfg.data = absolute_data_path(cfg.data)  # as the trainer wrote it
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
+    if cfg != saved:
+        return
+    # only a run that died before it could have saved: one that logged a step at or past its
+    # first save (its checkpoints since removed, say) is left for the trainer to refuse
+    t = cfg.train
+    first_save = min(t.checkpoint_interval, t.eval_interval, t.max_steps)
+    try:
+        from ..train.logging import read_metrics
+
+        steps = [e.get("step", 0) for e in read_metrics(out)] if (out / "metrics.jsonl").exists() \
+            else []
+    except (OSError, ValueError):
+        return
+    if any(isinstance(s, (int, float)) and s >= first_save for s in steps):
+        return
+    print(f"--resume auto: {out} holds no checkpoint; starting the run again", flush=True)
+    saved_toml.unlink()
+    for name in ("metrics.jsonl",):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "tb", ignore_errors=True)
+
+
+def cmd_train(args) -> int:
+    import gc
+
+    from ..config import load_config
+    from ..train import Trainer, distributed
+    from ..train.trainer import find_resumable
+
+    if args.out is None and args.config is None:
+        raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    # decided once by this process, or (under a torchrun started elsewhere) by every rank
+    # alike from the folder, without clearing anything (ranks would race)
+    under_torchrun = distributed.env_from_environment().enabled
+    args.resume = "yes" if _resume_mode(args, out, clear=not under_torchrun) else None
+    if args.nproc and args.nproc > 1:
+        if distributed.env_from_environment().enabled:
+            raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
+                             "already sets the number of processes).")
+        if args.config or not args.resume:  # a bad config is reported here, once, status 2
+            load_config(args.config, args.set, plugins=args.plugin).check_trainable()
+        argv = _without_resume(args.argv) + (["--resume"] if args.resume else [])
+        return launch_torchrun(args.nproc, argv)
+    resume = args.resume == "yes"
+    if resume:
+        if args.config:
+            cfg = load_config(args.config, args.set, plugins=args.plugin)
+        else:  # the run's own settings, with --set applied on top
+            ckpt, saved, _ = find_resumable(out, announce=False)
+            cfg = load_config(None, args.set, base=saved.to_dict(), where=str(ckpt),
+                              plugins=args.plugin)
+    else:
+        cfg = load_config(args.config, args.set, plugins=args.plugin)
+    try:
+        trainer = Trainer(cfg, out, resume=resume, quiet=args.quiet)
+        result = trainer.run()
+        # the model, its FSDP/DDP state and the device mesh go while the process group still
+        # exists, not at interpreter exit (where FSDP's teardown aborted now and then)
+        del trainer
+        gc.collect()
+        distributed.teardown(wait=True)  # every rank done before the group goes
+    finally:
+        distributed.teardown()
+    requeue = result["interrupted"] in cfg.train.requeue_signals
+    if not distributed.env_from_environment().is_main:
+        return REQUEUE_STATUS if requeue else 0
+    if result["interrupted"]:
+        print(f"stopped by {result['interrupted']} at step {result['step']} (checkpoint saved); "
+              f"resume with: continuumlm train --out {out} --resume auto")
+        if requeue:  # every rank alike, so that the launcher reports it (launch_torchrun)
+            return REQUEUE_STATUS
+        if distributed.env_from_environment().enabled:
+            return 0  # under torchrun the launcher reports the signal (launch_torchrun)
+        # not a finished run: a script that waits for it must not take it for one
+        return 130 if result["interrupted"] == "SIGINT" else 128 + signal.SIGTERM
+    print(f"done: step {result['step']}, val loss {result['val_loss']:.4f}, best "
+          f"{result['best_val_loss']:.4f}, {result['parameters']:,} parameters, "
+          f"{result['tokens_per_s']:.0f} tokens/s, {result['train_seconds']:.1f} s training; "
+          f"run folder {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- mqar
+
+def cmd_mqar(args) -> int:
+    from ..config import load_config
+    from ..train import distributed
+    from ..train.mqar import run_mqar
+
+    cfg = load_config(args.config, args.set, plugins=args.plugin)
+    out = Path(args.out) if args.out else Path("runs") / "mqar" / Path(args.config).stem
+    if args.nproc and args.nproc > 1:
+        if distributed.env_from_environment().enabled:
+            raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
+                             "already sets the number of processes).")
+        from ..train.mqar import prepare_run_folder
+
+        try:  # a bad config is reported here, once; an earlier version's run folder adopted
+            prepare_run_folder(cfg, out)
+        except ValueError as e:
+            raise UsageError(f"[mqar]: {e}") from None
+        return launch_torchrun(args.nproc, args.argv)
+    try:
+        r = run_mqar(cfg, out, quiet=args.quiet)
+    except ValueError as e:  # task sizes that do not fit together
+        raise UsageError(f"[mqar]: {e}") from None
+    # exit statuses as for train: a requeue signal gives REQUEUE_STATUS on every rank
+    requeue = r.get("interrupted") in cfg.train.requeue_signals
+    if not distributed.env_from_environment().is_main:
+        return REQUEUE_STATUS if requeue else 0
+    if r.get("interrupted"):
+        where = (f"last evaluation at step {r['steps']}" if "accuracy" in r
+                 else "before its first evaluation")
+        print(f"stopped by {r['interrupted']} (checkpoint saved; {where}); the same command "
+              f"continues the run")
+        if requeue:
+            return REQUEUE_STATUS
+        if distributed.env_from_environment().enabled:
+            return 0  # under torchrun the launcher reports the signal
+        return 130 if r["interrupted"] == "SIGINT" else 128 + signal.SIGTERM
+    print(f"done: {r['mixer']}/{r['depth']}, {r['num_kv_pairs']} pairs at length {r['seq_len']}: "
+          f"recall accuracy {r['accuracy']:.4f} (best {r['best_accuracy']:.4f}) after "
+          f"{r['steps']} steps, {r['seconds']:.0f} s; run folder {out}")
+    return 0
+
+
