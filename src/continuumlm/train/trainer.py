@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ from ..ode import ODESolverError, solver_errors
 from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
+from .device import autocast_for, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
 from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger
@@ -34,51 +34,6 @@ from .optim import lr_at, make_optimizer
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
 from .signals import StopSignals
 from .tasks import Evaluation, LanguageModelingTask
-
-
-def pick_device(name: str, given_by: str = "train.device") -> torch.device:
-    """The device ``name`` asks for; errors name ``given_by``, where the name came from."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{given_by} = 'cuda' but no CUDA device is available; use 'auto' or "
-                          f"'cpu'.")
-    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ConfigError(f"{given_by} = 'mps' but MPS is not available; use 'auto' or 'cpu'.")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"{given_by} = {name!r} is not a device name; use auto, cpu, cuda, cuda:N "
-                          f"or mps.") from None
-    if device.type == "cuda" and device.index is not None \
-            and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"{given_by} = {name!r}: this machine has {torch.cuda.device_count()} CUDA "
-                          f"device(s); use cuda (the first) or an index below that count.")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"{given_by} = {name!r}: ContinuumLM runs on cpu, cuda or mps.")
-    return device
-
-
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def resolve_dtype(device: torch.device, dtype: str) -> str:
-    dtype = DTYPE_ALIASES.get(dtype, dtype)
-    if dtype == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    return dtype
-
-
-def autocast_for(device: torch.device, dtype: str):
-    """Autocast context for ``train.dtype``; parameters and optimizer state stay fp32."""
-    dtype = resolve_dtype(device, dtype)
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
 
 
 class _NullLogger:
