@@ -34,8 +34,8 @@ CLI = str(Path(sys.executable).parent / "continuumlm")
 MODELS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_rk4_readout"]
 # spanning what the criteria measure on ode_rk4 (10-90% of tokens: a relative change of 0.35-0.85
 # per step, a KL of 0.005-2.8 between successive read-outs)
-TAUS = {"state": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
-        "kl": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)}
+TAUS = {"state": (0.05, 0.1, 0.2, 0.3, 0.4, 0.45, 0.5, 0.6),
+        "kl": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 5e-2, 0.1)}
 LOSS_SLACK = 0.005  # "at <= 0.5% higher val loss than full depth"
 
 
