@@ -662,11 +662,36 @@ def plots(results: dict[str, dict]) -> list[str]:
                xlabel="NFE per forward", ylabel="val loss",
                title="Anytime depth: one trained field, other solvers")
     if "depth_exit" in results:
-        series("depth_exit", results["depth_exit"]["rows"],
-               lambda r: (r["model"], r["criterion"]), lambda r: r["nfe_per_token"],
-               lambda r: r["val_loss"], lambda k: f"{k[0]}, exit on {k[1]}",
-               xlabel="field evaluations per token (mean)", ylabel="val loss",
-               title="Per-token exit: loss vs mean depth")
+        # one colour per model, one line style per criterion, full depth as a star; the right
+        # panel zooms on the region the target asks about (within 2% of each model's full depth)
+        rows = results["depth_exit"]["rows"]
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        fulls = {r["model"]: r for r in rows if r["criterion"] == "full"}
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+        for ax, zoom in zip(axes, (False, True)):
+            for i, model in enumerate(models):
+                color = plt.cm.tab10.colors[i % 10]
+                full = fulls.get(model)
+                for criterion, ls in (("state", "-"), ("kl", "--")):
+                    pts = sorted((r["nfe_per_token"], r["val_loss"]) for r in rows
+                                 if r["model"] == model and r["criterion"] == criterion)
+                    if zoom and full:
+                        pts = [p for p in pts if p[1] <= full["val_loss"] * 1.02]
+                    if pts:
+                        ax.plot(*zip(*pts), ls=ls, marker="o", ms=3.5, color=color,
+                                label=f"{model}, exit on {criterion}")
+                if full:
+                    ax.plot([full["nfe_per_token"]], [full["val_loss"]], marker="*", ms=11,
+                            color=color, ls="none", label=f"{model}, full depth")
+            ax.set(xlabel="field evaluations per token (mean)", ylabel="val loss",
+                   title="within 2% of each model's full depth" if zoom else "every threshold")
+            ax.grid(alpha=0.3)
+        axes[1].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        fig.suptitle("Per-token exit: loss vs mean depth")
+        fig.tight_layout()
+        fig.savefig(img / "depth_exit.png", dpi=110)
+        plt.close(fig)
+        lines.append("![Per-token exit: loss vs mean depth](img/depth_exit.png)")
     return lines
 
 
