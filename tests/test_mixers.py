@@ -395,3 +395,19 @@ def test_exact_forms_keep_the_kernel_in_float32_under_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         att(torch.randn(1, 300, 32))
     assert seen == [(torch.float32, torch.float32, False, torch.float32)]
+
+
+@pytest.mark.parametrize("dq,dv", [(48, 16), (8, 16), (16, 16)])
+def test_attention_with_unequal_widths_equals_the_explicit_softmax(dq, dv):
+    """continuous attention's SDPA with query/key and value widths that differ (zero-padded to
+    the wider for the fused kernels) equals softmax(q k^T) v written out, causal and masked,
+    on a length that is not a power of two."""
+    from continuumlm.mixers.continuous import _sdpa_any_dims
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, 37, dq, dtype=torch.float64), torch.randn(2, 3, 37, dq, dtype=torch.float64)
+    v = torch.randn(2, 3, 37, dv, dtype=torch.float64)
+    causal = torch.ones(37, 37, dtype=torch.bool).tril()
+    want = torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf")), -1) @ v
+    torch.testing.assert_close(_sdpa_any_dims(q, k, v, None, True), want)
+    torch.testing.assert_close(_sdpa_any_dims(q, k, v, causal, False), want)

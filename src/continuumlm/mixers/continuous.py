@@ -57,6 +57,22 @@ from ..registry import register_mixer
 from .cache import KVCache, SeqCache
 
 
+def _sdpa_any_dims(q, k, v, mask, is_causal: bool) -> torch.Tensor:
+    """Scaled-dot-product attention (scale 1) whose query/key width differs from the values'
+    (the kernel's n_freq, or head_dim + n_freq in bias mode, against head_dim): the narrower
+    side is zero-padded to the wider, which changes no product or sum, because the fused
+    kernels need equal widths and the fallback forms the full T x T matrix (6x slower at 5000
+    tokens on a CPU, measured)."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dq > dv:
+        v = torch.nn.functional.pad(v, (0, dq - dv))
+    elif dv > dq:
+        q, k = (torch.nn.functional.pad(t, (0, dv - dq)) for t in (q, k))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                         is_causal=is_causal, scale=1.0)
+    return y[..., :dv]
+
+
 class ValueCache(SeqCache):
     """The projected values of every token so far, (B, H, T, D)."""
 
@@ -262,8 +278,7 @@ class ContinuousAttention(nn.Module):
                 rows = torch.arange(offset, offset + T, device=x.device)[:, None]
                 mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= rows
         with torch.autocast(x.device.type, enabled=False):  # autocast would make it bf16
-            y = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v.to(dt), attn_mask=mask, is_causal=is_causal, scale=1.0)
+            y = _sdpa_any_dims(q, k, v.to(dt), mask, is_causal)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
 
