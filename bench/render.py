@@ -539,6 +539,15 @@ def plots(results: dict[str, dict]) -> list[str]:
     img.mkdir(parents=True, exist_ok=True)
     lines = []
 
+    def save(fig, name: str, alt: str, suptitle: str | None = None) -> None:
+        """Write img/<name>.png and link it."""
+        if suptitle:
+            fig.suptitle(suptitle)
+        fig.tight_layout()
+        fig.savefig(img / f"{name}.png", dpi=110)
+        plt.close(fig)
+        lines.append(f"![{alt}](img/{name}.png)")
+
     curves = {r["config"]: r["curve"] for r in results.values()
               if r.get("curve") and r.get("seed") == 1337 and not r.get("tag")
               and r["config"].startswith("configs/shakespeare_char/")}
@@ -569,12 +578,8 @@ def plots(results: dict[str, dict]) -> list[str]:
             ax.set_xlabel("optimizer step (batch 12 x 64 characters)")
         for ax in axes[:, 0]:
             ax.set_ylabel(ylabel)
-        fig.suptitle(f"Tiny Shakespeare, baby-GPT budget: {kind} loss by model family "
-                     f"(seed 1337)")
-        fig.tight_layout()
-        fig.savefig(img / f"shakespeare_{kind}_curves.png", dpi=110)
-        plt.close(fig)
-        lines.append(f"![{kind} curves](img/shakespeare_{kind}_curves.png)")
+        save(fig, f"shakespeare_{kind}_curves", f"{kind} curves",
+             f"Tiny Shakespeare, baby-GPT budget: {kind} loss by model family (seed 1337)")
     summary = _shakespeare_summary(results)
     if summary:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
@@ -599,11 +604,8 @@ def plots(results: dict[str, dict]) -> list[str]:
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("val loss, whole split (nats/char, mean over seeds)")
         axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        fig.suptitle("Tiny Shakespeare: loss against training cost and size, every row")
-        fig.tight_layout()
-        fig.savefig(img / "shakespeare_pareto.png", dpi=110)
-        plt.close(fig)
-        lines.append("![loss against cost](img/shakespeare_pareto.png)")
+        save(fig, "shakespeare_pareto", "loss against cost",
+             "Tiny Shakespeare: loss against training cost and size, every row")
 
     def series(name, rows, series_of, x, y, label, **axes):
         """One line per series (rows grouped by series_of(row)), saved as img/<name>.png."""
@@ -619,10 +621,7 @@ def plots(results: dict[str, dict]) -> list[str]:
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        fig.tight_layout()
-        fig.savefig(img / f"{name}.png", dpi=110)
-        plt.close(fig)
-        lines.append(f"![{axes['title']}](img/{name}.png)")
+        save(fig, name, axes["title"])
 
     if "ode_memory" in results:
         series("ode_memory", results["ode_memory"]["rows"], lambda r: (r["grad"], r["solver"]),
@@ -687,11 +686,8 @@ def plots(results: dict[str, dict]) -> list[str]:
                    title="within 2% of each model's full depth" if zoom else "every threshold")
             ax.grid(alpha=0.3)
         axes[1].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        fig.suptitle("Per-token exit: loss vs mean depth")
-        fig.tight_layout()
-        fig.savefig(img / "depth_exit.png", dpi=110)
-        plt.close(fig)
-        lines.append("![Per-token exit: loss vs mean depth](img/depth_exit.png)")
+        save(fig, "depth_exit", "Per-token exit: loss vs mean depth",
+             "Per-token exit: loss vs mean depth")
     return lines
 
 
