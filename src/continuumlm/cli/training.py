@@ -97,10 +97,9 @@ def _resume_mode(args, out: Path, clear: bool = True) -> bool:
         return True
     if args.resume != "auto":
         raise UsageError(f"--resume takes no value or 'auto', got {args.resume!r}.")
-    root = out / "checkpoints"
-    # what the trainer counts as a run's checkpoints (a dangling `last` too: --resume says
-    # what is wrong with it)
-    if (root / "last").is_symlink() or any(root.glob("step-*")) or any(root.glob(".old-step-*")):
+    from ..train.resume import has_checkpoints
+
+    if has_checkpoints(out):
         return True
     if args.config is None:
         raise UsageError(f"--resume auto: {out} holds no checkpoint to continue and there is no "
@@ -115,7 +114,6 @@ def _clear_unstarted_run(args, out: Path) -> None:
     are removed when they are this run's (its config.toml describes the same run), so a
     requeued job starts again; anyone else's files are left for the trainer to refuse."""
     import dataclasses
-    import shutil
 
     from ..config import load_config
 
@@ -126,7 +124,7 @@ def _clear_unstarted_run(args, out: Path) -> None:
         saved = load_config(saved_toml)
     except ContinuumLMError:
         return
-    from ..train.resume import absolute_data_path
+    from ..train.resume import absolute_data_path, clear_unstarted_run
 
     cfg = load_config(args.config, args.set, plugins=args.plugin)
     cfg.data = absolute_data_path(cfg.data)  # as the trainer wrote it
@@ -136,21 +134,8 @@ def _clear_unstarted_run(args, out: Path) -> None:
     # only a run that died before it could have saved: one that logged a step at or past its
     # first save (its checkpoints since removed, say) is left for the trainer to refuse
     t = cfg.train
-    first_save = min(t.checkpoint_interval, t.eval_interval, t.max_steps)
-    try:
-        from ..train.logging import read_metrics
-
-        steps = [e.get("step", 0) for e in read_metrics(out)] if (out / "metrics.jsonl").exists() \
-            else []
-    except (OSError, ValueError):
-        return
-    if any(isinstance(s, (int, float)) and s >= first_save for s in steps):
-        return
-    print(f"--resume auto: {out} holds no checkpoint; starting the run again", flush=True)
-    saved_toml.unlink()
-    for name in ("metrics.jsonl",):
-        (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / "tb", ignore_errors=True)
+    clear_unstarted_run(out, min(t.checkpoint_interval, t.eval_interval, t.max_steps) - 1,
+                        "--resume auto")
 
 
 def cmd_train(args) -> int:

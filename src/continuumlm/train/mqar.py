@@ -39,14 +39,10 @@ from ..model.lm import LanguageModel
 from ..model.memory import available_memory
 from .checkpoint import load_run_config, load_trainer_state, save_checkpoint, verify_checkpoint
 from .optim import make_optimizer
+from .resume import clear_unstarted_run, has_checkpoints
 from .tasks import Evaluation
 
 LEGACY_STATE = "state.pt"  # the standalone loop's state file (earlier versions)
-
-
-def query_loss(model: LanguageModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the positions with a target (y >= 0), the head applied only there."""
-    return model(x, y, targets_only=True)[1]
 
 
 def _test_set(cfg: RunConfig, offset: int = 10_000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,11 +254,6 @@ def _quiet_model(cfg: RunConfig) -> LanguageModel:
         return LanguageModel(cfg.model)
 
 
-def _has_checkpoints(out: Path) -> bool:
-    root = out / "checkpoints"
-    return (root / "last").exists() or any(root.glob("step-*"))
-
-
 def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     """Train ``cfg``'s model on MQAR into ``out`` (continuing the run there, if any) and return
     its record (also in ``out/result.json``). A run stopped by a signal returns its record
@@ -275,7 +266,7 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     out = Path(out)
     prepare_run_folder(cfg, out)
     try:
-        trainer = Trainer(cfg, out, resume=_has_checkpoints(out), quiet=quiet, task=MQARTask)
+        trainer = Trainer(cfg, out, resume=has_checkpoints(out), quiet=quiet, task=MQARTask)
         summary = trainer.run()
         # the model and its DDP/FSDP state go while the process group still exists
         del trainer
@@ -300,10 +291,10 @@ def prepare_run_folder(cfg: RunConfig, out: Path) -> None:
     cfg.check_trainable()
     cfg.model = _task_model(cfg)
     _check_data_memory(cfg.mqar)
-    if not _has_checkpoints(out) and not (out / LEGACY_STATE).exists() \
+    if not has_checkpoints(out) and not (out / LEGACY_STATE).exists() \
             and not distributed.env_from_environment().enabled:
         _clear_unstarted_run(cfg, out)
-    if not _has_checkpoints(out) and (out / LEGACY_STATE).exists():
+    if not has_checkpoints(out) and (out / LEGACY_STATE).exists():
         if distributed.env_from_environment().enabled:
             raise ConfigError(f"{out} holds a run of an earlier version's MQAR loop "
                               f"({LEGACY_STATE}); continue it once with one process (or with "
@@ -316,29 +307,19 @@ def _clear_unstarted_run(cfg: RunConfig, out: Path) -> None:
     the first checkpoint comes with the first evaluation) are removed when they are this same
     run's, so the same command starts it again; anyone else's files are left for the trainer
     to refuse."""
-    import shutil
-
     from ..config import load_config
-    from .logging import read_metrics
 
     saved = out / "config.toml"
     if not saved.is_file() or (out / "result.json").exists():
         return
     try:
-        same = load_config(saved).to_dict() == cfg.to_dict()
-        steps = [e.get("step", 0) for e in read_metrics(out)] \
-            if (out / "metrics.jsonl").exists() else []
-    except (ValueError, OSError):
+        if load_config(saved).to_dict() != cfg.to_dict():
+            return
+    except ValueError:
         return
-    # a step logged past the first evaluation means a checkpoint was written (and is gone)
-    first = min(cfg.train.eval_interval, cfg.train.max_steps)
-    if not same or any(isinstance(s, (int, float)) and s > first for s in steps):
-        return
-    print(f"{out} holds no checkpoint of this run (it stopped before its first evaluation); "
-          f"starting it again", flush=True)
-    saved.unlink()
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(out / "tb", ignore_errors=True)
+    # steps up to the first evaluation may be logged before its checkpoint is written
+    clear_unstarted_run(out, min(cfg.train.eval_interval, cfg.train.max_steps),
+                        "it stopped before its first evaluation")
 
 
 def _adopt_legacy_state(out: Path, cfg: RunConfig) -> None:

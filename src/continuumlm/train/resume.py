@@ -77,6 +77,38 @@ def find_resumable(out: Path, announce: bool = True):
                           + "; ".join(text for text, _ in problems))
 
 
+def has_checkpoints(out: Path) -> bool:
+    """Whether a run folder holds what the trainer counts as checkpoints (a dangling `last`
+    too: resuming says what is wrong with it)."""
+    root = Path(out) / "checkpoints"
+    return (root / "last").is_symlink() or any(root.glob("step-*")) \
+        or any(root.glob(".old-step-*"))
+
+
+def clear_unstarted_run(out: Path, last_step: int, why: str) -> bool:
+    """Remove the files a run leaves before its first checkpoint (config.toml, metrics.jsonl,
+    tb/) so that the same command starts it again, unless its metrics log a step past
+    ``last_step`` (then it had a checkpoint, since removed, and the trainer refuses the
+    folder). The caller has checked that config.toml describes this same run. Returns
+    whether the files were removed."""
+    import shutil
+
+    from .logging import read_metrics
+
+    try:
+        steps = [e.get("step", 0) for e in read_metrics(out)] \
+            if (out / "metrics.jsonl").exists() else []
+    except (OSError, ValueError):
+        return False
+    if any(isinstance(s, (int, float)) and s > last_step for s in steps):
+        return False
+    print(f"{out} holds no checkpoint ({why}); starting the run again", flush=True)
+    (out / "config.toml").unlink()
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(out / "tb", ignore_errors=True)
+    return True
+
+
 def absolute_data_path(data):
     if not data.path:
         return data
