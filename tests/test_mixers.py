@@ -338,8 +338,9 @@ def test_bias_mode_without_a_kernel_is_softmax_attention():
 
 
 @pytest.mark.parametrize("own", [{"quadrature": "exact"}, {"mode": "bias"},
-                                 {"quadrature": "composite", "panel": 5, "n_quad": 4}],
-                         ids=["exact", "bias", "composite"])
+                                 {"quadrature": "composite", "panel": 5, "n_quad": 4},
+                                 {"mode": "bias", "kernel": "relative", "length": 6}],
+                         ids=["exact", "bias", "composite", "relative"])
 @pytest.mark.parametrize("depth", ["discrete", "ode"])
 def test_cat_variants_are_causal_and_decode_exactly(own, depth):
     from continuumlm.testing import check_cached_decoding, check_causal, check_trains
@@ -374,6 +375,69 @@ def test_bias_mode_is_attention_plus_the_kernel():
     y = torch.softmax(scores, -1) @ v
     want = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
     torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
+
+
+def test_relative_kernel_is_attention_plus_a_prior_on_the_log_distance():
+    """kernel = "relative": softmax_j(q_i.k_j / sqrt(d) + b_h(i - j)) v_j over j <= i with
+    b_h(d) = sum_f c_hf cos(pi f min(1, log(1 + d) / log(1 + length))), written out, on a
+    length (23) past the kernel's `length` (7) and not a multiple of the query chunk (5)."""
+    import math
+
+    _, att = cat(mode="bias", kernel="relative", length=7)
+    att.query_chunk = 5
+    with torch.no_grad():
+        att.coef.normal_(0, 0.5)
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    B, T, C = x.shape
+    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
+    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    f = torch.arange(att.n_freq, dtype=torch.float64)
+    want_rows = []
+    for i in range(T):
+        d = i - torch.arange(i + 1, dtype=torch.float64)
+        u = (torch.log(1 + d) / math.log(8)).clamp(max=1)
+        prior = att.coef @ torch.cos(math.pi * f[:, None] * u[None, :])      # (H, i+1)
+        scores = q[:, :, i:i + 1] @ k[:, :, :i + 1].transpose(-1, -2) / att.head_dim ** 0.5
+        p = torch.softmax(scores + prior[:, None], -1)
+        want_rows.append((p @ v[:, :, :i + 1])[:, :, 0])
+    want = att.out_proj(torch.stack(want_rows, 2).transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
+    # every distance from `length` on shares one value; below it they differ
+    prior = att.distance_prior(torch.arange(12))
+    torch.testing.assert_close(prior[:, 7:], prior[:, 7:8].expand(-1, 5))
+    assert not torch.allclose(prior[:, 5], prior[:, 6])
+    # the Sobolev penalty on its one axis: lambda * sum f^4 c^2
+    torch.testing.assert_close(att.penalty(), 1e-3 * (f ** 4 * att.coef ** 2).sum())
+
+
+def test_relative_kernel_in_encoder_mode_reads_both_sides_at_the_distance():
+    """Encoder mode: softmax over every token of q.k / sqrt(d) + b_h(|i - j|)."""
+    torch.manual_seed(0)
+    m = model("continuous", mode="encoder", num_layers=1,
+              components={"continuous": {"mode": "bias", "kernel": "relative",
+                                         "length": 5}}).double()
+    att = m.depth.layers[0].mixer
+    with torch.no_grad():
+        att.coef.normal_(0, 0.5)
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    B, T, C = x.shape
+    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
+    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    d = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).abs()
+    scores = q @ k.transpose(-1, -2) / att.head_dim ** 0.5 + att.distance_prior(d)
+    want = att.out_proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(B, T, C))
+    torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
+
+
+def test_relative_kernel_needs_bias_mode():
+    from continuumlm.config import load_config
+    from continuumlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs model.continuous.mode = 'bias'"):
+        load_config(None, ["model.mixer=continuous", "model.cat_kernel=relative"])
+    cfg = load_config(None, ["model.mixer=continuous", "model.cat_kernel=relative",
+                             "model.cat_mode=bias"])
+    assert cfg.model.component("continuous").kernel == "relative"
 
 
 def test_exact_forms_keep_the_kernel_in_float32_under_autocast(monkeypatch):

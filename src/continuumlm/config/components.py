@@ -27,6 +27,7 @@ LEGACY_KEYS = {
     "cat_quadrature": ("continuous", "quadrature"),
     "cat_panel": ("continuous", "panel"),
     "cat_mode": ("continuous", "mode"),
+    "cat_kernel": ("continuous", "kernel"),
 }
 
 
@@ -149,6 +150,8 @@ def _build_components(cfg) -> dict[str, Any]:
             value = {**_saved_defaults(cls), **value}
         obj = cls.Config(**value)
         _validate(obj, f"model.{name}")
+        if callable(getattr(obj, "validate", None)):  # checks across a component's settings
+            obj.validate()
         built[name] = obj
     selected = (cfg.mixer, cfg.field, cfg.ode_solver)
     for name in selected:

@@ -39,6 +39,15 @@ softmax_j(q_i k_j / sqrt(d) + W(s_i, t_j)) over every earlier token, as one SDPA
 queries [q / sqrt(d), C^T phi(s)] and keys [k, phi(t)]; the Sobolev penalty still acts on C.
 A Sobolev (biharmonic) penalty sum (f^2 + g^2)^2 C_fg^2, times ``sob_lambda``, is exposed
 through ``penalty()`` and added to the loss by the trainer.
+
+``kernel = "relative"`` (bias mode only) makes the prior a function of the distance alone,
+b_h(i, j) = sum_f c_hf phi_f(u(|i - j|)), u(d) = min(1, log(1 + d) / log(1 + length)): the
+same spectral basis and Sobolev penalty (sum f^4 c_f^2) on a log-warped distance, so near
+tokens are told apart finely and far ones coarsely, and every distance past ``length`` shares
+the value at ``length`` (as T5's relative buckets do past their largest; FIRE, Li et al. 2023,
+warps distances the same way). Queries and keys are then the content ones, the prior enters
+SDPA as an additive mask, and queries are processed in chunks of ``query_chunk`` to bound the
+(H, chunk, T) bias. Unlike the absolute kernel it never reflects or repeats past ``length``.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ import torch
 import torch.nn as nn
 
 from ..config import setting
+from ..errors import ConfigError
 from ..nn import SharedDropout, make_linear
 from ..registry import register_mixer
 from .cache import KVCache, SeqCache
@@ -105,6 +115,17 @@ class ContinuousAttention(nn.Module):
         """"kernel": attention weights from the continuous kernel alone (CAT); "bias": the
         kernel added to q.k / sqrt(d) of ordinary attention over every token (a learned
         positional prior; the quadrature setting is not used)."""
+        kernel: str = setting("absolute", choices=("absolute", "relative"))
+        """"absolute": W(s, t) = phi(s)^T C phi(t) of the two positions (CAT's); "relative"
+        (mode = "bias" only): a function of the log-warped distance, constant past `length`."""
+
+        def validate(self) -> None:
+            if self.kernel == "relative" and self.mode != "bias":
+                raise ConfigError(
+                    "model.continuous.kernel = 'relative' is a positional prior added to q.k of "
+                    "ordinary attention: it needs model.continuous.mode = 'bias' (the kernel "
+                    f"mode reads values at quadrature nodes of absolute positions), got mode "
+                    f"= {self.mode!r}. Set mode = 'bias' or kernel = 'absolute'.")
 
     cache_factory = ValueCache
     query_chunk = 512  # queries per block (bounds memory at long contexts)
@@ -122,10 +143,16 @@ class ContinuousAttention(nn.Module):
         self.v_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
         self.out_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
         self.out_proj.residual_proj = True
+        self.relative = own.kernel == "relative"
         f = torch.arange(own.n_freq, dtype=torch.float32)
         # a smooth kernel at init: coefficients decay with frequency
-        decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
-        self.coef = nn.Parameter(torch.randn(cfg.num_heads, own.n_freq, own.n_freq) * 0.02 * decay)
+        if self.relative:  # one function of the distance per head: (H, F)
+            decay = 1.0 / (1.0 + f ** 2)
+            self.coef = nn.Parameter(torch.randn(cfg.num_heads, own.n_freq) * 0.02 * decay)
+        else:
+            decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
+            self.coef = nn.Parameter(
+                torch.randn(cfg.num_heads, own.n_freq, own.n_freq) * 0.02 * decay)
         self.n_quad = own.n_quad
         self.quadrature_kind, self.panel, self.mode = own.quadrature, own.panel, own.mode
         self.exact = own.mode == "bias" or own.quadrature == "exact"
@@ -137,12 +164,14 @@ class ContinuousAttention(nn.Module):
         self.dropout = SharedDropout(cfg.dropout)
 
     def _build_constants(self, device, dtype) -> None:
-        """Gauss-Legendre nodes and log-weights on [0, 1] and the Sobolev weights (f^2+g^2)^2,
-        computed in float64 and stored in ``dtype`` (float32 or wider)."""
+        """Gauss-Legendre nodes and log-weights on [0, 1] and the Sobolev weights (f^2+g^2)^2
+        (f^4 for the relative kernel's one axis), computed in float64 and stored in ``dtype``
+        (float32 or wider)."""
         x, w = np.polynomial.legendre.leggauss(self.n_quad)
         f = np.arange(self.n_freq, dtype=np.float64)
+        sob = f ** 4 if self.relative else (f[:, None] ** 2 + f[None, :] ** 2) ** 2
         for name, value in (("nodes", (x + 1) / 2), ("log_w", np.log(w / 2)),
-                            ("sob_weight", (f[:, None] ** 2 + f[None, :] ** 2) ** 2)):
+                            ("sob_weight", sob)):
             self.register_buffer(name, torch.tensor(value, dtype=dtype, device=device),
                                  persistent=False)
 
@@ -238,9 +267,31 @@ class ContinuousAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
+    def distance_prior(self, distance: torch.Tensor) -> torch.Tensor:
+        """The relative kernel at integer distances (any shape, >= 0) -> (H, *shape):
+        sum_f c_hf phi_f(u(d)), u(d) = min(1, log(1 + d) / log(1 + length))."""
+        dt = torch.promote_types(self.coef.dtype, torch.float32)
+        with torch.autocast(distance.device.type, enabled=False):
+            u = (torch.log1p(distance.to(dt)) / math.log1p(self.scale)).clamp(max=1.0)
+            return torch.einsum("...f,hf->h...", self.phi(u), self.coef.to(dt))
+
+    def _relative_bias(self, q_pos: torch.Tensor, n_keys: int, dt) -> torch.Tensor:
+        """(1, H, Tq, n_keys) additive mask for queries at any positions (the static decoding
+        step): the prior at |i - j|, -inf where j is after i (decoder mode)."""
+        k_pos = torch.arange(n_keys, device=q_pos.device)
+        d = q_pos[:, None] - k_pos[None, :]                                # (Tq, n_keys)
+        bias = self.distance_prior(d.abs()).to(dt)
+        if self.causal:
+            bias = bias.masked_fill(d < 0, float("-inf"))
+        return bias.unsqueeze(0)
+
     def _keys(self, x: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dt):
-        """Queries and keys of the exact (SDPA) forms, (B, H, T, F [+ D]) in ``dt``."""
+        """Queries and keys of the exact (SDPA) forms, (B, H, T, F [+ D]) in ``dt`` (the
+        content ones alone, (B, H, T, D), with the relative kernel)."""
         B, T, _ = x.shape
+        if self.relative:
+            qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            return qk[0].to(dt) * self.head_dim ** -0.5, qk[1].to(dt)
         with torch.autocast(x.device.type, enabled=False):
             a = torch.einsum("if,hfg->hig", self.phi(q_pos.to(dt) / self.scale),
                              self.coef.to(dt))                          # (H, Tq, F)
@@ -278,9 +329,44 @@ class ContinuousAttention(nn.Module):
                 rows = torch.arange(offset, offset + T, device=x.device)[:, None]
                 mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= rows
         with torch.autocast(x.device.type, enabled=False):  # autocast would make it bf16
-            y = _sdpa_any_dims(q, k, v.to(dt), mask, is_causal)
+            if self.relative:
+                y = self._relative_sdpa(q, k, v.to(dt), q_pos, mask,
+                                        None if static else offset)
+            else:
+                y = _sdpa_any_dims(q, k, v.to(dt), mask, is_causal)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
+
+    def _relative_sdpa(self, q, k, v, q_pos, mask, offset: int | None) -> torch.Tensor:
+        """SDPA with the relative prior as an additive mask. For queries at the consecutive
+        positions offset..offset+Tq-1 the (Tq, keys) bias is Toeplitz: it is a strided view of
+        one row of 2 * keys values against the keys in reverse order (SDPA does not depend on
+        the keys' order), so no (H, Tq, keys) index or gather is built (at 5,000 tokens that
+        took 1.6 s of a 2 s call). ``query_chunk`` queries at a time bound what SDPA forms.
+        The static decoding step (a position tensor, a fixed buffer with ``mask``) gathers."""
+        if offset is None:
+            bias = self._relative_bias(q_pos, k.shape[2], q.dtype)
+            if mask is not None:
+                bias = bias.masked_fill(~mask, float("-inf"))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                                    scale=1.0)
+        n, Tq = k.shape[2], q.shape[2]
+        # row[m] is the prior at the signed distance m - (n - 1); against the reversed keys,
+        # query i (at offset + i) and reversed key r (key n - 1 - r) read row[offset + i + r]
+        signed = torch.arange(offset + Tq + n - 1, device=q.device) - (n - 1)
+        row = self.distance_prior(signed.abs()).to(q.dtype)
+        if self.causal:
+            row = row.masked_fill(signed < 0, float("-inf"))
+        row = row.contiguous()
+        k, v = k.flip(2), v.flip(2)
+        outs = []
+        for i in range(0, Tq, self.query_chunk):
+            c = min(self.query_chunk, Tq - i)
+            bias = row.as_strided((1, row.shape[0], c, n), (0, row.shape[1], 1, 1),
+                                  row.storage_offset() + offset + i)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, i:i + c], k, v, attn_mask=bias, scale=1.0))
+        return torch.cat(outs, dim=2)
 
     def unique_range(self) -> int:
         """Tokens over which the kernel's positions are distinct: positions 0..length (past
@@ -288,7 +374,8 @@ class ContinuousAttention(nn.Module):
         return int(self.scale) + 1
 
     def _check_range(self, n_tokens: int) -> None:
-        if n_tokens > self.unique_range() and not getattr(self, "_range_warned", False) \
+        # the relative kernel is constant past `length` by design (its documented far value)
+        if not self.relative and n_tokens > self.unique_range() and not getattr(self, "_range_warned", False) \
                 and not torch.compiler.is_compiling():
             self._range_warned = True
             what = ("reflect and repeat" if self.basis == "fourier" else "are all alike")
