@@ -65,8 +65,8 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
     ]),
     "cat_protocol": ("CAT's context-length protocol: train at 256, evaluate at 128-5000", [
         _train(f"configs/cat_protocol/{c}.toml", [1337], "--contexts", "128,512,1024,5000")
-        for c in ("cat_fourier", "cat_exact", "cat_composite", "cat_bias", "softmax_rope",
-                  "softmax_nope")
+        for c in ("cat_fourier", "cat_exact", "cat_composite", "cat_bias", "cat_bias_relative",
+                  "softmax_rope", "softmax_nope")
     ]),
     "ptb": ("Penn Treebank word level: discrete vs ODE RK4x4 vs parameter-matched ODE, with "
             "unigram/bigram references and the test split reported once", [
