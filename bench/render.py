@@ -463,6 +463,7 @@ def main() -> None:
                        ("depth_exit", "Per-token adaptive depth"),
                        ("elastic_cost", "Training cost of elastic depth"),
                        ("adaptive_grads", "Gradients of adaptive solves"),
+                       ("adaptive_solvers", "Adaptive solvers on trained fields"),
                        ("seminorm_run", "The seminorm adjoint in training"),
                        ("scale", "Training throughput: processes and compile"),
                        ("mfu", "Model FLOPs utilization"),

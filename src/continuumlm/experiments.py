@@ -86,9 +86,12 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         Step("elastic_cost.py", quick=False, output="elastic_cost"),
     ]),
     "regularizers": ("NFE regularizers on an adaptive solver: ode_rk4's model trained with "
-                     "Tsit5, without and with RNODE's kinetic and Jacobian terms", [
+                     "Tsit5, without and with RNODE's kinetic and Jacobian terms; adaptive "
+                     "methods compared on the trained fields", [
         _train(f"{SH}/ode_tsit5.toml", [1337]),
         _train(f"{SH}/ode_tsit5_rnode.toml", [1337]),
+        # the trained fields (and ode_rk4's) under Tsit5, dopri5, bosh3 and dopri8
+        Step("adaptive_solvers.py", quick=False),  # reruns: rows for newly trained fields
     ]),
     "ptb_std": ("Penn Treebank in the standard setup (10k vocabulary, ~4.6 M parameters, "
                 "Zaremba-small's 12 M tokens): dropout swept at a quarter of the budget on the "
