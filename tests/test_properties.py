@@ -13,6 +13,8 @@ SOLVER_GRAD = [("euler", "direct"), ("midpoint", "adjoint"), ("heun", "checkpoin
                ("rk4", "direct"), ("rk4_38", "checkpoint"), ("rk2_gated", "direct"),
                ("reversible_heun", "reversible")]
 WIDTHS = [(16, 2), (24, 3), (32, 4)]
+CAT = [{}, {"quadrature": "exact"}, {"quadrature": "composite", "panel": 20},
+       {"mode": "bias"}, {"mode": "bias", "kernel": "relative", "length": 16}]
 
 valid_configs = st.fixed_dictionaries({
     "mixer": st.sampled_from(["softmax", "deltanet", "continuous"]),
@@ -27,6 +29,7 @@ valid_configs = st.fixed_dictionaries({
     "width": st.sampled_from(WIDTHS),
     "num_layers": st.integers(1, 2),
     "time": st.sampled_from(["none", "sinusoidal"]),
+    "cat": st.sampled_from(CAT),  # [model.continuous], read when the mixer is continuous
 })
 
 
@@ -38,7 +41,8 @@ def build(d) -> ModelConfig:
                        depth=d["depth"], field=d["field"], ode_solver=solver, ode_grad=grad,
                        ode_steps=d["ode_steps"], norm_type=d["norm_type"],
                        use_bitnet=d["use_bitnet"], mode=d["mode"], position=d["position"],
-                       ode_time_embedding=d["time"])
+                       ode_time_embedding=d["time"],
+                       components={"continuous": d["cat"]} if d["mixer"] == "continuous" else {})
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,
