@@ -114,11 +114,14 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
             if any("test_loss_full_split" in r for r in runs) else "",
             "wall": _fmt_mean([r["wall_seconds"] for r in timed if r["wall_seconds"]], 0)
             if any(r["wall_seconds"] for r in timed) else "",
+            "tokens": f"{runs[0]['final_step'] * per_step / 1e6:.2f} M"
+            if per_step and runs[0].get("final_step") else "",
         })
     cols = [("config", "config"), ("seeds", "seeds"), ("params", "parameters"), ("nfe", "NFE"),
             ("val", "val loss (nats/token, whole split)")]
     if test:
-        cols += [("ppl", "val ppl"), ("test", "test ppl (once, at the end)")]
+        cols += [("ppl", "val ppl"), ("test", "test ppl (once, at the end)"),
+                 ("tokens", "tokens seen")]
     cols += [("ms_step", "ms / step"), ("tps", "train tokens/s"), ("wall", "wall s (whole run)")]
     return markdown_table(rows, cols)
 
@@ -657,6 +660,18 @@ def plots(results: dict[str, dict]) -> list[str]:
         series("ptb_val_curves", rows, lambda r: r["config"], lambda r: r["step"],
                lambda r: r["ppl"], str, yscale="log", xlabel="step",
                ylabel="val perplexity (in-training estimate)", title="PTB validation curves")
+    std = [r for r in results.values() if r.get("config", "").startswith("configs/ptb_std/")
+           and r.get("curve")]
+    if std:
+        rows = [{"run": (Path(r["config"]).stem, r.get("tag") or "", r["seed"]),
+                 "tokens": s * _tokens_per_step(r["config"]) / 1e6, "ppl": math.exp(v)}
+                for r in std for s, v in r["curve"]["val"] if s > 0]
+        series("ptb_std_val_curves", rows, lambda r: r["run"], lambda r: r["tokens"],
+               lambda r: r["ppl"],
+               lambda k: f"{k[0]} {k[1].replace('sweep_', '') or 'headline'} seed {k[2]}",
+               yscale="log", xlabel="tokens seen (millions)",
+               ylabel="val perplexity (in-training estimate, 40 batches)",
+               title="PTB, standard setup: validation curves")
     if "depth_elasticity" in results:
         series("depth_elasticity", results["depth_elasticity"]["rows"],
                lambda r: (r["model"], r["solver"]), lambda r: r["nfe"], lambda r: r["val_loss"],
