@@ -429,6 +429,22 @@ def test_relative_kernel_in_encoder_mode_reads_both_sides_at_the_distance():
     torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("basis, atol", [("cheb", 1e-5), ("fourier", 0.3)])
+def test_relative_kernel_starts_as_a_power_law_per_head(basis, atol):
+    """At init b_h(d) - b_h(0) = -m_h log(1 + d) up to `length` (exact in the Chebyshev basis,
+    up to the truncated cosine series in the Fourier one), m_h from 1/4 to 4 over the heads,
+    and constant past `length`."""
+    m = model("continuous", num_layers=1, num_heads=8, hidden_size=64, max_seq_len=256,
+              components={"continuous": {"mode": "bias", "kernel": "relative", "basis": basis}})
+    att = m.depth.layers[0].mixer
+    d = torch.tensor([0, 1, 2, 5, 40, 255, 256, 3000])
+    with torch.no_grad():
+        b = att.distance_prior(d)
+    slopes = torch.logspace(-2, 2, 8, base=2.0)[:, None]
+    want = -slopes * torch.log1p(d.clamp(max=256).float())
+    torch.testing.assert_close(b - b[:, :1], want, rtol=0, atol=atol)
+
+
 def test_relative_kernel_needs_bias_mode():
     from continuumlm.config import load_config
     from continuumlm.errors import ConfigError

@@ -48,6 +48,8 @@ the value at ``length`` (as T5's relative buckets do past their largest; FIRE, L
 warps distances the same way). Queries and keys are then the content ones, the prior enters
 SDPA as an additive mask, and queries are processed in chunks of ``query_chunk`` to bound the
 (H, chunk, T) bias. Unlike the absolute kernel it never reflects or repeats past ``length``.
+It starts as a power law per head, b_h(d) = -m_h log(1 + d) with m_h from 1/4 to 4 (ALiBi's
+per-head slopes, on the log distance), rather than near zero.
 """
 
 from __future__ import annotations
@@ -147,8 +149,7 @@ class ContinuousAttention(nn.Module):
         f = torch.arange(own.n_freq, dtype=torch.float32)
         # a smooth kernel at init: coefficients decay with frequency
         if self.relative:  # one function of the distance per head: (H, F)
-            decay = 1.0 / (1.0 + f ** 2)
-            self.coef = nn.Parameter(torch.randn(cfg.num_heads, own.n_freq) * 0.02 * decay)
+            self.coef = nn.Parameter(self._power_law_init(cfg.num_heads, own.n_freq))
         else:
             decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
             self.coef = nn.Parameter(
@@ -162,6 +163,24 @@ class ContinuousAttention(nn.Module):
             self.cache_factory = KVCache
         self._build_constants(None, torch.float32)
         self.dropout = SharedDropout(cfg.dropout)
+
+    def _power_law_init(self, heads: int, n_freq: int) -> torch.Tensor:
+        """Coefficients of b_h(d) = -m_h log(1 + d) (up to a constant, which softmax ignores)
+        for d <= length, with m_h from 1/4 to 4 geometrically over the heads: softmax weights
+        proportional to (1 + d)^-m_h, from nearly flat to local, as ALiBi's per-head slopes
+        are for linear distances. In u = log(1 + d) / log(1 + length) the prior is -a_h u,
+        a_h = m_h log(1 + length): its cosine series has a_h 4 / (pi f)^2 at odd f (truncated
+        at n_freq), its Chebyshev series -a_h / 2 at f = 1."""
+        m = torch.logspace(-2, 2, heads, base=2.0) if heads > 1 else torch.ones(1)
+        a = m * math.log1p(self.scale)
+        coef = torch.zeros(heads, n_freq)
+        f = torch.arange(n_freq, dtype=torch.float64)
+        if self.basis == "fourier":
+            odd = (f % 2 == 1).double()
+            coef = (a[:, None].double() * 4 / (math.pi * f.clamp(min=1)) ** 2 * odd).float()
+        elif n_freq > 1:
+            coef[:, 1] = -a / 2
+        return coef
 
     def _build_constants(self, device, dtype) -> None:
         """Gauss-Legendre nodes and log-weights on [0, 1] and the Sobolev weights (f^2+g^2)^2
