@@ -1,11 +1,11 @@
-"""Training cost of elastic depth: seconds per optimizer step of ode_elastic and
-ode_elastic_consistency against ode_rk4 (fixed RK4 x 4), at equal steps.
+"""Training cost of elastic depth: seconds per optimizer step of ode_elastic,
+ode_elastic_consistency and ode_elastic_narrow against ode_rk4 (fixed RK4 x 4), at equal steps.
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
 
-The three configs' trainers run in one process, their first 120 steps timed in rounds of 20
-steps that alternate between them, so that whatever else the machine does slows all three
-alike (the ratio is what is read; the absolute times are understated when other work ran, as
+The configs' trainers run in one process, their first 120 steps timed in rounds of 20
+steps that alternate between them, so that whatever else the machine does slows them all
+alike (the ratios are what is read; the absolute times are understated when other work ran, as
 `other_cores` records). Elastic steps draw their solver and step count from (seed, step): the
 120 steps are the runs' own first 120 draws.
 """
@@ -19,7 +19,7 @@ from common import OtherLoad, markdown_table, write_json
 from continuumlm.config import load_config
 from continuumlm.train import Trainer
 
-CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency"]
+CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow"]
 ROUNDS, STEPS = 6, 20
 
 

@@ -79,9 +79,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                    "shakespeare experiment's runs)", [
         _train(f"{SH}/ode_elastic.toml", [1337]),
         _train(f"{SH}/ode_elastic_consistency.toml", [1337]),
+        _train(f"{SH}/ode_elastic_narrow.toml", [1337]),
         _train(f"{SH}/ode_rk4_readout.toml", [1337]),
         _train(f"{SH}/ode_rk4_readout_light.toml", [1337]),
-        Step("depth_elasticity.py", output="depth_elasticity"),
+        Step("depth_elasticity.py"),  # incremental: adds the rows of newly trained models
         Step("depth_exit.py"),  # incremental: adds the rows of newly trained models
         Step("elastic_cost.py", quick=False, output="elastic_cost"),
     ]),
