@@ -304,10 +304,14 @@ def context_table(results: dict[str, dict], folder: str) -> str:
         for c in r["contexts"]:
             row[c["context"]] = (f"{c['loss']:.3f} ({c['ppl']:.2f}){_tail([r])}" if "loss" in c
                                  else "unsupported")
+        loss = {c["context"]: c["loss"] for c in r["contexts"] if "loss" in c}
+        if 1024 in loss and 5000 in loss:
+            row["rise"] = f"{loss[5000] - loss[1024]:+.3f}"
         rows.append(row)
     contexts = sorted({k for row in rows for k in row if isinstance(k, int)})
+    rise = [("rise", "CE at 5000 - CE at 1024")] if any("rise" in row for row in rows) else []
     return markdown_table(rows, [("config", "config")] +
-                          [(c, f"context {c}: CE (ppl)") for c in contexts]) if rows else ""
+                          [(c, f"context {c}: CE (ppl)") for c in contexts] + rise) if rows else ""
 
 
 def main() -> None:
