@@ -99,7 +99,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                 "validation split, then three seeds per model, the test split scored once", [
         *[_train(f"configs/ptb_std/{c}.toml", [1], "--tag", f"sweep_dropout{d}",
                  "--set", f"model.dropout={d}", *PTB_QUARTER)
-          for c in ("transformer", "ode_euler") for d in ("0.1", "0.3", "0.5")],
+          for c in ("transformer", "ode_euler") for d in ("0.0", "0.1", "0.3", "0.5")],
         *[_train(f"configs/ptb_std/{c}.toml", [1, 2, 3], "--also-test")
           for c in ("transformer", "ode_euler")],
     ]),
