@@ -170,7 +170,8 @@ class ContinuousAttention(nn.Module):
         proportional to (1 + d)^-m_h, from nearly flat to local, as ALiBi's per-head slopes
         are for linear distances. In u = log(1 + d) / log(1 + length) the prior is -a_h u,
         a_h = m_h log(1 + length): its cosine series has a_h 4 / (pi f)^2 at odd f (truncated
-        at n_freq), its Chebyshev series -a_h / 2 at f = 1."""
+        at n_freq: at n_freq 32 the largest error up to `length` is 0.27), its Chebyshev series
+        -a_h / 2 at f = 1. With n_freq = 1 (a constant) the prior starts, and stays, flat."""
         m = torch.logspace(-2, 2, heads, base=2.0) if heads > 1 else torch.ones(1)
         a = m * math.log1p(self.scale)
         coef = torch.zeros(heads, n_freq)
