@@ -4,7 +4,8 @@
 
 Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): ode_euler and
 ode_rk4 (trained at one solver and step count), ode_elastic and ode_elastic_consistency
-(trained with Euler or RK4 at 1-16 steps drawn per step), ode_elastic_narrow (2-8 steps), and evaluates each with euler at 1-32
+(trained with Euler or RK4 at 1-16 steps drawn per step), ode_elastic_narrow (2-8 steps),
+ode_elastic_upto16 (2-16 steps), and evaluates each with euler at 1-32
 steps and rk4 at 1-16 on 400 evenly spread validation windows. Rows already in the JSON are
 kept, so a model whose run folder is gone keeps its recorded figures; a model with neither is
 left out (and named). A discrete model has no such knob: its depth is its layer count.
@@ -21,7 +22,8 @@ from common import RESULTS, RUNS, finished_run, markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
-MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow"]
+MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
+          "ode_elastic_upto16"]
 GRID = {"euler": (1, 2, 4, 8, 16, 32), "rk4": (1, 2, 4, 8, 16)}
 
 

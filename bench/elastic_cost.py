@@ -1,5 +1,5 @@
 """Training cost of elastic depth: seconds per optimizer step of ode_elastic,
-ode_elastic_consistency and ode_elastic_narrow against ode_rk4 (fixed RK4 x 4), at equal steps.
+ode_elastic_consistency, ode_elastic_narrow and ode_elastic_upto16 against ode_rk4 (fixed RK4 x 4), at equal steps.
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
 
@@ -19,7 +19,8 @@ from common import OtherLoad, markdown_table, write_json
 from continuumlm.config import load_config
 from continuumlm.train import Trainer
 
-CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow"]
+CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
+           "ode_elastic_upto16"]
 ROUNDS, STEPS = 6, 20
 
 
