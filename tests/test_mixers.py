@@ -287,6 +287,13 @@ def cat(**own):
     return m, att
 
 
+def bias_qkv(att, x):
+    """The bias mode's own content queries and keys and its values, (B, H, T, D) each."""
+    B, T, _ = x.shape
+    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
+    return q, k, att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+
+
 def test_exact_quadrature_is_the_sum_over_every_earlier_token():
     """quadrature = "exact" against the definition, one query at a time:
     y_i = sum_{j <= i} softmax_j(phi(s_i)^T C phi(t_j)) v_j (then out_proj)."""
@@ -329,8 +336,7 @@ def test_bias_mode_without_a_kernel_is_softmax_attention():
         att.coef.zero_()
     x = torch.randn(2, 17, 32, dtype=torch.float64)
     B, T, C = x.shape
-    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
-    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    q, k, v = bias_qkv(att, x)
     y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     want = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
     torch.testing.assert_close(att(x), want, rtol=1e-10, atol=1e-12)
@@ -366,8 +372,7 @@ def test_bias_mode_is_attention_plus_the_kernel():
     _, att = cat(mode="bias")
     x = torch.randn(2, 19, 32, dtype=torch.float64)
     B, T, C = x.shape
-    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
-    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    q, k, v = bias_qkv(att, x)
     phi = att.phi(torch.arange(T, dtype=torch.float64) / att.scale)
     W = torch.einsum("if,hfg,jg->hij", phi, att.coef, phi)
     scores = q @ k.transpose(-2, -1) / att.head_dim ** 0.5 + W
@@ -389,8 +394,7 @@ def test_relative_kernel_is_attention_plus_a_prior_on_the_log_distance():
         att.coef.normal_(0, 0.5)
     x = torch.randn(2, 23, 32, dtype=torch.float64)
     B, T, C = x.shape
-    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
-    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    q, k, v = bias_qkv(att, x)
     f = torch.arange(att.n_freq, dtype=torch.float64)
     want_rows = []
     for i in range(T):
@@ -421,8 +425,7 @@ def test_relative_kernel_in_encoder_mode_reads_both_sides_at_the_distance():
         att.coef.normal_(0, 0.5)
     x = torch.randn(2, 13, 32, dtype=torch.float64)
     B, T, C = x.shape
-    q, k = att.qk(x).view(B, T, 2, att.num_heads, att.head_dim).permute(2, 0, 3, 1, 4)
-    v = att.v_proj(x).view(B, T, att.num_heads, att.head_dim).transpose(1, 2)
+    q, k, v = bias_qkv(att, x)
     d = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).abs()
     scores = q @ k.transpose(-1, -2) / att.head_dim ** 0.5 + att.distance_prior(d)
     want = att.out_proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(B, T, C))

@@ -146,11 +146,10 @@ class ContinuousAttention(nn.Module):
         self.out_proj = make_linear(cfg.hidden_size, cfg.hidden_size, cfg)
         self.out_proj.residual_proj = True
         self.relative = own.kernel == "relative"
-        f = torch.arange(own.n_freq, dtype=torch.float32)
-        # a smooth kernel at init: coefficients decay with frequency
         if self.relative:  # one function of the distance per head: (H, F)
             self.coef = nn.Parameter(self._power_law_init(cfg.num_heads, own.n_freq))
-        else:
+        else:  # a smooth kernel at init: coefficients decay with frequency
+            f = torch.arange(own.n_freq, dtype=torch.float32)
             decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
             self.coef = nn.Parameter(
                 torch.randn(cfg.num_heads, own.n_freq, own.n_freq) * 0.02 * decay)
