@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from common import RUNS, finished_run, markdown_table, write_json
+from common import RUNS, finished_run, markdown_table, say_untrained, write_json
 
 MODELS = ["ode_rk4", "ode_tsit5", "ode_tsit5_rnode"]
 SOLVERS = ["tsit5", "dopri5", "bosh3", "dopri8"]
@@ -81,9 +81,7 @@ def main() -> None:
                              "error": err, "val_loss": loss, "reference_loss": ref_loss,
                              "reference_nfe": ref_nfe})
                 print(rows[-1], flush=True)
-    if missing:
-        print(f"not trained (run bench/train_seeds.py on their configs): {', '.join(missing)}",
-              file=sys.stderr)
+    say_untrained(missing)
     if not rows:
         sys.exit("no trained ODE checkpoint in runs/bench/: run `continuumlm experiment "
                  "shakespeare` first; nothing was written.")

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -153,6 +154,14 @@ def time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
         fn()
         samples.append((time.perf_counter() - t0) * 1000)
     return statistics.median(samples)
+
+
+def say_untrained(missing: list[str]) -> None:
+    """Name, on stderr, the models a benchmark left out because no finished run of theirs is in
+    runs/bench/."""
+    if missing:
+        print(f"not trained (run bench/train_seeds.py on their configs): {', '.join(missing)}",
+              file=sys.stderr)
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

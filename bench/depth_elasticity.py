@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import RESULTS, RUNS, finished_run, markdown_table, write_json
+from common import RESULTS, RUNS, finished_run, markdown_table, say_untrained, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
@@ -53,9 +53,7 @@ def main() -> None:
                 rows.append({"model": model, "solver": solver, "steps": steps, "nfe": r["nfe"],
                              "val_loss": r["results"][0]["loss"]})
                 print(rows[-1], flush=True)
-    if missing:
-        print(f"not trained (run bench/train_seeds.py on their configs): {', '.join(missing)}",
-              file=sys.stderr)
+    say_untrained(missing)
     if not rows:
         sys.exit("no trained model in runs/bench/ and nothing recorded: run `continuumlm "
                  "experiment shakespeare` (or bench/train_seeds.py on the configs) first; "
