@@ -5,8 +5,10 @@
 Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): ode_euler and
 ode_rk4 (trained at one solver and step count), ode_elastic and ode_elastic_consistency
 (trained with Euler or RK4 at 1-16 steps drawn per step), ode_elastic_narrow (2-8 steps),
-ode_elastic_upto16 (2-16 steps), and evaluates each with euler at 1-32
-steps and rk4 at 1-16 on 400 evenly spread validation windows. Rows already in the JSON are
+ode_elastic_upto16 (2-16 steps), ode_elastic_dial (2-16 steps, the step size it reads clamped to
+that range), and evaluates each with euler at 1-32 steps and rk4 at 1-16 on 400 evenly spread
+validation windows. A model with model.ode_dt_steps_range is also evaluated with the clamp
+lifted where it matters (step counts outside its range), as "MODEL, unclamped". Rows already in the JSON are
 kept, so a model whose run folder is gone keeps its recorded figures; a model with neither is
 left out (and named). A discrete model has no such knob: its depth is its layer count.
 """
@@ -23,7 +25,7 @@ from common import RESULTS, RUNS, finished_run, markdown_table, say_untrained, w
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
-          "ode_elastic_upto16"]
+          "ode_elastic_upto16", "ode_elastic_dial"]
 GRID = {"euler": (1, 2, 4, 8, 16, 32), "rk4": (1, 2, 4, 8, 16)}
 
 
@@ -53,6 +55,7 @@ def main() -> None:
                 rows.append({"model": model, "solver": solver, "steps": steps, "nfe": r["nfe"],
                              "val_loss": r["results"][0]["loss"]})
                 print(rows[-1], flush=True)
+    rows += unclamped_rows(have, {r["model"] for r in rows} - set(missing))
     say_untrained(missing)
     if not rows:
         sys.exit("no trained model in runs/bench/ and nothing recorded: run `continuumlm "
@@ -60,7 +63,7 @@ def main() -> None:
                  "nothing was written.")
     nfes = sorted({r["nfe"] for r in rows})
     pivot = []
-    for model in MODELS:
+    for model in [m for m in MODELS for m in (m, f"{m}, unclamped")]:
         for solver in GRID:
             cells = {r["nfe"]: r["val_loss"] for r in rows
                      if r["model"] == model and r["solver"] == solver}
@@ -76,6 +79,51 @@ def main() -> None:
                  "were trained across solvers and step counts); val loss on 400 validation "
                  "windows of 64 characters, by the NFE of the solve", "rows": rows,
         "table": table})
+
+
+def unclamped_rows(have: dict, models: set[str]) -> list[dict]:
+    """The step counts outside a model's model.ode_dt_steps_range, evaluated with the clamp
+    lifted (every step size read as it is), as the CLI's eval does it otherwise."""
+    import torch
+
+    from continuumlm.data import prepare_data
+    from continuumlm.eval.perplexity import evaluate_contexts
+    from continuumlm.train import load_model_and_tokenizer
+    from continuumlm.train.checkpoint import load_run_config
+
+    rows = []
+    for model in MODELS:
+        run = RUNS / f"shakespeare_char-{model}_seed1337"
+        name = f"{model}, unclamped"
+        if model not in models:
+            continue
+        keys = [(name, solver, steps) for solver, grid in GRID.items() for steps in grid]
+        if not finished_run(run):
+            rows += [have[k] for k in keys if k in have]
+            continue
+        net, tok, ckpt = load_model_and_tokenizer(run, "last", map_location="cpu")
+        lo_hi = net.config.ode_dt_steps_range
+        if lo_hi is None:
+            continue
+        data = None
+        for key in keys:
+            _, solver, steps = key
+            if lo_hi[0] <= steps <= lo_hi[1]:
+                continue  # the same model there
+            if key in have:
+                rows.append(have[key])
+                continue
+            if data is None:
+                data = prepare_data(load_run_config(ckpt).data, tok)
+                for block in net.depth.blocks:
+                    block.field.dt_bounds = None
+            net.set_solver(solver, steps, ode_grad="direct")
+            r = evaluate_contexts(net, data.splits["val"], [64], True, torch.device("cpu"),
+                                  max_windows=400)
+            rows.append({"model": name, "solver": solver, "steps": steps, "nfe": net.last_nfe,
+                         "val_loss": r[0]["loss"]})
+            print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":

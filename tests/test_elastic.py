@@ -4,6 +4,8 @@ term, config validation."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -83,7 +85,56 @@ def test_dt_embedding_keeps_causality_and_exact_decoding(mixer, field):
     check_size_ignores_steps(depth="ode", num_layers=1, ode_dt_embedding=True)
 
 
+def test_dt_steps_range_clamps_the_embedded_step_size():
+    m = small_model(depth="ode", num_layers=1, ode_dt_embedding=True, ode_steps=4,
+                    ode_dt_steps_range=[2, 4], ode_t1=2.0)
+    field = m.depth.blocks[0].field
+    torch.nn.init.normal_(field.step_size.proj.weight)
+    h = torch.randn(1, 3, field.norm1.weight.shape[0])
+
+    def embedded(steps: int) -> torch.Tensor:
+        field.dt = 2.0 / steps  # over [0, 2]: the range counts steps over the model's interval
+        return field.temb(0.0, h)
+
+    def reference(steps: int) -> torch.Tensor:  # the embedding of an unclamped step count
+        return field.step_size(math.log2(steps / 2.0))
+
+    for steps, read_as in [(1, 2), (2, 2), (3, 3), (4, 4), (8, 4), (1024, 4)]:
+        torch.testing.assert_close(embedded(steps), reference(read_as), rtol=0, atol=0)
+    assert not torch.equal(reference(2), reference(4))
+    # a model without the range reads every step size as it is
+    free = small_model(depth="ode", num_layers=1, ode_dt_embedding=True, ode_steps=4)
+    assert free.depth.blocks[0].field.dt_bounds is None
+
+
+def test_dt_steps_range_changes_the_model_only_outside_the_range():
+    cfg = dict(depth="ode", num_layers=1, ode_dt_embedding=True, ode_steps=4)
+    torch.manual_seed(0)
+    free = small_model(**cfg)
+    for block in free.depth.blocks:
+        torch.nn.init.normal_(block.field.step_size.proj.weight, std=0.5)
+    bounded = small_model(**cfg, ode_dt_steps_range=[2, 8])
+    bounded.load_state_dict(free.state_dict())  # no new parameter or buffer
+    x = torch.randint(0, 37, (2, 9))
+    for steps in (2, 4, 8):
+        free.set_solver(ode_steps=steps)
+        bounded.set_solver(ode_steps=steps)
+        torch.testing.assert_close(bounded(x)[0], free(x)[0], rtol=0, atol=0)
+    free.set_solver(ode_steps=16)
+    bounded.set_solver(ode_steps=16)
+    assert not torch.allclose(bounded(x)[0], free(x)[0])
+    check_causal(bounded)
+    check_cached_decoding(bounded, torch.randint(0, 37, (2, 5)), 6)
+
+
 @pytest.mark.parametrize("sets, needle", [
+    (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_steps_range=[4, 2]"],
+     "fewest first"),
+    (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_steps_range=[0, 2]"],
+     r"\[fewest, most\]"),
+    (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_steps_range=[2]"],
+     r"\[fewest, most\]"),
+    (["model.depth=ode", "model.ode_dt_steps_range=[2, 8]"], "has none"),
     (["train.ode_steps_choices=[0, 2]"], "positive integers"),
     (["train.ode_steps_choices=[]"], "is empty"),
     (["model.depth=ode", "train.consistency_weight=0.1", "train.ode_steps_choices=[4]"],

@@ -104,6 +104,12 @@ class ModelConfig:
     """Also condition the field on the step size dt = (ode_t1 - ode_t0) / ode_steps (a learned
     projection of a sinusoidal embedding of log2(1 / dt), zero at first), so that one field can
     learn to serve several step counts (train.ode_steps_choices). Fixed-grid solvers only."""
+    ode_dt_steps_range: list[int] | None = None
+    """With ode_dt_embedding: [fewest, most] step counts over [ode_t0, ode_t1] whose step sizes
+    the embedding reads as they are; a solve with more steps reads the embedding of the most
+    (one with fewer, of the fewest), so the field stays one it was trained as, and Euler or
+    RK4 with ever more steps converges to the solution of that field's ODE instead of reading
+    an embedding no step trained (None: every step size read as it is)."""
     # not part of a config's identity: a run resumed with its plugin given otherwise (an extra
     # --plugin, an entry point) is the same run
     plugins: list[str] = dataclasses.field(default_factory=list, compare=False)
@@ -137,6 +143,16 @@ class ModelConfig:
                     f"model.{name} = {getattr(self, name)} is outside [-{ODE_TIME_LIMIT:g}, "
                     f"{ODE_TIME_LIMIT:g}]: the solvers keep time in float32, and a step that "
                     f"large overflows it; depth is usually integrated over [0, 1].")
+        r = self.ode_dt_steps_range
+        if r is not None:
+            if not (len(r) == 2 and all(isinstance(n, int) and not isinstance(n, bool)
+                                        and 1 <= n <= 10000 for n in r) and r[0] <= r[1]):
+                raise ConfigError(f"model.ode_dt_steps_range must be [fewest, most]: two step "
+                                  f"counts from 1 to 10000, fewest first; got {r}.")
+            if not self.ode_dt_embedding:
+                raise ConfigError("model.ode_dt_steps_range bounds the step sizes that the dt "
+                                  "embedding reads, and this model has none: set "
+                                  "model.ode_dt_embedding = true, or remove the range.")
         _check_selectors(self)
         self.components = _build_components(self)
 

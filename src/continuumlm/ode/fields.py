@@ -10,7 +10,8 @@ The state itself is never part of f. With ``ode_time_embedding = "sinusoidal"`` 
 projection of a sinusoidal embedding of t is added to every normalized input of f, so the
 field is non-autonomous. With ``ode_dt_embedding`` an embedding of the step size (log2 of
 1 / dt: 0 for one step over [0, 1], 3 for eight) is added as well, so that one field can learn
-what each step count needs of it; the ODE block sets ``field.dt`` before each solve.
+what each step count needs of it; the ODE block sets ``field.dt`` before each solve. With
+``ode_dt_steps_range`` the embedded step count is clamped to that range.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class _Field(nn.Module):
         self.step_size = (SinusoidalTimeEmbedding(cfg.hidden_size, dim=16, max_period=64.0)
                           if getattr(cfg, "ode_dt_embedding", False) else None)
         self.dt = None
+        # log2 of the step counts per unit time the dt embedding reads unclamped
+        r = getattr(cfg, "ode_dt_steps_range", None) if self.step_size is not None else None
+        span = None if r is None else cfg.ode_t1 - cfg.ode_t0
+        self.dt_bounds = None if r is None else (math.log2(r[0] / span), math.log2(r[1] / span))
 
     def temb(self, t: float, like: torch.Tensor):
         te = None if self.time is None else self.time(t).to(like.dtype)
@@ -60,7 +65,10 @@ class _Field(nn.Module):
             if self.dt is None:
                 raise RuntimeError("a field with a dt embedding is evaluated outside an ODE "
                                    "block's solve (field.dt is unset).")
-            de = self.step_size(math.log2(1.0 / self.dt)).to(like.dtype)
+            level = math.log2(1.0 / self.dt)
+            if self.dt_bounds is not None:
+                level = min(max(level, self.dt_bounds[0]), self.dt_bounds[1])
+            de = self.step_size(level).to(like.dtype)
             te = de if te is None else te + de
         return te
 
