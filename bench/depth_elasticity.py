@@ -6,7 +6,7 @@ Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): 
 ode_rk4 (trained at one solver and step count), ode_elastic and ode_elastic_consistency
 (trained with Euler or RK4 at 1-16 steps drawn per step), ode_elastic_narrow (2-8 steps),
 ode_elastic_upto16 (2-16 steps), ode_elastic_dial (2-16 steps, the step size it reads clamped to
-that range), and evaluates each with euler at 1-32 steps and rk4 at 1-16 on 400 evenly spread
+that range) and ode_elastic_dial4 (the same, 4 steps drawn twice as often), and evaluates each with euler at 1-32 steps and rk4 at 1-16 on 400 evenly spread
 validation windows. A model with model.ode_dt_steps_range is also evaluated with the clamp
 lifted where it matters (step counts outside its range), as "MODEL, unclamped". Rows already in the JSON are
 kept, so a model whose run folder is gone keeps its recorded figures; a model with neither is
@@ -25,7 +25,7 @@ from common import RESULTS, RUNS, finished_run, markdown_table, say_untrained, w
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
-          "ode_elastic_upto16", "ode_elastic_dial"]
+          "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4"]
 GRID = {"euler": (1, 2, 4, 8, 16, 32), "rk4": (1, 2, 4, 8, 16)}
 
 
@@ -73,12 +73,50 @@ def main() -> None:
     table = markdown_table(pivot, [("model", "trained as"), ("solver", "evaluated with"),
                                    *[(f"nfe{n}", f"NFE {n}") for n in nfes]])
     print(table)
+    checks = checks_table(rows)
+    print(checks)
     write_json("depth_elasticity", {
         "command": "python bench/depth_elasticity.py",
         "setup": "trained ODE checkpoints re-integrated without retraining (the elastic ones "
                  "were trained across solvers and step counts); val loss on 400 validation "
                  "windows of 64 characters, by the NFE of the solve", "rows": rows,
-        "table": table})
+        "table": table, "checks_table": checks})
+
+
+TARGET_NFE = (2, 4, 8, 16, 32)
+RISE = 0.005  # a rise above this counts as an increase
+
+
+def checks_table(rows: list[dict]) -> str:
+    """Per elastic model: the largest rise of val loss between successive NFE of
+    TARGET_NFE under Euler and under RK4, and the gaps to the models trained at one fixed
+    NFE (ode_euler: Euler x 4, NFE 4; ode_rk4: RK4 x 4, NFE 16)."""
+    loss = {(r["model"], r["solver"], r["nfe"]): r["val_loss"] for r in rows}
+
+    def rise(model: str, solver: str) -> str:
+        pts = [loss[(model, solver, n)] for n in TARGET_NFE if (model, solver, n) in loss]
+        if len(pts) < 2:
+            return ""
+        worst = max(b - a for a, b in zip(pts, pts[1:]))
+        return f"{worst:+.3f} ({'yes' if worst <= RISE else 'no'})"
+
+    def gap(model: str, solver: str, nfe: int, ref: str) -> str:
+        a, b = loss.get((model, solver, nfe)), loss.get((ref, solver, nfe))
+        return "" if a is None or b is None else f"{a - b:+.3f} ({'yes' if a - b <= 0.02 else 'no'})"
+
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        if "elastic" not in model or ", unclamped" in model:
+            continue
+        out.append({"model": model, "euler": rise(model, "euler"), "rk4": rise(model, "rk4"),
+                    "nfe4": gap(model, "euler", 4, "ode_euler"),
+                    "nfe16": gap(model, "rk4", 16, "ode_rk4")})
+    return markdown_table(out, [
+        ("model", "elastic model"),
+        ("euler", f"largest rise, Euler, NFE {TARGET_NFE[0]}-{TARGET_NFE[-1]} (<= {RISE})"),
+        ("rk4", "largest rise, RK4, NFE 4-32 (<= 0.005)"),
+        ("nfe4", "Euler x 4 vs ode_euler (<= 0.02)"),
+        ("nfe16", "RK4 x 4 vs ode_rk4 (<= 0.02)")])
 
 
 def unclamped_rows(have: dict, models: set[str]) -> list[dict]:

@@ -481,6 +481,10 @@ def main() -> None:
         if key in results:
             r = results[key]
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]
+            if r.get("checks_table"):
+                parts += ["Each elastic model against the anytime-depth targets (single seed, the "
+                          "400 windows above; in brackets whether the target is met):", "",
+                          r["checks_table"], ""]
             if r.get("decoding_table"):
                 parts += ["Cached greedy decoding at full depth and at the largest threshold of "
                           "each criterion within 0.5% of full depth's val loss (speeds measured "

@@ -69,6 +69,15 @@ def test_the_draw_is_a_function_of_seed_and_step():
     assert a.finer(2) == 4 and a.finer(8) is None
 
 
+def test_a_choice_listed_twice_is_drawn_twice_as_often():
+    model = small_model(depth="ode", num_layers=1)
+    t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 4]"]).train
+    draws = [ElasticDepth(model, t).draw(s)[1] for s in range(3000)]
+    share = draws.count(4) / len(draws)
+    assert abs(share - 2 / 3) < 0.03  # binomial sd 0.009
+    assert ElasticDepth(model, t).finer(2) == 4 and ElasticDepth(model, t).finer(4) is None
+
+
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
 @pytest.mark.parametrize("field", ["sequential", "parallel"])
 def test_dt_embedding_keeps_causality_and_exact_decoding(mixer, field):

@@ -312,6 +312,7 @@ class TrainConfig:
     ode_steps_choices: list[int] | None = None
     """Elastic depth (ODE models): each optimizer step integrates with a step count drawn from
     this list, seeded by train.seed and the step (a resumed run and every rank draw alike);
+    every entry is equally likely, so a count listed twice is drawn twice as often;
     evaluation and checkpoints keep model.ode_steps."""
     ode_solver_choices: list[str] | None = None
     """... and with a fixed-grid solver drawn from this list (model.ode_solver if unset)."""
