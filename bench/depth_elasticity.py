@@ -6,7 +6,8 @@ Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): 
 ode_rk4 (trained at one solver and step count), ode_elastic and ode_elastic_consistency
 (trained with Euler or RK4 at 1-16 steps drawn per step), ode_elastic_narrow (2-8 steps),
 ode_elastic_upto16 (2-16 steps), ode_elastic_dial (2-16 steps, the step size it reads clamped to
-that range) and ode_elastic_dial4 (the same, 4 steps drawn twice as often), and evaluates each with euler at 1-32 steps and rk4 at 1-16 on 400 evenly spread
+that range), ode_elastic_dial4 (the same, 4 steps drawn twice as often) and
+ode_elastic_dial_consistency (the consistency term on every second step), and evaluates each with euler at 1-32 steps and rk4 at 1-16 on 400 evenly spread
 validation windows. A model with model.ode_dt_steps_range is also evaluated with the clamp
 lifted where it matters (step counts outside its range), as "MODEL, unclamped". Rows already in the JSON are
 kept, so a model whose run folder is gone keeps its recorded figures; a model with neither is
@@ -25,7 +26,8 @@ from common import RESULTS, RUNS, finished_run, markdown_table, say_untrained, w
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
-          "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4"]
+          "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4",
+          "ode_elastic_dial_consistency"]
 GRID = {"euler": (1, 2, 4, 8, 16, 32), "rk4": (1, 2, 4, 8, 16)}
 
 

@@ -1,6 +1,6 @@
 """Training cost of elastic depth: seconds per optimizer step of ode_elastic,
-ode_elastic_consistency, ode_elastic_narrow, ode_elastic_upto16, ode_elastic_dial and
-ode_elastic_dial4 against ode_rk4 (fixed RK4 x 4), at equal steps.
+ode_elastic_consistency, ode_elastic_narrow, ode_elastic_upto16 and the ode_elastic_dial
+configs against ode_rk4 (fixed RK4 x 4), at equal steps.
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
 
@@ -21,7 +21,8 @@ from continuumlm.config import load_config
 from continuumlm.train import Trainer
 
 CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
-           "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4"]
+           "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4",
+           "ode_elastic_dial_consistency"]
 ROUNDS, STEPS = 6, 20
 
 

@@ -44,14 +44,17 @@ def test_draws_vary_and_a_resumed_run_repeats_them(tiny_corpus, tmp_path):
 
     a, b = events(tmp_path / "full"), events(tmp_path / "cut")
     assert sorted(b) == list(range(1, 13))
-    assert {k: (v["loss"], v["ode_solver"], v["ode_steps"], v["consistency"]) for k, v in a.items()} \
-        == {k: (v["loss"], v["ode_solver"], v["ode_steps"], v["consistency"]) for k, v in b.items()}
+    assert {k: (v["loss"], v["ode_solver"], v["ode_steps"], v.get("consistency"))
+            for k, v in a.items()} \
+        == {k: (v["loss"], v["ode_solver"], v["ode_steps"], v.get("consistency"))
+            for k, v in b.items()}
     draws = {(e["ode_solver"], e["ode_steps"]) for e in a.values()}
     assert len(draws) >= 3  # 12 steps over six (solver, steps) pairs
     for e in a.values():  # the NFE logged is the drawn solve's
         assert e["nfe"] == e["ode_steps"] * (4 if e["ode_solver"] == "rk4" else 1)
-    # consistency: positive where a finer step count exists, zero for the finest
-    assert all((e["consistency"] > 0) == (e["ode_steps"] < 4) for e in a.values())
+    # consistency: logged (and positive) where a finer step count exists, absent for the finest
+    assert all(("consistency" in e) == (e["ode_steps"] < 4) for e in a.values())
+    assert all(e["consistency"] > 0 for e in a.values() if "consistency" in e)
     # checkpoints and evaluation keep the configured solver
     from continuumlm.train import load_model_and_tokenizer
 
@@ -67,6 +70,24 @@ def test_the_draw_is_a_function_of_seed_and_step():
     assert [a.draw(s) for s in range(50)] == [b.draw(s) for s in range(50)]  # any rank, any run
     assert {n for _, n in (a.draw(s) for s in range(50))} == {1, 2, 4, 8}
     assert a.finer(2) == 4 and a.finer(8) is None
+
+
+def test_consistency_every_n_steps(tiny_corpus, tmp_path):
+    every = ["train.consistency_weight=0.5", "train.consistency_every=3",
+             "train.ode_steps_choices=[1, 2]", "train.max_steps=9", "train.lr_decay_steps=9"]
+    Trainer(elastic_cfg(tiny_corpus, *every), tmp_path / "every", quiet=True).run()
+    events = {e["step"]: e for e in read_metrics(tmp_path / "every") if "loss" in e}
+    # logged step s is optimizer step s - 1: the term on steps 0, 3, 6, where the draw has a
+    # finer step count (1 step; 2 is the finest)
+    want = {s for s, e in events.items() if (s - 1) % 3 == 0 and e["ode_steps"] == 1}
+    assert want and {s for s, e in events.items() if "consistency" in e} == want
+    # a run without the term on those steps draws and trains alike on the others: the losses
+    # agree up to the first step with the term
+    Trainer(elastic_cfg(tiny_corpus, *every[2:]), tmp_path / "none", quiet=True).run()
+    plain = {e["step"]: e["loss"] for e in read_metrics(tmp_path / "none") if "loss" in e}
+    first = min(want)
+    assert all(events[s]["loss"] == plain[s] for s in events if s <= first)
+    assert any(events[s]["loss"] != plain[s] for s in events if s > first)
 
 
 def test_a_choice_listed_twice_is_drawn_twice_as_often():
@@ -146,6 +167,7 @@ def test_dt_steps_range_changes_the_model_only_outside_the_range():
     (["model.depth=ode", "model.ode_dt_steps_range=[2, 8]"], "has none"),
     (["train.ode_steps_choices=[0, 2]"], "positive integers"),
     (["train.ode_steps_choices=[]"], "is empty"),
+    (["train.consistency_every=0"], "positive integer"),
     (["model.depth=ode", "train.consistency_weight=0.1", "train.ode_steps_choices=[4]"],
      "at least two step counts"),
     (["train.ode_steps_choices=[1, 2]"], "depth = 'discrete' has none"),

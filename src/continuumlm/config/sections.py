@@ -319,7 +319,10 @@ class TrainConfig:
     consistency_weight: float = 0.0
     """With ode_steps_choices: add this weight times KL(finer || drawn) of the next-token
     distributions, the finer solve being the next larger step count of the choices on the same
-    batch (no gradient, dropout off); logged as "consistency"."""
+    batch (no gradient, dropout off); logged as "consistency" on the steps that have it."""
+    consistency_every: int = 1
+    """Add the consistency term on every N-th optimizer step only (steps 0, N, 2N, ...): its
+    finer solve is an extra forward pass, so N = 2 halves what the term costs."""
     kinetic_weight: float = 0.0
     """ODE models: add this weight times the kinetic energy of the solve, the integral of
     ||f||^2 / hidden_size over t per token, averaged (Finlay et al. 2020): straighter
@@ -357,6 +360,9 @@ class TrainConfig:
         if not self.consistency_weight >= 0:
             raise ConfigError(f"train.consistency_weight must be >= 0, got "
                               f"{self.consistency_weight}.")
+        if not (isinstance(self.consistency_every, int) and self.consistency_every >= 1):
+            raise ConfigError(f"train.consistency_every must be a positive integer (1: every "
+                              f"step), got {self.consistency_every!r}.")
         if self.consistency_weight > 0 and len(set(self.ode_steps_choices or [])) < 2:
             raise ConfigError("train.consistency_weight pulls a coarse solve toward a finer one: "
                               "it needs train.ode_steps_choices with at least two step counts.")

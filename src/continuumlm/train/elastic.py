@@ -26,6 +26,7 @@ class ElasticDepth:
         self.steps = list(t.ode_steps_choices or [])
         self.solvers = list(t.ode_solver_choices or [])
         self.weight = float(t.consistency_weight)
+        self.every = int(t.consistency_every)
         self.seed = int(t.seed)
         self.base = (model.config.ode_solver, model.config.ode_steps)
         self.enabled = bool(self.steps or self.solvers)
@@ -50,11 +51,12 @@ class ElasticDepth:
         finally:
             self.model.set_solver(*self.base)
 
-    def target(self, logits_of, solver: str, steps: int) -> torch.Tensor | None:
+    def target(self, logits_of, solver: str, steps: int, step: int) -> torch.Tensor | None:
         """Next-token log-probabilities of the finer solve (``logits_of()``: the batch's
         logits as the task's objective computes them; no gradient, dropout off), or None
-        when there is no consistency term or no finer step count than ``steps``."""
-        fine = self.finer(steps) if self.weight > 0 else None
+        when there is no consistency term, none at optimizer step ``step`` (counted from 0;
+        ``train.consistency_every``) or no finer step count than ``steps``."""
+        fine = self.finer(steps) if self.weight > 0 and step % self.every == 0 else None
         if fine is None:
             return None
         was = self.model.training

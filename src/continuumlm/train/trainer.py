@@ -277,8 +277,8 @@ class Trainer:
         if self.last_draw is None:
             return out
         out.update({"ode_solver": self.last_draw[0], "ode_steps": self.last_draw[1]})
-        if self.elastic.weight > 0:
-            out["consistency"] = self.last_consistency
+        if self.elastic.weight > 0 and self.last_consistency is not None:
+            out["consistency"] = self.last_consistency  # not on steps without the term
         return out
 
     def _log(self, event: dict) -> None:
@@ -322,6 +322,7 @@ class Trainer:
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
         consistency = torch.zeros((), dtype=acc, device=self.device)
+        compared = False  # whether this step has a consistency term
         reg_names = ("kinetic", "jacobian", "step_readout")
         reg_sums = torch.zeros(len(reg_names), dtype=acc, device=self.device)
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
@@ -336,8 +337,9 @@ class Trainer:
                 with D.no_grad_sync(self.wrapped, self.model, sync=j == t.grad_accum - 1):
                     with self.amp:
                         target = (self.elastic.target(
-                            lambda x=x, y=y: self.task.forward(self.forward, x, y)[0], *draw)
-                            if draw else None)
+                            lambda x=x, y=y: self.task.forward(self.forward, x, y)[0], *draw,
+                            self.step) if draw else None)
+                        compared = compared or target is not None
                         logits, loss = self.task.forward(self.forward, x, y)
                         penalty = self.model.penalty()
                         objective = loss + anneal * penalty
@@ -382,7 +384,7 @@ class Trainer:
         summed, self.last_penalty, grad_norm, cons, *regs = torch.cat(
             [torch.stack([total, penalty, grad_norm.detach().to(device=self.device, dtype=acc),
                           consistency]), reg_sums]).tolist()
-        self.last_consistency = cons / t.grad_accum
+        self.last_consistency = cons / t.grad_accum if compared else None
         self.last_regularizers = {n: v / t.grad_accum for n, v in zip(reg_names, regs)
                                   if self.solve_reg.weight(n) > 0}
         loss_value = summed / t.grad_accum
