@@ -4,11 +4,14 @@ configs against ode_rk4 (fixed RK4 x 4), at equal steps.
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
 
-The configs' trainers run in one process, their first 120 steps timed in rounds of 20
-steps that alternate between them, so that whatever else the machine does slows them all
-alike (the ratios are what is read; the absolute times are understated when other work ran, as
-`other_cores` records). Elastic steps draw their solver and step count from (seed, step): the
-120 steps are the runs' own first 120 draws.
+The configs' trainers run in one process. A run's steps are grouped by what a step costs:
+the solver and step count drawn for it (from (seed, step), so they are the run's own) and
+whether the consistency term adds its finer solve on it. Every kind of step is timed, in
+rounds that alternate between the configs so that whatever else the machine does slows them
+all alike (the ratios are what is read; the absolute times are understated when other work
+ran, as `other_cores` records), and the whole run's time per step is the mean over its steps,
+each at its kind's time. Timing a run's first steps instead mismeasures it: their draws are
+not the run's mix (the first 120 of ode_elastic_dial average 16.3 NFE, the run 19.1).
 """
 
 from __future__ import annotations
@@ -22,8 +25,21 @@ from continuumlm.train import Trainer
 
 CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
            "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4",
-           "ode_elastic_dial_consistency"]
-ROUNDS, STEPS = 6, 20
+           "ode_elastic_dial_consistency", "ode_elastic_dial_capped"]
+ROUNDS, PER_ROUND = 6, 16
+
+
+def kinds(trainer, total: int) -> dict[tuple, list[int]]:
+    """The steps 0..total-1 of a run grouped by what a step costs: its drawn (solver, steps)
+    and whether it has the consistency term's finer solve."""
+    e = trainer.elastic
+    out: dict[tuple, list[int]] = {}
+    for k in range(total):
+        draw = e.draw(k) if e.enabled else None
+        finer = (draw is not None and e.weight > 0 and k % e.every == 0
+                 and e.finer(draw[1], draw[0]) is not None)
+        out.setdefault((draw, finer), []).append(k)
+    return out
 
 
 def main() -> None:
@@ -37,29 +53,49 @@ def main() -> None:
             trainers[name] = Trainer(cfg, f"{tmp}/{name}", quiet=True)
         for t in trainers.values():  # warm-up: one step each (allocator, first-call costs)
             t.train_step()
-        seconds = dict.fromkeys(CONFIGS, 0.0)
-        nfe = dict.fromkeys(CONFIGS, 0)
+        total = {name: t.cfg.train.max_steps for name, t in trainers.items()}
+        groups = {name: kinds(t, total[name]) for name, t in trainers.items()}
+        seconds = {name: dict.fromkeys(g, 0.0) for name, g in groups.items()}
+        timed = {name: dict.fromkeys(g, 0) for name, g in groups.items()}
+        nfe = {name: dict.fromkeys(g, 0) for name, g in groups.items()}
         with OtherLoad() as others:
-            for _ in range(ROUNDS):
+            for r in range(ROUNDS):
                 for name, t in trainers.items():
-                    t0 = time.perf_counter()
-                    for _ in range(STEPS):
-                        t.train_step()
-                        nfe[name] += t.model.last_nfe
-                    seconds[name] += time.perf_counter() - t0
-    n = ROUNDS * STEPS
-    base = seconds["ode_rk4"] / n
-    rows = [{"config": name, "steps": n, "s_per_step": seconds[name] / n,
-             "mean_nfe": nfe[name] / n, "ratio": seconds[name] / n / base} for name in CONFIGS]
+                    reps = max(1, PER_ROUND // len(groups[name]))
+                    for kind, steps in groups[name].items():
+                        for i in range(reps):
+                            t.step = steps[(r * reps + i) % len(steps)]  # a step of this kind
+                            t0 = time.perf_counter()
+                            t.train_step()
+                            seconds[name][kind] += time.perf_counter() - t0
+                            timed[name][kind] += 1
+                            nfe[name][kind] = t.model.last_nfe
+
+    def whole_run(name: str, per_kind: dict) -> float:
+        """The run's mean per step: each kind's value weighted by how many steps it has."""
+        return sum(len(groups[name][k]) * v for k, v in per_kind.items()) / total[name]
+
+    rows = []
+    for name in CONFIGS:
+        per_step = {k: seconds[name][k] / timed[name][k] for k in groups[name]}
+        rows.append({"config": name, "steps": sum(timed[name].values()),
+                     "kinds": len(groups[name]), "s_per_step": whole_run(name, per_step),
+                     "mean_nfe": whole_run(name, nfe[name])})
+    base = rows[0]["s_per_step"]
+    for row in rows:
+        row["ratio"] = row["s_per_step"] / base
     table = markdown_table(rows, [("config", "config"), ("steps", "steps timed"),
-                                  ("mean_nfe", "mean NFE of the drawn solves"),
+                                  ("kinds", "kinds of step"),
+                                  ("mean_nfe", "mean NFE of the drawn solves (whole run)"),
                                   ("s_per_step", "s / step"), ("ratio", "vs ode_rk4")])
     print(table)
     write_json("elastic_cost", {
         "command": "python bench/elastic_cost.py",
-        "setup": f"steps 2-{n + 1} of each config's own run, timed in {ROUNDS} alternating "
-                 f"rounds of {STEPS} in one process; other cores busy meanwhile: "
-                 f"{others.cores}",
+        "setup": "each config's steps grouped by what a step costs (the drawn solver and step "
+                 "count, and whether the consistency term's finer solve is added), every kind "
+                 f"timed in {ROUNDS} rounds that alternate between the configs in one process, "
+                 "and the whole run's seconds per step the mean over its steps, each at its "
+                 f"kind's time; other cores busy meanwhile: {others.cores}",
         "rows": rows, "table": table, "other_cores": others.cores})
 
 

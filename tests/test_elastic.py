@@ -90,6 +90,33 @@ def test_consistency_every_n_steps(tiny_corpus, tmp_path):
     assert any(events[s]["loss"] != plain[s] for s in events if s > first)
 
 
+def test_max_nfe_draws_only_solves_within_the_cap(tiny_corpus, tmp_path):
+    model = small_model(depth="ode", num_layers=1)
+    t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 8, 16]",
+                           "train.ode_solver_choices=['euler', 'rk4']",
+                           "train.ode_max_nfe=32"]).train
+    e = ElasticDepth(model, t)
+    draws = [e.draw(s) for s in range(400)]
+    nfe = {"euler": 1, "rk4": 4}
+    assert set(draws) == {("euler", 2), ("euler", 4), ("euler", 8), ("euler", 16),
+                          ("rk4", 2), ("rk4", 4), ("rk4", 8)}  # rk4 x 16 (64) left out
+    assert draws == [ElasticDepth(model, t).draw(s) for s in range(400)]
+    assert max(n * nfe[solver] for solver, n in draws) <= 32
+    # the consistency term's finer solve stays within the cap as well
+    assert e.finer(8, "euler") == 16 and e.finer(8, "rk4") is None and e.finer(4, "rk4") == 8
+    # in training: every logged solve within the cap; the term only where a finer one fits
+    Trainer(elastic_cfg(tiny_corpus, "train.ode_steps_choices=[1, 2, 4]",
+                        "train.ode_max_nfe=8", "train.consistency_weight=0.5"),
+            tmp_path / "capped", quiet=True).run()
+    events = [e for e in read_metrics(tmp_path / "capped") if "loss" in e]
+    assert all(e["nfe"] <= 8 for e in events)
+    assert {(e["ode_solver"], e["ode_steps"]) for e in events} <= {
+        ("euler", 1), ("euler", 2), ("euler", 4), ("rk4", 1), ("rk4", 2)}
+    for e in events:
+        has_finer = e["ode_steps"] < (2 if e["ode_solver"] == "rk4" else 4)
+        assert ("consistency" in e) == has_finer
+
+
 def test_a_choice_listed_twice_is_drawn_twice_as_often():
     model = small_model(depth="ode", num_layers=1)
     t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 4]"]).train
@@ -168,6 +195,10 @@ def test_dt_steps_range_changes_the_model_only_outside_the_range():
     (["train.ode_steps_choices=[0, 2]"], "positive integers"),
     (["train.ode_steps_choices=[]"], "is empty"),
     (["train.consistency_every=0"], "positive integer"),
+    (["train.ode_max_nfe=0"], "positive integer"),
+    (["model.depth=ode", "train.ode_max_nfe=8"], "ode_steps_choices"),
+    (["model.depth=ode", "train.ode_steps_choices=[4, 8]", "model.ode_solver=rk4",
+      "train.ode_max_nfe=8"], "allows none"),
     (["model.depth=ode", "train.consistency_weight=0.1", "train.ode_steps_choices=[4]"],
      "at least two step counts"),
     (["train.ode_steps_choices=[1, 2]"], "depth = 'discrete' has none"),

@@ -316,6 +316,12 @@ class TrainConfig:
     evaluation and checkpoints keep model.ode_steps."""
     ode_solver_choices: list[str] | None = None
     """... and with a fixed-grid solver drawn from this list (model.ode_solver if unset)."""
+    ode_max_nfe: int | None = None
+    """With ode_steps_choices / ode_solver_choices: draw only the (solver, steps) pairs whose
+    solve takes at most this many field evaluations (RK4 x 16 is 64), every allowed pair
+    equally likely (each entry of the lists counted as listed); the consistency term's finer
+    solve is the next larger step count within the cap too. None: solver and step count drawn
+    independently from the two lists."""
     consistency_weight: float = 0.0
     """With ode_steps_choices: add this weight times KL(finer || drawn) of the next-token
     distributions, the finer solve being the next larger step count of the choices on the same
@@ -360,6 +366,16 @@ class TrainConfig:
         if not self.consistency_weight >= 0:
             raise ConfigError(f"train.consistency_weight must be >= 0, got "
                               f"{self.consistency_weight}.")
+        if self.ode_max_nfe is not None and not (
+                isinstance(self.ode_max_nfe, int) and not isinstance(self.ode_max_nfe, bool)
+                and self.ode_max_nfe >= 1):
+            raise ConfigError(f"train.ode_max_nfe must be a positive integer (or left out), "
+                              f"got {self.ode_max_nfe!r}.")
+        if self.ode_max_nfe is not None and not (self.ode_steps_choices
+                                                 or self.ode_solver_choices):
+            raise ConfigError("train.ode_max_nfe caps the solves that elastic training draws; "
+                              "set train.ode_steps_choices (and/or ode_solver_choices), or "
+                              "leave it out.")
         if not (isinstance(self.consistency_every, int) and self.consistency_every >= 1):
             raise ConfigError(f"train.consistency_every must be a positive integer (1: every "
                               f"step), got {self.consistency_every!r}.")
@@ -532,6 +548,15 @@ class RunConfig:
                 raise ConfigError(f"train.step_readout_weight reads out the states between "
                                   f"solver steps; {where} = {t.ode_steps_choices or m.ode_steps} "
                                   f"has none. Use at least two steps.")
+        if t.ode_max_nfe is not None and m.depth == "ode":
+            from ..train.elastic import solve_pairs
+
+            if not solve_pairs(m, t):
+                raise ConfigError(
+                    f"train.ode_max_nfe = {t.ode_max_nfe} allows none of the drawn solves "
+                    f"(solvers {t.ode_solver_choices or [m.ode_solver]}, steps "
+                    f"{t.ode_steps_choices or [m.ode_steps]}): raise the cap or add smaller "
+                    f"step counts.")
         if t.steer and t.consistency_weight:
             raise ConfigError("train.steer moves each training step's end time, and "
                               "train.consistency_weight pulls that solve toward a finer one "

@@ -20,6 +20,25 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+def solve_nfe(model_config, solver: str, steps: int) -> int:
+    """Field evaluations of a fixed-grid solve with ``solver`` over ``steps`` steps."""
+    from ..registry import SOLVERS
+
+    per_step = SOLVERS[solver](model_config).evals_per_step
+    if per_step is None:  # adaptive: no fixed count (elastic draws refuse them elsewhere)
+        return 1 << 62
+    return int(per_step) * steps
+
+
+def solve_pairs(model_config, t) -> list[tuple[str, int]]:
+    """The (solver, steps) pairs that ``train.ode_max_nfe`` allows, in list order (an entry
+    listed twice counts twice)."""
+    solvers = list(t.ode_solver_choices or [model_config.ode_solver])
+    steps = list(t.ode_steps_choices or [model_config.ode_steps])
+    return [(s, n) for s in solvers for n in steps
+            if solve_nfe(model_config, s, n) <= t.ode_max_nfe]
+
+
 class ElasticDepth:
     def __init__(self, model, t):
         self.model = model
@@ -30,17 +49,26 @@ class ElasticDepth:
         self.seed = int(t.seed)
         self.base = (model.config.ode_solver, model.config.ode_steps)
         self.enabled = bool(self.steps or self.solvers)
+        self.cap = t.ode_max_nfe
+        # with a cap, (solver, steps) is drawn as a pair from the allowed ones
+        self.pairs = solve_pairs(model.config, t) if self.cap is not None else None
 
     def draw(self, step: int) -> tuple[str, int]:
         """(solver, steps) of optimizer step ``step`` (counted from 0)."""
         rng = np.random.default_rng([self.seed, step, 0xE1A5])
+        if self.pairs is not None:
+            return self.pairs[int(rng.integers(len(self.pairs)))]
         steps = self.steps[int(rng.integers(len(self.steps)))] if self.steps else self.base[1]
         solver = (self.solvers[int(rng.integers(len(self.solvers)))] if self.solvers
                   else self.base[0])
         return solver, steps
 
-    def finer(self, steps: int) -> int | None:
+    def finer(self, steps: int, solver: str | None = None) -> int | None:
+        """The next larger step count of the choices (within ode_max_nfe for ``solver``)."""
         larger = sorted(n for n in set(self.steps) if n > steps)
+        if self.cap is not None and solver is not None:
+            larger = [n for n in larger
+                      if solve_nfe(self.model.config, solver, n) <= self.cap]
         return larger[0] if larger else None
 
     @contextlib.contextmanager
@@ -56,7 +84,8 @@ class ElasticDepth:
         logits as the task's objective computes them; no gradient, dropout off), or None
         when there is no consistency term, none at optimizer step ``step`` (counted from 0;
         ``train.consistency_every``) or no finer step count than ``steps``."""
-        fine = self.finer(steps) if self.weight > 0 and step % self.every == 0 else None
+        fine = (self.finer(steps, solver) if self.weight > 0 and step % self.every == 0
+                else None)
         if fine is None:
             return None
         was = self.model.training
