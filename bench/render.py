@@ -26,6 +26,32 @@ def _fmt_mean(values: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+def early_stopping_table(results: dict, prefix: str) -> str:
+    """One row per run under ``prefix`` whose JSON has ``best_checkpoint``."""
+    rows = []
+    for r in results.values():
+        best = r.get("best_checkpoint")
+        if not best or not r.get("config", "").startswith(prefix):
+            continue
+        per_step = _tokens_per_step(r["config"]) or 0
+        test = best.get("test_loss_full_split")
+        rows.append({"config": config_cell(r["config"], r.get("overrides")), "seed": r["seed"],
+                     "step": f"{best['step']} of {r['final_step']}",
+                     "tokens": f"{best['step'] * per_step / 1e6:.2f} M",
+                     "val": f"{math.exp(best['val_loss_full_split']):.1f}",
+                     "last_val": f"{math.exp(r['val_loss_full_split']):.1f}",
+                     "test": f"{math.exp(test):.1f}" if test is not None else "",
+                     "last_test": (f"{math.exp(r['test_loss_full_split']):.1f}"
+                                   if r.get("test_loss_full_split") is not None else "")})
+    if not rows:
+        return ""
+    return markdown_table(rows, [("config", "config"), ("seed", "seed"),
+                                 ("step", "best checkpoint (step)"), ("tokens", "tokens seen"),
+                                 ("val", "val ppl"), ("test", "test ppl"),
+                                 ("last_val", "val ppl, last step"),
+                                 ("last_test", "test ppl, last step")])
+
+
 def _tokens_per_step(config: str) -> int | None:
     import tomllib
 
@@ -422,6 +448,12 @@ def main() -> None:
                   "small LSTM (2 x 200, 4.6 M parameters, no dropout, 13 epochs) valid 120.7 / "
                   "test 114.5 perplexity; medium LSTM (2 x 650, dropout 0.5, 39 epochs) valid "
                   "86.2 / test 82.7.", ""]
+        early = early_stopping_table(results, "configs/ptb_std/")
+        if early:
+            parts += ["The same runs stopped early: the checkpoint with the lowest in-training "
+                      "validation estimate (chosen on the validation split only; `python "
+                      "bench/train_seeds.py CONFIG --seeds N --also-test --also-best`), scored "
+                      "on the whole validation and test splits.", "", early, ""]
     mq = mqar_table(results)
     if mq.count("\n") > 1:
         parts += ["## Multi-query associative recall (MQAR)", "",

@@ -55,6 +55,11 @@ def main() -> None:
     ap.add_argument("--also-test", action="store_true",
                     help="also report the test split once, at the end (PTB); added to existing "
                     "JSON whose run folder is still there")
+    ap.add_argument("--also-best", action="store_true",
+                    help="also score the checkpoint with the best in-training validation "
+                    "estimate (early stopping on the validation split) on the whole validation "
+                    "split, and with --also-test on the test split; added to existing JSON "
+                    "whose run folder is still there")
     ap.add_argument("--tag", help="name the runs and JSON <config>-<TAG>_seed<N> (e.g. one "
                     "point of a hyperparameter sweep made with --set), so they sit beside the "
                     "config's own")
@@ -76,6 +81,8 @@ def main() -> None:
             print(f"skip {dest} (exists)")
             if args.also_test:
                 add_test(dest, run, args.max_windows)
+            if args.also_best:
+                add_best(dest, run, args.max_windows, args.also_test)
             continue
         if args.force:
             dest.unlink(missing_ok=True)  # its model is about to go
@@ -154,17 +161,21 @@ def main() -> None:
         replace_json(dest, result)
         if args.also_test:
             add_test(dest, run, args.max_windows)
+        if args.also_best:
+            add_best(dest, run, args.max_windows, args.also_test)
         print(json.dumps(result))
 
 
-def evaluate(run: Path, split: str, max_windows: int | None, *extra: str) -> list[dict]:
-    """`continuumlm eval --json` of the run's last checkpoint: one result per context length.
+def evaluate(run: Path, split: str, max_windows: int | None, *extra: str,
+             which: str = "last") -> list[dict]:
+    """`continuumlm eval --json` of the run's last (or best) checkpoint: one result per
+    context length.
     Run in this process (the command's own code; a subprocess would add an interpreter
     start-up and torch import per evaluation)."""
     limit = ["--max-windows", str(max_windows)] if max_windows else []
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = cli_main(["eval", "--checkpoint", str(run), "--which", "last", "--json",
+        status = cli_main(["eval", "--checkpoint", str(run), "--which", which, "--json",
                            "--split", split, *limit, *extra])
     if status:
         sys.exit(f"`continuumlm eval` of {run} ended with exit status {status} (its error is "
@@ -181,6 +192,26 @@ def add_test(dest: Path, run: Path, max_windows: int | None = None) -> None:
         print(f"cannot add the test split to {dest}: {run} is gone")
         return
     result["test_loss_full_split"] = evaluate(run, "test", max_windows)[0]["loss"]
+    replace_json(dest, result)
+
+
+def add_best(dest: Path, run: Path, max_windows: int | None, test: bool) -> None:
+    """Score the best checkpoint (lowest in-training validation estimate) on the whole
+    validation split, and on the test split when ``test``, and add it to the JSON as
+    ``best_checkpoint``: the early-stopped model, chosen on the validation split only."""
+    result = json.loads(dest.read_text())
+    if "best_checkpoint" in result and ("test_loss_full_split" in result["best_checkpoint"]
+                                        or not test):
+        return
+    best = run / "checkpoints" / "best"
+    if not best.exists():
+        print(f"cannot add the best checkpoint to {dest}: {best} is gone")
+        return
+    entry = {"step": int(best.resolve().name.split("-")[-1]),
+             "val_loss_full_split": evaluate(run, "val", max_windows, which="best")[0]["loss"]}
+    if test:
+        entry["test_loss_full_split"] = evaluate(run, "test", max_windows, which="best")[0]["loss"]
+    result["best_checkpoint"] = entry
     replace_json(dest, result)
 
 

@@ -105,7 +105,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[_train(f"configs/ptb_std/{c}.toml", [1], "--tag", f"sweep_dropout{d}",
                  "--set", f"model.dropout={d}", *PTB_QUARTER)
           for c in ("transformer", "ode_euler") for d in ("0.0", "0.1", "0.3", "0.5")],
-        *[_train(f"configs/ptb_std/{c}.toml", [1, 2, 3], "--also-test")
+        *[_train(f"configs/ptb_std/{c}.toml", [1, 2, 3], "--also-test", "--also-best")
           for c in ("transformer", "ode_euler")],
     ]),
     "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
