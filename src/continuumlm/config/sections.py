@@ -549,8 +549,6 @@ class RunConfig:
                                   f"solver steps; {where} = {t.ode_steps_choices or m.ode_steps} "
                                   f"has none. Use at least two steps.")
         if t.ode_max_nfe is not None and m.depth == "ode":
-            from ..train.elastic import solve_pairs
-
             if not solve_pairs(m, t):
                 raise ConfigError(
                     f"train.ode_max_nfe = {t.ode_max_nfe} allows none of the drawn solves "
@@ -632,3 +630,20 @@ def _check_selectors(cfg: ModelConfig) -> None:
     checker = getattr(DEPTHS[cfg.depth], "check_config", None)
     if checker is not None:
         checker(cfg)
+
+
+def solve_nfe(model_config, solver: str, steps: int) -> int:
+    """Field evaluations of a fixed-grid solve with ``solver`` over ``steps`` steps."""
+    per_step = SOLVERS[solver](model_config).evals_per_step
+    if per_step is None:  # adaptive: no fixed count (elastic draws refuse them elsewhere)
+        return 1 << 62
+    return int(per_step) * steps
+
+
+def solve_pairs(model_config, t) -> list[tuple[str, int]]:
+    """The (solver, steps) pairs that ``train.ode_max_nfe`` allows, in list order (an entry
+    listed twice counts twice)."""
+    solvers = list(t.ode_solver_choices or [model_config.ode_solver])
+    steps = list(t.ode_steps_choices or [model_config.ode_steps])
+    return [(s, n) for s in solvers for n in steps
+            if solve_nfe(model_config, s, n) <= t.ode_max_nfe]

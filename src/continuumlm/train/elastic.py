@@ -19,24 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-
-def solve_nfe(model_config, solver: str, steps: int) -> int:
-    """Field evaluations of a fixed-grid solve with ``solver`` over ``steps`` steps."""
-    from ..registry import SOLVERS
-
-    per_step = SOLVERS[solver](model_config).evals_per_step
-    if per_step is None:  # adaptive: no fixed count (elastic draws refuse them elsewhere)
-        return 1 << 62
-    return int(per_step) * steps
-
-
-def solve_pairs(model_config, t) -> list[tuple[str, int]]:
-    """The (solver, steps) pairs that ``train.ode_max_nfe`` allows, in list order (an entry
-    listed twice counts twice)."""
-    solvers = list(t.ode_solver_choices or [model_config.ode_solver])
-    steps = list(t.ode_steps_choices or [model_config.ode_steps])
-    return [(s, n) for s in solvers for n in steps
-            if solve_nfe(model_config, s, n) <= t.ode_max_nfe]
+from ..config.sections import solve_nfe, solve_pairs
 
 
 class ElasticDepth:
