@@ -36,8 +36,7 @@ def kinds(trainer, total: int) -> dict[tuple, list[int]]:
     out: dict[tuple, list[int]] = {}
     for k in range(total):
         draw = e.draw(k) if e.enabled else None
-        finer = (draw is not None and e.weight > 0 and k % e.every == 0
-                 and e.finer(draw[1], draw[0]) is not None)
+        finer = draw is not None and e.finer_at(k, *draw) is not None
         out.setdefault((draw, finer), []).append(k)
     return out
 

@@ -62,13 +62,19 @@ class ElasticDepth:
         finally:
             self.model.set_solver(*self.base)
 
+    def finer_at(self, step: int, solver: str, steps: int) -> int | None:
+        """The step count of the consistency term's finer solve at optimizer step ``step``
+        (drawn as ``(solver, steps)``), or None where that step has no such term."""
+        if self.weight <= 0 or step % self.every != 0:
+            return None
+        return self.finer(steps, solver)
+
     def target(self, logits_of, solver: str, steps: int, step: int) -> torch.Tensor | None:
         """Next-token log-probabilities of the finer solve (``logits_of()``: the batch's
         logits as the task's objective computes them; no gradient, dropout off), or None
         when there is no consistency term, none at optimizer step ``step`` (counted from 0;
         ``train.consistency_every``) or no finer step count than ``steps``."""
-        fine = (self.finer(steps, solver) if self.weight > 0 and step % self.every == 0
-                else None)
+        fine = self.finer_at(step, solver, steps)
         if fine is None:
             return None
         was = self.model.training
