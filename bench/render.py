@@ -515,8 +515,9 @@ def main() -> None:
             parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]
             if r.get("checks_table"):
                 parts += ["Each elastic model against the anytime-depth targets (the 400 windows "
-                          "above; the fixed-NFE references at seed 1337; in brackets whether the "
-                          "target is met):", "",
+                          "above; each against the fixed-NFE reference trained on the same seed, "
+                          "or seed 1337's where marked; in brackets whether the target is met; "
+                          "the mean rows average the seed-matched gaps):", "",
                           r["checks_table"], ""]
             if r.get("decoding_table"):
                 parts += ["Cached greedy decoding at full depth and at the largest threshold of "

@@ -117,6 +117,31 @@ def test_max_nfe_draws_only_solves_within_the_cap(tiny_corpus, tmp_path):
         assert ("consistency" in e) == has_finer
 
 
+def test_consistency_max_nfe_lets_only_the_finer_solve_past_the_cap(tiny_corpus, tmp_path):
+    model = small_model(depth="ode", num_layers=1)
+    sets = ["model.depth=ode", "train.ode_steps_choices=[2, 4, 8, 16]",
+            "train.ode_solver_choices=['euler', 'rk4']", "train.ode_max_nfe=32",
+            "train.consistency_weight=0.5"]
+    plain = ElasticDepth(model, load_config(None, sets).train)
+    wide = ElasticDepth(model, load_config(None, [*sets, "train.consistency_max_nfe=64"]).train)
+    # the draws are the capped ones either way
+    assert [plain.draw(s) for s in range(300)] == [wide.draw(s) for s in range(300)]
+    assert ("rk4", 16) not in {wide.draw(s) for s in range(300)}
+    # rk4 x 8 (32) now has a finer solve, rk4 x 16 (64); euler x 16 still none (32 not listed)
+    assert plain.finer(8, "rk4") is None and wide.finer(8, "rk4") == 16
+    assert wide.finer(4, "rk4") == 8 and wide.finer(16, "euler") is None
+    # in training: a drawn rk4 x 1 (4 evaluations, the cap) gets its term from rk4 x 2 (8)
+    Trainer(elastic_cfg(tiny_corpus, "train.ode_steps_choices=[1, 2]",
+                        "train.ode_solver_choices=['euler', 'rk4']", "train.ode_max_nfe=4",
+                        "train.consistency_max_nfe=8", "train.consistency_weight=0.5"),
+            tmp_path / "wide", quiet=True).run()
+    events = [e for e in read_metrics(tmp_path / "wide") if "loss" in e]
+    assert {(e["ode_solver"], e["ode_steps"]) for e in events} <= {
+        ("euler", 1), ("euler", 2), ("rk4", 1)}
+    assert all(("consistency" in e) == (e["ode_steps"] == 1) for e in events)
+    assert any(e["ode_solver"] == "rk4" and "consistency" in e for e in events)
+
+
 def test_a_choice_listed_twice_is_drawn_twice_as_often():
     model = small_model(depth="ode", num_layers=1)
     t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 4]"]).train
@@ -197,6 +222,12 @@ def test_dt_steps_range_changes_the_model_only_outside_the_range():
     (["train.consistency_every=0"], "positive integer"),
     (["train.ode_max_nfe=0"], "positive integer"),
     (["model.depth=ode", "train.ode_max_nfe=8"], "ode_steps_choices"),
+    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.consistency_weight=0.5",
+      "train.consistency_max_nfe=8"], "set both ode_max_nfe"),
+    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.ode_max_nfe=8",
+      "train.consistency_max_nfe=8"], "set both ode_max_nfe"),
+    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.ode_max_nfe=8",
+      "train.consistency_weight=0.5", "train.consistency_max_nfe=4"], "at least"),
     (["model.depth=ode", "train.ode_steps_choices=[4, 8]", "model.ode_solver=rk4",
       "train.ode_max_nfe=8"], "allows none"),
     (["model.depth=ode", "train.consistency_weight=0.1", "train.ode_steps_choices=[4]"],

@@ -33,6 +33,8 @@ class ElasticDepth:
         self.base = (model.config.ode_solver, model.config.ode_steps)
         self.enabled = bool(self.steps or self.solvers)
         self.cap = t.ode_max_nfe
+        # the consistency term's finer solve (no gradient) may go beyond the draws' cap
+        self.finer_cap = t.consistency_max_nfe if t.consistency_max_nfe is not None else self.cap
         # with a cap, (solver, steps) is drawn as a pair from the allowed ones
         self.pairs = solve_pairs(model.config, t) if self.cap is not None else None
 
@@ -47,11 +49,12 @@ class ElasticDepth:
         return solver, steps
 
     def finer(self, steps: int, solver: str | None = None) -> int | None:
-        """The next larger step count of the choices (within ode_max_nfe for ``solver``)."""
+        """The next larger step count of the choices (within consistency_max_nfe, else
+        ode_max_nfe, for ``solver``)."""
         larger = sorted(n for n in set(self.steps) if n > steps)
-        if self.cap is not None and solver is not None:
+        if self.finer_cap is not None and solver is not None:
             larger = [n for n in larger
-                      if solve_nfe(self.model.config, solver, n) <= self.cap]
+                      if solve_nfe(self.model.config, solver, n) <= self.finer_cap]
         return larger[0] if larger else None
 
     @contextlib.contextmanager
