@@ -209,6 +209,42 @@ def test_dt_steps_range_changes_the_model_only_outside_the_range():
     check_cached_decoding(bounded, torch.randint(0, 37, (2, 5)), 6)
 
 
+def test_dt_embedding_reading_evaluations_gives_equal_cost_solves_one_embedding():
+    cfg = dict(depth="ode", num_layers=1, ode_dt_embedding=True, ode_solver="rk4", ode_steps=4)
+    torch.manual_seed(0)
+    steps_read = small_model(**cfg)
+    for block in steps_read.depth.blocks:
+        torch.nn.init.normal_(block.field.step_size.proj.weight, std=0.5)
+    evals_read = small_model(**cfg, ode_dt_embedding_reads="evaluation")
+    evals_read.load_state_dict(steps_read.state_dict())  # no new parameter or buffer
+    x = torch.randint(0, 37, (2, 7))
+    field = evals_read.depth.blocks[0].field
+    # the field reads the spacing of its evaluations: rk4 x 4 is 1/16, as euler x 16
+    for solver, steps, dt in [("rk4", 4, 1 / 16), ("euler", 16, 1 / 16), ("rk4", 1, 1 / 4),
+                              ("euler", 4, 1 / 4), ("midpoint", 2, 1 / 4)]:
+        evals_read.set_solver(solver, steps)
+        evals_read(x)
+        assert field.dt == pytest.approx(dt)
+    # Euler reads the same either way; RK4 x 4 reads what the step-reading model's x 16 does
+    for steps in (2, 4):
+        evals_read.set_solver("euler", steps)
+        steps_read.set_solver("euler", steps)
+        torch.testing.assert_close(evals_read(x)[0], steps_read(x)[0], rtol=0, atol=0)
+    evals_read.set_solver("rk4", 4)
+    steps_read.set_solver("rk4", 4)
+    assert not torch.allclose(evals_read(x)[0], steps_read(x)[0])
+    # the range counts evaluations: rk4 x 16 (64) reads the embedding of 32 under [2, 32]
+    bounded = small_model(**cfg, ode_dt_embedding_reads="evaluation", ode_dt_steps_range=[2, 32])
+    bounded.load_state_dict(steps_read.state_dict())
+    bounded.set_solver("rk4", 16)
+    bounded(x)
+    b = bounded.depth.blocks[0].field
+    h = torch.randn(1, 3, b.norm1.weight.shape[0])
+    torch.testing.assert_close(b.temb(0.0, h), b.step_size(5.0), rtol=0, atol=0)
+    check_causal(evals_read)
+    check_cached_decoding(evals_read, torch.randint(0, 37, (2, 5)), 6)
+
+
 @pytest.mark.parametrize("sets, needle", [
     (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_steps_range=[4, 2]"],
      "fewest first"),
@@ -217,6 +253,9 @@ def test_dt_steps_range_changes_the_model_only_outside_the_range():
     (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_steps_range=[2]"],
      r"\[fewest, most\]"),
     (["model.depth=ode", "model.ode_dt_steps_range=[2, 8]"], "has none"),
+    (["model.depth=ode", "model.ode_dt_embedding_reads=evaluation"], "has none"),
+    (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_embedding_reads=nfe"],
+     "'step'"),
     (["train.ode_steps_choices=[0, 2]"], "positive integers"),
     (["train.ode_steps_choices=[]"], "is empty"),
     (["train.consistency_every=0"], "positive integer"),

@@ -77,6 +77,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
     "elasticity": ("Anytime depth: the trained ODE models re-integrated with other solvers and "
                    "step counts, no retraining, and per-token exit thresholds (needs the "
                    "shakespeare experiment's runs)", [
+        # the fixed-NFE references at the elastic models' other seeds (ode_rk4's three seeds
+        # are the shakespeare experiment's)
+        _train(f"{SH}/ode_euler.toml", [1, 2]),
         _train(f"{SH}/ode_elastic.toml", [1337]),
         _train(f"{SH}/ode_elastic_consistency.toml", [1337]),
         _train(f"{SH}/ode_elastic_narrow.toml", [1337]),

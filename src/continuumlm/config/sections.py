@@ -104,6 +104,12 @@ class ModelConfig:
     """Also condition the field on the step size dt = (ode_t1 - ode_t0) / ode_steps (a learned
     projection of a sinusoidal embedding of log2(1 / dt), zero at first), so that one field can
     learn to serve several step counts (train.ode_steps_choices). Fixed-grid solvers only."""
+    ode_dt_embedding_reads: str = "step"
+    """What the dt embedding reads: "step", the step size dt; or "evaluation", the spacing of
+    field evaluations dt / (evaluations per step), so that solves of equal cost share it (Euler
+    x 16 and RK4 x 4 both read 1/16, Euler x 4 and RK4 x 1 both 1/4) instead of an accurate
+    and a coarse solve sharing one (Euler x 4 and RK4 x 4 both read dt = 1/4). With
+    "evaluation", ode_dt_steps_range counts field evaluations instead of steps."""
     ode_dt_steps_range: list[int] | None = None
     """With ode_dt_embedding: [fewest, most] step counts over [ode_t0, ode_t1] whose step sizes
     the embedding reads as they are; a solve with more steps reads the embedding of the most
@@ -153,6 +159,14 @@ class ModelConfig:
                 raise ConfigError("model.ode_dt_steps_range bounds the step sizes that the dt "
                                   "embedding reads, and this model has none: set "
                                   "model.ode_dt_embedding = true, or remove the range.")
+        if self.ode_dt_embedding_reads not in ("step", "evaluation"):
+            raise ConfigError(f"model.ode_dt_embedding_reads must be 'step' (the step size) or "
+                              f"'evaluation' (the spacing of field evaluations), got "
+                              f"{self.ode_dt_embedding_reads!r}.")
+        if self.ode_dt_embedding_reads != "step" and not self.ode_dt_embedding:
+            raise ConfigError("model.ode_dt_embedding_reads says what the dt embedding reads, "
+                              "and this model has none: set model.ode_dt_embedding = true, or "
+                              "leave ode_dt_embedding_reads out.")
         _check_selectors(self)
         self.components = _build_components(self)
 

@@ -185,6 +185,8 @@ class ODEBlock(nn.Module):
         extras = extras if (extras is not None and self.training) else None
         t1 = extras.t1 if extras is not None and extras.t1 is not None else cfg.ode_t1
         field.dt = (t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
+        if cfg.ode_dt_embedding_reads == "evaluation":  # the spacing of field evaluations
+            field.dt /= self.solver.evals_per_step
         self.last_token_nfe = None
         self.last_regularizers = {}
         self.step_states = []

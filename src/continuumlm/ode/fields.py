@@ -54,7 +54,8 @@ class _Field(nn.Module):
         self.step_size = (SinusoidalTimeEmbedding(cfg.hidden_size, dim=16, max_period=64.0)
                           if getattr(cfg, "ode_dt_embedding", False) else None)
         self.dt = None
-        # log2 of the step counts per unit time the dt embedding reads unclamped
+        # log2 of the step (or field-evaluation) counts per unit time the dt embedding reads
+        # unclamped
         r = getattr(cfg, "ode_dt_steps_range", None) if self.step_size is not None else None
         span = None if r is None else cfg.ode_t1 - cfg.ode_t0
         self.dt_bounds = None if r is None else (math.log2(r[0] / span), math.log2(r[1] / span))
