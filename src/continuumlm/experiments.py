@@ -88,6 +88,8 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_elastic_dial4.toml", [1337]),
         _train(f"{SH}/ode_elastic_dial_consistency.toml", [1337, 1]),
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2]),
+        _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2], "--tag", "cw1.0",
+               "--set", "train.consistency_weight=1.0"),
         _train(f"{SH}/ode_rk4_readout.toml", [1337]),
         _train(f"{SH}/ode_rk4_readout_light.toml", [1337]),
         Step("depth_elasticity.py"),  # incremental: adds the rows of newly trained models
