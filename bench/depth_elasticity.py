@@ -129,8 +129,8 @@ def checks_table(rows: list[dict]) -> str:
         a, b = loss.get((model, solver, nfe, seed)), loss.get((ref, solver, nfe, ref_seed))
         return None if a is None or b is None else (a - b, ref_seed)
 
-    def verdict(d: float, note: str = "") -> str:
-        return f"{d:+.3f} ({'yes' if d <= GAP else 'no'}{note})"
+    def verdict(d: float, note: str = "", digits: int = 3) -> str:
+        return f"{d:+.{digits}f} ({'yes' if d <= GAP else 'no'}{note})"
 
     def gap(model: str, solver: str, nfe: int, ref: str, seed: int) -> str:
         d = diff(model, solver, nfe, ref, seed)
@@ -142,7 +142,7 @@ def checks_table(rows: list[dict]) -> str:
         ds = [diff(model, solver, nfe, ref, s) for s in seeds]
         if any(d is None or d[1] != s for d, s in zip(ds, seeds)):
             return ""  # only seed-matched gaps are averaged
-        return verdict(sum(d[0] for d in ds) / len(ds))
+        return verdict(sum(d[0] for d in ds) / len(ds), digits=4)  # near the line: 4 digits
 
     out, seeds_of = [], {}
     for model, seed in dict.fromkeys((r["model"], seed_of(r)) for r in rows):
@@ -182,7 +182,7 @@ def unclamped_rows(have: dict, models: set[str]) -> list[dict]:
         if model not in models:
             continue
         run, name = RUNS / f"shakespeare_char-{model}_seed1337", f"{model}, unclamped"
-        keys = [(name, solver, steps) for solver, grid in GRID.items() for steps in grid]
+        keys = [(name, solver, steps, 1337) for solver, grid in GRID.items() for steps in grid]
         if not finished_run(run):
             rows += [have[k] for k in keys if k in have]
             continue
@@ -192,7 +192,7 @@ def unclamped_rows(have: dict, models: set[str]) -> list[dict]:
             continue
         data = None
         for key in keys:
-            _, solver, steps = key
+            _, solver, steps, _ = key
             if lo_hi[0] <= steps <= lo_hi[1]:
                 continue  # the same model there
             if key in have:

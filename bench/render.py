@@ -57,8 +57,15 @@ def elastic_screening_table(results: dict) -> str:
     ode_rk4 trained on the same seed: every untagged elastic run with several seeds, and every
     tagged one (a recipe tried with --set)."""
     sh = "configs/shakespeare_char/"
-    ref = {r["seed"]: r["val_loss_full_split"] for r in results.values()
-           if r.get("config") == f"{sh}ode_rk4.toml" and not r.get("tag")}
+    def shared(r: dict) -> tuple:
+        """The overrides a recipe shares with its reference (the learning rates): a recipe
+        run at another rate is set against ode_rk4 run at that rate."""
+        return tuple(sorted(o for o in r.get("overrides") or ()
+                            if o.split("=")[0] in ("train.lr", "train.min_lr")))
+
+    ref = {(r["seed"], shared(r)): r["val_loss_full_split"] for r in results.values()
+           if r.get("config") == f"{sh}ode_rk4.toml"
+           and len(shared(r)) == len(r.get("overrides") or ())}
     runs = [r for r in results.values()
             if r.get("config", "").startswith(f"{sh}ode_elastic_dial") and "seed" in r]
     multi = {c for c in {r["config"] for r in runs if not r.get("tag")}
@@ -67,7 +74,7 @@ def elastic_screening_table(results: dict) -> str:
     for r in sorted(runs, key=lambda r: (r["config"], r.get("tag") or "", str(r["seed"]))):
         if not r.get("tag") and r["config"] not in multi:
             continue
-        base = ref.get(r["seed"])
+        base = ref.get((r["seed"], shared(r)))
         gap = r["val_loss_full_split"] - base if base is not None else None
         cell = config_cell(r["config"], r.get("overrides"))
         rows.append({"config": cell, "seed": r["seed"], "val": f"{r['val_loss_full_split']:.4f}",
@@ -83,7 +90,7 @@ def elastic_screening_table(results: dict) -> str:
         return ""
     return markdown_table(rows, [("config", "elastic recipe"), ("seed", "seed"),
                                  ("val", "val loss, RK4 x 4"),
-                                 ("ref", "ode_rk4, same seed"), ("gap", "gap (target <= 0.02)")])
+                                 ("ref", "ode_rk4, same seed (and learning rate)"), ("gap", "gap (target <= 0.02)")])
 
 
 def _tokens_per_step(config: str) -> int | None:
@@ -769,7 +776,9 @@ def plots(results: dict[str, dict]) -> list[str]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
         for ax, solver in zip(axes, ("euler", "rk4")):
             for i, model in enumerate(models):
-                color = plt.cm.tab10.colors[i % 10]
+                # tab10 repeats after ten models; tab20's pairs keep every model's own colour
+                palette = plt.cm.tab10.colors if len(models) <= 10 else plt.cm.tab20.colors
+                color = palette[i % len(palette)]
                 own = {r["nfe"]: r["val_loss"] for r in rows
                        if r["model"] == model and r["solver"] == solver}
                 lifted = {r["nfe"]: r["val_loss"] for r in rows
