@@ -70,27 +70,30 @@ def elastic_screening_table(results: dict) -> str:
             if r.get("config", "").startswith(f"{sh}ode_elastic_dial") and "seed" in r]
     multi = {c for c in {r["config"] for r in runs if not r.get("tag")}
              if sum(1 for r in runs if r["config"] == c and not r.get("tag")) > 1}
-    rows, gaps = [], defaultdict(list)
+    groups = defaultdict(list)  # recipe (config and overrides) -> its runs
     for r in sorted(runs, key=lambda r: (r["config"], r.get("tag") or "", str(r["seed"]))):
-        if not r.get("tag") and r["config"] not in multi:
-            continue
-        base = ref.get((r["seed"], shared(r)))
-        gap = r["val_loss_full_split"] - base if base is not None else None
-        cell = config_cell(r["config"], r.get("overrides"))
-        rows.append({"config": cell, "seed": r["seed"], "val": f"{r['val_loss_full_split']:.4f}",
-                     "ref": f"{base:.4f}" if base is not None else "",
-                     "gap": f"{gap:+.4f}" if gap is not None else ""})
-        if gap is not None:
-            gaps[cell].append(gap)
-        nxt = [x for x in runs if config_cell(x["config"], x.get("overrides")) == cell]
-        if len(gaps[cell]) > 1 and len(gaps[cell]) == len(nxt) and rows[-1]["gap"]:
-            rows.append({"config": cell, "seed": f"mean of {len(gaps[cell])}", "val": "",
-                         "ref": "", "gap": f"**{statistics.mean(gaps[cell]):+.4f}**"})
+        if r.get("tag") or r["config"] in multi:
+            groups[config_cell(r["config"], r.get("overrides"))].append(r)
+    rows = []
+    for cell, group in groups.items():
+        gaps = []
+        for r in group:
+            base = ref.get((r["seed"], shared(r)))
+            gap = None if base is None else r["val_loss_full_split"] - base
+            gaps += [] if gap is None else [gap]
+            rows.append({"config": cell, "seed": r["seed"],
+                         "val": f"{r['val_loss_full_split']:.4f}",
+                         "ref": "" if base is None else f"{base:.4f}",
+                         "gap": "" if gap is None else f"{gap:+.4f}"})
+        if len(gaps) > 1 and len(gaps) == len(group):  # a mean over seed-matched gaps only
+            rows.append({"config": cell, "seed": f"mean of {len(gaps)}", "val": "", "ref": "",
+                         "gap": f"**{statistics.mean(gaps):+.4f}**"})
     if not rows:
         return ""
     return markdown_table(rows, [("config", "elastic recipe"), ("seed", "seed"),
                                  ("val", "val loss, RK4 x 4"),
-                                 ("ref", "ode_rk4, same seed (and learning rate)"), ("gap", "gap (target <= 0.02)")])
+                                 ("ref", "ode_rk4, same seed (and learning rate)"),
+                                 ("gap", "gap (target <= 0.02)")])
 
 
 def _tokens_per_step(config: str) -> int | None:
