@@ -142,6 +142,33 @@ def test_consistency_max_nfe_lets_only_the_finer_solve_past_the_cap(tiny_corpus,
     assert any(e["ode_solver"] == "rk4" and "consistency" in e for e in events)
 
 
+def test_elastic_from_trains_fixed_first_then_draws_as_a_run_from_zero(tiny_corpus, tmp_path):
+    model = small_model(depth="ode", num_layers=1)
+    sets = ["model.depth=ode", "train.ode_steps_choices=[1, 2, 4]",
+            "train.ode_solver_choices=['euler', 'rk4']", "train.consistency_weight=0.5"]
+    zero = ElasticDepth(model, load_config(None, sets).train)
+    late = ElasticDepth(model, load_config(None, [*sets, "train.elastic_from=20"]).train)
+    base = (model.config.ode_solver, model.config.ode_steps)
+    assert [late.draw(s) for s in range(20)] == [base] * 20
+    assert [late.draw(s) for s in range(20, 200)] == [zero.draw(s) for s in range(20, 200)]
+    assert all(late.finer_at(s, "euler", 1) is None for s in range(20))
+    assert late.finer_at(20, "euler", 1) == zero.finer_at(20, "euler", 1) == 2
+    # in training: the configured solve and no consistency term before step 6 (logged 1-6),
+    # draws from there on, and a resumed run repeats it
+    extra = ["train.consistency_weight=0.5", "train.elastic_from=6"]
+    Trainer(elastic_cfg(tiny_corpus, *extra), tmp_path / "full", quiet=True).run()
+    Trainer(elastic_cfg(tiny_corpus, *extra, "train.max_steps=7"), tmp_path / "cut",
+            quiet=True).run()
+    Trainer(elastic_cfg(tiny_corpus, *extra), tmp_path / "cut", resume=True, quiet=True).run()
+    a = {e["step"]: e for e in read_metrics(tmp_path / "full") if "loss" in e}
+    b = {e["step"]: e for e in read_metrics(tmp_path / "cut") if "loss" in e}
+    assert {k: (v["loss"], v["ode_solver"], v["ode_steps"]) for k, v in a.items()} \
+        == {k: (v["loss"], v["ode_solver"], v["ode_steps"]) for k, v in b.items()}
+    assert all((a[s]["ode_solver"], a[s]["ode_steps"]) == ("rk4", 4)
+               and "consistency" not in a[s] for s in range(1, 7))
+    assert len({(a[s]["ode_solver"], a[s]["ode_steps"]) for s in range(7, 13)}) >= 2
+
+
 def test_a_choice_listed_twice_is_drawn_twice_as_often():
     model = small_model(depth="ode", num_layers=1)
     t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 4]"]).train
@@ -260,6 +287,11 @@ def test_dt_embedding_reading_evaluations_gives_equal_cost_solves_one_embedding(
     (["train.ode_steps_choices=[]"], "is empty"),
     (["train.consistency_every=0"], "positive integer"),
     (["train.ode_max_nfe=0"], "positive integer"),
+    (["model.depth=ode", "train.elastic_from=5"], "elastic training starts"),
+    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.elastic_from=-1"],
+     "integer >= 0"),
+    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.max_steps=10",
+      "train.elastic_from=10"], "no step would draw"),
     (["model.depth=ode", "train.ode_max_nfe=8"], "ode_steps_choices"),
     (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.consistency_weight=0.5",
       "train.consistency_max_nfe=8"], "set both ode_max_nfe"),

@@ -345,6 +345,11 @@ class TrainConfig:
     field evaluations (at least ode_max_nfe; None: ode_max_nfe), e.g. 64 so that a drawn
     RK4 x 8 is pulled toward RK4 x 16 although RK4 x 16 itself is never drawn. The finer solve
     runs without gradients, so it costs about a third of a drawn solve of its size."""
+    elastic_from: int = 0
+    """With ode_steps_choices / ode_solver_choices: the first optimizer step (counted from 0)
+    that draws; every step before it integrates with model.ode_solver and model.ode_steps and
+    has no consistency term. A fixed-trained run made elastic for its last
+    max_steps - elastic_from steps; the draws from there on are the ones a run with 0 makes."""
     consistency_every: int = 1
     """Add the consistency term on every N-th optimizer step only (steps 0, N, 2N, ...): its
     finer solve is an extra forward pass, so N = 2 halves what the term costs."""
@@ -406,6 +411,18 @@ class TrainConfig:
                 raise ConfigError(f"train.consistency_max_nfe must be an integer at least "
                                   f"train.ode_max_nfe ({self.ode_max_nfe}), got "
                                   f"{self.consistency_max_nfe!r}.")
+        if not (isinstance(self.elastic_from, int) and not isinstance(self.elastic_from, bool)
+                and self.elastic_from >= 0):
+            raise ConfigError(f"train.elastic_from must be an integer >= 0 (the first optimizer "
+                              f"step that draws a solve), got {self.elastic_from!r}.")
+        if self.elastic_from and not (self.ode_steps_choices or self.ode_solver_choices):
+            raise ConfigError("train.elastic_from is the step where elastic training starts; "
+                              "set train.ode_steps_choices (and/or ode_solver_choices), or "
+                              "leave it out.")
+        if self.elastic_from and self.elastic_from >= self.max_steps:
+            raise ConfigError(f"train.elastic_from ({self.elastic_from}) is not below "
+                              f"train.max_steps ({self.max_steps}): no step would draw. Lower "
+                              f"it, or leave out the elastic settings for a fixed-step run.")
         if not (isinstance(self.consistency_every, int) and self.consistency_every >= 1):
             raise ConfigError(f"train.consistency_every must be a positive integer (1: every "
                               f"step), got {self.consistency_every!r}.")

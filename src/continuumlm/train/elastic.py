@@ -29,6 +29,7 @@ class ElasticDepth:
         self.solvers = list(t.ode_solver_choices or [])
         self.weight = float(t.consistency_weight)
         self.every = int(t.consistency_every)
+        self.start = int(t.elastic_from)
         self.seed = int(t.seed)
         self.base = (model.config.ode_solver, model.config.ode_steps)
         self.enabled = bool(self.steps or self.solvers)
@@ -39,7 +40,10 @@ class ElasticDepth:
         self.pairs = solve_pairs(model.config, t) if self.cap is not None else None
 
     def draw(self, step: int) -> tuple[str, int]:
-        """(solver, steps) of optimizer step ``step`` (counted from 0)."""
+        """(solver, steps) of optimizer step ``step`` (counted from 0); the model's own before
+        ``train.elastic_from``."""
+        if step < self.start:
+            return self.base
         rng = np.random.default_rng([self.seed, step, 0xE1A5])
         if self.pairs is not None:
             return self.pairs[int(rng.integers(len(self.pairs)))]
@@ -68,7 +72,7 @@ class ElasticDepth:
     def finer_at(self, step: int, solver: str, steps: int) -> int | None:
         """The step count of the consistency term's finer solve at optimizer step ``step``
         (drawn as ``(solver, steps)``), or None where that step has no such term."""
-        if self.weight <= 0 or step % self.every != 0:
+        if self.weight <= 0 or step < self.start or step % self.every != 0:
             return None
         return self.finer(steps, solver)
 
