@@ -568,6 +568,14 @@ def main() -> None:
                           "column). A rerun of the same command differs by a few thousandths "
                           "(ode_rk4 seeds 1 and 2: 0.004 and 0.001), which bounds what one "
                           "seed can tell.", "", screening, ""]
+            sweep = results.get("lr_sweep") if key == "depth_elasticity" else None
+            if sweep:
+                parts += ["The same targets across learning rates (`" + sweep["command"]
+                          + "`: " + sweep["setup"] + "). The recipe above and its fixed-NFE "
+                          "references at lr 1e-3, 2e-3 and 3e-3, three seeds each; the last "
+                          "rows set each model at its own best rate against the reference at "
+                          "its best rate, the comparison the targets intend:", "",
+                          sweep["table"], "", sweep["gaps_table"], ""]
             if r.get("checks_table"):
                 parts += ["Each elastic model against the anytime-depth targets (the 400 windows "
                           "above; each against the fixed-NFE reference trained on the same seed, "

@@ -130,3 +130,50 @@ def test_an_mqar_learning_rate_sweep_reports_its_best_rate(tmp_path, monkeypatch
     assert shown[0]["shown_lr"] == "0.001 (best of 3)"
     table = render.mqar_sweep_table({**records, name: s})
     assert table.count("\n") == 4 and "(unfinished)" in table
+
+
+def test_the_learning_rate_sweep_sets_each_model_at_its_best_rate_against_the_others():
+    """bench/lr_sweep.py: seed-matched gaps at each rate, and each model at its own best rate
+    (mean over the seeds) against the fixed reference at its best one."""
+    import lr_sweep
+
+    loss = {("ode_euler", "1e-3"): 1.93, ("ode_euler", "2e-3"): 1.86,
+            ("ode_rk4", "1e-3"): 1.90, ("ode_rk4", "2e-3"): 1.85}
+    rows = [{"model": m, "lr": lr, "seed": s, "solve": "euler" if m == "ode_euler" else "rk4",
+             "val_loss": v + 0.001 * i} for (m, lr), v in loss.items()
+            for i, s in enumerate(lr_sweep.SEEDS)]
+    elastic = {("1e-3", "euler"): 1.94, ("1e-3", "rk4"): 1.88,
+               ("2e-3", "euler"): 1.87, ("2e-3", "rk4"): 1.90}
+    rows += [{"model": lr_sweep.ELASTIC, "lr": lr, "seed": s, "solve": solve,
+              "val_loss": v + 0.001 * i} for (lr, solve), v in elastic.items()
+             for i, s in enumerate(lr_sweep.SEEDS)]
+    table = lr_sweep.gaps_table(rows)
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()}
+    assert "+0.0100 (yes; 3 seeds)" in lines["lr 1e-3, all models"]  # Euler x 4
+    assert "-0.0200 (yes; 3 seeds)" in lines["lr 1e-3, all models"]  # RK4 x 4
+    assert "+0.0500 (no; 3 seeds)" in lines["lr 2e-3, all models"]
+    # best rates: ode_euler 2e-3 and the elastic Euler x 4 2e-3; ode_rk4 2e-3, elastic 1e-3
+    euler = next(v for k, v in lines.items() if k.startswith("each at its best rate for Euler"))
+    assert "(elastic 2e-3)" in euler and "+0.0100 (yes; 3 seeds)" in euler
+    rk4 = next(v for k, v in lines.items() if k.startswith("each at its best rate for RK4"))
+    assert "(elastic 1e-3)" in rk4 and "+0.0300 (no; 3 seeds; reference at lr 2e-3)" in rk4
+    assert "1.8600 / 1.8610 / 1.8620 (mean **1.8610**)" in lr_sweep.sweep_table(rows)
+    assert lr_sweep.lr_of({"overrides": ["train.lr=3e-3", "train.min_lr=3e-4"]}) == "3e-3"
+    assert lr_sweep.lr_of({"overrides": []}) == "1e-3"
+
+
+def test_the_learning_rate_sweep_refuses_a_run_at_another_rate_than_its_tag(tmp_path):
+    import json
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "shakespeare_char-ode_rk4-lr3e-3_seed1.json").write_text(json.dumps(
+        {"overrides": ["train.lr=2e-3"], "val_loss_full_split": 1.9}))
+    env = {**os.environ, "CONTINUUMLM_RUNS_DIR": str(tmp_path / "runs"),
+           "CONTINUUMLM_RESULTS_DIR": str(results)}
+    r = subprocess.run([sys.executable, str(repo / "bench" / "lr_sweep.py")], cwd=repo,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ran at lr 2e-3, not 3e-3" in r.stderr, r.stderr
+    assert not (results / "lr_sweep.json").exists()

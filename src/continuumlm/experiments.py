@@ -28,6 +28,8 @@ QUICK_TRAIN = ["train.max_steps=6", "train.eval_interval=3", "train.eval_iters=2
                "train.warmup_steps=2"]
 # a quarter of configs/ptb_std's 5,860 steps, with its schedule: the dropout sweep
 LR2 = ["--set", "train.lr=2e-3", "--set", "train.min_lr=2e-4"]
+LR3 = ["--set", "train.lr=3e-3", "--set", "train.min_lr=3e-4"]
+CW1 = ("--set", "train.consistency_weight=1.0")
 PTB_QUARTER = ["--set", "train.max_steps=1465", "--set", "train.lr_decay_steps=1465",
                "--set", "train.checkpoint_interval=250"]
 QUICK_MQAR = ["train.max_steps=6", "train.eval_interval=3", "train.log_interval=1",
@@ -91,14 +93,18 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2], "--tag", "cw1.0",
                "--set", "train.consistency_weight=1.0"),
-        # the same recipe and its fixed-NFE references at twice the learning rate
-        *[_train(f"{SH}/{c}.toml", seeds, "--tag", tag, *extra, *LR2)
-          for c, seeds, tag, extra in (
-              ("ode_rk4", [1337, 1, 2], "lr2e-3", ()), ("ode_euler", [1], "lr2e-3", ()),
-              ("ode_elastic_dial_capped", [1337, 1, 2], "cw1.0-lr2e-3",
-               ("--set", "train.consistency_weight=1.0")))],
+        # the same recipe and its fixed-NFE references at two and three times the learning
+        # rate (bench/lr_sweep.py)
+        *[_train(f"{SH}/{c}.toml", [1337, 1, 2], "--tag", f"{pre}lr{lr}", *extra, *sets)
+          for lr, sets in (("2e-3", LR2), ("3e-3", LR3))
+          for c, pre, extra in (("ode_rk4", "", ()), ("ode_euler", "", ()),
+                                ("ode_elastic_dial_capped", "cw1.0-", CW1))],
+        # the recipe made elastic only from step 1000 or 1500 (RK4 x 4 before)
+        *[_train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", f"cw1.0-from{s}", *CW1,
+                 "--set", f"train.elastic_from={s}") for s in (1000, 1500)],
         _train(f"{SH}/ode_rk4_readout.toml", [1337]),
         _train(f"{SH}/ode_rk4_readout_light.toml", [1337]),
+        Step("lr_sweep.py"),  # incremental: evaluates the newly trained elastic runs
         Step("depth_elasticity.py"),  # incremental: adds the rows of newly trained models
         Step("depth_exit.py"),  # incremental: adds the rows of newly trained models
         Step("elastic_cost.py", quick=False, output="elastic_cost"),
