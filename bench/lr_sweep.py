@@ -5,9 +5,11 @@
 The targets of depth as a dial compare an elastic model with models trained at one fixed NFE
 for the same number of steps. At one learning rate that comparison can mislead: the fixed
 models may be under-trained at it while the elastic one is not, or the other way round. This
-sweeps three rates (lr 1e-3, 2e-3, 3e-3; min_lr a tenth of each) at three seeds for
-ode_euler (trained Euler x 4, NFE 4), ode_rk4 (trained RK4 x 4, NFE 16) and the elastic recipe
-(ode_elastic_dial_capped.toml with consistency weight 1.0, the runs tagged cw1.0), all from
+sweeps rates (lr 1e-3, 2e-3, 3e-3, and 5e-3 where 3e-3 was a model's best; min_lr a tenth of
+each) at three seeds for ode_euler (trained Euler x 4, NFE 4), ode_rk4 (trained RK4 x 4, NFE 16),
+the elastic recipe (ode_elastic_dial_capped.toml with consistency weight 1.0, the runs tagged
+cw1.0) and the discrete 4-layer baseline (transformer_baby, NFE 4 in layer evaluations), so the
+ODE rows can be read against it with every model at its own best rate; all from
 bench/train_seeds.py (`continuumlm experiment elasticity` trains them), and reports whole-split
 validation loss:
 - a fixed model at its training solve: its result JSON's val_loss_full_split;
@@ -30,17 +32,20 @@ from common import RESULTS, RUNS, finished_run, markdown_table, say_untrained, w
 
 CLI = str(Path(sys.executable).parent / "continuumlm")
 SEEDS = (1337, 1, 2)
-RATES = ("1e-3", "2e-3", "3e-3")
-# model -> (config, tag at lr 1e-3, tag prefix at the other rates)
-MODELS = {"ode_euler": ("ode_euler", None, ""),
-          "ode_rk4": ("ode_rk4", None, ""),
-          "elastic (cw1.0)": ("ode_elastic_dial_capped", "cw1.0", "cw1.0-")}
+RATES = ("1e-3", "2e-3", "3e-3", "5e-3")
+# model -> (config, tag at lr 1e-3, tag prefix at the other rates, the rates swept)
+MODELS = {"ode_euler": ("ode_euler", None, "", RATES),
+          "ode_rk4": ("ode_rk4", None, "", RATES[:3]),
+          "elastic (cw1.0)": ("ode_elastic_dial_capped", "cw1.0", "cw1.0-", RATES[:3]),
+          "transformer_baby": ("transformer_baby", None, "", RATES[:3])}
 REFERENCE = {"euler": "ode_euler", "rk4": "ode_rk4"}  # the fixed model trained at that solve
 ELASTIC = "elastic (cw1.0)"
+DISCRETE = "transformer_baby"
+SOLVE = {"ode_euler": "euler", DISCRETE: "discrete"}  # the others are read at RK4 x 4
 
 
 def name_of(model: str, lr: str) -> str:
-    config, tag1, prefix = MODELS[model]
+    config, tag1, prefix, _ = MODELS[model]
     tag = tag1 if lr == "1e-3" else f"{prefix}lr{lr}"
     return f"shakespeare_char-{config}" + (f"-{tag}" if tag else "")
 
@@ -64,7 +69,7 @@ def main() -> None:
     have = {(r["model"], r["lr"], r["seed"], r["solve"]): r["val_loss"] for r in old}
     rows, missing = [], []
     for model in MODELS:
-        for lr in RATES:
+        for lr in MODELS[model][3]:
             for seed in SEEDS:
                 name = f"{name_of(model, lr)}_seed{seed}"
                 result = RESULTS / f"{name}.json"
@@ -75,7 +80,7 @@ def main() -> None:
                 if lr_of(r) != lr:
                     sys.exit(f"{result} ran at lr {lr_of(r)}, not {lr}: the sweep reads runs by "
                              f"their tag; retrain that run or remove the mismatched JSON.")
-                solve = "euler" if model == "ode_euler" else "rk4"
+                solve = SOLVE.get(model, "rk4")
                 rows.append({"model": model, "lr": lr, "seed": seed, "solve": solve,
                              "val_loss": r["val_loss_full_split"]})
                 if model != ELASTIC:
@@ -93,13 +98,14 @@ def main() -> None:
     if not rows:
         sys.exit("no run of the sweep is recorded: run `continuumlm experiment elasticity` "
                  "(or bench/train_seeds.py with the tags above) first; nothing was written.")
-    table, gaps = sweep_table(rows), gaps_table(rows)
-    print(table, gaps, sep="\n\n")
+    table, gaps, best = sweep_table(rows), gaps_table(rows), best_table(rows)
+    print(table, gaps, best, sep="\n\n")
     write_json("lr_sweep", {
         "command": "python bench/lr_sweep.py",
         "setup": "Tiny Shakespeare, baby budget (2000 steps of 12 x 64 characters); whole "
-                 "validation split; min_lr = lr / 10; Euler x 4 = NFE 4, RK4 x 4 = NFE 16",
-        "rows": rows, "table": table, "gaps_table": gaps})
+                 "validation split; min_lr = lr / 10; Euler x 4 = NFE 4, RK4 x 4 = NFE 16; "
+                 "the discrete baseline has 4 layers (4 block evaluations)",
+        "rows": rows, "table": table, "gaps_table": gaps, "best_table": best})
 
 
 def _loss(rows: list[dict]) -> dict:
@@ -116,16 +122,17 @@ def sweep_table(rows: list[dict]) -> str:
     for model in MODELS:
         for lr in RATES:
             row = {"model": model, "lr": lr}
-            for solve in ("euler", "rk4"):
+            for solve in ("euler", "rk4", "discrete"):
                 vals = [loss[(model, lr, s, solve)] for s in SEEDS if (model, lr, s, solve) in loss]
                 row[solve] = "" if not vals else (
                     _cell(vals) + (f" (mean **{statistics.mean(vals):.4f}**)"
                                    if len(vals) > 1 else ""))
-            if row["euler"] or row["rk4"]:
+            if row["euler"] or row["rk4"] or row["discrete"]:
                 out.append(row)
     return markdown_table(out, [("model", "trained as"), ("lr", "lr"),
                                 ("euler", "Euler x 4 (NFE 4), seeds 1337 / 1 / 2"),
-                                ("rk4", "RK4 x 4 (NFE 16), seeds 1337 / 1 / 2")])
+                                ("rk4", "RK4 x 4 (NFE 16), seeds 1337 / 1 / 2"),
+                                ("discrete", "4 layers, seeds 1337 / 1 / 2")])
 
 
 def _gap(loss: dict, lr_e: str, lr_f: str, solve: str) -> tuple[float, int] | None:
@@ -173,6 +180,42 @@ def gaps_table(rows: list[dict]) -> str:
     return markdown_table(out, [("rate", "learning rates"),
                                 ("euler", "elastic - ode_euler at Euler x 4 (target <= 0.02)"),
                                 ("rk4", "elastic - ode_rk4 at RK4 x 4 (target <= 0.02)")])
+
+
+def best_table(rows: list[dict]) -> str:
+    """Each fixed model (and the elastic one at each solve) at its best rate: the mean over the
+    seeds, what the best rate gains over lr 1e-3, and the seed-matched difference from the
+    discrete baseline at its own best rate. A best rate at the top of the swept ones is marked:
+    a higher one might be better still."""
+    loss = _loss(rows)
+    base = _best(loss, DISCRETE, "discrete")
+    out = []
+    for model, solve in [(DISCRETE, "discrete"), ("ode_euler", "euler"), ("ode_rk4", "rk4"),
+                         (ELASTIC, "euler"), (ELASTIC, "rk4")]:
+        lr = _best(loss, model, solve)
+        if lr is None:
+            continue
+        seeds = [s for s in SEEDS if (model, lr, s, solve) in loss]
+        mean = statistics.mean(loss[(model, lr, s, solve)] for s in seeds)
+        swept = [r for r in MODELS[model][3] if any((model, r, s, solve) in loss for s in SEEDS)]
+        row = {"model": model, "solve": {"euler": "Euler x 4 (NFE 4)", "rk4": "RK4 x 4 (NFE 16)",
+                                         "discrete": "4 layers"}[solve],
+               "lr": lr + (" (top of the sweep)" if lr == swept[-1] and len(swept) > 1 else ""),
+               "mean": f"{mean:.4f} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"}
+        at1 = [loss[(model, "1e-3", s, solve)] for s in seeds if (model, "1e-3", s, solve) in loss]
+        if lr != "1e-3" and len(at1) == len(seeds):
+            row["gain"] = f"{mean - statistics.mean(at1):+.4f}"
+        if base is not None and model != DISCRETE:
+            d = [loss[(model, lr, s, solve)] - loss[(DISCRETE, base, s, "discrete")]
+                 for s in seeds if (DISCRETE, base, s, "discrete") in loss]
+            if d:
+                row["vs"] = f"{statistics.mean(d):+.4f} ({len(d)} seed{'s' if len(d) > 1 else ''})"
+        out.append(row)
+    return markdown_table(out, [("model", "trained as"), ("solve", "evaluated at"),
+                                ("lr", "best lr"), ("mean", "val loss at it, mean"),
+                                ("gain", "change from lr 1e-3"),
+                                ("vs", f"minus the discrete baseline at its best rate"
+                                       f"{f' ({base})' if base else ''}")])
 
 
 if __name__ == "__main__":

@@ -158,6 +158,22 @@ def test_the_learning_rate_sweep_sets_each_model_at_its_best_rate_against_the_ot
     rk4 = next(v for k, v in lines.items() if k.startswith("each at its best rate for RK4"))
     assert "(elastic 1e-3)" in rk4 and "+0.0300 (no; 3 seeds; reference at lr 2e-3)" in rk4
     assert "1.8600 / 1.8610 / 1.8620 (mean **1.8610**)" in lr_sweep.sweep_table(rows)
+    # the discrete baseline, best at 2e-3; ode_euler also tried at 5e-3 (worse than 2e-3)
+    rows += [{"model": lr_sweep.DISCRETE, "lr": lr, "seed": s, "solve": "discrete",
+              "val_loss": v + 0.001 * i} for lr, v in (("1e-3", 1.90), ("2e-3", 1.84))
+             for i, s in enumerate(lr_sweep.SEEDS)]
+    rows += [{"model": "ode_euler", "lr": "5e-3", "seed": s, "solve": "euler", "val_loss": 1.99}
+             for s in lr_sweep.SEEDS]
+    best = {line.split(" | ")[0].lstrip("| ") + " " + line.split(" | ")[1]: line
+            for line in lr_sweep.best_table(rows).splitlines()[2:]}
+    assert "| 2e-3 (top of the sweep) | 1.8410 (3 seeds) | -0.0600 |" in best[
+        "transformer_baby 4 layers"]
+    # ode_euler: best 2e-3 (not the top of its sweep: 5e-3 was tried), 0.02 behind the baseline
+    assert "| 2e-3 | 1.8610 (3 seeds) | -0.0700 | +0.0200 (3 seeds) |" in best[
+        "ode_euler Euler x 4 (NFE 4)"]
+    assert "| 1e-3 | 1.8810 (3 seeds) |  | +0.0400 (3 seeds) |" in best[
+        "elastic (cw1.0) RK4 x 4 (NFE 16)"]
+    assert "4 layers, seeds" in lr_sweep.sweep_table(rows)
     assert lr_sweep.lr_of({"overrides": ["train.lr=3e-3", "train.min_lr=3e-4"]}) == "3e-3"
     assert lr_sweep.lr_of({"overrides": []}) == "1e-3"
 
