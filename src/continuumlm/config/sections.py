@@ -350,6 +350,15 @@ class TrainConfig:
     that draws; every step before it integrates with model.ode_solver and model.ode_steps and
     has no consistency term. A fixed-trained run made elastic for its last
     max_steps - elastic_from steps; the draws from there on are the ones a run with 0 makes."""
+    distill_from: str | None = None
+    """Distillation: a trained run folder (its last checkpoint) or checkpoint folder whose model
+    is the teacher. Each micro-batch adds train.distill_weight times KL(teacher || model) of the
+    next-token distributions (the teacher in eval mode, without gradients, at its own solver
+    and step count), logged as "distill". The teacher must have this run's tokenizer; its
+    weights' digest is saved with the run, and a resume refuses a teacher that changed. With
+    elastic depth, a fixed-trained teacher pulls every drawn solve toward one good solution."""
+    distill_weight: float = 0.0
+    """The weight of the distillation term (with train.distill_from)."""
     consistency_every: int = 1
     """Add the consistency term on every N-th optimizer step only (steps 0, N, 2N, ...): its
     finer solve is an extra forward pass, so N = 2 halves what the term costs."""
@@ -423,6 +432,14 @@ class TrainConfig:
             raise ConfigError(f"train.elastic_from ({self.elastic_from}) is not below "
                               f"train.max_steps ({self.max_steps}): no step would draw. Lower "
                               f"it, or leave out the elastic settings for a fixed-step run.")
+        if not self.distill_weight >= 0:
+            raise ConfigError(f"train.distill_weight must be >= 0, got {self.distill_weight}.")
+        if (self.distill_from is None) != (self.distill_weight == 0):
+            raise ConfigError(
+                "train.distill_from (the teacher's run or checkpoint folder) and "
+                "train.distill_weight (> 0) go together: set both to distill, or neither "
+                f"(got distill_from = {self.distill_from!r}, distill_weight = "
+                f"{self.distill_weight}).")
         if not (isinstance(self.consistency_every, int) and self.consistency_every >= 1):
             raise ConfigError(f"train.consistency_every must be a positive integer (1: every "
                               f"step), got {self.consistency_every!r}.")

@@ -27,6 +27,7 @@ from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
 from .device import autocast_for, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
+from .distill import Teacher
 from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger
@@ -127,6 +128,8 @@ class Trainer:
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, t, self.device.type)
         self.elastic = ElasticDepth(self.model, t)
+        self.teacher = Teacher(t, self.tokenizer, self.device, state)
+        self.last_distill: float | None = None
         self.solve_reg = SolveRegularizers(self.model, t)
         self.last_regularizers: dict[str, float] = {}
         self.last_draw: tuple[str, int] | None = None
@@ -253,6 +256,7 @@ class Trainer:
             "bad_steps": self.bad_steps,
             "task": {"name": self.task.name, **self.task.state()},
             **self.task.trainer_state(),
+            **self.teacher.state(),
         }
         if not self.fsdp:  # FSDP keeps the optimizer state in the shards
             state["optimizer"] = self.optimizer.state_dict()
@@ -272,6 +276,8 @@ class Trainer:
         and its consistency term (when it has one); a regularized one, its regularizers
         (unweighted) and STEER's end time."""
         out: dict = dict(self.last_regularizers)
+        if self.last_distill is not None:
+            out["distill"] = self.last_distill
         if self.solve_reg.steer:
             out["ode_t1"] = self.solve_reg.end_time(self.step - 1)
         if self.last_draw is None:
@@ -322,6 +328,7 @@ class Trainer:
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
         consistency = torch.zeros((), dtype=acc, device=self.device)
+        distill = torch.zeros((), dtype=acc, device=self.device)
         compared = False  # whether this step has a consistency term
         reg_names = ("kinetic", "jacobian", "step_readout")
         reg_sums = torch.zeros(len(reg_names), dtype=acc, device=self.device)
@@ -340,6 +347,8 @@ class Trainer:
                             lambda x=x, y=y: self.task.forward(self.forward, x, y)[0], *draw,
                             self.step) if draw else None)
                         compared = compared or target is not None
+                        taught = (self.teacher.target(self.task, x, y) if self.teacher.enabled
+                                  else None)
                         logits, loss = self.task.forward(self.forward, x, y)
                         penalty = self.model.penalty()
                         objective = loss + anneal * penalty
@@ -347,6 +356,10 @@ class Trainer:
                             kl = self.elastic.consistency(logits, target)
                             objective = objective + self.elastic.weight * kl
                             consistency += kl.detach().to(acc)
+                        if taught is not None:  # the same KL, toward the teacher
+                            kd = self.elastic.consistency(logits, taught)
+                            objective = objective + self.teacher.weight * kd
+                            distill += kd.detach().to(acc)
                         for name, term in self.solve_reg.terms(y).items():
                             objective = objective + self.solve_reg.weight(name) * term
                             reg_sums[reg_names.index(name)] += term.detach().to(acc)
@@ -381,10 +394,11 @@ class Trainer:
         # the step's one host synchronisation: whether to apply the update depends on it
         # (with no gradient at all, e.g. a solver error in the first micro-batch, the norm is
         # a CPU zero: hence the device too)
-        summed, self.last_penalty, grad_norm, cons, *regs = torch.cat(
+        summed, self.last_penalty, grad_norm, cons, kd_sum, *regs = torch.cat(
             [torch.stack([total, penalty, grad_norm.detach().to(device=self.device, dtype=acc),
-                          consistency]), reg_sums]).tolist()
+                          consistency, distill]), reg_sums]).tolist()
         self.last_consistency = cons / t.grad_accum if compared else None
+        self.last_distill = kd_sum / t.grad_accum if self.teacher.enabled else None
         self.last_regularizers = {n: v / t.grad_accum for n, v in zip(reg_names, regs)
                                   if self.solve_reg.weight(n) > 0}
         loss_value = summed / t.grad_accum
