@@ -37,7 +37,7 @@ RATES = ("1e-3", "2e-3", "3e-3", "5e-3")
 MODELS = {"ode_euler": ("ode_euler", None, "", RATES),
           "ode_rk4": ("ode_rk4", None, "", RATES[:3]),
           "elastic (cw1.0)": ("ode_elastic_dial_capped", "cw1.0", "cw1.0-", RATES[:3]),
-          "transformer_baby": ("transformer_baby", None, "", RATES[:3])}
+          "transformer_baby": ("transformer_baby", None, "", RATES)}
 REFERENCE = {"euler": "ode_euler", "rk4": "ode_rk4"}  # the fixed model trained at that solve
 ELASTIC = "elastic (cw1.0)"
 DISCRETE = "transformer_baby"

@@ -576,7 +576,8 @@ def main() -> None:
                 parts += ["The same targets across learning rates (`" + sweep["command"]
                           + "`: " + sweep["setup"] + "). The recipe above, its fixed-NFE "
                           "references and the discrete baseline at lr 1e-3, 2e-3 and 3e-3 (and "
-                          "5e-3 for ode_euler, whose best was 3e-3), three seeds each; the last "
+                          "5e-3 for ode_euler and the discrete baseline, both best at 3e-3 "
+                          "among the first three), three seeds each; the last "
                           "rows of the second table set each model at its own best rate against "
                           "the reference at its best rate, the comparison the targets intend:",
                           "", sweep["table"], "", sweep["gaps_table"], ""]

@@ -101,8 +101,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
           for c, pre, extra in (("ode_rk4", "", ()), ("ode_euler", "", ()),
                                 ("ode_elastic_dial_capped", "cw1.0-", CW1),
                                 ("transformer_baby", "", ()))],
-        # ode_euler was still improving at 3e-3, the top of the sweep
-        _train(f"{SH}/ode_euler.toml", [1337, 1, 2], "--tag", "lr5e-3", *LR5),
+        # ode_euler and the discrete baseline were still improving at 3e-3
+        *[_train(f"{SH}/{c}.toml", [1337, 1, 2], "--tag", "lr5e-3", *LR5)
+          for c in ("ode_euler", "transformer_baby")],
         # the recipe made elastic only from step 1000 or 1500 (RK4 x 4 before)
         *[_train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", f"cw1.0-from{s}", *CW1,
                  "--set", f"train.elastic_from={s}") for s in (1000, 1500)],
