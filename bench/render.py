@@ -575,9 +575,9 @@ def main() -> None:
             if sweep:
                 parts += ["The same targets across learning rates (`" + sweep["command"]
                           + "`: " + sweep["setup"] + "). The recipe above, its fixed-NFE "
-                          "references and the discrete baseline at lr 1e-3, 2e-3 and 3e-3 (and "
-                          "5e-3 for ode_euler and the discrete baseline, both best at 3e-3 "
-                          "among the first three), three seeds each; the last "
+                          "references and the discrete baseline at lr 1e-3, 2e-3 and 3e-3, then "
+                          "5e-3 and 8e-3 while a model's best was the highest rate tried "
+                          "(ode_euler, the discrete baseline), three seeds each; the last "
                           "rows of the second table set each model at its own best rate against "
                           "the reference at its best rate, the comparison the targets intend:",
                           "", sweep["table"], "", sweep["gaps_table"], ""]

@@ -30,6 +30,7 @@ QUICK_TRAIN = ["train.max_steps=6", "train.eval_interval=3", "train.eval_iters=2
 LR2 = ["--set", "train.lr=2e-3", "--set", "train.min_lr=2e-4"]
 LR3 = ["--set", "train.lr=3e-3", "--set", "train.min_lr=3e-4"]
 LR5 = ["--set", "train.lr=5e-3", "--set", "train.min_lr=5e-4"]
+LR8 = ["--set", "train.lr=8e-3", "--set", "train.min_lr=8e-4"]
 CW1 = ("--set", "train.consistency_weight=1.0")
 PTB_QUARTER = ["--set", "train.max_steps=1465", "--set", "train.lr_decay_steps=1465",
                "--set", "train.checkpoint_interval=250"]
@@ -104,6 +105,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         # ode_euler and the discrete baseline were still improving at 3e-3
         *[_train(f"{SH}/{c}.toml", [1337, 1, 2], "--tag", "lr5e-3", *LR5)
           for c in ("ode_euler", "transformer_baby")],
+        _train(f"{SH}/ode_euler.toml", [1337, 1, 2], "--tag", "lr8e-3", *LR8),  # still at 5e-3
         # the recipe made elastic only from step 1000 or 1500 (RK4 x 4 before)
         *[_train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", f"cw1.0-from{s}", *CW1,
                  "--set", f"train.elastic_from={s}") for s in (1000, 1500)],
