@@ -21,6 +21,7 @@ left out (and named). A discrete model has no such knob: its depth is its layer 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,13 @@ MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode
           # a recipe run with --set (bench/train_seeds.py --tag cw1.0): consistency weight 1.0
           "ode_elastic_dial_capped-cw1.0",
           # the same recipe drawing only from step 1000 or 1500 on (train.elastic_from; seed 1)
-          "ode_elastic_dial_capped-cw1.0-from1000", "ode_elastic_dial_capped-cw1.0-from1500"]
+          "ode_elastic_dial_capped-cw1.0-from1000", "ode_elastic_dial_capped-cw1.0-from1500",
+          # at lr 2e-3, distilled from ode_euler trained at lr 3e-3 on the same seed (with and
+          # without the consistency term), and the fixed references at lr 2e-3 they are
+          # checked against (evaluated at their training solve only)
+          "ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3", "ode_elastic_dial_capped-kd1.0-lr2e-3",
+          "ode_euler-lr2e-3", "ode_rk4-lr2e-3"]
+ONLY = {"ode_euler-lr2e-3": {"euler": (4,)}, "ode_rk4-lr2e-3": {"rk4": (4,)}}
 GRID = {"euler": (1, 2, 4, 8, 16, 32), "rk4": (1, 2, 4, 8, 16)}
 # the headline elastic models are also evaluated at other seeds, and so are the fixed-NFE
 # references, so that every check compares models trained on the same seed (the checks table
@@ -44,7 +51,10 @@ SEEDS = {"ode_euler": (1337, 1, 2), "ode_rk4": (1337, 1, 2),
          "ode_elastic_dial_consistency": (1337, 1), "ode_elastic_dial_capped": (1337, 1, 2),
          "ode_elastic_dial_capped-cw1.0": (1337, 1, 2),
          "ode_elastic_dial_capped-cw1.0-from1000": (1,),
-         "ode_elastic_dial_capped-cw1.0-from1500": (1,)}
+         "ode_elastic_dial_capped-cw1.0-from1500": (1,),
+         "ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3": (1337, 1, 2),
+         "ode_elastic_dial_capped-kd1.0-lr2e-3": (1,),
+         "ode_euler-lr2e-3": (1337, 1, 2), "ode_rk4-lr2e-3": (1337, 1, 2)}
 
 
 def seed_of(row: dict) -> int:
@@ -62,7 +72,7 @@ def main() -> None:
         if not trained and not any(k[0] == model and k[3] == seed for k in have):
             missing.append(model if seed == 1337 else f"{model} (seed {seed})")
             continue
-        for solver, grid in GRID.items():
+        for solver, grid in ONLY.get(model, GRID).items():
             for steps in grid:
                 key = (model, solver, steps, seed)
                 if key in have or not trained:
@@ -128,7 +138,14 @@ def checks_table(rows: list[dict]) -> str:
         return f"{worst:+.3f} ({'yes' if worst <= RISE else 'no'})"
 
     def diff(model: str, solver: str, nfe: int, ref: str, seed: int):
-        """(elastic minus reference, the reference's seed), or None."""
+        """(elastic minus reference, the reference's seed), or None. A model trained at another
+        learning rate (a "-lrX" tag) is set against the reference trained at that rate, on
+        the same seed only."""
+        rate = re.search(r"-lr(\d+e-\d+)$", model)
+        if rate:
+            ref = f"{ref}-lr{rate.group(1)}"
+            if (ref, solver, nfe, seed) not in loss:
+                return None
         ref_seed = seed if (ref, solver, nfe, seed) in loss else 1337
         a, b = loss.get((model, solver, nfe, seed)), loss.get((ref, solver, nfe, ref_seed))
         return None if a is None or b is None else (a - b, ref_seed)

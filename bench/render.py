@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -73,7 +74,7 @@ def elastic_screening_table(results: dict) -> str:
     groups = defaultdict(list)  # recipe (config and overrides) -> its runs
     for r in sorted(runs, key=lambda r: (r["config"], r.get("tag") or "", str(r["seed"]))):
         if r.get("tag") or r["config"] in multi:
-            groups[config_cell(r["config"], r.get("overrides"))].append(r)
+            groups[config_cell(r["config"], row_overrides(r))].append(r)
     rows = []
     for cell, group in groups.items():
         gaps = []
@@ -104,6 +105,13 @@ def _tokens_per_step(config: str) -> int | None:
     except OSError:
         return None
     return t.get("batch_size", 12) * t.get("seq_len", 64) * t.get("grad_accum", 1)
+
+
+def row_overrides(r: dict) -> tuple:
+    """A run's --set options, a teacher trained on the run's own seed written with `<seed>`
+    (train.distill_from=..._seed1 in the run of seed 1), so the seeds of one recipe share a row."""
+    return tuple(re.sub(rf"^(train\.distill_from=.*_seed){r.get('seed')}$", r"\1<seed>", o)
+                 for o in r.get("overrides") or ())
 
 
 def config_cell(config: str, overrides: list[str] | tuple | None) -> str:
@@ -163,7 +171,7 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results.values():
         if "val_loss_full_split" in r and r["config"].startswith(folder):
-            groups[(r["config"], tuple(r.get("overrides", [])))].append(r)
+            groups[(r["config"], row_overrides(r))].append(r)
     rows = []
     for (config, overrides), runs in sorted(groups.items()):
         runs.sort(key=lambda r: r["seed"])

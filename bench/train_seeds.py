@@ -7,6 +7,10 @@ evaluation and checkpointing, as a user sees it), then evaluates the final check
 whole validation split, and writes ``bench/results/<config>_seed<N>.json``. Runs whose JSON
 exists are skipped; an interrupted run (run folder, no JSON) resumes from its checkpoint. Pass
 --force to train a seed again from scratch (its run folder is deleted first).
+
+In --set values, {seed} is the run's seed and {runs} the folder of the runs (runs/bench), e.g.
+`--set train.distill_from={runs}/shakespeare_char-ode_euler_seed{seed}`: each seed distilled
+from the teacher trained on that seed. The JSON records the values as they were applied.
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ def main() -> None:
     name = f"{config.parent.name}-{config.stem}"  # e.g. shakespeare_char-cat_fourier
     if args.tag:
         name += f"-{args.tag}"
+    given = args.set
     for seed in args.seeds:
+        applied, args.set = seed_sets(given, seed)
         dest = Path(args.out) / f"{name}_seed{seed}.json"
         run = RUNS / f"{name}_seed{seed}"
         if dest.exists() and not args.force:
@@ -89,13 +95,13 @@ def main() -> None:
         if run.exists() and (args.force or not (run / "checkpoints" / "last").exists()):
             shutil.rmtree(run)  # retrained, or stopped before its first checkpoint: start afresh
         cmd = [CLI, "train", "--config", str(config), "--out", str(run), "--quiet",
-               "--set", f"train.seed={seed}", *sum((["--set", s] for s in args.set), [])]
+               "--set", f"train.seed={seed}", *sum((["--set", s] for s in applied), [])]
         resumed = (run / "checkpoints" / "last").exists()
         if resumed:
             # resuming takes the [train] settings of this command; a run made with others
             # (another --set, an edited config) must not be continued and recorded as this one
             saved = load_run_config((run / "checkpoints" / "last").resolve()).to_dict()
-            wanted = load_config(config, [f"train.seed={seed}", *args.set]).to_dict()
+            wanted = load_config(config, [f"train.seed={seed}", *applied]).to_dict()
             if not wanted["model"]["vocab_size"]:  # filled in from the tokenizer at the start
                 wanted["model"]["vocab_size"] = saved["model"]["vocab_size"]
             if saved != wanted:
@@ -164,6 +170,13 @@ def main() -> None:
         if args.also_best:
             add_best(dest, run, args.max_windows, args.also_test)
         print(json.dumps(result))
+
+
+def seed_sets(values: list[str], seed: int) -> tuple[list[str], list[str]]:
+    """A seed's --set values: {seed} and {runs} filled in, as applied (the runs folder's whole
+    path) and as recorded (relative to the repository)."""
+    applied = [v.replace("{seed}", str(seed)).replace("{runs}", str(RUNS)) for v in values]
+    return applied, [v.replace(str(ROOT) + "/", "") for v in applied]
 
 
 def evaluate(run: Path, split: str, max_windows: int | None, *extra: str,

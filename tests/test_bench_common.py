@@ -193,3 +193,46 @@ def test_the_learning_rate_sweep_refuses_a_run_at_another_rate_than_its_tag(tmp_
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "ran at lr 2e-3, not 3e-3" in r.stderr, r.stderr
     assert not (results / "lr_sweep.json").exists()
+
+
+def test_a_teacher_of_the_runs_own_seed_shares_the_recipe_row():
+    import render
+
+    own = {"seed": 1, "overrides": ["train.distill_from=runs/bench/t_seed1", "train.lr=2e-3"]}
+    assert render.row_overrides(own) == ("train.distill_from=runs/bench/t_seed<seed>",
+                                         "train.lr=2e-3")
+    assert render.row_overrides({**own, "seed": 2}) == tuple(own["overrides"])  # another seed's
+    assert render.row_overrides({**own, "seed": 11}) == tuple(own["overrides"])
+
+
+def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_rate():
+    import depth_elasticity as de
+
+    rows = [{"model": "ode_euler", "solver": "euler", "steps": 4, "nfe": 4, "val_loss": 1.90},
+            {"model": "ode_rk4", "solver": "rk4", "steps": 4, "nfe": 16, "val_loss": 1.88},
+            {"model": "ode_euler-lr2e-3", "solver": "euler", "steps": 4, "nfe": 4,
+             "val_loss": 1.85, "seed": 1},
+            {"model": "ode_rk4-lr2e-3", "solver": "rk4", "steps": 4, "nfe": 16,
+             "val_loss": 1.84, "seed": 1}]
+    for name, seed in (("x_elastic-lr2e-3", 1), ("x_elastic-lr2e-3", 2), ("x_elastic", 1)):
+        rows += [{"model": name, "solver": "euler", "steps": 4, "nfe": 4, "val_loss": 1.86,
+                  "seed": seed},
+                 {"model": name, "solver": "rk4", "steps": 4, "nfe": 16, "val_loss": 1.87,
+                  "seed": seed}]
+    lines = [line for line in de.checks_table(rows).splitlines() if "x_elastic" in line]
+    at_rate = [line for line in lines if "lr2e-3 | 1 |" in line][0]
+    assert "+0.010 (yes)" in at_rate and "+0.030 (no)" in at_rate  # vs the lr 2e-3 runs
+    unmatched = [line for line in lines if "lr2e-3 | 2 |" in line][0]
+    assert "(yes" not in unmatched and "(no" not in unmatched  # no lr 2e-3 reference at seed 2
+    plain = [line for line in lines if "x_elastic | 1 |" in line][0]
+    assert "-0.040 (yes, vs 1337)" in plain and "-0.010 (yes, vs 1337)" in plain
+
+
+def test_train_seeds_fills_in_each_seeds_values():
+    import train_seeds
+
+    applied, recorded = train_seeds.seed_sets(
+        ["train.distill_from={runs}/t_seed{seed}", "train.lr=2e-3"], 7)
+    assert applied == [f"train.distill_from={train_seeds.RUNS}/t_seed7", "train.lr=2e-3"]
+    if train_seeds.RUNS.is_relative_to(train_seeds.ROOT):
+        assert recorded[0] == f"train.distill_from={train_seeds.RUNS.relative_to(train_seeds.ROOT)}/t_seed7"

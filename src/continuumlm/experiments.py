@@ -32,6 +32,9 @@ LR3 = ["--set", "train.lr=3e-3", "--set", "train.min_lr=3e-4"]
 LR5 = ["--set", "train.lr=5e-3", "--set", "train.min_lr=5e-4"]
 LR8 = ["--set", "train.lr=8e-3", "--set", "train.min_lr=8e-4"]
 CW1 = ("--set", "train.consistency_weight=1.0")
+# the teacher of a distilled run: ode_euler at lr 3e-3 trained on the run's seed
+KD = ("--set", "train.distill_from={runs}/shakespeare_char-ode_euler-lr3e-3_seed{seed}",
+      "--set", "train.distill_weight=1.0")
 PTB_QUARTER = ["--set", "train.max_steps=1465", "--set", "train.lr_decay_steps=1465",
                "--set", "train.checkpoint_interval=250"]
 QUICK_MQAR = ["train.max_steps=6", "train.eval_interval=3", "train.log_interval=1",
@@ -97,7 +100,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                "--set", "train.consistency_weight=1.0"),
         # the same recipe and its fixed-NFE references at two and three times the learning
         # rate (bench/lr_sweep.py)
-        *[_train(f"{SH}/{c}.toml", [1337, 1, 2], "--tag", f"{pre}lr{lr}", *extra, *sets)
+        # (seed 1 first: --quick trains the first seed alone, and the distilled runs below
+        # read ode_euler's seed-1 run as their teacher)
+        *[_train(f"{SH}/{c}.toml", [1, 1337, 2], "--tag", f"{pre}lr{lr}", *extra, *sets)
           for lr, sets in (("2e-3", LR2), ("3e-3", LR3))
           for c, pre, extra in (("ode_rk4", "", ()), ("ode_euler", "", ()),
                                 ("ode_elastic_dial_capped", "cw1.0-", CW1),
@@ -106,6 +111,12 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[_train(f"{SH}/{c}.toml", [1337, 1, 2], "--tag", "lr5e-3", *LR5)
           for c in ("ode_euler", "transformer_baby")],
         _train(f"{SH}/ode_euler.toml", [1337, 1, 2], "--tag", "lr8e-3", *LR8),  # still at 5e-3
+        # the recipe at lr 2e-3 distilled from ode_euler trained at lr 3e-3 on the same seed
+        # (train.distill_from), with and without the consistency term
+        _train(f"{SH}/ode_elastic_dial_capped.toml", [1, 1337, 2], "--tag", "cw1.0-kd1.0-lr2e-3",
+               *CW1, *KD, *LR2),
+        _train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", "kd1.0-lr2e-3",
+               "--set", "train.consistency_weight=0.0", *KD, *LR2),
         # the recipe made elastic only from step 1000 or 1500 (RK4 x 4 before)
         *[_train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", f"cw1.0-from{s}", *CW1,
                  "--set", f"train.elastic_from={s}") for s in (1000, 1500)],
