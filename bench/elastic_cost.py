@@ -1,6 +1,8 @@
 """Training cost of elastic depth: seconds per optimizer step of ode_elastic,
 ode_elastic_consistency, ode_elastic_narrow, ode_elastic_upto16 and the ode_elastic_dial
-configs against ode_rk4 (fixed RK4 x 4), at equal steps.
+configs against ode_rk4 (fixed RK4 x 4), at equal steps; also the capped recipe with consistency
+weight 1.0, with and without a teacher (train.distill_from: its forward pass, no gradients, is
+part of each step's cost).
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from common import OtherLoad, markdown_table, write_json
+from common import RUNS, OtherLoad, finished_run, markdown_table, write_json
 
 from continuumlm.config import load_config
 from continuumlm.train import Trainer
@@ -26,6 +28,15 @@ from continuumlm.train import Trainer
 CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_narrow",
            "ode_elastic_upto16", "ode_elastic_dial", "ode_elastic_dial4",
            "ode_elastic_dial_consistency", "ode_elastic_dial_capped"]
+# recipes run with --set: label -> (config, overrides); the teacher of the distilled one is
+# ode_euler at lr 3e-3 (seed 1337), trained by `continuumlm experiment elasticity`
+TEACHER = RUNS / "shakespeare_char-ode_euler-lr3e-3_seed1337"
+VARIANTS = {"ode_elastic_dial_capped-cw1.0": ("ode_elastic_dial_capped",
+                                              ["train.consistency_weight=1.0"]),
+            "ode_elastic_dial_capped-cw1.0-kd1.0 (+ teacher)": (
+                "ode_elastic_dial_capped", ["train.consistency_weight=1.0",
+                                            f'train.distill_from="{TEACHER}"',
+                                            "train.distill_weight=1.0"])}
 ROUNDS, PER_ROUND = 6, 16
 
 
@@ -46,10 +57,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
-        for name in CONFIGS:
-            cfg = load_config(f"configs/shakespeare_char/{name}.toml",
-                              ["train.eval_interval=100000", "train.checkpoint_interval=100000"])
-            trainers[name] = Trainer(cfg, f"{tmp}/{name}", quiet=True)
+        entries = {**{name: (name, []) for name in CONFIGS}, **VARIANTS}
+        if not finished_run(TEACHER):
+            print(f"{TEACHER} is not trained (`continuumlm experiment elasticity`): the "
+                  f"distilled recipe is left out")
+            entries = {k: v for k, v in entries.items() if "distill_from" not in " ".join(v[1])}
+        for i, (name, (config, sets)) in enumerate(entries.items()):
+            cfg = load_config(f"configs/shakespeare_char/{config}.toml",
+                              ["train.eval_interval=100000", "train.checkpoint_interval=100000",
+                               *sets])
+            trainers[name] = Trainer(cfg, f"{tmp}/{i}", quiet=True)
         for t in trainers.values():  # warm-up: one step each (allocator, first-call costs)
             t.train_step()
         total = {name: t.cfg.train.max_steps for name, t in trainers.items()}
@@ -75,7 +92,7 @@ def main() -> None:
         return sum(len(groups[name][k]) * v for k, v in per_kind.items()) / total[name]
 
     rows = []
-    for name in CONFIGS:
+    for name in trainers:
         per_step = {k: seconds[name][k] / timed[name][k] for k in groups[name]}
         rows.append({"config": name, "steps": sum(timed[name].values()),
                      "kinds": len(groups[name]), "s_per_step": whole_run(name, per_step),
