@@ -587,7 +587,12 @@ def main() -> None:
                           "5e-3 and 8e-3 while a model's best was the highest rate tried "
                           "(ode_euler, the discrete baseline), three seeds each; the last "
                           "rows of the second table set each model at its own best rate against "
-                          "the reference at its best rate, the comparison the targets intend:",
+                          "the reference at its best rate, the comparison the targets intend. "
+                          "The rows \"elastic (cw1.0 + teacher)\" and \"elastic (teacher "
+                          "only)\" are the recipe at lr 2e-3 distilled (`train.distill_from`, "
+                          "weight 1.0) from ode_euler trained at lr 3e-3 on the same seed, with "
+                          "and without the consistency term: the teacher is a second training "
+                          "run, a cost the fixed models do not pay.",
                           "", sweep["table"], "", sweep["gaps_table"], ""]
                 if sweep.get("best_table"):
                     parts += ["Every model at its best rate, and against the discrete baseline "
