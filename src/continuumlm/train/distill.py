@@ -12,21 +12,13 @@ a finer solve of the same, still moving, field.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..data.corpora import sha256_file
 from ..errors import CheckpointError, ConfigError
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class Teacher:
@@ -58,7 +50,7 @@ class Teacher:
                               f"({tok.vocab_size} tokens) is not this run's ("
                               f"{tokenizer.vocab_size} tokens); a teacher must have been trained "
                               f"on the same prepared data, so both read the same tokens.")
-        self.digest = _sha256(Path(ckpt) / WEIGHTS_FILE)
+        self.digest = sha256_file(Path(ckpt) / WEIGHTS_FILE)
         saved = (state or {}).get("distill_teacher_sha256")
         if saved is not None and saved != self.digest:  # (a run may start distilling on resume)
             raise ConfigError(f"--resume: the teacher train.distill_from = {where!r} is not the "
