@@ -42,7 +42,6 @@ REFERENCE = {"euler": "ode_euler", "rk4": "ode_rk4"}  # the fixed model trained 
 ELASTIC = "elastic (cw1.0)"
 # the recipe with a teacher (train.distill_from: ode_euler at lr 3e-3, same seed), at the
 # elastic recipe's best rate (the teacher-only variant at seed 1). Not in the best-rate rows.
-TEACHER = "--set train.distill_from=runs/bench/shakespeare_char-ode_euler-lr3e-3_seed1"
 DISTILLED = {"elastic (cw1.0 + teacher)": ("ode_elastic_dial_capped", None, "cw1.0-kd1.0-",
                                            ("2e-3",)),
              "elastic (teacher only)": ("ode_elastic_dial_capped", None, "kd1.0-", ("2e-3",))}

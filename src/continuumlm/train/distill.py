@@ -58,7 +58,6 @@ class Teacher:
                               f"{self.digest[:12]}, the run recorded {str(saved)[:12]}); a "
                               f"resumed run would not be the run it continues. Restore that "
                               f"teacher, or start a new run.")
-        self.source = str(ckpt)
         model.to(device).eval()
         for p in model.parameters():
             p.requires_grad_(False)
