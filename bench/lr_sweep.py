@@ -40,10 +40,13 @@ MODELS = {"ode_euler": ("ode_euler", None, "", RATES),
           "transformer_baby": ("transformer_baby", None, "", RATES[:4])}
 REFERENCE = {"euler": "ode_euler", "rk4": "ode_rk4"}  # the fixed model trained at that solve
 ELASTIC = "elastic (cw1.0)"
-# the recipe with a teacher (train.distill_from: ode_euler at lr 3e-3, same seed), at the
-# elastic recipe's best rate (the teacher-only variant at seed 1). Not in the best-rate rows.
+# the recipe with a teacher (train.distill_from: ode_euler at lr 3e-3, or at its best rate
+# 5e-3, same seed), at the elastic recipe's best rate (the teacher-only variant at seed 1).
+# Not in the best-rate rows.
 DISTILLED = {"elastic (cw1.0 + teacher)": ("ode_elastic_dial_capped", None, "cw1.0-kd1.0-",
                                            ("2e-3",)),
+             "elastic (cw1.0 + teacher at 5e-3)": ("ode_elastic_dial_capped", None,
+                                                   "cw1.0-kd1.0t5e-3-", ("2e-3",)),
              "elastic (teacher only)": ("ode_elastic_dial_capped", None, "kd1.0-", ("2e-3",))}
 MODELS.update(DISTILLED)
 ELASTICS = [ELASTIC, *DISTILLED]
