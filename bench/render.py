@@ -223,8 +223,9 @@ def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> 
     """One sentence, computed from the JSON, on where each ODE row stands against its discrete
     counterpart (quality and time per token), so the page says so when they lose."""
     runs: dict[str, list[dict]] = defaultdict(list)
-    for r in results.values():
-        if "val_loss_full_split" in r and r["config"].startswith(folder):
+    for r in results.values():  # each config as written: runs with --set options are other rows
+        if ("val_loss_full_split" in r and r["config"].startswith(folder)
+                and not r.get("overrides")):
             runs[Path(r["config"]).stem].append(r)
 
     def score(name):  # as the table shows it: the seeds' mean loss, or mean perplexity
@@ -361,9 +362,9 @@ def mqar_distance_table(results: dict[str, dict]) -> str:
 
 
 def baseline_sentence(results: dict[str, dict]) -> list[str]:
-    base = [r["val_loss_full_split"] for r in results.values()
+    base = [r["val_loss_full_split"] for r in results.values()  # the config as written
             if r.get("config") == "configs/shakespeare_char/transformer_baby.toml"
-            and "val_loss_full_split" in r]
+            and "val_loss_full_split" in r and not r.get("overrides")]
     if not base:
         return []
     mean = statistics.mean(base)

@@ -205,6 +205,26 @@ def test_a_teacher_of_the_runs_own_seed_shares_the_recipe_row():
     assert render.row_overrides({**own, "seed": 11}) == tuple(own["overrides"])
 
 
+def test_the_baseline_and_counterpart_sentences_read_each_config_as_written():
+    """Runs of a config with --set options (another learning rate, a tag) are rows of their
+    own; pooling them into the config's mean compared models trained differently."""
+    import render
+
+    def rec(config, loss, seed, overrides=()):
+        return {"config": f"configs/shakespeare_char/{config}.toml", "seed": seed,
+                "val_loss_full_split": loss, "overrides": list(overrides),
+                "tokens_per_s_median": 1000.0, "other_cores": 0.0}
+
+    lr = ["train.lr=3e-3"]
+    results = {"a": rec("transformer_baby", 1.90, 1), "b": rec("transformer_baby", 1.92, 2),
+               "c": rec("transformer_baby", 1.70, 1, lr), "d": rec("ode_euler", 1.93, 1),
+               "e": rec("ode_euler", 1.60, 1, lr)}
+    base = render.baseline_sentence(results)[0]
+    assert "over 2 seed(s), 1.910, is above" in base, base
+    said = render.verdict(results, "configs/shakespeare_char/", "transformer_baby", ppl=False)[0]
+    assert "`ode_euler` 1.930 vs `transformer_baby` 1.910 (worse" in said, said
+
+
 def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_rate():
     import depth_elasticity as de
 
