@@ -202,8 +202,8 @@ def gaps_table(rows: list[dict]) -> str:
 def best_table(rows: list[dict]) -> str:
     """Each fixed model (and the elastic one at each solve) at its best rate: the mean over the
     seeds, what the best rate gains over lr 1e-3, and the seed-matched difference from the
-    discrete baseline at its own best rate. A best rate at the top of the swept ones is marked:
-    a higher one might be better still."""
+    discrete baseline at its own best rate. A best rate at the top of the swept ones is marked
+    with what it gained over the rate below (a higher one might be better still)."""
     loss = _loss(rows)
     base = _best(loss, DISCRETE, "discrete")
     out = []
@@ -215,9 +215,16 @@ def best_table(rows: list[dict]) -> str:
         seeds = [s for s in SEEDS if (model, lr, s, solve) in loss]
         mean = statistics.mean(loss[(model, lr, s, solve)] for s in seeds)
         swept = [r for r in MODELS[model][3] if any((model, r, s, solve) in loss for s in SEEDS)]
+        top = ""
+        if lr == swept[-1] and len(swept) > 1:  # how much the last step of the sweep gained
+            below = [loss[(model, swept[-2], s, solve)] for s in seeds
+                     if (model, swept[-2], s, solve) in loss]
+            top = " (top of the sweep" + (
+                f"; {statistics.mean(below) - mean:.4f} below {swept[-2]})"
+                if len(below) == len(seeds) else ")")
         row = {"model": model, "solve": {"euler": "Euler x 4 (NFE 4)", "rk4": "RK4 x 4 (NFE 16)",
                                          "discrete": "4 layers"}[solve],
-               "lr": lr + (" (top of the sweep)" if lr == swept[-1] and len(swept) > 1 else ""),
+               "lr": lr + top,
                "mean": f"{mean:.4f} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"}
         at1 = [loss[(model, "1e-3", s, solve)] for s in seeds if (model, "1e-3", s, solve) in loss]
         if lr != "1e-3" and len(at1) == len(seeds):
