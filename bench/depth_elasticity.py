@@ -41,7 +41,7 @@ MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode
           # without the consistency term), and the fixed references at lr 2e-3 they are
           # checked against (evaluated at their training solve only)
           "ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3", "ode_elastic_dial_capped-kd1.0-lr2e-3",
-          # the same with ode_euler at lr 5e-3 (its best rate) as the teacher
+          # the same with ode_euler at lr 5e-3 (within 0.001 of its best rate) as the teacher
           "ode_elastic_dial_capped-cw1.0-kd1.0t5e-3-lr2e-3",
           "ode_euler-lr2e-3", "ode_rk4-lr2e-3"]
 ONLY = {"ode_euler-lr2e-3": {"euler": (4,)}, "ode_rk4-lr2e-3": {"rk4": (4,)}}

@@ -593,8 +593,9 @@ def main() -> None:
                           "only)\" are the recipe at lr 2e-3 distilled (`train.distill_from`, "
                           "weight 1.0) from ode_euler trained at lr 3e-3 on the same seed, with "
                           "and without the consistency term; \"elastic (cw1.0 + teacher at "
-                          "5e-3)\" is the first with ode_euler at its best rate, 5e-3, as the "
-                          "teacher. The teacher is a second training run, a cost the fixed "
+                          "5e-3)\" is the first with ode_euler trained at 5e-3 (within 0.001 of its "
+                          "best rate, 8e-3) as the teacher, at lr 2e-3 and (seed 1337) at the "
+                          "teacher's rate. The teacher is a second training run, a cost the fixed "
                           "models do not pay.",
                           "", sweep["table"], "", sweep["gaps_table"], ""]
                 if sweep.get("best_table"):

@@ -124,6 +124,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         # trained only that seed at 5e-3)
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2], "--tag",
                "cw1.0-kd1.0t5e-3-lr2e-3", *CW1, *KD5, *LR2),
+        # and at the teacher's rate (one seed)
+        _train(f"{SH}/ode_elastic_dial_capped.toml", [1337], "--tag",
+               "cw1.0-kd1.0t5e-3-lr5e-3", *CW1, *KD5, *LR5),
         # the recipe made elastic only from step 1000 or 1500 (RK4 x 4 before)
         *[_train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", f"cw1.0-from{s}", *CW1,
                  "--set", f"train.elastic_from={s}") for s in (1000, 1500)],
