@@ -5,6 +5,11 @@ weight 1.0, with and without a teacher (train.distill_from: its forward pass, no
 part of each step's cost).
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
+    python bench/elastic_cost.py --only ode_elastic_dial_capped-cw1.0   # re-times some rows
+
+`--only NAME ...` times ode_rk4 and the named configs or recipes in one process and replaces
+their rows in the JSON, keeping the others: each row's ratio is against the ode_rk4 timed in
+the same process as it, and rows timed apart say so (their seconds come from other runs).
 
 The configs' trainers run in one process. A run's steps are grouped by what a step costs:
 the solver and step count drawn for it (from (seed, step), so they are the run's own) and
@@ -18,9 +23,12 @@ not the run's mix (the first 120 of ode_elastic_dial average 16.3 NFE, the run 1
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 
-from common import RUNS, OtherLoad, finished_run, markdown_table, write_json
+from common import RESULTS, RUNS, OtherLoad, finished_run, markdown_table, write_json
 
 from continuumlm.config import load_config
 from continuumlm.train import Trainer
@@ -33,7 +41,7 @@ CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_nar
 TEACHER = RUNS / "shakespeare_char-ode_euler-lr3e-3_seed1337"
 VARIANTS = {"ode_elastic_dial_capped-cw1.0": ("ode_elastic_dial_capped",
                                               ["train.consistency_weight=1.0"]),
-            "ode_elastic_dial_capped-cw1.0-kd1.0 (+ teacher)": (
+            "ode_elastic_dial_capped-cw1.0-kd1.0": (
                 "ode_elastic_dial_capped", ["train.consistency_weight=1.0",
                                             f'train.distill_from="{TEACHER}"',
                                             "train.distill_weight=1.0"])}
@@ -55,9 +63,23 @@ def kinds(trainer, total: int) -> dict[tuple, list[int]]:
 def main() -> None:
     import tempfile
 
+    entries = {**{name: (name, []) for name in CONFIGS}, **VARIANTS}
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help=f"time ode_rk4 and these alone, replacing their rows: {list(entries)}")
+    args = ap.parse_args()
+    path = RESULTS / "elastic_cost.json"
+    if args.only:
+        unknown = [n for n in args.only if n not in entries]
+        if unknown:
+            sys.exit(f"--only {' '.join(unknown)}: no such config or recipe here; the names are "
+                     f"{', '.join(entries)}. Nothing was timed.")
+        if not path.is_file():
+            sys.exit(f"--only replaces rows of {path}, which does not exist: run "
+                     f"`python bench/elastic_cost.py` once first. Nothing was timed.")
+        entries = {n: v for n, v in entries.items() if n == CONFIGS[0] or n in args.only}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
-        entries = {**{name: (name, []) for name in CONFIGS}, **VARIANTS}
         if not finished_run(TEACHER):
             print(f"{TEACHER} is not trained (`continuumlm experiment elasticity`): the "
                   f"distilled recipe is left out")
@@ -100,19 +122,36 @@ def main() -> None:
     base = rows[0]["s_per_step"]
     for row in rows:
         row["ratio"] = row["s_per_step"] / base
-    table = markdown_table(rows, [("config", "config"), ("steps", "steps timed"),
-                                  ("kinds", "kinds of step"),
-                                  ("mean_nfe", "mean NFE of the drawn solves (whole run)"),
-                                  ("s_per_step", "s / step"), ("ratio", "vs ode_rk4")])
+    command, other_cores = "python bench/elastic_cost.py", others.cores
+    if args.only:  # these rows replace theirs; the rest keep the run that timed them
+        old = json.loads(path.read_text())
+        label = f"{command} --only {' '.join(args.only)}"
+        for row in rows[1:]:
+            row.update(timed_with=label, other_cores=others.cores,
+                       rk4_s_per_step=base)
+        rows = [r for r in old["rows"] if r["config"] not in args.only] + rows[1:]
+        command, other_cores = old["command"], old["other_cores"]
+    for row in rows:
+        row["apart"] = ("" if "timed_with" not in row else
+                        f"`{row['timed_with']}` (ode_rk4 {row['rk4_s_per_step']:.3f} s there; "
+                        f"other cores busy {row['other_cores']})")
+    columns = [("config", "config"), ("steps", "steps timed"), ("kinds", "kinds of step"),
+               ("mean_nfe", "mean NFE of the drawn solves (whole run)"),
+               ("s_per_step", "s / step"), ("ratio", "vs ode_rk4")]
+    if any(r["apart"] for r in rows):
+        columns.append(("apart", "timed apart, with its own ode_rk4"))
+    table = markdown_table(rows, columns)
+    for row in rows:
+        del row["apart"]
     print(table)
     write_json("elastic_cost", {
-        "command": "python bench/elastic_cost.py",
+        "command": command,
         "setup": "each config's steps grouped by what a step costs (the drawn solver and step "
                  "count, and whether the consistency term's finer solve is added), every kind "
                  f"timed in {ROUNDS} rounds that alternate between the configs in one process, "
                  "and the whole run's seconds per step the mean over its steps, each at its "
-                 f"kind's time; other cores busy meanwhile: {others.cores}",
-        "rows": rows, "table": table, "other_cores": others.cores})
+                 f"kind's time; other cores busy meanwhile: {other_cores}",
+        "rows": rows, "table": table, "other_cores": other_cores})
 
 
 if __name__ == "__main__":

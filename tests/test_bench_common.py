@@ -225,6 +225,16 @@ def test_the_baseline_and_counterpart_sentences_read_each_config_as_written():
     assert "`ode_euler` 1.930 vs `transformer_baby` 1.910 (worse" in said, said
 
 
+def test_elastic_cost_only_refuses_an_unknown_name_before_timing(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "elastic_cost.py"), "--only",
+                        "ode_elastic_dial_capped-cw9"], cwd=repo, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "--only ode_elastic_dial_capped-cw9: no such config" in r.stderr, r.stderr
+    assert "ode_elastic_dial_capped-cw1.0-kd1.0" in r.stderr and "Nothing was timed" in r.stderr
+
+
 def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_rate():
     import depth_elasticity as de
 
