@@ -2,7 +2,8 @@
 ode_elastic_consistency, ode_elastic_narrow, ode_elastic_upto16 and the ode_elastic_dial
 configs against ode_rk4 (fixed RK4 x 4), at equal steps; also the capped recipe with consistency
 weight 1.0, with and without a teacher (train.distill_from: its forward pass, no gradients, is
-part of each step's cost).
+part of each step's cost), and ode_euler, the teacher's config (its training is the distilled
+recipe's other cost).
 
     python bench/elastic_cost.py      # writes bench/results/elastic_cost.json
     python bench/elastic_cost.py --only ode_elastic_dial_capped-cw1.0   # re-times some rows
@@ -44,7 +45,9 @@ VARIANTS = {"ode_elastic_dial_capped-cw1.0": ("ode_elastic_dial_capped",
             "ode_elastic_dial_capped-cw1.0-kd1.0": (
                 "ode_elastic_dial_capped", ["train.consistency_weight=1.0",
                                             f'train.distill_from="{TEACHER}"',
-                                            "train.distill_weight=1.0"])}
+                                            "train.distill_weight=1.0"]),
+            # the teacher's own training (the distilled recipe's other cost)
+            "ode_euler": ("ode_euler", [])}
 ROUNDS, PER_ROUND = 6, 16
 
 
