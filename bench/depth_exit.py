@@ -7,7 +7,9 @@ Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): 
 shared block, trained at RK4 x 4, NFE 16) and, where trained, ode_elastic and
 ode_elastic_consistency (trained across solvers and step counts, the latter with the
 shortcut-consistency term) and ode_rk4_readout (ode_rk4 trained with the read-out of every
-intermediate step supervised, train.step_readout_weight = 0.5; ode_rk4_readout_light: 0.1). Each is evaluated at its trained solver with `continuumlm eval
+intermediate step supervised, train.step_readout_weight = 0.5; ode_rk4_readout_light: 0.1) and
+the distilled elastic recipe (ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3, saved with RK4 x 4).
+Each is evaluated at its trained solver with `continuumlm eval
 --exit-threshold TAU --exit-criterion C` on 400 evenly spread validation windows of 64
 characters. Rows already in the JSON are kept, so a model whose run folder is gone keeps its
 recorded figures.
@@ -32,7 +34,10 @@ from common import RESULTS, RUNS, OtherLoad, finished_run, markdown_table, write
 
 CLI = str(Path(sys.executable).parent / "continuumlm")
 MODELS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_rk4_readout",
-          "ode_rk4_readout_light"]
+          "ode_rk4_readout_light",
+          # the elastic recipe at lr 2e-3 distilled from ode_euler (bench/lr_sweep.py), good at
+          # every uniform step count: does that carry over to per-token exits?
+          "ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3"]
 # spanning what the criteria measure on ode_rk4 (10-90% of tokens: a relative change of 0.35-0.85
 # per step, a KL of 0.005-2.8 between successive read-outs)
 TAUS = {"state": (0.05, 0.1, 0.2, 0.3, 0.4, 0.45, 0.5, 0.6),
