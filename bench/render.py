@@ -361,6 +361,35 @@ def mqar_distance_table(results: dict[str, dict]) -> str:
     return markdown_table(rows, cols)
 
 
+def ptb_std_targets(results: dict[str, dict]) -> list[str]:
+    """The standard setup's two targets, from the headline runs (the configs as written, test
+    split at the last step): the discrete model's test perplexity against Zaremba-small's
+    114.5, and the ODE model's within 5% of the discrete one's, seed-matched where both ran."""
+    test = {}
+    for r in results.values():
+        if (r.get("config") in ("configs/ptb_std/transformer.toml",
+                                "configs/ptb_std/ode_euler.toml")
+                and not r.get("overrides") and "test_loss_full_split" in r):
+            test.setdefault(Path(r["config"]).stem, {})[r["seed"]] = math.exp(
+                r["test_loss_full_split"])
+    disc, ode = test.get("transformer", {}), test.get("ode_euler", {})
+    out = []
+    if disc:
+        mean = statistics.mean(disc.values())
+        out.append(f"Targets: the discrete model's test perplexity, {mean:.1f} (mean of "
+                   f"{len(disc)} seed{'s' if len(disc) > 1 else ''}), is "
+                   f"{'at or below' if mean <= 114.5 else 'above'} Zaremba-small's 114.5.")
+    both = sorted(set(disc) & set(ode))
+    if both:
+        gaps = [ode[s] / disc[s] - 1 for s in both]
+        gap = statistics.mean(gaps)
+        out.append(f"The ODE model's is {gap:+.1%} against the discrete model's on the same "
+                   f"seed ({', '.join(f'seed {s}: {ode[s]:.1f} vs {disc[s]:.1f}' for s in both)}"
+                   f"; target within 5%: {'met' if gap <= 0.05 else 'not met'}"
+                   f"{'' if len(both) >= 3 else f', {len(both)} of the 3 seeds'}).")
+    return [" ".join(out), ""] if out else []
+
+
 def teacher_cost(r: dict) -> list[str]:
     """The distilled recipe's whole cost against the 1.3x target: its own steps and, when the
     teacher is trained for it alone, the teacher's (the same number of ode_euler steps)."""
@@ -519,6 +548,7 @@ def main() -> None:
                   "small LSTM (2 x 200, 4.6 M parameters, no dropout, 13 epochs) valid 120.7 / "
                   "test 114.5 perplexity; medium LSTM (2 x 650, dropout 0.5, 39 epochs) valid "
                   "86.2 / test 82.7.", ""]
+        parts += ptb_std_targets(results)
         early = early_stopping_table(results, "configs/ptb_std/")
         if early:
             parts += ["The same runs stopped early: the checkpoint with the lowest in-training "

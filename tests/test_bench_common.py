@@ -235,6 +235,26 @@ def test_elastic_cost_only_refuses_an_unknown_name_before_timing(tmp_path):
     assert "ode_elastic_dial_capped-cw1.0-kd1.0" in r.stderr and "Nothing was timed" in r.stderr
 
 
+def test_ptb_std_targets_read_the_headline_runs_seed_matched():
+    import math
+
+    import render
+
+    def rec(config, test_ppl, seed, overrides=()):
+        return {"config": f"configs/ptb_std/{config}.toml", "seed": seed,
+                "overrides": list(overrides), "test_loss_full_split": math.log(test_ppl)}
+
+    results = {"a": rec("transformer", 100.0, 1), "b": rec("transformer", 90.0, 2),
+               "c": rec("transformer", 150.0, 1, ["model.dropout=0.0"]),
+               "d": rec("ode_euler", 104.0, 1)}
+    said = render.ptb_std_targets(results)[0]
+    assert "test perplexity, 95.0 (mean of 2 seeds), is at or below" in said, said
+    assert "+4.0% against" in said and "seed 1: 104.0 vs 100.0" in said, said
+    assert "within 5%: met, 1 of the 3 seeds" in said, said
+    results["d"] = rec("ode_euler", 106.0, 1)
+    assert "within 5%: not met" in render.ptb_std_targets(results)[0]
+
+
 def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_rate():
     import depth_elasticity as de
 
