@@ -63,6 +63,20 @@ def kinds(trainer, total: int) -> dict[tuple, list[int]]:
     return out
 
 
+def cost_table(rows: list[dict]) -> str:
+    """The rows as markdown; rows timed by a `--only` run name it and the ode_rk4 they were
+    set against."""
+    shown = [{**row, "apart": "" if "timed_with" not in row else
+              f"`{row['timed_with']}` (ode_rk4 {row['rk4_s_per_step']:.3f} s there; "
+              f"other cores busy {row['other_cores']})"} for row in rows]
+    columns = [("config", "config"), ("steps", "steps timed"), ("kinds", "kinds of step"),
+               ("mean_nfe", "mean NFE of the drawn solves (whole run)"),
+               ("s_per_step", "s / step"), ("ratio", "vs ode_rk4")]
+    if any(r["apart"] for r in shown):
+        columns.append(("apart", "timed apart, with its own ode_rk4"))
+    return markdown_table(shown, columns)
+
+
 def main() -> None:
     import tempfile
 
@@ -134,18 +148,7 @@ def main() -> None:
                        rk4_s_per_step=base)
         rows = [r for r in old["rows"] if r["config"] not in args.only] + rows[1:]
         command, other_cores = old["command"], old["other_cores"]
-    for row in rows:
-        row["apart"] = ("" if "timed_with" not in row else
-                        f"`{row['timed_with']}` (ode_rk4 {row['rk4_s_per_step']:.3f} s there; "
-                        f"other cores busy {row['other_cores']})")
-    columns = [("config", "config"), ("steps", "steps timed"), ("kinds", "kinds of step"),
-               ("mean_nfe", "mean NFE of the drawn solves (whole run)"),
-               ("s_per_step", "s / step"), ("ratio", "vs ode_rk4")]
-    if any(r["apart"] for r in rows):
-        columns.append(("apart", "timed apart, with its own ode_rk4"))
-    table = markdown_table(rows, columns)
-    for row in rows:
-        del row["apart"]
+    table = cost_table(rows)
     print(table)
     write_json("elastic_cost", {
         "command": command,

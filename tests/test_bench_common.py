@@ -255,6 +255,22 @@ def test_ptb_std_targets_read_the_headline_runs_seed_matched():
     assert "within 5%: not met" in render.ptb_std_targets(results)[0]
 
 
+def test_elastic_cost_marks_the_rows_timed_apart():
+    import elastic_cost
+
+    rows = [{"config": "ode_rk4", "steps": 96, "kinds": 1, "mean_nfe": 16.0, "s_per_step": 0.3,
+             "ratio": 1.0},
+            {"config": "ode_euler", "steps": 96, "kinds": 1, "mean_nfe": 4.0, "s_per_step": 0.1,
+             "ratio": 0.25, "timed_with": "python bench/elastic_cost.py --only ode_euler",
+             "rk4_s_per_step": 0.4, "other_cores": 1.3}]
+    table = elastic_cost.cost_table(rows).splitlines()
+    assert table[0].endswith("| vs ode_rk4 | timed apart, with its own ode_rk4 |")
+    assert table[2].endswith("| 1 |  |")
+    assert table[3].endswith("| 0.25 | `python bench/elastic_cost.py --only ode_euler` (ode_rk4 "
+                             "0.400 s there; other cores busy 1.3) |")
+    assert "timed apart" not in elastic_cost.cost_table(rows[:1])
+
+
 def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_rate():
     import depth_elasticity as de
 
