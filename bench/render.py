@@ -361,6 +361,32 @@ def mqar_distance_table(results: dict[str, dict]) -> str:
     return markdown_table(rows, cols)
 
 
+def ptb_dropout_sweep(results: dict[str, dict]) -> list[str]:
+    """The standard setup's dropout sweep at a quarter of the budget (the runs tagged
+    ``sweep_dropoutD``): whole-split validation perplexity per model and rate, with each
+    model's best rate named (judged on the validation split only)."""
+    sweep: dict[str, dict[str, float]] = {}
+    for r in results.values():
+        tag = r.get("tag") or ""
+        if r.get("config", "").startswith("configs/ptb_std/") and tag.startswith("sweep_dropout"):
+            sweep.setdefault(Path(r["config"]).stem, {})[tag[len("sweep_dropout"):]] = (
+                math.exp(r["val_loss_full_split"]))
+    if not sweep:
+        return []
+    rates = sorted({d for ppl in sweep.values() for d in ppl}, key=float)
+    rows, best = [], []
+    for model, ppl in sorted(sweep.items()):
+        top = min(ppl, key=ppl.get)
+        rows.append({"model": model, **{d: (f"**{ppl[d]:.1f}**" if d == top else f"{ppl[d]:.1f}")
+                                        if d in ppl else "not run" for d in rates}})
+        missing = [d for d in rates if d not in ppl]
+        best.append(f"{model} {top}" + (f" (of {len(ppl)} rate{'s' if len(ppl) > 1 else ''}; "
+                                        f"{', '.join(missing)} not run yet)" if missing else ""))
+    table = markdown_table(rows, [("model", "model")] + [(d, f"dropout {d}") for d in rates])
+    return ["The dropout sweep (validation perplexity, whole split, seed 1, a quarter of the "
+            "budget; best in bold): best rate " + "; ".join(best) + ".", "", table, ""]
+
+
 def ptb_std_targets(results: dict[str, dict]) -> list[str]:
     """The standard setup's two targets, from the headline runs (the configs as written, test
     split at the last step): the discrete model's test perplexity against Zaremba-small's
@@ -538,16 +564,18 @@ def main() -> None:
                   "counting embeddings, Zaremba et al.'s small-LSTM budget of about 12 M tokens "
                   "(5,860 steps of 32 x 64); loss in nats/word. Rows with `model.dropout` and "
                   "1,465 steps are the dropout sweep at a quarter of the budget, judged on the "
-                  "validation split only. Its winner, 0.0, overfits at the full budget (the "
-                  "`model.dropout=0.0` row without a step override: validation loss rises after "
-                  "step 2,000), so the configs use 0.1, the better of the two full-budget runs "
-                  "on the validation split; the quarter-budget sweep does not predict the full "
-                  "one. The rows without overrides are the headline runs, whose test split is "
+                  "validation split only (summarized below the table). The discrete model's "
+                  "winner, 0.0, overfits at the full budget (the `model.dropout=0.0` row without "
+                  "a step override: validation loss rises after step 2,000), so the configs use "
+                  "0.1, the better of the two full-budget runs on the validation split; the "
+                  "quarter-budget sweep does not predict the full one. The ODE model uses the "
+                  "same 0.1. The rows without overrides are the headline runs, whose test split is "
                   "scored once, at the end. Produced by `continuumlm experiment ptb_std`.", "", std, "",
                   "Reference points (Zaremba, Sutskever & Vinyals 2014, cited, not rerun): "
                   "small LSTM (2 x 200, 4.6 M parameters, no dropout, 13 epochs) valid 120.7 / "
                   "test 114.5 perplexity; medium LSTM (2 x 650, dropout 0.5, 39 epochs) valid "
                   "86.2 / test 82.7.", ""]
+        parts += ptb_dropout_sweep(results)
         parts += ptb_std_targets(results)
         early = early_stopping_table(results, "configs/ptb_std/")
         if early:

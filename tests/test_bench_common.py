@@ -255,6 +255,32 @@ def test_ptb_std_targets_read_the_headline_runs_seed_matched():
     assert "within 5%: not met" in render.ptb_std_targets(results)[0]
 
 
+def test_ptb_dropout_sweep_names_each_models_best_rate_and_what_is_missing():
+    import math
+
+    import render
+
+    def rec(config, d, ppl):
+        return {"config": f"configs/ptb_std/{config}.toml", "seed": 1, "tag": f"sweep_dropout{d}",
+                "val_loss_full_split": math.log(ppl)}
+
+    results = {"a": rec("transformer", "0.0", 116.0), "b": rec("transformer", "0.3", 139.0),
+               "c": rec("ode_euler", "0.0", 120.0), "d": rec("ode_euler", "0.3", 110.0),
+               "e": {"config": "configs/ptb_std/ode_euler.toml", "seed": 1, "tag": None,
+                     "val_loss_full_split": math.log(90.0)}}  # a headline run: not the sweep
+    said, _, table, _ = render.ptb_dropout_sweep(results)
+    assert "best rate ode_euler 0.3; transformer 0.0." in said, said
+    assert "not run" not in said
+    lines = table.splitlines()
+    assert lines[0] == "| model | dropout 0.0 | dropout 0.3 |"
+    assert lines[2] == "| ode_euler | 120.0 | **110.0** |"
+    results["f"] = rec("ode_euler", "0.5", 105.0)
+    said, _, table, _ = render.ptb_dropout_sweep(results)
+    assert "ode_euler 0.5;" in said and "transformer 0.0 (of 2 rates; 0.5 not run yet)" in said, said
+    assert table.splitlines()[3] == "| transformer | **116.0** | 139.0 | not run |"
+    assert render.ptb_dropout_sweep({"e": results["e"]}) == []
+
+
 def test_elastic_cost_marks_the_rows_timed_apart():
     import elastic_cost
 
