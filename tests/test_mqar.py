@@ -517,3 +517,12 @@ def test_a_run_continues_only_with_the_process_count_it_was_trained_with(tmp_pat
     cfg.model = M._task_model(cfg)
     with pytest.raises(ConfigError, match="trained with 2 process.*--nproc 2"):
         M.MQARTask(cfg, tmp_path / "run", last, state)
+
+
+def test_mqar_throughput_counts_its_own_sequence_length(tmp_path, capsys):
+    """tokens/s counts mqar.seq_len tokens per row (train.seq_len is the language-modeling
+    window, which MQAR does not read)."""
+    from continuumlm.train import mqar as M
+
+    M.run_mqar(_mqar_cfg("train.max_steps=2", "train.seq_len=8"), tmp_path / "run")
+    assert "; 512 tokens per step;" in capsys.readouterr().out  # 16 rows x 32 tokens

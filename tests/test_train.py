@@ -429,3 +429,48 @@ def test_a_training_step_reads_its_metrics_from_the_device_once(tiny_corpus, tmp
         loss, grad_norm = trainer.train_step()
         assert reads == [("tolist", "trainer.py")]
         assert math.isfinite(loss) and math.isfinite(grad_norm)
+
+
+_FAULTS = """
+import resource, sys, torch
+from continuumlm.train.device import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "keep" else False
+def once():
+    x = torch.ones(64 * 2 ** 20 // 4)  # 64 MB, every page written
+    del x
+once(); once()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    once()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+def test_keep_freed_memory_stops_large_tensors_faulting_in_again():
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True,
+                             text=True, check=True).stdout.split()
+        return out[0] == "True", int(out[1])
+
+    applied, kept = faults("keep")
+    if not applied:
+        pytest.skip("not glibc: mallopt unavailable")
+    _, default = faults("default")
+    # ten 64 MB tensors: 10 x 16,384 pages faulted in afresh by default; once kept, none in
+    # the steady state (a small allocation carving into the freed block can cost one more
+    # tensor's worth of fresh pages before the heap settles)
+    assert default > 120_000, default
+    assert kept <= 2 * 16_384 + 2_000, kept
+
+
+def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(tiny_corpus, tmp_path, monkeypatch):
+    from continuumlm.train import trainer as trainer_mod
+
+    calls = []
+    monkeypatch.setattr(trainer_mod, "keep_freed_memory", lambda: calls.append(1) or True)
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=1"), tmp_path / "kept", quiet=True)
+    assert len(calls) == 1
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=1", "train.keep_freed_memory=false"),
+            tmp_path / "system", quiet=True)
+    assert len(calls) == 1

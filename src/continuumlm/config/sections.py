@@ -311,6 +311,12 @@ class TrainConfig:
     ODE solvers' time variables stay fp32."""
     compile: bool = False
     """Compile the model with torch.compile (falls back to eager with one warning if it fails)."""
+    keep_freed_memory: bool = True
+    """CPU runs on Linux (glibc): keep freed memory in the process instead of handing every
+    large block (above 32 MB: the logits, their gradients) back to the system at once, which
+    makes each step fault those pages in again (measured on 2 cores: configs/ptb_std's
+    transformer 1.15 -> 0.86 s per step, an MQAR step 2.1 -> 1.45 s). The process holds on to
+    its peak memory (about 8% more resident memory measured). False: the system's default."""
     strategy: str = "ddp"
     """Under torchrun: "ddp" (replicated weights) or "fsdp" (FSDP2, sharded weights and state)."""
     requeue_signals: list[str] = dataclasses.field(

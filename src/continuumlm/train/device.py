@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import sys
 
 import torch
 
@@ -52,3 +55,37 @@ def autocast_for(device: torch.device, dtype: str):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_kept_freed_memory = False
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory in the process (``train.keep_freed_memory``).
+
+    PyTorch's CPU tensors come straight from malloc, which serves each block above its mmap
+    threshold (at most 32 MB) by a fresh mmap and unmaps it when freed. A training step that
+    allocates the same large tensors every step (logits, their gradients, the MLP's
+    activations) then page-faults all of them in again: measured ~200,000 faults and
+    0.4-0.8 s of system time in an MQAR step of 2.1 s. With mmap off (M_MMAP_MAX = 0) and no
+    trimming (M_TRIM_THRESHOLD = max) those blocks come from the heap and are reused.
+    Results are unchanged; the process keeps its peak memory. Returns whether the settings
+    were applied (False off glibc Linux, where the system's allocator is left as it is).
+    PyTorch has no CPU caching allocator of its own, hence these settings."""
+    global _kept_freed_memory
+    if _kept_freed_memory:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # both calls return 1 on success; a largest int is "never trim"
+    _kept_freed_memory = bool(mallopt(_M_MMAP_MAX, 0)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    return _kept_freed_memory

@@ -154,6 +154,7 @@ class MQARTask:
                     f"batch_size x grad_accum x processes examples). Continue it with "
                     f"{'--nproc ' + str(ran) if ran > 1 else 'one process'}.")
         self.cfg, self.out = cfg, out
+        self.seq_len = cfg.mqar.seq_len  # train.seq_len does not apply: MQAR has its own
         self.train_x, self.train_y = _train_set(cfg)
         self.test_x, self.test_y = _test_set(cfg)
         saved = (state or {}).get("task") or {}

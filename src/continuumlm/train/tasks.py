@@ -7,6 +7,7 @@ MQAR (``continuumlm mqar``) is the other built-in task, in :mod:`continuumlm.tra
 A task has:
 
 - ``name``; ``tokenizer`` (saved with checkpoints, or None when the task has no text);
+- ``seq_len``: tokens in each sequence a batch row holds (what tokens/s counts);
 - ``sampler(t, dist)``: an object with ``next(micro_step) -> (x, y)``, ``state_dict()`` and
   ``load_state_dict(state)``; ``merge_sampler_states(states)`` turns the per-rank states into
   the one a checkpoint keeps (every rank finds its own part in it on resume);
@@ -69,6 +70,7 @@ class LanguageModelingTask:
         """Prepares (or reads) the corpus, fills in ``cfg.model.vocab_size`` from the tokenizer
         and checks that a resumed run reads the text it was trained on."""
         t = cfg.train
+        self.seq_len = cfg.train.seq_len
         self.data: Dataset = prepare_data(cfg.data, tokenizer)
         self.tokenizer = self.data.tokenizer
         vocab = self.tokenizer.vocab_size

@@ -26,7 +26,7 @@ from ..ode import ODESolverError, solver_errors
 from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
-from .device import autocast_for, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
+from .device import autocast_for, keep_freed_memory, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
 from .distill import Teacher
 from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
@@ -82,6 +82,8 @@ class Trainer:
                   f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
                   f"you want.", file=sys.stderr)
         self.device = pick_device(device_name)
+        if t.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
         self.fsdp = self.checkpointer.fsdp
@@ -475,7 +477,7 @@ class Trainer:
                    file=sys.stdout)
         say = (lambda msg: bar.write(msg)) if tty else (lambda msg: None if quiet else print(msg, flush=True))
         world = self.dist.world_size
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum * world
+        tokens_per_step = t.batch_size * self.task.seq_len * t.grad_accum * world
         if self.dist.enabled:
             say(f"{world} processes ({self.cfg.train.strategy}, "
                 f"{'nccl' if self.device.type == 'cuda' else 'gloo'}); effective batch = "

@@ -1,0 +1,103 @@
+"""Training step time with and without ``train.keep_freed_memory`` (glibc's malloc keeping
+freed blocks in the process instead of unmapping every block above 32 MB), on configs whose
+steps allocate large tensors (PTB's 10k-word logits, MQAR's 8,192-word head) and on one that
+does not (the baby GPT).
+
+    python bench/keep_freed_memory.py [--steps 30]   # writes bench/results/keep_freed_memory.json
+
+Each point is a real ``continuumlm train`` (or ``continuumlm mqar``) run in a fresh process
+with one thread, the two settings of a config run back to back. s / step is the median of the
+logged per-step throughput after the first quarter of the steps; page faults, system time and
+peak resident memory are the child process's own (``os.wait4``), start-up and data included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import OtherLoad, markdown_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "continuumlm")
+
+# (config, command, tokens per step, extra settings); MQAR with a small generated set, as its
+# data size does not change the step
+CONFIGS = [
+    ("configs/ptb_std/transformer.toml", "train", 32 * 64, []),
+    ("configs/ptb_std/ode_euler.toml", "train", 32 * 64, []),
+    ("configs/mqar/softmax_kv64.toml", "mqar", 64 * 256,
+     ["mqar.train_examples=2048", "mqar.test_examples=64"]),
+    ("configs/shakespeare_char/transformer_baby.toml", "train", 12 * 64, []),
+]
+
+
+def run(config: str, command: str, tokens: int, extra: list[str], keep: bool,
+        steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        sets = [f"train.max_steps={steps}", f"train.eval_interval={10 * steps}",
+                f"train.checkpoint_interval={10 * steps}", "train.log_interval=1",
+                f"train.keep_freed_memory={str(keep).lower()}", "train.device=cpu", *extra]
+        cmd = [CLI, command, "--config", str(ROOT / config), "--out", str(out), "--quiet",
+               *sum((["--set", s] for s in sets), [])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with OtherLoad() as load:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE)
+            _, status, usage = os.wait4(proc.pid, 0)
+            wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
+    tps = tps[len(tps) // 4:]
+    row = {"config": config, "keep_freed_memory": keep, "steps": steps,
+           "s_per_step": round(tokens / statistics.median(tps), 3),
+           "minor_faults": usage.ru_minflt, "system_s": round(usage.ru_stime, 1),
+           "user_s": round(usage.ru_utime, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024),
+           "wall_s": round(wall, 1), "other_cores": load.cores}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--only", nargs="*", help="configs to run (default: all)")
+    args = ap.parse_args()
+    rows = []
+    for config, command, tokens, extra in CONFIGS:
+        if args.only and config not in args.only:
+            continue
+        off = run(config, command, tokens, extra, False, args.steps)
+        on = run(config, command, tokens, extra, True, args.steps)
+        on["speedup"] = round(off["s_per_step"] / on["s_per_step"], 2)
+        on["rss_ratio"] = round(on["peak_rss_mb"] / off["peak_rss_mb"], 2)
+        rows += [off, on]
+    table = markdown_table(rows, [
+        ("config", "config"), ("keep_freed_memory", "train.keep_freed_memory"),
+        ("s_per_step", "s / step"), ("speedup", "speedup"), ("minor_faults", "page faults (run)"),
+        ("system_s", "system s (run)"), ("peak_rss_mb", "peak MB"), ("rss_ratio", "peak vs off"),
+        ("other_cores", "other cores busy")])
+    write_json("keep_freed_memory", {
+        "command": "python bench/keep_freed_memory.py" + (
+            f" --steps {args.steps}" if args.steps != 30 else ""),
+        "setup": f"{args.steps} steps, one thread, a fresh process per point", "rows": rows,
+        "table": table})
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
