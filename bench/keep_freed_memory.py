@@ -4,6 +4,7 @@ steps allocate large tensors (PTB's 10k-word logits, MQAR's 8,192-word head) and
 does not (the baby GPT).
 
     python bench/keep_freed_memory.py [--steps 30]   # writes bench/results/keep_freed_memory.json
+    python bench/keep_freed_memory.py --only configs/shakespeare_char/transformer_baby.toml
 
 Each point is a real ``continuumlm train`` (or ``continuumlm mqar``) run in a fresh process
 with one thread, the two settings of a config run back to back. s / step is the median of the
@@ -23,19 +24,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import OtherLoad, markdown_table, write_json
+from common import RESULTS, OtherLoad, markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
-# (config, command, tokens per step, extra settings); MQAR with a small generated set, as its
-# data size does not change the step
+# (config, command, tokens per step, steps per --steps, extra settings); MQAR with a small
+# generated set, as its data size does not change the step; the baby GPT's 0.1 s steps ten
+# times as many
 CONFIGS = [
-    ("configs/ptb_std/transformer.toml", "train", 32 * 64, []),
-    ("configs/ptb_std/ode_euler.toml", "train", 32 * 64, []),
-    ("configs/mqar/softmax_kv64.toml", "mqar", 64 * 256,
+    ("configs/ptb_std/transformer.toml", "train", 32 * 64, 1, []),
+    ("configs/ptb_std/ode_euler.toml", "train", 32 * 64, 1, []),
+    ("configs/mqar/softmax_kv64.toml", "mqar", 64 * 256, 1,
      ["mqar.train_examples=2048", "mqar.test_examples=64"]),
-    ("configs/shakespeare_char/transformer_baby.toml", "train", 12 * 64, []),
+    ("configs/shakespeare_char/transformer_baby.toml", "train", 12 * 64, 10, []),
 ]
 
 
@@ -75,26 +77,36 @@ def run(config: str, command: str, tokens: int, extra: list[str], keep: bool,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--only", nargs="*", help="configs to run (default: all)")
+    ap.add_argument("--only", nargs="*", help="configs to run again; the other rows are kept "
+                    "from bench/results/keep_freed_memory.json")
     args = ap.parse_args()
+    unknown = set(args.only or ()) - {c[0] for c in CONFIGS}
+    if unknown:
+        raise SystemExit(f"--only: {', '.join(sorted(unknown))} not among "
+                         f"{', '.join(c[0] for c in CONFIGS)}")
+    kept = []
+    if args.only and (RESULTS / "keep_freed_memory.json").exists():
+        kept = json.loads((RESULTS / "keep_freed_memory.json").read_text())["rows"]
     rows = []
-    for config, command, tokens, extra in CONFIGS:
+    for config, command, tokens, scale, extra in CONFIGS:
         if args.only and config not in args.only:
+            rows += [r for r in kept if r["config"] == config]
             continue
-        off = run(config, command, tokens, extra, False, args.steps)
-        on = run(config, command, tokens, extra, True, args.steps)
+        off = run(config, command, tokens, extra, False, scale * args.steps)
+        on = run(config, command, tokens, extra, True, scale * args.steps)
         on["speedup"] = round(off["s_per_step"] / on["s_per_step"], 2)
         on["rss_ratio"] = round(on["peak_rss_mb"] / off["peak_rss_mb"], 2)
         rows += [off, on]
     table = markdown_table(rows, [
         ("config", "config"), ("keep_freed_memory", "train.keep_freed_memory"),
-        ("s_per_step", "s / step"), ("speedup", "speedup"), ("minor_faults", "page faults (run)"),
+        ("steps", "steps"), ("s_per_step", "s / step"), ("speedup", "speedup"), ("minor_faults", "page faults (run)"),
         ("system_s", "system s (run)"), ("peak_rss_mb", "peak MB"), ("rss_ratio", "peak vs off"),
         ("other_cores", "other cores busy")])
     write_json("keep_freed_memory", {
-        "command": "python bench/keep_freed_memory.py" + (
-            f" --steps {args.steps}" if args.steps != 30 else ""),
-        "setup": f"{args.steps} steps, one thread, a fresh process per point", "rows": rows,
+        "command": "python bench/keep_freed_memory.py",
+        "setup": "one thread, a fresh process per point, the two settings of a config back to "
+                 "back; s / step is the median after the first quarter of the steps",
+        "rows": rows,
         "table": table})
     print(table)
 

@@ -635,6 +635,7 @@ def main() -> None:
                        ("adaptive_solvers", "Adaptive solvers on trained fields"),
                        ("seminorm_run", "The seminorm adjoint in training"),
                        ("scale", "Training throughput: processes and compile"),
+                       ("keep_freed_memory", "CPU training: keeping freed memory"),
                        ("mfu", "Model FLOPs utilization"),
                        ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
                        ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding"),

@@ -314,9 +314,10 @@ class TrainConfig:
     keep_freed_memory: bool = True
     """CPU runs on Linux (glibc): keep freed memory in the process instead of handing every
     large block (above 32 MB: the logits, their gradients) back to the system at once, which
-    makes each step fault those pages in again (measured on 2 cores: configs/ptb_std's
-    transformer 1.15 -> 0.86 s per step, an MQAR step 2.1 -> 1.45 s). The process holds on to
-    its peak memory (about 8% more resident memory measured). False: the system's default."""
+    makes each step fault those pages in again (bench/keep_freed_memory.py, 2 cores, one
+    thread: configs/ptb_std's transformer 1.36x faster per step, its ODE model 1.14x, MQAR at
+    64 pairs 1.25x). The process holds on to its peak memory (5-11% more measured). False: the
+    system's default."""
     strategy: str = "ddp"
     """Under torchrun: "ddp" (replicated weights) or "fsdp" (FSDP2, sharded weights and state)."""
     requeue_signals: list[str] = dataclasses.field(

@@ -68,12 +68,13 @@ def keep_freed_memory() -> bool:
     PyTorch's CPU tensors come straight from malloc, which serves each block above its mmap
     threshold (at most 32 MB) by a fresh mmap and unmaps it when freed. A training step that
     allocates the same large tensors every step (logits, their gradients, the MLP's
-    activations) then page-faults all of them in again: measured ~200,000 faults and
-    0.4-0.8 s of system time in an MQAR step of 2.1 s. With mmap off (M_MMAP_MAX = 0) and no
-    trimming (M_TRIM_THRESHOLD = max) those blocks come from the heap and are reused.
-    Results are unchanged; the process keeps its peak memory. Returns whether the settings
-    were applied (False off glibc Linux, where the system's allocator is left as it is).
-    PyTorch has no CPU caching allocator of its own, hence these settings."""
+    activations) then page-faults all of them in again: about 170,000 faults per MQAR step at
+    64 pairs, 11,000 with these settings (bench/keep_freed_memory.py). With mmap off
+    (M_MMAP_MAX = 0) and trimming only past 2 GB of free heap top (M_TRIM_THRESHOLD) those
+    blocks come from the heap and are reused. Results are unchanged; the process keeps its
+    peak memory. Returns whether the settings were applied (False off glibc Linux, where the
+    system's allocator is left as it is). PyTorch has no CPU caching allocator of its own,
+    hence these settings."""
     global _kept_freed_memory
     if _kept_freed_memory:
         return True
@@ -85,7 +86,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # both calls return 1 on success; a largest int is "never trim"
+    # both calls return 1 on success; mallopt takes an int, so 2 GB is the largest threshold
     _kept_freed_memory = bool(mallopt(_M_MMAP_MAX, 0)) and bool(
         mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
     return _kept_freed_memory
