@@ -474,3 +474,12 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(tiny_corpus, tmp_p
     Trainer(tiny_cfg(tiny_corpus, "train.max_steps=1", "train.keep_freed_memory=false"),
             tmp_path / "system", quiet=True)
     assert len(calls) == 1
+
+
+def test_trainer_says_when_keeping_freed_memory_has_no_effect(tiny_corpus, tmp_path, monkeypatch,
+                                                                capsys):
+    from continuumlm.train import trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "keep_freed_memory", lambda: False)  # no glibc
+    Trainer(tiny_cfg(tiny_corpus, "train.max_steps=1"), tmp_path / "run")
+    assert "train.keep_freed_memory has no effect on this system" in capsys.readouterr().err

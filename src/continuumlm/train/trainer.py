@@ -82,8 +82,11 @@ class Trainer:
                   f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
                   f"you want.", file=sys.stderr)
         self.device = pick_device(device_name)
-        if t.keep_freed_memory and self.device.type == "cpu":
-            keep_freed_memory()
+        if t.keep_freed_memory and self.device.type == "cpu" and not keep_freed_memory() \
+                and self.main and not quiet:
+            print("note: train.keep_freed_memory has no effect on this system (it sets glibc's "
+                  "malloc, which this process does not use); training is unchanged.",
+                  file=sys.stderr)
         self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
         self.fsdp = self.checkpointer.fsdp
