@@ -281,6 +281,25 @@ def test_ptb_dropout_sweep_names_each_models_best_rate_and_what_is_missing():
     assert render.ptb_dropout_sweep({"e": results["e"]}) == []
 
 
+def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_the_target():
+    import render
+
+    def rec(config, val, nfe, overrides=()):
+        return {"config": f"configs/shakespeare_char/{config}.toml", "seed": 1337,
+                "overrides": list(overrides), "val_loss_full_split": val,
+                "nfe_mean_last_tenth": nfe, "nfe_backward_mean_last_tenth": nfe / 2}
+
+    half = ["train.kinetic_weight=0.005", "train.jacobian_weight=0.005"]
+    results = {"shakespeare_char-ode_tsit5_rnode_seed1337": rec("ode_tsit5_rnode", 1.92, 80.0)}
+    assert render.regularizer_table(results) == ""  # nothing to set it against
+    results["shakespeare_char-ode_tsit5_seed1337"] = rec("ode_tsit5", 1.90, 132.0)
+    results["x"] = rec("ode_tsit5_rnode", 1.91, 78.0, half)
+    lines = render.regularizer_table(results).splitlines()
+    assert "| unregularized |" in lines[2] and "| 132.0 |  |  |" in lines[2], lines[2]
+    assert "0.01 each" in lines[3] and "| +1.05% |" in lines[3] and "| 39.4% | not met |" in lines[3]
+    assert "0.005 each" in lines[4] and "| +0.53% |" in lines[4] and "| 40.9% | met |" in lines[4]
+
+
 def test_elastic_cost_marks_the_rows_timed_apart():
     import elastic_cost
 

@@ -145,6 +145,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                      "methods compared on the trained fields", [
         _train(f"{SH}/ode_tsit5.toml", [1337]),
         _train(f"{SH}/ode_tsit5_rnode.toml", [1337]),
+        # lower regularizer weights: where the loss-for-NFE trade meets the target, if anywhere
+        *[_train(f"{SH}/ode_tsit5_rnode.toml", [1337], "--tag", f"w{w}",
+                 "--set", f"train.kinetic_weight={w}", "--set", f"train.jacobian_weight={w}")
+          for w in ("0.005", "0.0025")],
         # the trained fields (and ode_rk4's) under Tsit5, dopri5, bosh3 and dopri8
         Step("adaptive_solvers.py", quick=False),  # reruns: rows for newly trained fields
     ]),
