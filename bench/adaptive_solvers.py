@@ -10,16 +10,17 @@ rtol 1e-2 ... 1e-6 (atol = rtol / 10) in float64, on 16 evenly spread validation
 characters, batch 16. Error: the relative L2 distance of the logits from a reference solve
 (Dormand-Prince 8 at rtol 1e-10, atol 1e-12); NFE: field evaluations of the block's solve
 (rejected steps included). "NFE at error <= e" is the fewest evaluations among the tolerances
-whose error is at most e. The adaptive controller takes one error norm over the whole batch,
+whose error is at most e. A model whose run folder is gone keeps the rows recorded for it. The adaptive controller takes one error norm over the whole batch,
 so these solves are not exactly causal (that is why training uses fixed grids by default).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
-from common import RUNS, finished_run, markdown_table, say_untrained, write_json
+from common import RESULTS, RUNS, finished_run, markdown_table, say_untrained, write_json
 
 MODELS = ["ode_rk4", "ode_tsit5", "ode_tsit5_rnode"]
 SOLVERS = ["tsit5", "dopri5", "bosh3", "dopri8"]
@@ -81,6 +82,9 @@ def main() -> None:
                              "error": err, "val_loss": loss, "reference_loss": ref_loss,
                              "reference_nfe": ref_nfe})
                 print(rows[-1], flush=True)
+    old = RESULTS / "adaptive_solvers.json"
+    rows, missing = keep_recorded(rows, missing,
+                                  json.loads(old.read_text())["rows"] if old.exists() else [])
     say_untrained(missing)
     if not rows:
         sys.exit("no trained ODE checkpoint in runs/bench/: run `continuumlm experiment "
@@ -97,6 +101,18 @@ def main() -> None:
                  f"rtol / 10), float64, {WINDOWS} validation windows of {CONTEXT} characters; "
                  "error = relative L2 distance of the logits from dopri8 at rtol 1e-10",
         "rows": rows, "missing": missing, "table": table})
+
+
+def keep_recorded(rows: list[dict], missing: list[str],
+                  recorded: list[dict]) -> tuple[list[dict], list[str]]:
+    """A model trained earlier whose run folder is gone keeps its recorded rows (from the
+    previous JSON); the rows in MODELS order, and the models still without any."""
+    kept = [r for r in recorded if r["model"] in missing]
+    if kept:
+        print(f"kept from the previous record: the rows of "
+              f"{', '.join(dict.fromkeys(r['model'] for r in kept))}", file=sys.stderr)
+    rows = sorted(kept + rows, key=lambda r: MODELS.index(r["model"]))
+    return rows, [m for m in missing if m not in {r["model"] for r in kept}]
 
 
 def summary(rows: list[dict]) -> list[dict]:

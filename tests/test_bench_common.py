@@ -300,6 +300,18 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
     assert "0.005 each" in lines[4] and "| +0.53% |" in lines[4] and "| 40.9% | met |" in lines[4]
 
 
+def test_adaptive_solvers_keeps_the_rows_of_a_model_whose_run_is_gone():
+    import adaptive_solvers as A
+
+    new = [{"model": "ode_tsit5", "solver": "tsit5"}]
+    recorded = [{"model": "ode_rk4", "solver": "tsit5"}, {"model": "ode_rk4", "solver": "dopri5"},
+                {"model": "ode_tsit5", "solver": "tsit5", "old": True}]
+    rows, missing = A.keep_recorded(new, ["ode_rk4", "ode_tsit5_rnode"], recorded)
+    assert rows == recorded[:2] + new  # the rerun model's fresh rows replace its old ones
+    assert missing == ["ode_tsit5_rnode"]
+    assert A.keep_recorded(new, [], recorded) == (new, [])
+
+
 def test_elastic_cost_marks_the_rows_timed_apart():
     import elastic_cost
 
