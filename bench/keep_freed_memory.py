@@ -51,17 +51,15 @@ def run(config: str, command: str, tokens: int, extra: list[str], keep: bool,
         cmd = [CLI, command, "--config", str(ROOT / config), "--out", str(out), "--quiet",
                *sum((["--set", s] for s in sets), [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with OtherLoad() as load:
+        errors = Path(tmp) / "stderr.txt"  # a file, not a pipe: nothing blocks the child
+        with OtherLoad() as load, errors.open("w") as err:
             t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE)
-            _, status, usage = os.wait4(proc.pid, 0)
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage
             wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        err = proc.stderr.read().decode()
-        proc.stderr.close()
-        if proc.returncode:
-            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
+        code = os.waitstatus_to_exitcode(status)
+        if code:
+            raise SystemExit(f"{' '.join(cmd)} failed ({code}):\n{errors.read_text()}")
         metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
     tps = tps[len(tps) // 4:]
