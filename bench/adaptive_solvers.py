@@ -10,8 +10,9 @@ rtol 1e-2 ... 1e-6 (atol = rtol / 10) in float64, on 16 evenly spread validation
 characters, batch 16. Error: the relative L2 distance of the logits from a reference solve
 (Dormand-Prince 8 at rtol 1e-10, atol 1e-12); NFE: field evaluations of the block's solve
 (rejected steps included). "NFE at error <= e" is the fewest evaluations among the tolerances
-whose error is at most e. A model whose run folder is gone keeps the rows recorded for it. The adaptive controller takes one error norm over the whole batch,
-so these solves are not exactly causal (that is why training uses fixed grids by default).
+whose error is at most e. A model without a finished run folder keeps the rows recorded for
+it earlier. The adaptive controller takes one error norm over the whole batch, so these solves
+are not exactly causal (that is why training uses fixed grids by default).
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def main() -> None:
 
 def keep_recorded(rows: list[dict], missing: list[str],
                   recorded: list[dict]) -> tuple[list[dict], list[str]]:
-    """A model trained earlier whose run folder is gone keeps its recorded rows (from the
-    previous JSON); the rows in MODELS order, and the models still without any."""
+    """A model without a finished run folder (gone, or being trained again) keeps its recorded
+    rows (from the previous JSON); the rows in MODELS order, and the models still without any."""
     kept = [r for r in recorded if r["model"] in missing]
     if kept:
         print(f"kept from the previous record: the rows of "

@@ -26,23 +26,31 @@ from pathlib import Path
 
 from common import RESULTS, OtherLoad, markdown_table, write_json
 
+from continuumlm.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
-# (config, command, tokens per step, steps per --steps, extra settings); MQAR with a small
-# generated set, as its data size does not change the step; the baby GPT's 0.1 s steps ten
-# times as many
+# (config, command, steps per --steps, extra settings); MQAR with a small generated set, as
+# its data size does not change the step; the baby GPT's 0.1 s steps ten times as many
 CONFIGS = [
-    ("configs/ptb_std/transformer.toml", "train", 32 * 64, 1, []),
-    ("configs/ptb_std/ode_euler.toml", "train", 32 * 64, 1, []),
-    ("configs/mqar/softmax_kv64.toml", "mqar", 64 * 256, 1,
+    ("configs/ptb_std/transformer.toml", "train", 1, []),
+    ("configs/ptb_std/ode_euler.toml", "train", 1, []),
+    ("configs/mqar/softmax_kv64.toml", "mqar", 1,
      ["mqar.train_examples=2048", "mqar.test_examples=64"]),
-    ("configs/shakespeare_char/transformer_baby.toml", "train", 12 * 64, 10, []),
+    ("configs/shakespeare_char/transformer_baby.toml", "train", 10, []),
 ]
 
 
-def run(config: str, command: str, tokens: int, extra: list[str], keep: bool,
-        steps: int) -> dict:
+def tokens_per_step(config: str, command: str) -> int:
+    """What the trainer's tokens/s counts per step (one process)."""
+    cfg = load_config(ROOT / config)
+    t = cfg.train
+    return t.batch_size * t.grad_accum * (cfg.mqar.seq_len if command == "mqar" else t.seq_len)
+
+
+def run(config: str, command: str, extra: list[str], keep: bool, steps: int) -> dict:
+    tokens = tokens_per_step(config, command)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         sets = [f"train.max_steps={steps}", f"train.eval_interval={10 * steps}",
@@ -86,12 +94,12 @@ def main() -> None:
     if args.only and (RESULTS / "keep_freed_memory.json").exists():
         kept = json.loads((RESULTS / "keep_freed_memory.json").read_text())["rows"]
     rows = []
-    for config, command, tokens, scale, extra in CONFIGS:
+    for config, command, scale, extra in CONFIGS:
         if args.only and config not in args.only:
             rows += [r for r in kept if r["config"] == config]
             continue
-        off = run(config, command, tokens, extra, False, scale * args.steps)
-        on = run(config, command, tokens, extra, True, scale * args.steps)
+        off = run(config, command, extra, False, scale * args.steps)
+        on = run(config, command, extra, True, scale * args.steps)
         on["speedup"] = round(off["s_per_step"] / on["s_per_step"], 2)
         on["rss_ratio"] = round(on["peak_rss_mb"] / off["peak_rss_mb"], 2)
         rows += [off, on]

@@ -12,6 +12,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+import tomllib
 from common import DOCS_DIR, RESULTS, ROOT, SHARED_CORES, markdown_table, timed_runs
 
 DOCS = DOCS_DIR / "results.md"
@@ -151,14 +152,20 @@ def regularizer_table(results: dict[str, dict]) -> str:
     if base is None:
         return ""
 
+    config = "configs/shakespeare_char/ode_tsit5_rnode.toml"
+    written = tomllib.loads((ROOT / config).read_text()).get("train", {})
+    names = ("train.kinetic_weight", "train.jacobian_weight")
+
     def weights(r: dict) -> tuple[float, float]:
         sets = dict(o.split("=", 1) for o in r.get("overrides") or [])
-        return (float(sets.get("train.kinetic_weight", 0.01)),
-                float(sets.get("train.jacobian_weight", 0.01)))
+        return tuple(float(sets.get(n, written.get(n.split(".")[1], 0.0))) for n in names)
 
+    # the config as written and runs that change only its weights (other --set runs compare
+    # something else)
     reg = sorted((r for r in results.values()
-                  if r.get("config") == "configs/shakespeare_char/ode_tsit5_rnode.toml"
-                  and r.get("seed") == 1337), key=lambda r: weights(r), reverse=True)
+                  if r.get("config") == config and r.get("seed") == 1337
+                  and all(o.split("=", 1)[0] in names for o in r.get("overrides") or [])),
+                 key=weights, reverse=True)
     rows = []
     for r in [base, *reg]:
         dloss = r["val_loss_full_split"] / base["val_loss_full_split"] - 1
@@ -172,7 +179,7 @@ def regularizer_table(results: dict[str, dict]) -> str:
                      "val": f"{r['val_loss_full_split']:.4f}",
                      "dloss": "" if r is base else f"{100 * dloss:+.2f}%",
                      "nfe": f"{r['nfe_mean_last_tenth']:.1f}",
-                     "fewer": "" if r is base else f"{100 * fewer:.1f}%",
+                     "fewer": "" if r is base else f"{100 * fewer:.2f}%",
                      "target": "" if r is base else
                      ("met" if fewer >= 0.40 and dloss <= 0.01 else "not met"),
                      "bnfe": "" if r.get("nfe_backward_mean_last_tenth") is None
@@ -388,7 +395,8 @@ def ptb_dropout_sweep(results: dict[str, dict]) -> list[str]:
     sweep: dict[str, dict[str, float]] = {}
     for r in results.values():
         tag = r.get("tag") or ""
-        if r.get("config", "").startswith("configs/ptb_std/") and tag.startswith("sweep_dropout"):
+        if (r.get("config", "").startswith("configs/ptb_std/") and tag.startswith("sweep_dropout")
+                and r.get("seed") == 1):  # the sweep is one seed's
             sweep.setdefault(Path(r["config"]).stem, {})[tag[len("sweep_dropout"):]] = (
                 math.exp(r["val_loss_full_split"]))
     if not sweep:

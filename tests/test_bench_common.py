@@ -279,6 +279,9 @@ def test_ptb_dropout_sweep_names_each_models_best_rate_and_what_is_missing():
     assert "ode_euler 0.5;" in said and "transformer 0.0 (of 2 rates; 0.5 not run yet)" in said, said
     assert table.splitlines()[3] == "| transformer | **116.0** | 139.0 | not run |"
     assert render.ptb_dropout_sweep({"e": results["e"]}) == []
+    results["g"] = {**rec("ode_euler", "0.5", 50.0), "seed": 2}  # another seed: not the sweep
+    assert "ode_euler 0.5;" in render.ptb_dropout_sweep(results)[0]
+    assert "| **105.0** |" in render.ptb_dropout_sweep(results)[2]
 
 
 def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_the_target():
@@ -294,10 +297,12 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
     assert render.regularizer_table(results) == ""  # nothing to set it against
     results["shakespeare_char-ode_tsit5_seed1337"] = rec("ode_tsit5", 1.90, 132.0)
     results["x"] = rec("ode_tsit5_rnode", 1.91, 78.0, half)
+    results["y"] = rec("ode_tsit5_rnode", 1.80, 60.0, ["train.lr=3e-3"])  # compares a rate
     lines = render.regularizer_table(results).splitlines()
+    assert len(lines) == 5 and "3e-3" not in "".join(lines)
     assert "| unregularized |" in lines[2] and "| 132.0 |  |  |" in lines[2], lines[2]
-    assert "0.01 each" in lines[3] and "| +1.05% |" in lines[3] and "| 39.4% | not met |" in lines[3]
-    assert "0.005 each" in lines[4] and "| +0.53% |" in lines[4] and "| 40.9% | met |" in lines[4]
+    assert "0.01 each" in lines[3] and "| +1.05% |" in lines[3] and "| 39.39% | not met |" in lines[3]
+    assert "0.005 each" in lines[4] and "| +0.53% |" in lines[4] and "| 40.91% | met |" in lines[4]
 
 
 def test_adaptive_solvers_keeps_the_rows_of_a_model_whose_run_is_gone():

@@ -457,6 +457,9 @@ def test_keep_freed_memory_stops_large_tensors_faulting_in_again():
     if not applied:
         pytest.skip("not glibc: mallopt unavailable")
     _, default = faults("default")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[always]" in thp.read_text():
+        pytest.skip("transparent huge pages always on: a 64 MB block faults in as ~32 pages")
     # ten 64 MB tensors: 10 x 16,384 pages faulted in afresh by default; once kept, none in
     # the steady state (a small allocation carving into the freed block can cost one more
     # tensor's worth of fresh pages before the heap settles)
@@ -476,10 +479,11 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_told_not_to(tiny_corpus, tmp_p
     assert len(calls) == 1
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the note is for glibc Linux")
 def test_trainer_says_when_keeping_freed_memory_has_no_effect(tiny_corpus, tmp_path, monkeypatch,
                                                                 capsys):
     from continuumlm.train import trainer as trainer_mod
 
     monkeypatch.setattr(trainer_mod, "keep_freed_memory", lambda: False)  # no glibc
     Trainer(tiny_cfg(tiny_corpus, "train.max_steps=1"), tmp_path / "run")
-    assert "train.keep_freed_memory has no effect on this system" in capsys.readouterr().err
+    assert "train.keep_freed_memory could not be applied" in capsys.readouterr().err

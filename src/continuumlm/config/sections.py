@@ -315,9 +315,10 @@ class TrainConfig:
     """CPU runs on Linux (glibc): keep freed memory in the process instead of handing every
     large block (above 32 MB: the logits, their gradients) back to the system at once, which
     makes each step fault those pages in again (bench/keep_freed_memory.py, 2 cores, one
-    thread: configs/ptb_std's transformer 1.36x faster per step, its ODE model 1.14x, MQAR at
-    64 pairs 1.25x). The process holds on to its peak memory (5-11% more measured). False: the
-    system's default."""
+    thread, the other core busy: configs/ptb_std's transformer 1.36x faster per step, its ODE
+    model 1.14x, MQAR at 64 pairs 1.25x). The process holds on to its peak memory (5-11% more
+    measured). Set once per process: false leaves the allocator as it is (in a process where
+    an earlier run set it, it stays set)."""
     strategy: str = "ddp"
     """Under torchrun: "ddp" (replicated weights) or "fsdp" (FSDP2, sharded weights and state)."""
     requeue_signals: list[str] = dataclasses.field(

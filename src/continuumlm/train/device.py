@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import sys
 
 import torch
@@ -59,7 +58,7 @@ def autocast_for(device: torch.device, dtype: str):
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-_kept_freed_memory = False
+_kept_freed_memory: bool | None = None  # None: not tried yet in this process
 
 
 def keep_freed_memory() -> bool:
@@ -72,21 +71,23 @@ def keep_freed_memory() -> bool:
     64 pairs, 11,000 with these settings (bench/keep_freed_memory.py). With mmap off
     (M_MMAP_MAX = 0) and trimming only past 2 GB of free heap top (M_TRIM_THRESHOLD) those
     blocks come from the heap and are reused. Results are unchanged; the process keeps its
-    peak memory. Returns whether the settings were applied (False off glibc Linux, where the
-    system's allocator is left as it is). PyTorch has no CPU caching allocator of its own,
-    hence these settings."""
+    peak memory. The settings hold for the rest of the process (a later run in the same
+    process with the option off does not undo them). Returns whether they were applied (False
+    off Linux or without glibc's mallopt, where the allocator is left as it is); tried once per
+    process. PyTorch has no CPU caching allocator of its own, hence these settings."""
     global _kept_freed_memory
-    if _kept_freed_memory:
-        return True
+    if _kept_freed_memory is not None:
+        return _kept_freed_memory
+    _kept_freed_memory = False
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this interpreter is linked with
     except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # both calls return 1 on success; mallopt takes an int, so 2 GB is the largest threshold
-    _kept_freed_memory = bool(mallopt(_M_MMAP_MAX, 0)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    # both calls return 1 on success; mallopt takes an int, so 2 GB is the largest threshold.
+    # Trimming first: should the second call fail, mmap stays on and nothing changed in effect.
+    _kept_freed_memory = bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1)) and bool(
+        mallopt(_M_MMAP_MAX, 0))
     return _kept_freed_memory

@@ -82,11 +82,6 @@ class Trainer:
                   f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
                   f"you want.", file=sys.stderr)
         self.device = pick_device(device_name)
-        if t.keep_freed_memory and self.device.type == "cpu" and not keep_freed_memory() \
-                and self.main and not quiet:
-            print("note: train.keep_freed_memory has no effect on this system (it sets glibc's "
-                  "malloc, which this process does not use); training is unchanged.",
-                  file=sys.stderr)
         self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
         self.fsdp = self.checkpointer.fsdp
@@ -103,6 +98,13 @@ class Trainer:
                      copies=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                      if self.device.type == "cpu" else 1)
         self.model = LanguageModel(cfg.model).to(self.device)
+        # after the data is prepared (its worker pool and buffers keep the system's malloc)
+        if t.keep_freed_memory and self.device.type == "cpu" and not keep_freed_memory() \
+                and sys.platform.startswith("linux") and self.main and not quiet:
+            print("note: train.keep_freed_memory could not be applied (this process's C "
+                  "library has no glibc mallopt, or it refused the settings); training is "
+                  "unchanged, only slower where large tensors are freed every step.",
+                  file=sys.stderr)
         sharded = state is not None and (self.resumed_from / SHARDS_DIR).is_dir()
         if sharded != (state is not None and self.fsdp):
             if sharded and t.strategy == "fsdp":  # fsdp asked for, but in one process
