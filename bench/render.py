@@ -99,13 +99,22 @@ def elastic_screening_table(results: dict) -> str:
 
 
 def _tokens_per_step(config: str) -> int | None:
-    import tomllib
-
     try:
         t = tomllib.loads((ROOT / config).read_text()).get("train", {})
     except OSError:
         return None
     return t.get("batch_size", 12) * t.get("seq_len", 64) * t.get("grad_accum", 1)
+
+
+def run_setting(r: dict, key: str, default=None):
+    """A run's value of ``key`` ("train.lr"): its --set option if it ran with one, else its config
+    file's (the value as written, a string from --set), else ``default``."""
+    for o in r.get("overrides") or ():
+        name, _, value = o.partition("=")
+        if name == key:
+            return value
+    section, _, name = key.partition(".")
+    return tomllib.loads((ROOT / r["config"]).read_text()).get(section, {}).get(name, default)
 
 
 def row_overrides(r: dict) -> tuple:
@@ -153,19 +162,19 @@ def regularizer_table(results: dict[str, dict]) -> str:
         return ""
 
     config = "configs/shakespeare_char/ode_tsit5_rnode.toml"
-    written = tomllib.loads((ROOT / config).read_text()).get("train", {})
     names = ("train.kinetic_weight", "train.jacobian_weight")
 
-    def weights(r: dict) -> tuple[float, float]:
-        sets = dict(o.split("=", 1) for o in r.get("overrides") or [])
-        return tuple(float(sets.get(n, written.get(n.split(".")[1], 0.0))) for n in names)
+    def weights(r: dict) -> tuple[float, ...]:
+        return tuple(float(run_setting(r, n, 0.0)) for n in names)
 
     # the config as written and runs that change only its weights (other --set runs compare
     # something else)
     reg = sorted((r for r in results.values()
                   if r.get("config") == config and r.get("seed") == 1337
-                  and all(o.split("=", 1)[0] in names for o in r.get("overrides") or [])),
+                  and all(o.partition("=")[0] in names for o in r.get("overrides") or [])),
                  key=weights, reverse=True)
+    if not reg:
+        return ""
     rows = []
     for r in [base, *reg]:
         dloss = r["val_loss_full_split"] / base["val_loss_full_split"] - 1
@@ -185,8 +194,6 @@ def regularizer_table(results: dict[str, dict]) -> str:
                      "bnfe": "" if r.get("nfe_backward_mean_last_tenth") is None
                      else f"{r['nfe_backward_mean_last_tenth']:.1f}",
                      "wall": f"{r['wall_seconds']:.0f}" if r.get("wall_seconds") else ""})
-    if not reg:
-        return ""
     return markdown_table(rows, [("config", "config"), ("what", "regularizer"),
                                  ("val", "val loss (whole split)"), ("dloss", "vs unregularized"),
                                  ("nfe", "forward NFE (last tenth of training)"),
@@ -318,12 +325,7 @@ def mqar_records(results: dict[str, dict]) -> list[dict]:
 def mqar_lr(r: dict) -> str:
     if "shown_lr" in r:
         return r["shown_lr"]
-    lr = next((o.split("=", 1)[1] for o in r.get("overrides", []) if o.startswith("train.lr=")),
-              None)
-    if lr is None:
-        import tomllib
-
-        lr = tomllib.loads((ROOT / r["config"]).read_text()).get("train", {}).get("lr", "")
+    lr = run_setting(r, "train.lr", "")
     return f"{float(lr):g}" if lr != "" else ""
 
 
@@ -652,7 +654,7 @@ def main() -> None:
                   "the config's 0.01 each, as in RNODE, and lower weights with `--tag wW --set "
                   "train.kinetic_weight=W --set train.jacobian_weight=W`), seed 1337. "
                   "Target: >= 40% fewer forward NFE at <= 1% higher val loss. Tsit5 spends 6 "
-                  "evaluations per accepted step, so NFE moves in steps of about 6. Produced "
+                  "evaluations per step it tries, so NFE moves in steps of about 6. Produced "
                   "by `continuumlm experiment regularizers`.", "", reg, ""]
     for key, title in (("ode_cost", "Cost per function evaluation"),
                        ("ode_memory", "Memory and time vs solver steps"),

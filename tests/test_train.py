@@ -453,13 +453,13 @@ def test_keep_freed_memory_stops_large_tensors_faulting_in_again():
                              text=True, check=True).stdout.split()
         return out[0] == "True", int(out[1])
 
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[always]" in thp.read_text():
+        pytest.skip("transparent huge pages always on: a 64 MB block faults in as ~32 pages")
     applied, kept = faults("keep")
     if not applied:
         pytest.skip("not glibc: mallopt unavailable")
     _, default = faults("default")
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[always]" in thp.read_text():
-        pytest.skip("transparent huge pages always on: a 64 MB block faults in as ~32 pages")
     # ten 64 MB tensors: 10 x 16,384 pages faulted in afresh by default; once kept, none in
     # the steady state (a small allocation carving into the freed block can cost one more
     # tensor's worth of fresh pages before the heap settles)
