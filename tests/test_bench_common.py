@@ -303,6 +303,19 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
     assert "| unregularized |" in lines[2] and "| 132.0 |  |  |" in lines[2], lines[2]
     assert "0.01 each" in lines[3] and "| +1.05% |" in lines[3] and "| 39.39% | not met |" in lines[3]
     assert "0.005 each" in lines[4] and "| +0.53% |" in lines[4] and "| 40.91% | met |" in lines[4]
+    assert render.regularizer_verdict(results) == (
+        "Target met by 40.91% fewer at +0.53% (kinetic + Jacobian, 0.005 each).")
+    results["x"] = rec("ode_tsit5_rnode", 1.91, 90.0, half)
+    assert render.regularizer_verdict(results) == (
+        "No weight tried meets the target (2 tried). Within 1% of the unregularized loss the "
+        "most saved is 31.82% fewer at +0.53% (kinetic + Jacobian, 0.005 each); the most saved "
+        "at any weight is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
+    results["x"] = rec("ode_tsit5_rnode", 1.93, 90.0, half)
+    assert render.regularizer_verdict(results) == (
+        "No weight tried meets the target (2 tried). Every weight costs more than 1%; the most "
+        "saved is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
+    del results["shakespeare_char-ode_tsit5_seed1337"]
+    assert render.regularizer_verdict(results) == ""
 
 
 def test_adaptive_solvers_keeps_the_rows_of_a_model_whose_run_is_gone():
