@@ -377,3 +377,44 @@ def test_train_seeds_fills_in_each_seeds_values():
     assert applied == [f"train.distill_from={train_seeds.RUNS}/t_seed7", "train.lr=2e-3"]
     if train_seeds.RUNS.is_relative_to(train_seeds.ROOT):
         assert recorded[0] == f"train.distill_from={train_seeds.RUNS.relative_to(train_seeds.ROOT)}/t_seed7"
+
+
+@pytest.mark.parametrize("norm", ["default", "seminorm"])
+def test_adjoint_norm_parts_splits_torchdiffeqs_norm_without_changing_the_solve(norm):
+    import adjoint_norm_parts as P
+    import torch
+    import torchdiffeq._impl.adjoint as A
+
+    from continuumlm import LanguageModel, ModelConfig
+
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=11, hidden_size=16, num_heads=2, num_layers=1,
+                                      max_seq_len=8, position="learned", depth="ode"))
+    x = torch.randint(0, 11, (3, 7))
+    y = torch.randint(0, 11, (3, 7))
+    installer = A.handle_adjoint_norm_
+    nfe, bnfe, calls = P.step(model, norm, x, y, record=True)
+    assert A.handle_adjoint_norm_ is installer  # restored
+    assert P.step(model, norm, x, y, record=False)[:2] == (nfe, bnfe) and bnfe > 0
+    assert calls and all(set(c) == {*P.PARTS, "value"} for c in calls)
+    kept = P.PARTS if norm == "default" else P.PARTS[:3]  # the seminorm drops the parameters
+    for c in calls:  # the parts are the pieces torchdiffeq's norm takes the largest of
+        assert c["value"] == pytest.approx(max(c[p] for p in kept), rel=1e-6), c
+    assert any(c["parameter adjoints"] > 0 for c in calls)
+    summary = P.summarize(calls)
+    assert summary["norm_calls"] == len(calls) == sum(summary["largest"].values())
+
+
+def test_seminorm_why_reports_the_steps_saved_and_the_parts():
+    import render
+
+    run = {"curves": {"default": [[1, 2.0, 20, 32], [2, 2.0, 20, 32], [3, 2.0, 20, 38]],
+                      "seminorm": [[1, 2.0, 20, 20], [2, 2.0, 20, 32], [3, 2.0, 20, 44]]}}
+    said = render.seminorm_why(run, None)
+    assert said == ["Per step, the seminorm took fewer backward evaluations in 1 of 3 steps "
+                    "(1 of the first 10) and more in 1.", ""]
+    parts = {"command": "python bench/adjoint_norm_parts.py", "setup": "one step", "table": "T",
+             "rows": [{"model": "m", "norm": "default", "backward_nfe": 32},
+                      {"model": "m", "norm": "seminorm", "backward_nfe": 20}]}
+    text = render.seminorm_why(run, parts)
+    assert "saved by the seminorm in this step: m 37.5%." in text[2] and text[4] == "T"

@@ -151,6 +151,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
           for w in ("0.005", "0.0025")],
         # the trained fields (and ode_rk4's) under Tsit5, dopri5, bosh3 and dopri8
         Step("adaptive_solvers.py", quick=False),  # reruns: rows for newly trained fields
+        # which part of the backsolve adjoint's state sets its steps on these fields (why the
+        # seminorm saves little in training)
+        Step("adjoint_norm_parts.py", quick=False),
     ]),
     "ptb_std": ("Penn Treebank in the standard setup (10k vocabulary, ~4.6 M parameters, "
                 "Zaremba-small's 12 M tokens): dropout swept at a quarter of the budget on the "
