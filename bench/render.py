@@ -163,26 +163,27 @@ def _regularizer_runs(results: dict[str, dict]) -> list[dict]:
     if base is None:
         return []
     config = "configs/shakespeare_char/ode_tsit5_rnode.toml"
-    names = ("train.kinetic_weight", "train.jacobian_weight")
+    names = ("train.kinetic_weight", "train.jacobian_weight", "train.steer")
 
     def weights(r: dict) -> tuple[float, ...]:
         return tuple(float(run_setting(r, n, 0.0)) for n in names)
 
-    # the config as written and runs that change only its weights (other --set runs compare
-    # something else)
+    # the config as written and runs that change only its regularizers (other --set runs
+    # compare something else); strongest weights first, STEER after the same weights without
     reg = sorted((r for r in results.values()
                   if r.get("config") == config and r.get("seed") == 1337
                   and all(o.partition("=")[0] in names for o in r.get("overrides") or [])),
-                 key=weights, reverse=True)
+                 key=lambda r: (-weights(r)[0], -weights(r)[1], weights(r)[2]))
     if not reg:
         return []
     runs = [{"r": base, "what": "unregularized", "dloss": 0.0, "fewer": 0.0, "met": None}]
     for r in reg:
-        kin, jac = weights(r)
+        kin, jac, steer = weights(r)
         dloss = r["val_loss_full_split"] / base["val_loss_full_split"] - 1
         fewer = 1 - r["nfe_mean_last_tenth"] / base["nfe_mean_last_tenth"]
-        runs.append({"r": r, "what": (f"kinetic + Jacobian, {kin:g} each" if kin == jac
-                                      else f"kinetic {kin:g}, Jacobian {jac:g}"),
+        what = (f"kinetic + Jacobian, {kin:g} each" if kin == jac
+                else f"kinetic {kin:g}, Jacobian {jac:g}")
+        runs.append({"r": r, "what": what + (f"; STEER {steer:g}" if steer else ""),
                      "dloss": dloss, "fewer": fewer, "met": fewer >= 0.40 and dloss <= 0.01})
     return runs
 
@@ -721,7 +722,9 @@ def main() -> None:
                   "gradients through the accepted steps) at the baby budget, without and with "
                   "RNODE's regularizers (`train.kinetic_weight`, `train.jacobian_weight`; "
                   "the config's 0.01 each, as in RNODE, and lower weights with `--tag wW --set "
-                  "train.kinetic_weight=W --set train.jacobian_weight=W`), seed 1337. "
+                  "train.kinetic_weight=W --set train.jacobian_weight=W`; STEER's random end time, t1 "
+                  "drawn from [1 - b, 1 + b] in training, with `--set train.steer=b`), seed "
+                  "1337. "
                   "Target: >= 40% fewer forward NFE at <= 1% higher val loss. Tsit5 spends 6 "
                   "evaluations per step it tries, so NFE moves in steps of about 6. Produced "
                   "by `continuumlm experiment regularizers`.", "", reg, "",

@@ -314,6 +314,11 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
     assert render.regularizer_verdict(results) == (
         "No weight tried meets the target (2 tried). Every weight costs more than 1%; the most "
         "saved is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
+    results["s"] = rec("ode_tsit5_rnode", 1.905, 78.0, [*half, "train.steer=0.5"])
+    lines = render.regularizer_table(results).splitlines()
+    assert "| kinetic + Jacobian, 0.005 each |" in lines[4], lines[4]  # without STEER first
+    assert "| kinetic + Jacobian, 0.005 each; STEER 0.5 |" in lines[5], lines[5]
+    assert "| +0.26% |" in lines[5] and "| 40.91% | met |" in lines[5]
     del results["shakespeare_char-ode_tsit5_seed1337"]
     assert render.regularizer_verdict(results) == ""
 

@@ -149,6 +149,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[_train(f"{SH}/ode_tsit5_rnode.toml", [1337], "--tag", f"w{w}",
                  "--set", f"train.kinetic_weight={w}", "--set", f"train.jacobian_weight={w}")
           for w in ("0.005", "0.0025")],
+        # STEER's random end time (t1 in [0.5, 1.5]) on the weight that stays within 1%
+        _train(f"{SH}/ode_tsit5_rnode.toml", [1337], "--tag", "w0.005-steer0.5",
+               "--set", "train.kinetic_weight=0.005", "--set", "train.jacobian_weight=0.005",
+               "--set", "train.steer=0.5"),
         # the trained fields (and ode_rk4's) under Tsit5, dopri5, bosh3 and dopri8
         Step("adaptive_solvers.py", quick=False),  # reruns: rows for newly trained fields
         # which part of the backsolve adjoint's state sets its steps on these fields (why the
