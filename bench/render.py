@@ -229,13 +229,13 @@ def regularizer_verdict(results: dict[str, dict]) -> str:
         return "Target met by " + "; ".join(said(run) for run in met) + "."
     within = [run for run in runs if run["dloss"] <= 0.01]
     most = max(runs, key=lambda run: run["fewer"])
-    text = f"No weight tried meets the target ({len(runs)} tried). "
+    text = f"No setting tried meets the target ({len(runs)} tried). "
     if within:
         best = max(within, key=lambda run: run["fewer"])
         text += f"Within 1% of the unregularized loss the most saved is {said(best)}"
-        text += "." if best is most else f"; the most saved at any weight is {said(most)}."
+        text += "." if best is most else f"; the most saved by any setting is {said(most)}."
     else:
-        text += f"Every weight costs more than 1%; the most saved is {said(most)}."
+        text += f"Every setting costs more than 1%; the most saved is {said(most)}."
     return text
 
 
@@ -259,13 +259,14 @@ def seminorm_why(run: dict, norm_parts: dict | None) -> list[str]:
             if r["norm"] != "seminorm":
                 continue
             base = next(d for d in rows if d["model"] == r["model"] and d["norm"] == "default")
-            saved.append(f"{r['model']} {100 * (1 - r['backward_nfe'] / base['backward_nfe']):.1f}%")
+            fewer = 1 - r["backward_nfe"] / base["backward_nfe"]
+            saved.append(f"{r['model']} {100 * fewer:.1f}%")
         out += ["Why (`" + norm_parts["command"] + "` — " + norm_parts["setup"] + "): the "
                 "backsolve adjoint integrates the state again, backward, beside its adjoint "
                 "and the parameter adjoints, and rejects a step when the largest "
                 "tolerance-scaled error over these parts exceeds 1; the seminorm leaves only the "
-                "parameter adjoints out. It saves steps only where they hold the largest error (in the seminorm rows they are "
-                "recorded but left out of the decision). "
+                "parameter adjoints out. It saves steps only where they hold the largest error "
+                "(in the seminorm rows they are recorded but left out of the decision). "
                 "Backward evaluations saved by the seminorm in this step: " + ", ".join(saved)
                 + ".", "", norm_parts["table"], ""]
     return out
@@ -722,9 +723,9 @@ def main() -> None:
                   "gradients through the accepted steps) at the baby budget, without and with "
                   "RNODE's regularizers (`train.kinetic_weight`, `train.jacobian_weight`; "
                   "the config's 0.01 each, as in RNODE, and lower weights with `--tag wW --set "
-                  "train.kinetic_weight=W --set train.jacobian_weight=W`; STEER's random end time, t1 "
-                  "drawn from [1 - b, 1 + b] in training, with `--set train.steer=b`), seed "
-                  "1337. "
+                  "train.kinetic_weight=W --set train.jacobian_weight=W`; STEER's random end "
+                  "time, t1 drawn from [1 - b, 1 + b] in training, with `--set "
+                  "train.steer=b`), seed 1337. "
                   "Target: >= 40% fewer forward NFE at <= 1% higher val loss. Tsit5 spends 6 "
                   "evaluations per step it tries, so NFE moves in steps of about 6. Produced "
                   "by `continuumlm experiment regularizers`.", "", reg, "",

@@ -307,12 +307,12 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
         "Target met by 40.91% fewer at +0.53% (kinetic + Jacobian, 0.005 each).")
     results["x"] = rec("ode_tsit5_rnode", 1.91, 90.0, half)
     assert render.regularizer_verdict(results) == (
-        "No weight tried meets the target (2 tried). Within 1% of the unregularized loss the "
+        "No setting tried meets the target (2 tried). Within 1% of the unregularized loss the "
         "most saved is 31.82% fewer at +0.53% (kinetic + Jacobian, 0.005 each); the most saved "
-        "at any weight is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
+        "by any setting is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
     results["x"] = rec("ode_tsit5_rnode", 1.93, 90.0, half)
     assert render.regularizer_verdict(results) == (
-        "No weight tried meets the target (2 tried). Every weight costs more than 1%; the most "
+        "No setting tried meets the target (2 tried). Every setting costs more than 1%; the most "
         "saved is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
     results["s"] = rec("ode_tsit5_rnode", 1.905, 78.0, [*half, "train.steer=0.5"])
     lines = render.regularizer_table(results).splitlines()
