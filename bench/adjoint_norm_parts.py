@@ -28,11 +28,12 @@ import dataclasses
 import json
 import sys
 
+from adaptive_solvers import CONTEXT, WINDOWS
+from adaptive_solvers import _windows as windows  # the same 16 validation windows of 64
 from common import RUNS, finished_run, markdown_table, write_json
 
 MODELS = ["ode_tsit5", "ode_tsit5_rnode"]
 PARTS = ("time", "state", "state adjoint", "parameter adjoints")
-WINDOWS, CONTEXT = 16, 64
 RTOL, ATOL = 1e-3, 1e-4
 
 
@@ -98,20 +99,6 @@ def _models():
     return found
 
 
-def _windows(run):
-    import numpy as np
-    import torch
-
-    from continuumlm.data import prepare_data
-    from continuumlm.train.checkpoint import load_run_config, resolve_checkpoint
-
-    cfg = load_run_config(resolve_checkpoint(run, "last"))
-    tokens = np.asarray(prepare_data(cfg.data).splits["val"])
-    starts = np.linspace(0, len(tokens) - CONTEXT - 2, WINDOWS).astype(int)
-    data = torch.tensor(np.stack([tokens[s:s + CONTEXT + 1] for s in starts]), dtype=torch.long)
-    return data[:, :-1], data[:, 1:]
-
-
 def step(model, norm: str, x, y, record: bool) -> tuple[int, int, list[dict]]:
     """Forward and backward NFE of one training step under ``norm``, and the recorded parts."""
     from continuumlm import LanguageModel
@@ -147,7 +134,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for name, model, run in _models():
-        x, y = _windows(run)
+        x, y = windows(run)
         for norm in ("default", "seminorm"):
             nfe, bnfe, calls = step(model, norm, x, y, record=True)
             _, bnfe_plain, _ = step(model, norm, x, y, record=False)
