@@ -268,7 +268,9 @@ def seminorm_why(run: dict, norm_parts: dict | None) -> list[str]:
                 "parameter adjoints out. It saves steps only where they hold the largest error "
                 "(in the seminorm rows they are recorded but left out of the decision). "
                 "Backward evaluations saved by the seminorm in this step: " + ", ".join(saved)
-                + ".", "", norm_parts["table"], ""]
+                + ". Exact gradients through the accepted steps (`ode_grad = \"checkpoint\"`) "
+                "have no backward solve to control: the backward replays the forward's steps "
+                "(section \"Gradients of adaptive solves\").", "", norm_parts["table"], ""]
     return out
 
 
