@@ -24,6 +24,7 @@ below for every row).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import sys
@@ -108,14 +109,10 @@ def step(model, norm: str, x, y, record: bool) -> tuple[int, int, list[dict]]:
     fresh = LanguageModel(cfg)
     fresh.load_state_dict(model.state_dict())
     fresh.train()
-    if not record:
+    with PartsRecorder() if record else contextlib.nullcontext() as rec:
         _, loss = fresh(x, y)
         loss.backward()
-        return fresh.last_nfe, fresh.last_backward_nfe, []
-    with PartsRecorder() as rec:
-        _, loss = fresh(x, y)
-        loss.backward()
-    return fresh.last_nfe, fresh.last_backward_nfe, rec.calls
+    return fresh.last_nfe, fresh.last_backward_nfe, rec.calls if record else []
 
 
 def summarize(calls: list[dict]) -> dict:
