@@ -170,15 +170,14 @@ def _regularizer_runs(results: dict[str, dict]) -> list[dict]:
 
     # the config as written and runs that change only its regularizers (other --set runs
     # compare something else); strongest weights first, STEER after the same weights without
-    reg = sorted((r for r in results.values()
+    reg = sorted(((weights(r), r) for r in results.values()
                   if r.get("config") == config and r.get("seed") == 1337
                   and all(o.partition("=")[0] in names for o in r.get("overrides") or [])),
-                 key=lambda r: (-weights(r)[0], -weights(r)[1], weights(r)[2]))
+                 key=lambda wr: (-wr[0][0], -wr[0][1], wr[0][2]))
     if not reg:
         return []
     runs = [{"r": base, "what": "unregularized", "dloss": 0.0, "fewer": 0.0, "met": None}]
-    for r in reg:
-        kin, jac, steer = weights(r)
+    for (kin, jac, steer), r in reg:
         dloss = r["val_loss_full_split"] / base["val_loss_full_split"] - 1
         fewer = 1 - r["nfe_mean_last_tenth"] / base["nfe_mean_last_tenth"]
         what = (f"kinetic + Jacobian, {kin:g} each" if kin == jac
