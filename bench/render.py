@@ -982,15 +982,44 @@ def plots(results: dict[str, dict]) -> list[str]:
     std = [r for r in results.values() if r.get("config", "").startswith("configs/ptb_std/")
            and r.get("curve")]
     if std:
-        rows = [{"run": (Path(r["config"]).stem, r.get("tag") or "", r["seed"]),
-                 "tokens": s * _tokens_per_step(r["config"]) / 1e6, "ppl": math.exp(v)}
-                for r in std for s, v in r["curve"]["val"] if s > 0]
-        series("ptb_std_val_curves", rows, lambda r: r["run"], lambda r: r["tokens"],
-               lambda r: r["ppl"],
-               lambda k: f"{k[0]} {k[1].replace('sweep_', '') or 'headline'} seed {k[2]}",
-               yscale="log", xlabel="tokens seen (millions)",
-               ylabel="val perplexity (in-training estimate, 40 batches)",
-               title="PTB, standard setup: validation curves")
+        # two panels, so that the full-budget runs and the quarter-budget dropout sweep never
+        # share a label: one colour per model, line style by seed (left) or by dropout (right)
+        fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8), sharey=True)
+        models = sorted({Path(r["config"]).stem for r in std})
+        colors = dict(zip(models, plt.cm.tab10.colors))
+        styles = ["-", "--", ":", "-."]
+        for ax, sweep in ((axes[0], False), (axes[1], True)):
+            runs = [r for r in std if (r.get("tag") or "").startswith("sweep_") == sweep]
+            dropouts = sorted({float(run_setting(r, "model.dropout", 0.0)) for r in runs})
+            seeds = sorted({r["seed"] for r in runs})
+            for r in sorted(runs, key=lambda r: (Path(r["config"]).stem, r.get("tag") or "",
+                                                 r["seed"])):
+                model, dropout = Path(r["config"]).stem, float(run_setting(r, "model.dropout", 0.0))
+                pts = [(s * _tokens_per_step(r["config"]) / 1e6, math.exp(v))
+                       for s, v in r["curve"]["val"] if s > 0]
+                variant = not sweep and bool(r.get("tag"))  # a full-budget run with --set
+                if sweep:  # line style by dropout rate
+                    ls, label = styles[dropouts.index(dropout) % 4], f"{model}, dropout {dropout:g}"
+                    label += f", seed {r['seed']}" if len(seeds) > 1 else ""
+                elif variant:
+                    ls, label = "-.", f"{model}, dropout {dropout:g}, seed {r['seed']}"
+                else:  # headline runs: line style by seed
+                    ls, label = styles[seeds.index(r["seed"]) % 3], \
+                        f"{model}, headline (dropout {dropout:g}), seed {r['seed']}"
+                ax.plot(*zip(*pts), color=colors[model], ls=ls, marker="x" if variant else "o",
+                        ms=3.5, lw=1.3, alpha=0.55 if variant else 1.0, label=label)
+            ax.set(yscale="log", xlabel="tokens seen (millions)",
+                   title="quarter budget: dropout sweep" if sweep
+                   else "full budget (about 12 M tokens)")
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.set_yticks([100, 120, 150, 200, 300])
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.15),
+                      frameon=False, ncol=2)
+        axes[0].set_ylabel("val perplexity (in-training estimate, 40 batches)")
+        save(fig, "ptb_std_val_curves", "PTB, standard setup: validation curves",
+             "PTB, standard setup: validation curves")
     if "depth_elasticity" in results:
         # one panel per evaluation solver, one colour per trained model; a model with a clamped
         # step-size range also drawn with the clamp lifted (dashed: its own points where they
