@@ -932,15 +932,22 @@ def plots(results: dict[str, dict]) -> list[str]:
         save(fig, "shakespeare_pareto", "loss against cost",
              "Tiny Shakespeare: loss against training cost and size, every row")
 
-    def series(name, rows, series_of, x, y, label, **axes):
-        """One line per series (rows grouped by series_of(row)), saved as img/<name>.png."""
+    def series(name, rows, series_of, x, y, label, family=None, **axes):
+        """One line per series (rows grouped by series_of(row)), saved as img/<name>.png.
+        With ``family`` (series key -> family key), a family's series share one colour and
+        differ in line style (several seeds of one config)."""
         fig, ax = plt.subplots(figsize=(8.5, 4.5))
         styles = ["-", "--", "-.", ":"]
-        for i, key in enumerate(dict.fromkeys(series_of(r) for r in rows)):
+        keys = list(dict.fromkeys(series_of(r) for r in rows))
+        groups = list(dict.fromkeys(family(k) for k in keys)) if family else keys
+        for key in keys:
+            g = groups.index(family(key) if family else key)
+            # within a family: the n-th member's style; otherwise tab10 repeats every ten
+            n = [k for k in keys if family(k) == family(key)].index(key) if family else g // 10
             pts = sorted((x(r), y(r)) for r in rows if series_of(r) == key and y(r) is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3.5, ls=styles[(i // 10) % 4],
-                        color=plt.cm.tab10.colors[i % 10], label=label(key))
+                ax.plot(*zip(*pts), marker="o", ms=3.5, ls=styles[n % 4],
+                        color=plt.cm.tab10.colors[g % 10], label=label(key))
         ax.set(**axes)
         if axes.get("xscale") == "log":  # minor labels (3x10^2, 4x10^2, ...) overprint
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -974,10 +981,12 @@ def plots(results: dict[str, dict]) -> list[str]:
     ptb = [r for r in results.values() if r.get("config", "").startswith("configs/ptb/")
            and r.get("curve")]
     if ptb:
-        rows = [{"config": Path(r["config"]).stem, "step": s, "ppl": math.exp(v)}
-                for r in ptb for s, v in r["curve"]["val"] if s > 0]
-        series("ptb_val_curves", rows, lambda r: r["config"], lambda r: r["step"],
-               lambda r: r["ppl"], str, yscale="log", xlabel="step",
+        rows = [{"run": (Path(r["config"]).stem, r["seed"]),
+                 "tokens": s * _tokens_per_step(r["config"]) / 1e6, "ppl": math.exp(v)}
+                for r in ptb if not r.get("tag") for s, v in r["curve"]["val"] if s > 0]
+        series("ptb_val_curves", rows, lambda r: r["run"], lambda r: r["tokens"],
+               lambda r: r["ppl"], lambda k: f"{k[0]}, seed {k[1]}", family=lambda k: k[0],
+               yscale="log", xlabel="tokens seen (millions)",
                ylabel="val perplexity (in-training estimate)", title="PTB validation curves")
     std = [r for r in results.values() if r.get("config", "").startswith("configs/ptb_std/")
            and r.get("curve")]
