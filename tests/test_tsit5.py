@@ -113,8 +113,10 @@ def test_adaptive_solves_reach_their_tolerance(name):
         calls[0] += 1
         return f(float(t), y)
 
+    # adaptive_heun (second order) needs ~36,000 evaluations at 1e-8; 100x looser suffices
+    rtol, atol = (1e-6, 1e-8) if name == "adaptive_heun" else (1e-8, 1e-10)
     out = odeint_call(field, y0, 0.0, 2.0, ADAPTIVE_METHODS[name], False, (), "test",
-                      rtol=1e-8, atol=1e-10, options={"max_num_steps": 100_000})
+                      rtol=rtol, atol=atol, options={"max_num_steps": 100_000})
     err = (out - exact(2.0)).abs().max().item()
     assert err < (1e-4 if name in ("bosh3", "fehlberg2", "adaptive_heun") else 1e-6), (name, err)
     if name in ("tsit5", "dopri5"):  # fifth-order pairs: a few hundred evaluations at most
