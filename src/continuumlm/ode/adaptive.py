@@ -235,6 +235,8 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
     backward_options = dict(options)  # max_num_steps; the backward solve ends where it ends
     if method in LAND_ON_T1 or checkpoint:  # a checkpointed solve replays steps: none past t1
         options["step_t"] = t[1:]
+    if method in LAND_ON_T1:  # the adjoint's backward solve lands on t0 for the same reason
+        backward_options["step_t"] = t[:1]  # (torchdiffeq flips it with the reversed interval)
     kwargs = dict(method=method, rtol=rtol, atol=atol, options=options)
     try:
         if adjoint:
