@@ -111,18 +111,33 @@ class _Held:
         _Held.live -= self.bytes
 
 
-def test_memory_does_not_grow_with_the_steps():
+def test_memory_does_not_grow_with_the_steps(monkeypatch):
     """At its peak, autograd holds the kept states and one step's graph, not a graph per step:
-    the bytes saved for backward stay flat from 8 to 64 steps with 3 kept states, and grow
-    with plain per-step checkpointing."""
+    the bytes saved for backward plus the states the solve keeps for its backward (held on
+    its context, which the hooks do not see) stay flat from 8 to 64 steps with 3 kept states,
+    and grow with plain per-step checkpointing."""
+    from continuumlm.ode import binomial
+
+    kept = []
+    forward = binomial._BinomialSolve.forward
+
+    def counting(ctx, *args):
+        out = forward(ctx, *args)
+        kept.append(sum(h.nbytes for h in ctx.kept))
+        return out
+
+    monkeypatch.setattr(binomial._BinomialSolve, "forward", staticmethod(counting))
+
     def peak(grad, steps):
         m = build(ode_solver="rk4", ode_steps=steps, num_layers=1, ode_grad=grad,
                   ode_checkpoints=3, dropout=0.0)
         idx = torch.randint(0, 29, (4, 32))
         _Held.live = _Held.peak = 0
+        kept.clear()
         with torch.autograd.graph.saved_tensors_hooks(_Held, lambda h: h.t):
             m(idx, idx)[1].backward()
-        return _Held.peak
+        assert (grad == "binomial") == bool(kept)  # the count saw the binomial solve
+        return _Held.peak + sum(kept)
 
     b8, b64 = peak("binomial", 8), peak("binomial", 64)
     c8, c64 = peak("checkpoint", 8), peak("checkpoint", 64)
@@ -139,3 +154,26 @@ def test_memory_does_not_grow_with_the_steps():
 def test_refusals(kw, needle):
     with pytest.raises(ConfigError, match=needle):
         ModelConfig(**{**BASE, **kw})
+
+
+@pytest.mark.parametrize("kw", [dict(ode_solver="rk4", ode_grad="binomial"),
+                                dict(ode_solver="reversible_heun", ode_grad="reversible"),
+                                dict(ode_solver="dopri5", ode_grad="checkpoint")],
+                         ids=["binomial", "reversible", "adaptive-checkpoint"])
+def test_a_double_backward_is_refused_not_wrong(kw):
+    """These modes' backward passes build no graph of their own: differentiating a gradient
+    through them raises (it gave a wrong Hessian-vector product for reversible), and binomial
+    checkpointing, which lets go of its checkpoints as it reverses them, refuses a second
+    backward by name instead of failing on an empty list."""
+    m = build(**kw, ode_steps=4, dropout=0.0)
+    idx = torch.randint(0, 29, (2, 9))
+    params = [p for n, p in m.named_parameters() if "depth" in n]  # the ODE block's weights
+    _, loss = m(idx, idx.roll(-1, 1))
+    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable"):
+        sum(g.square().sum() for g in grads if g is not None).backward()
+    if kw["ode_grad"] == "binomial":
+        _, loss = m(idx, idx.roll(-1, 1))
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="differentiated once"):
+            loss.backward()

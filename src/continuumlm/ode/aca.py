@@ -23,6 +23,7 @@ is still exactly that of the solution returned.)
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .binomial import reverse_step
 
@@ -92,6 +93,7 @@ class _CheckpointedReplay(torch.autograd.Function):
         return h
 
     @staticmethod
+    @once_differentiable  # its vjps build no graph: a double backward would be wrong
     def backward(ctx, g):
         saved = ctx.saved_tensors
         params, kept = saved[:ctx.num_params], saved[ctx.num_params:]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 def default_checkpoints(steps: int) -> int:
@@ -117,8 +118,15 @@ class _BinomialSolve(torch.autograd.Function):
         return h
 
     @staticmethod
+    @once_differentiable  # its vjps build no graph: a double backward would be wrong
     def backward(ctx, grad_out):
         h0, *params = ctx.saved_tensors
+        if len(ctx.kept) != len(ctx.points) - 1:  # freed by an earlier backward
+            raise RuntimeError(
+                "binomial checkpointing lets go of its checkpoints as the backward pass reverses "
+                "them, so a solve can be differentiated once (backward(retain_graph=True) then "
+                "a second backward is not supported): run the forward again, or use ode_grad = "
+                "'checkpoint', which keeps its checkpoints.")
         grads: list[torch.Tensor | None] = [None] * len(params)
         g, end = grad_out, ctx.n
         with torch.autocast(**ctx.autocast):

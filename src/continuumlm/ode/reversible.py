@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 from ..registry import register_solver
 from .adaptive import ODESolverError
@@ -92,6 +93,7 @@ class _ReversibleHeunFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # its vjps build no graph: a double backward would be wrong
     def backward(ctx, grad_y):
         kind, enabled, dtype = ctx.autocast
         with torch.autocast(kind, dtype=dtype, enabled=enabled):
