@@ -398,3 +398,73 @@ def test_gated_rk2_changes_its_step_count_and_keeps_its_gate():
     assert [b.solver.gate for b in m.depth.blocks] == gates  # the trained weights stay
     with pytest.raises(ValueError, match="weights of its own"):
         m.set_solver("rk4")
+
+
+@pytest.mark.parametrize("grad,solver", [("adjoint", "rk4"), ("adjoint", "dopri5"),
+                                         ("binomial", "rk4"), ("checkpoint", "rk4"),
+                                         ("checkpoint", "dopri5"),
+                                         ("reversible", "reversible_heun")])
+def test_backward_evaluates_the_field_in_the_forwards_autocast(grad, solver):
+    """The trainer calls backward() outside autocast: every mode that evaluates the field again
+    in its backward pass does so in the forward's precision (the adjoint's backward solve ran
+    in float32 under a bfloat16 forward: another field than the one integrated)."""
+    lin = torch.nn.Linear(8, 8)
+    seen = []
+
+    def f(t, h):
+        out = torch.tanh(lin(h))
+        seen.append(out.dtype)
+        return out
+
+    cfg = ModelConfig(vocab_size=29, hidden_size=8, num_heads=2)
+    h0 = torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = integrate(f, h0, 0.0, 1.0, SOLVERS[solver](cfg), 2, grad, tuple(lin.parameters()))
+    forward = len(seen)
+    out.float().sum().backward()
+    assert forward and len(seen) > forward
+    assert set(seen) == {torch.bfloat16}, (seen[:forward], seen[forward:])
+
+
+@pytest.mark.parametrize("grad", ["checkpoint", "binomial"])
+def test_a_forward_between_forward_and_backward_changes_no_gradient(grad):
+    """The backward passes that evaluate the field again read the dt embedding's step size and
+    the dropout masks of their own forward, not whatever a later forward (a finer monitoring
+    solve, another batch) left in the modules: that made checkpointed gradients 59% off."""
+    def build(**kw):
+        torch.manual_seed(0)
+        m = LanguageModel(ModelConfig(vocab_size=29, hidden_size=16, num_heads=2, num_layers=1,
+                                      max_seq_len=32, depth="ode", ode_solver="rk4",
+                                      ode_steps=4, ode_dt_embedding=True, dropout=0.2,
+                                      **kw)).double().train()
+        with torch.no_grad():
+            for b in m.depth.blocks:
+                b.field.step_size.proj.weight.normal_(0, 0.5)
+        return m
+
+    idx = torch.randint(0, 29, (2, 6))
+    got = {}
+    for mode in ("direct", grad):
+        m = build(ode_grad=mode)
+        torch.manual_seed(1)
+        _, loss = m(idx, idx.roll(-1, 1))
+        m.set_solver(ode_steps=8)
+        with torch.no_grad():
+            m(idx)  # new masks and another dt in the modules
+        m.set_solver(ode_steps=4)
+        loss.backward()
+        got[mode] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+    torch.testing.assert_close(got[grad], got["direct"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("solver,grad,needle", [
+    ("rk4", "reversible", "reversible solver"), ("rk4", "adjiont", "unknown gradient mode"),
+    ("dopri5", "binomial", "fixed-grid"), ("dopri5", "reversible", "reversible solver"),
+    ("rk2_gated", "adjoint", "'adjoint' works with")])
+def test_integrate_refuses_a_mode_its_solver_lacks(solver, grad, needle):
+    """integrate() is the solver interface: it never falls back to direct backprop silently."""
+    lin = torch.nn.Linear(8, 8)
+    cfg = ModelConfig(vocab_size=29, hidden_size=8, num_heads=2)
+    with pytest.raises(ValueError, match=needle):
+        integrate(lambda t, h: torch.tanh(lin(h)), torch.randn(2, 8, requires_grad=True), 0.0,
+                  1.0, SOLVERS[solver](cfg), 2, grad, tuple(lin.parameters()))

@@ -172,6 +172,24 @@ class ODEBlock(nn.Module):
             d.reset()  # one dropout mask per forward, shared by every step and stage
         calls = [0]
         field, key, factory = self.field, self.index, self.field.mixer.cache_factory
+        cfg = self.cfg
+        extras = extras if (extras is not None and self.training) else None
+        t1 = extras.t1 if extras is not None and extras.t1 is not None else cfg.ode_t1
+        dt = (t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
+        if cfg.ode_dt_embedding_reads == "evaluation":  # the spacing of field evaluations
+            dt /= self.solver.evals_per_step
+        # this forward's dropout masks (drawn at its first evaluation) and dt live with its own
+        # closures: a backward pass that evaluates f again (checkpoint, binomial, adjoint,
+        # reversible) sees them even if another forward ran in between and reset the modules
+        masks: list = [None] * len(self._dropouts)
+
+        def evaluation(fn, t: float, h: torch.Tensor, n: int):
+            field.dt = dt
+            for d, mask in zip(self._dropouts, masks):
+                d._mask = mask
+            out = fn(t, h, cache_of(n))
+            masks[:] = [d._mask for d in self._dropouts]
+            return out
 
         def cache_of(n: int):
             return state.cache(("ode", key, n), factory) if state is not None else None
@@ -179,14 +197,9 @@ class ODEBlock(nn.Module):
         def f(t: float, h: torch.Tensor) -> torch.Tensor:
             n = calls[0]
             calls[0] += 1
-            return field(t, h, cache_of(n))
+            return evaluation(field, t, h, n)
 
-        cfg = self.cfg
-        extras = extras if (extras is not None and self.training) else None
-        t1 = extras.t1 if extras is not None and extras.t1 is not None else cfg.ode_t1
-        field.dt = (t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
-        if cfg.ode_dt_embedding_reads == "evaluation":  # the spacing of field evaluations
-            field.dt /= self.solver.evals_per_step
+        field.dt = dt
         self.last_token_nfe = None
         self.last_regularizers = {}
         self.step_states = []
@@ -212,11 +225,8 @@ class ODEBlock(nn.Module):
             def write(t: float, h: torch.Tensor) -> torch.Tensor:
                 n = calls[0]
                 calls[0] += 1
-                writer = getattr(field, "write", None)
-                if writer is None:  # a plugin field: evaluate it whole, keep the cache writes
-                    field(t, h, cache_of(n))
-                else:
-                    writer(t, h, cache_of(n))
+                # a plugin field without write(): evaluate it whole, keep the cache writes
+                evaluation(getattr(field, "write", field), t, h, n)
                 return torch.zeros_like(h)
 
             x, self.last_token_nfe = self._solve_with_exit(f, write, x, exit_rule,

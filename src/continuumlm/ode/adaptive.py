@@ -143,9 +143,14 @@ class AdaptiveSolver(nn.Module):
 class _Func(nn.Module):
     """torchdiffeq wants an nn.Module (for the adjoint's parameters) with forward(t, y)."""
 
-    def __init__(self, f, params: tuple[torch.Tensor, ...], where: str, method: str):
+    def __init__(self, f, params: tuple[torch.Tensor, ...], where: str, method: str,
+                 autocast: dict | None = None):
         super().__init__()
         self.f = f
+        # the forward's autocast setting: the adjoint's backward solve runs outside it, and
+        # would otherwise integrate the field in another precision than the forward did
+        # (None: evaluate under whatever autocast setting the caller has)
+        self.autocast = autocast
         self.where, self.method = where, method
         self.plist = nn.ParameterList([p for p in params if isinstance(p, nn.Parameter)])
         self.last_step: tuple[float, float] | None = None  # the step last attempted: (t, dt)
@@ -157,7 +162,10 @@ class _Func(nn.Module):
         # t stays a tensor: an adaptive solver's step sizes depend on the state, and a field
         # that reads t (the time embedding) must see that dependence for direct backprop to
         # give the gradient of what was computed
-        return self.f(t, y)
+        if self.autocast is None:
+            return self.f(t, y)
+        with torch.autocast(**self.autocast):
+            return self.f(t, y)
 
     def callback_step(self, t0, y0, dt):
         self.last_step, self.backward = (_number(t0), _number(dt)), False
@@ -226,7 +234,10 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
     ensure_registered(method)
     # errors name the solver as the config does (tsit5, not the torchdiffeq table's name)
     name = next((k for k, v in ADAPTIVE_METHODS.items() if v == method), method)
-    func = (_RecordingFunc if checkpoint else _Func)(f, params, where, name)
+    kind = h0.device.type
+    autocast = dict(device_type=kind, enabled=torch.is_autocast_enabled(kind),
+                    dtype=torch.get_autocast_dtype(kind))
+    func = (_RecordingFunc if checkpoint else _Func)(f, params, where, name, autocast)
     # float64 time for a float64 state (float32 would round the interval, e.g. 0.1); float32
     # otherwise, as torchdiffeq casts it to the state's dtype anyway
     t = torch.tensor([t0, t1], device=h0.device,

@@ -28,6 +28,7 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
     (0: about log2 of the steps); ``observe(n, h)``: called with the state after every step n
     but the last, in the graph (fixed-grid solvers, ``direct`` or ``checkpoint`` only: the
     other modes keep no graph of the steps)."""
+    _check_mode(solver, grad)
     needs_grad = torch.is_grad_enabled() and (h0.requires_grad or any(p.requires_grad for p in params))
     if observe is not None and (isinstance(solver, AdaptiveSolver)
                                 or getattr(solver, "reversible", False)
@@ -74,3 +75,25 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
         if observe is not None and n + 1 < len(times):
             observe(n, h)
     return h
+
+
+def _check_mode(solver, grad: str) -> None:
+    """Refuse a gradient mode the solver does not implement (the model's config check says the
+    same in config terms), rather than fall back to direct backprop without a word."""
+    from ..config.sections import GRAD_MODES
+
+    name = (getattr(solver, "method", None) or getattr(getattr(solver, "tableau", None), "name", None)
+            or type(solver).__name__)
+    adaptive = isinstance(solver, AdaptiveSolver)
+    if grad not in GRAD_MODES:
+        raise ValueError(f"unknown gradient mode {grad!r}: use one of {', '.join(GRAD_MODES)}.")
+    if grad == "reversible" and not getattr(solver, "reversible", False):
+        raise ValueError(f"gradient mode 'reversible' needs an algebraically reversible solver "
+                         f"(reversible_heun), not {name}.")
+    if grad == "binomial" and adaptive:
+        raise ValueError(f"gradient mode 'binomial' needs a fixed-grid solver, not the adaptive "
+                         f"{name}; use 'checkpoint' (the accepted steps replayed).")
+    if (grad == "adjoint" and not adaptive and not getattr(solver, "reversible", False)
+            and getattr(getattr(solver, "tableau", None), "name", None) not in ADJOINT_FIXED):
+        raise ValueError(f"gradient mode 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} "
+                         f"and the adaptive solvers, not {name}.")
