@@ -365,7 +365,7 @@ def test_set_solver_changes_integration_and_validates():
 
 
 def test_reversible_heun_refuses_a_trajectory_it_cannot_rebuild():
-    """dh/dt = lambda h with lambda = 10 (dissipative in backward time, growing forward): the
+    """dh/dt = lambda h with lambda = -10 (dissipative forward, growing in backward time): the
     parasitic root makes the float32 reconstruction fail; the backward says so instead of
     returning gradients of another trajectory (the trainer counts the error as a bad step)."""
     from continuumlm.ode import ODESolverError, ReversibleError

@@ -151,6 +151,7 @@ def _backward(ctx, grad_y):
             f"one the forward started from (model.reversible_tol = {ctx.solver.tol:g} of its "
             f"largest value, {scale:.3g}): the field is outside the method's stability region "
             f"(dissipative or growing dynamics over {len(times)} steps of {dt:.3g}), so these "
-            f"gradients would not be those of the forward. Use fewer, smaller steps, another "
-            f"solver with ode_grad = 'checkpoint' or 'binomial', or raise model.reversible_tol.")
+            f"gradients would not be those of the forward. Use more, smaller steps (raise "
+            f"model.ode_steps), another solver with ode_grad = 'checkpoint' or 'binomial', or "
+            f"raise model.reversible_tol.")
     return (None, None, None, None, grad_h0, *param_grads)
