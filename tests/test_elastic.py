@@ -306,6 +306,17 @@ def test_dt_embedding_reading_evaluations_gives_equal_cost_solves_one_embedding(
     (["train.ode_steps_choices=[1, 2]"], "depth = 'discrete' has none"),
     (["model.depth=ode", "train.ode_solver_choices=['dopri5']"], "fixed-grid solvers"),
     (["model.depth=ode", "train.ode_solver_choices=['nope']"], "nope"),
+    # the model's own solver adaptive: the regularizers' fixed-grid refusal would be bypassed
+    (["model.depth=ode", "model.ode_solver=tsit5", "train.ode_solver_choices=['rk4']"],
+     "model's own solver must be one too"),
+    # every drawable solve must suit the gradient mode, or training stops at its first draw
+    (["model.depth=ode", "model.ode_solver=reversible_heun", "model.ode_grad=reversible",
+      "train.ode_solver_choices=['rk4']"], "may draw ode_solver = 'rk4'"),
+    (["model.depth=ode", "model.ode_grad=checkpoint",
+      "train.ode_solver_choices=['rk4', 'reversible_heun']"],
+     "may draw ode_solver = 'reversible_heun'"),
+    (["model.depth=ode", "model.ode_grad=binomial", "train.ode_steps_choices=[4, 5000]"],
+     "4096"),
     (["model.depth=ode", "model.ode_solver=dopri5", "model.ode_dt_embedding=true"],
      "fixed step size"),
 ])

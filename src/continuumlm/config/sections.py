@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -652,12 +653,26 @@ class RunConfig:
             if solver not in SOLVERS:
                 raise ConfigError(f"train.ode_solver_choices: {SOLVERS.unknown_message(solver)}")
             cls = SOLVERS.component_class(solver)
+            own = SOLVERS.component_class(m.ode_solver)
             if not getattr(cls, "fixed_grid", True) or solver == "rk2_gated" \
-                    or m.ode_solver == "rk2_gated":
+                    or m.ode_solver == "rk2_gated" or not getattr(own, "fixed_grid", True):
                 raise ConfigError(f"train.ode_solver_choices may list fixed-grid solvers without "
                                   f"weights of their own (euler, midpoint, heun, rk4, ...), "
                                   f"and the model's own solver must be one too; got {solver!r} "
                                   f"with model.ode_solver = {m.ode_solver!r}.")
+        if m.depth == "ode" and (t.ode_steps_choices or t.ode_solver_choices):
+            # every solve a step may draw must suit the model's gradient mode (e.g. reversible
+            # Heun's 'reversible' backward with rk4 drawn), or training would stop at its draw
+            for solver, steps in itertools.product(
+                    dict.fromkeys(t.ode_solver_choices or [m.ode_solver]),
+                    dict.fromkeys(t.ode_steps_choices or [m.ode_steps])):
+                try:
+                    _check_selectors(dataclasses.replace(m, ode_solver=solver, ode_steps=steps))
+                except ConfigError as e:
+                    raise ConfigError(
+                        f"train.ode_solver_choices / ode_steps_choices may draw ode_solver = "
+                        f"{solver!r} with ode_steps = {steps}, which this model cannot take: "
+                        f"{e}") from None
         if m.position == "learned" and t.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "
