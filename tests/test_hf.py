@@ -99,6 +99,19 @@ def test_anytime_depth_from_from_pretrained(tmp_path):
     assert hf.model.last_nfe == 32
 
 
+def test_the_auto_classes_check_solver_keywords_too(tmp_path):
+    """AutoModelForCausalLM hands ode_steps= to the config, not to from_pretrained: a discrete
+    model asked for 8 steps loaded silently that way."""
+    from continuumlm.errors import CheckpointError
+
+    build("softmax", "discrete", None).save_pretrained(tmp_path / "discrete")
+    with pytest.raises(CheckpointError, match="needs depth = 'ode'"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "discrete", ode_steps=8)
+    build("softmax", "ode", "euler").save_pretrained(tmp_path / "ode")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ode", ode_steps=8)
+    assert hf.config.ode_steps == hf.model.config.ode_steps == 8
+
+
 def test_config_round_trip_and_standard_names(tmp_path):
     lm = build("deltanet", "ode", "rk4", components={"deltanet": {"short_conv": 4}})
     cfg = ContinuumLMConfig.from_model_config(lm.config)
@@ -269,6 +282,10 @@ def test_harness_command_agrees_with_eval(tiny_corpus, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     deeper = json.loads(r.stdout)
     assert deeper["nfe"] == 32 and abs(deeper["bits_per_byte_ratio"] - 1) < 0.01
+    # a text no longer than the context: refused before lm-eval runs (it ended in a KeyError)
+    r = run_cli("harness", "--checkpoint", tmp_path / "run", "--context", "32",
+                "--max-tokens", "20")
+    assert r.returncode == 2 and "--context 32" in r.stderr and "20 tokens" in r.stderr
     # lm-eval's own command line on the kept folder gives the same figure
     import shlex
     import subprocess

@@ -61,14 +61,15 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from ..data import prepare_data
+    from ..data import eval_window_starts, prepare_data
     from ..errors import CheckpointError, DataError
-    from ..eval.perplexity import evaluate_contexts
+    from ..eval.perplexity import context_support, evaluate_contexts
     from ..train import load_model_and_tokenizer
     from ..train.checkpoint import load_run_config
     from .export import export_hf, hf_tokenizer
 
-    model, tok, ckpt = load_model_and_tokenizer(checkpoint, which)
+    # on the device our own evaluation below runs on
+    model, tok, ckpt = load_model_and_tokenizer(checkpoint, which, map_location=device)
     run = load_run_config(ckpt)
     data = prepare_data(run.data, tok)
     if split not in data.splits:
@@ -96,9 +97,19 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
                               f"tokens than continuumlm eval.")
     context = context or run.train.seq_len
     solver = {k: v for k, v in (("ode_solver", ode_solver), ("ode_steps", ode_steps)) if v}
+    # what would stop our own evaluation is refused before the (long) lm-eval run
+    reason = context_support(model, context)
+    if reason is None and not len(eval_window_starts(len(ids), context)):
+        reason = (f"the scored text has {len(ids)} tokens, and a window needs more than the "
+                  f"context")
+    if reason is not None:
+        raise DataError(f"--context {context}: {reason}. Score a longer text (raise --max-tokens "
+                        f"or leave it out) or a shorter --context.")
     with tempfile.TemporaryDirectory(prefix="continuumlm-harness-") as scratch:
         tmp = Path(keep) if keep else Path(scratch)
-        export_hf(model, tok, tmp / "model")
+        export_hf(model, tok, tmp / "model")  # as trained; lm-eval applies the solver options
+        if solver:  # ours, now: a solver the model cannot take stops here, not after lm-eval
+            model.set_solver(ode_solver, ode_steps, ode_grad="direct")
         (tmp / "data.jsonl").write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
         data_file = (tmp / "data.jsonl").resolve()
         name = f"continuumlm_{split}"
@@ -114,8 +125,6 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
                                           include_path=str(tmp / "tasks")), log_samples=False)
         harness = {k.split(",")[0]: v for k, v in out["results"][name].items()
                    if k.split(",")[0] in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
-    if solver:
-        model.set_solver(ode_solver, ode_steps, ode_grad="direct")
     [row] = evaluate_contexts(model, torch.tensor(ids), [context], tok.kind == "char",
                               torch.device(device))
     n_bytes = len(text.encode("utf-8"))

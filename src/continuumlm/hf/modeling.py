@@ -183,6 +183,18 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         if config is None or not isinstance(config, ContinuumLMConfig):
             hf_keys = {k: kwargs[k] for k in ("use_cache",) if k in kwargs}
             config = ContinuumLMConfig.from_pretrained(path, **hf_keys)
+        elif cfg_file.is_file():
+            # the Auto classes hand ode_solver= / ode_steps= to the config (AutoConfig keeps a
+            # keyword that names one of its attributes), not to this method: a solver that
+            # differs from the folder's is a request, checked and applied like the keywords
+            folder = ContinuumLMConfig.from_pretrained(path)
+            asked = {k: getattr(config, k) for k in ("ode_solver", "ode_steps")
+                     if getattr(config, k) != getattr(folder, k)}
+            if asked:
+                ode_solver = ode_solver if ode_solver is not None else asked.get("ode_solver")
+                ode_steps = ode_steps if ode_steps is not None else asked.get("ode_steps")
+                config = ContinuumLMConfig.from_dict(
+                    {**config.to_dict(), **{k: getattr(folder, k) for k in asked}})
         mcfg = config.to_model_config()
         lm = LanguageModel(mcfg)
         load_weights(lm, path)
