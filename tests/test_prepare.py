@@ -337,6 +337,18 @@ def test_rerunning_prepare(tmp_path):
     r = run_cli(*args[:-3], "0.4", "--out", out)
     assert r.returncode == 2 and "--force" in r.stderr
     assert read_meta(out)["split_rule"]["train_fraction"] == pytest.approx(0.7)  # kept
+    # --force from an input that cannot be read: refused, and the corpus there is kept whole
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    r = run_cli("prepare", "--input", bad, "--tokenizer", "char", "--out", out, "--force")
+    assert r.returncode == 2, r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not list(tmp_path.glob(".out.prepare-*"))  # nothing left beside it
+    r = run_cli(*args[:-3], "0.4", "--out", out, "--force")  # a good one replaces it
+    assert r.returncode == 0, r.stderr
+    assert read_meta(out)["split_rule"]["train_fraction"] == pytest.approx(0.6)
     (out / "notes.txt").write_text("mine")
     os.remove(out / "meta.json")
     r = run_cli(*args)

@@ -614,6 +614,7 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
             raise DataError(f"{out} already holds a prepared corpus of other inputs or settings "
                             f"(its meta.json); pass --force to replace it, or choose another "
                             f"--out.")
+    replacing = force and (out / META_FILE).is_file()
     if out.is_dir():
         foreign = [p.name for p in out.iterdir() if not _ours(p)]
         if foreign:
@@ -627,10 +628,37 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
                             f"meta.json and no unfinished .part files, so they may be another "
                             f"tool's (nanoGPT writes train.bin and val.bin too); pass --force "
                             f"to replace them, or prepare into another folder.")
-        (out / META_FILE).unlink(missing_ok=True)  # first: the folder stops looking complete
-        for p in ours:  # an earlier, interrupted or replaced preparation
-            p.unlink(missing_ok=True)
-    return prepare_into(out, plan, spec, key, digests, dtype, quiet, log), True
+        if not replacing:
+            (out / META_FILE).unlink(missing_ok=True)  # first: the folder stops looking complete
+            for p in ours:  # an earlier, interrupted or unfinished preparation
+                p.unlink(missing_ok=True)
+    if not replacing:
+        return prepare_into(out, plan, spec, key, digests, dtype, quiet, log), True
+    return _replace_preparation(out, plan, spec, key, digests, dtype, quiet, log), True
+
+
+def _replace_preparation(out: Path, plan: Plan, spec: TokenizerSpec, key: str,
+                         digests: list[tuple[str, str]], dtype: str, quiet: bool, log) -> dict:
+    """--force over a finished preparation: build the new one beside it and move it in at the
+    end, so that a prepare that fails (unreadable input, full disk) leaves the corpus that runs
+    may still need as it was. Needs room for both while it runs."""
+    side = out.parent / f".{out.name}.prepare-{os.getpid()}.tmp"
+    shutil.rmtree(side, ignore_errors=True)
+    try:
+        meta = prepare_into(side, plan, spec, key, digests, dtype, quiet, log)
+        new = {p.name for p in side.iterdir()}
+        try:
+            (out / META_FILE).unlink(missing_ok=True)  # first: the folder stops looking complete
+            for p in out.iterdir():
+                if _ours(p) and p.name not in new:
+                    p.unlink()
+            for name in sorted(new - {META_FILE}) + [META_FILE]:  # meta.json last
+                os.replace(side / name, out / name)
+        except OSError as e:
+            raise _disk_error(out / META_FILE, e) from None
+    finally:
+        shutil.rmtree(side, ignore_errors=True)
+    return meta
 
 
 def prepare_cached(root: Path, plan: Plan, spec: TokenizerSpec, quiet: bool = True,
