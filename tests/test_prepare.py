@@ -114,6 +114,35 @@ def test_prepared_tokenizer_equals_the_in_memory_one(tmp_path, tiny_blocks):
     assert ours.to_json() == BPETokenizer.train(text[:int(len(text) * 0.9)], 400).to_json()
 
 
+def test_a_folder_prepared_by_an_older_tokenizers_release_still_opens(tmp_path, tiny_blocks):
+    """tokenizers 0.20 writes BPE merges as pairs, earlier releases as "a b" strings: a folder
+    holding the older file (hashed as written) opens, and a cache folder that does not open is
+    prepared again instead of being taken as complete; a file that was edited is refused."""
+    (tmp_path / "c.txt").write_text(awkward_text(), encoding="utf-8")
+    out = tmp_path / "out"
+    P.prepare_folder(out, plan_for(tmp_path / "c.txt"), P.TokenizerSpec("bpe", 300), quiet=True)
+    tok_file, meta_file = out / "tokenizer.json", out / "meta.json"
+    data = json.loads(tok_file.read_text())
+    merges = data["model"]["merges"]
+    assert merges and isinstance(merges[0], list)
+    data["model"]["merges"] = [" ".join(m) for m in merges]  # the older release's spelling
+    older = json.dumps(data)
+    tok_file.write_text(older, encoding="utf-8")
+    meta = json.loads(meta_file.read_text())
+    import hashlib
+
+    meta["tokenizer"]["sha256"] = hashlib.sha256(older.encode()).hexdigest()
+    meta_file.write_text(json.dumps(meta))
+    Prepared(out)  # opens
+    assert P._complete(out)
+    edited = data["model"]["merges"]
+    edited[0], edited[1] = edited[1], edited[0]  # another merge order: another tokenizer
+    tok_file.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(DataError, match="not the tokenizer the token files were encoded with"):
+        Prepared(out)
+    assert not P._complete(out)
+
+
 def test_sampled_tokenizer_is_seeded(tmp_path, tiny_blocks):
     (tmp_path / "c.txt").write_text(awkward_text(3000), encoding="utf-8")
     plan = plan_for(tmp_path / "c.txt")
@@ -534,6 +563,23 @@ def test_review_refusals(tmp_path):
     r = run_cli("prepare", "--input", tmp_path / "src", "--tokenizer", "char",
                 "--out", tmp_path / "src" / "prepared")
     assert r.returncode == 2 and "inside the input folder" in r.stderr
+    # a byte-level BPE whose added <|endoftext|> sits past the vocabulary (id 300 of 257):
+    # its ids were written, and training then failed on an embedding lookup
+    from tokenizers import AddedToken, decoders
+
+    from continuumlm.data.tiktoken_bpe import byte_alphabet
+
+    vocab = {ch: b for b, ch in byte_alphabet().items()}
+    vocab["<|endoftext|>"] = 300
+    gap = Tokenizer(models.BPE(vocab, []))
+    gap.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    gap.decoder = decoders.ByteLevel()
+    gap.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    gap.save(str(tmp_path / "gap.json"))
+    r = run_cli("prepare", "--input", src, "--tokenizer", tmp_path / "gap.json",
+                "--out", tmp_path / "o2")
+    assert r.returncode == 2 and "from 0 to 300, not 0 to 256" in r.stderr, r.stderr
+    assert not (tmp_path / "o2" / "meta.json").exists()
     theirs = tmp_path / "nanogpt"
     theirs.mkdir()
     (theirs / "train.bin").write_bytes(b"\0\1" * 10)

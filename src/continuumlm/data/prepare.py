@@ -425,7 +425,7 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
     encoders: dict[str, _Encoder] = {}
     total_bytes = sum(counts.chars.values())  # about a byte per character; for the bar only
     bar = _progress(total_bytes, quiet)
-    limit = np.iinfo(dtype).max
+    limit = tok.vocab_size - 1  # the embedding's last row (BPE ids are checked gap-free)
     pool = None
     workers = word_workers()
     if isinstance(tok, WordTokenizer) and workers > 1 and total_bytes > 8 * CHUNK_CHARS:
@@ -457,8 +457,9 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
             if not isinstance(ids, np.ndarray):
                 ids = ids.result()
             if ids.size and int(ids.max()) > limit:
-                raise DataError(f"token id {int(ids.max())} does not fit {dtype.name}; the "
-                                f"tokenizer's ids exceed its stated vocabulary.")
+                raise DataError(f"token id {int(ids.max())} is past the tokenizer's stated "
+                                f"vocabulary of {tok.vocab_size:,}: the model could not look it "
+                                f"up.")
             files[split].write(memoryview(np.ascontiguousarray(ids)))
             stats[split]["tokens"] += int(ids.size)
 
@@ -711,12 +712,13 @@ def prepare_cached(root: Path, plan: Plan, spec: TokenizerSpec, quiet: bool = Tr
 
 
 def _complete(folder: Path) -> bool:
-    from .shards import read_meta
+    """A cache folder that opens as a prepared corpus (else it is prepared again)."""
+    from .shards import Prepared
 
     if not (folder / META_FILE).is_file():
         return False
     try:
-        read_meta(folder)
+        Prepared(folder)
         return True
-    except DataError:
+    except (DataError, OSError):
         return False

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import DataError
 from .prepare import FORMAT, META_FILE, VERSION
-from .tokenizers import load_tokenizer, tokenizer_json
+from .tokenizers import load_tokenizer
 
 
 def _bad(folder: Path, what: str) -> DataError:
@@ -72,7 +72,10 @@ class Prepared:
         self.folder = Path(folder)
         self.meta = read_meta(self.folder)
         self.tokenizer = load_tokenizer(self.folder / self.meta["tokenizer"]["file"])
-        digest = hashlib.sha256(tokenizer_json(self.tokenizer).encode()).hexdigest()
+        # the file's bytes, as prepare hashed them: not the library's re-serialization, which
+        # changes between tokenizers releases (BPE merges became pairs in 0.20)
+        digest = hashlib.sha256((self.folder / self.meta["tokenizer"]["file"]).read_bytes()
+                                ).hexdigest()
         if digest != self.meta["tokenizer"]["sha256"]:
             raise _bad(self.folder, f"{self.meta['tokenizer']['file']} is not the tokenizer the "
                                     f"token files were encoded with (its sha256 differs)")

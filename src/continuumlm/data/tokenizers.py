@@ -136,6 +136,14 @@ class BPETokenizer:
     EOS = "<|endoftext|>"
 
     def __init__(self, tok):
+        ids = set(tok.get_vocab(with_added_tokens=True).values())
+        if ids and (min(ids) != 0 or max(ids) + 1 != len(ids)):
+            # the model's embedding has vocab_size rows: an id at or past it could not be looked
+            # up (a hole, or an added token numbered past the vocabulary)
+            raise DataError(f"the BPE tokenizer numbers its {len(ids):,} tokens from {min(ids)} "
+                            f"to {max(ids)}, not 0 to {len(ids) - 1}: ids with holes cannot index "
+                            f"the model's embedding. Renumber the vocabulary (and added tokens) "
+                            f"without gaps, or let prepare train a tokenizer (--tokenizer bpe).")
         self.tok = tok
         self.eos_id = tok.token_to_id(self.EOS)
 
