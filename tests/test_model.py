@@ -424,6 +424,17 @@ def test_evaluation_scores_every_target_once(n, context):
     assert math.isclose(got, want, rel_tol=1e-5)
 
 
+def test_max_windows_is_an_upper_bound():
+    """`eval --max-windows N` scores at most N windows: N at or above the non-overlapping
+    count took one more (the tail) before."""
+    from continuumlm.data import eval_window_starts
+
+    assert eval_window_starts(22, 5).tolist() == [0, 5, 10, 15, 16]  # 4 whole + the tail
+    for n in range(1, 7):
+        starts = eval_window_starts(22, 5, n).tolist()
+        assert len(starts) == min(n, 5) and starts == sorted(set(starts)), (n, starts)
+
+
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
 def test_bitnet_cached_decoding_is_exact_up_to_its_activation_rounding(mixer):
     """BitNet rounds every activation to 8 bits per token, so a round-off difference between

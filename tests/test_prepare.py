@@ -143,6 +143,18 @@ def test_a_folder_prepared_by_an_older_tokenizers_release_still_opens(tmp_path, 
     assert not P._complete(out)
 
 
+def test_an_unreadable_source_is_a_data_error(tmp_path, monkeypatch):
+    """Hashing a source that cannot be read (permissions) names the file, exit status 2."""
+    src = write_source("text", tmp_path / "src")
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(S, "sha256_file", refuse)
+    r = run_cli("prepare", "--input", src, "--tokenizer", "char", "--out", tmp_path / "out")
+    assert r.returncode == 2 and "cannot be read (Permission denied)" in r.stderr, r.stderr
+
+
 def test_sampled_tokenizer_is_seeded(tmp_path, tiny_blocks):
     (tmp_path / "c.txt").write_text(awkward_text(3000), encoding="utf-8")
     plan = plan_for(tmp_path / "c.txt")

@@ -86,11 +86,12 @@ def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = No
     when targets remain after the last of them, one more window that ends at the last token
     (its targets already scored are masked by :func:`eval_batches`), so every context length
     scores the same tokens. With ``max_windows`` smaller than the non-overlapping count, that
-    many of them, evenly spread (a sample; no tail window)."""
+    many of them, evenly spread (a sample; no tail window); ``max_windows`` equal to that count
+    gives those windows, not one more for the tail."""
     if n_tokens <= seq_len:
         return torch.zeros(0, dtype=torch.long)
     starts = torch.arange(0, n_tokens - seq_len, seq_len)
-    if max_windows is not None and len(starts) > max_windows:
+    if max_windows is not None and len(starts) >= max_windows:
         pick = torch.linspace(0, len(starts) - 1, max_windows).round().long()
         return starts[pick]
     last = n_tokens - 1 - seq_len

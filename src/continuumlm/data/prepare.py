@@ -449,7 +449,8 @@ def encode_splits(plan: Plan, counts: Counts, tok, folder: Path, dtype, quiet=Fa
     def write(split: str, arrays) -> None:
         for ids in arrays:
             pending.append((split, ids))
-            drain(2 * workers)  # at most this many chunks in flight
+            # at most this many chunks in flight to worker processes; none kept without them
+            drain(2 * workers if pool is not None else 0)
 
     def drain(keep: int) -> None:
         while len(pending) > keep:

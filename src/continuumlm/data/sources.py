@@ -111,7 +111,11 @@ def file_digest(path: Path) -> str:
             return digest
     except OSError:
         pass
-    digest = sha256_file(path)
+    try:
+        digest = sha256_file(path)
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); make it readable, or leave "
+                        f"it out of the inputs.") from None
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.part")
