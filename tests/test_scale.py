@@ -94,6 +94,9 @@ def test_two_process_resume_continues_the_same_losses(two_process_runs):
     r = run([*TORCHRUN, "train", "--quiet", "--out", str(cut),
              *tiny_args(corpus, "train.max_steps=3")])
     assert r.returncode == 0, r.stderr
+    # one process would read one of the two batch streams: half the global batch, refused
+    r = run([CLI, "train", "--quiet", "--out", str(cut), "--resume", "--set", "train.max_steps=6"])
+    assert r.returncode == 2 and "changes its global batch" in r.stderr, r.stderr
     # through the --nproc launcher this time
     r = run([CLI, "train", "--nproc", "2", "--quiet", "--out", str(cut), "--resume",
              "--set", "train.max_steps=6"])

@@ -155,6 +155,15 @@ class Trainer:
                 self.sampler.load_state_dict(state["sampler"])
             except ValueError as e:  # its own message: streams that do not fit this run
                 raise CheckpointError(f"--resume from {self.resumed_from}: {e}") from None
+            saved = set((state["sampler"].get("streams") or {}).keys())
+            wanted = set(range(self.dist.world_size * t.grad_accum))
+            if saved and saved != wanted:  # each rank reads its own: fewer would pass unseen
+                raise CheckpointError(
+                    f"--resume from {self.resumed_from}: the run read {len(saved)} batch "
+                    f"streams per step (processes x train.grad_accum) and this one would read "
+                    f"{len(wanted)} ({self.dist.world_size} x {t.grad_accum}), which changes its "
+                    f"global batch. Resume with processes x train.grad_accum = {len(saved)} "
+                    f"(e.g. one process with train.grad_accum = {len(saved)}).")
             try:
                 if not sharded:
                     self.optimizer.load_state_dict(state["optimizer"])
