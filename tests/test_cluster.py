@@ -61,6 +61,29 @@ def test_resume_auto_restarts_its_own_run_that_died_before_its_first_checkpoint(
     assert "starting the run again" in r.stdout and _steps(out) == [4]
 
 
+def test_resume_auto_restarts_a_run_killed_during_its_first_save(tiny_corpus, tmp_path,
+                                                                 monkeypatch):
+    """The step of the first save is logged before that save runs: a run killed there has
+    no checkpoint and was neither resumable nor cleared (every requeue failed, status 2)."""
+    import continuumlm.train.checkpointer as ck
+    from continuumlm.train.logging import read_metrics
+
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=6, ckpt=3)
+    out = tmp_path / "run"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies inside its first save
+
+    with monkeypatch.context() as m:
+        m.setattr(ck.Checkpointer, "save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(load_config(cfg), out, quiet=True).run()
+    assert max(e["step"] for e in read_metrics(out)) == 3 and not _steps(out)
+    r = run_cli("train", "--config", cfg, "--out", out, "--resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "starting the run again" in r.stdout and _steps(out)[-1] == 6
+
+
 def test_resume_auto_refuses_another_runs_folder(tiny_corpus, tmp_path):
     cfg = write_cfg(tmp_path, tiny_corpus, steps=4)
     out = tmp_path / "run"

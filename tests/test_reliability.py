@@ -222,8 +222,12 @@ def test_nan_steps_are_skipped_then_training_stops(tiny_corpus, tmp_path):
     assert torch.isfinite(weights).all()  # no update was applied from a bad step
 
 
-def test_single_bad_step_is_skipped_and_counted(tiny_corpus, tmp_path):
-    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=12, ckpt=100))
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_single_bad_step_is_skipped_and_counted(tiny_corpus, tmp_path, dtype):
+    """fp16 too: its gradient scaler had unscaled the skipped step, and the next step's
+    unscale_ raised (the run ended with a traceback at the first bad step)."""
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=12, ckpt=100),
+                      [f"train.dtype={dtype}"])
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
 
     def poison(module, inputs, output):

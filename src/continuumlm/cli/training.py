@@ -131,10 +131,11 @@ def _clear_unstarted_run(args, out: Path) -> None:
     cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
     if cfg != saved:
         return
-    # only a run that died before it could have saved: one that logged a step at or past its
-    # first save (its checkpoints since removed, say) is left for the trainer to refuse
+    # only a run that died before its first save completed: one that logged a step past it
+    # (its checkpoints since removed, say) is left for the trainer to refuse. The step of the
+    # first save itself is logged before that save (and its evaluation) run
     t = cfg.train
-    clear_unstarted_run(out, min(t.checkpoint_interval, t.eval_interval, t.max_steps) - 1,
+    clear_unstarted_run(out, min(t.checkpoint_interval, t.eval_interval, t.max_steps),
                         "--resume auto")
 
 
@@ -216,13 +217,14 @@ def cmd_mqar(args) -> int:
 
         try:  # a bad config is reported here, once; an earlier version's run folder adopted
             prepare_run_folder(cfg, out)
+        except ContinuumLMError:
+            raise
         except ValueError as e:
             raise UsageError(f"[mqar]: {e}") from None
         return launch_torchrun(args.nproc, args.argv)
-    try:
-        r = run_mqar(cfg, out, quiet=args.quiet)
-    except ValueError as e:  # task sizes that do not fit together
-        raise UsageError(f"[mqar]: {e}") from None
+    # task sizes that do not fit together are ConfigErrors of the [mqar] section; any other
+    # error during training is not the user's input and keeps its traceback
+    r = run_mqar(cfg, out, quiet=args.quiet)
     # exit statuses as for train: a requeue signal gives REQUEUE_STATUS on every rank
     requeue = r.get("interrupted") in cfg.train.requeue_signals
     if not distributed.env_from_environment().is_main:

@@ -425,6 +425,12 @@ class Trainer:
             self.scaler.update()
             self.bad_steps = 0
         else:  # skip the update, keep the weights; stop after max_bad_steps in a row
+            if self.scaler.is_enabled():
+                # unscale_ ran this step: without an update() the next step's unscale_ raises.
+                # A new scale, since a step that failed before any backward recorded no inf
+                # checks for a plain update(); lowered as the scaler would for an overflow
+                self.scaler.update(new_scale=self.scaler.get_scale()
+                                   * self.scaler.get_backoff_factor())
             culprit = solver_error or self._first_non_finite(x, y, loss_value)
             self.bad_steps += 1
             self.skipped_steps += 1
