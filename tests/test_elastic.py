@@ -306,9 +306,10 @@ def test_dt_embedding_reading_evaluations_gives_equal_cost_solves_one_embedding(
     (["train.ode_steps_choices=[1, 2]"], "depth = 'discrete' has none"),
     (["model.depth=ode", "train.ode_solver_choices=['dopri5']"], "fixed-grid solvers"),
     (["model.depth=ode", "train.ode_solver_choices=['nope']"], "nope"),
-    # the model's own solver adaptive: the regularizers' fixed-grid refusal would be bypassed
-    (["model.depth=ode", "model.ode_solver=tsit5", "train.ode_solver_choices=['rk4']"],
-     "model's own solver must be one too"),
+    # the model's own solver adaptive, a fixed-grid one drawn: the regularizers' refusal of
+    # fixed grids reads the solvers training integrates with
+    (["model.depth=ode", "model.ode_solver=tsit5", "train.ode_solver_choices=['rk4']",
+      "train.kinetic_weight=0.1"], "fixed-grid 'rk4'"),
     # every drawable solve must suit the gradient mode, or training stops at its first draw
     (["model.depth=ode", "model.ode_solver=reversible_heun", "model.ode_grad=reversible",
       "train.ode_solver_choices=['rk4']"], "may draw ode_solver = 'rk4'"),

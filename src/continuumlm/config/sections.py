@@ -588,11 +588,13 @@ class RunConfig:
             raise ConfigError(f"train.{regs[0]} regularizes an ODE model's solve; model.depth = "
                               f"{m.depth!r} has none. Use depth = 'ode', or leave it out.")
         weighted = [n for n in ("kinetic_weight", "jacobian_weight") if getattr(t, n)]
-        if weighted and m.depth == "ode" and getattr(SOLVERS.component_class(m.ode_solver),
-                                                     "fixed_grid", True):
+        # what training integrates with: the elastic choices replace the model's own solver
+        fixed = [s for s in (t.ode_solver_choices or [m.ode_solver])
+                 if getattr(SOLVERS.component_class(s), "fixed_grid", True)]
+        if weighted and m.depth == "ode" and fixed:
             raise ConfigError(f"train.{weighted[0]} makes an adaptive solver's dynamics cheaper "
                               f"to integrate (fewer steps for the same tolerance); with the "
-                              f"fixed-grid {m.ode_solver!r} every solve takes the same steps, so "
+                              f"fixed-grid {fixed[0]!r} every solve takes the same steps, so "
                               f"it would only constrain the field. Use an adaptive solver "
                               f"(tsit5, dopri5, ...) or leave it out.")
         if t.step_readout_weight:
@@ -653,9 +655,8 @@ class RunConfig:
             if solver not in SOLVERS:
                 raise ConfigError(f"train.ode_solver_choices: {SOLVERS.unknown_message(solver)}")
             cls = SOLVERS.component_class(solver)
-            own = SOLVERS.component_class(m.ode_solver)
             if not getattr(cls, "fixed_grid", True) or solver == "rk2_gated" \
-                    or m.ode_solver == "rk2_gated" or not getattr(own, "fixed_grid", True):
+                    or m.ode_solver == "rk2_gated":
                 raise ConfigError(f"train.ode_solver_choices may list fixed-grid solvers without "
                                   f"weights of their own (euler, midpoint, heun, rk4, ...), "
                                   f"and the model's own solver must be one too; got {solver!r} "

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import setting
-from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm
+from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, twice
 from ..registry import register_mixer
 
 
@@ -417,7 +417,9 @@ class DeltaNetAttention(nn.Module):
         return self.dropout(self.o_proj(o))
 
     def _kernel(self, q, k, v, beta, initial_state=None):
-        if q.shape[2] <= 2:  # decoding steps: the token loop is cheapest
+        # decoding steps: the token loop is cheapest; it is also plain autograd, differentiable
+        # twice (the chunkwise kernel's backward is hand-written, once-differentiable)
+        if q.shape[2] <= 2 or twice.needed():
             # in at least float32, like the chunkwise kernel: the state is an accumulator. With
             # autocast off too, or its einsums run in bf16 (cached decoding then drifts from
             # the full forward: 4.5e-3 relative after 300 tokens)

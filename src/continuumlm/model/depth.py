@@ -13,7 +13,6 @@ for the rest of that block. See :meth:`ODEBlock._solve_with_exit` for what that 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..nn import MLP, freeze_dropout, make_norm
+from ..nn.twice import twice_differentiable
 from ..ode import ADJOINT_FIXED, AdaptiveSolver, integrate
 from ..ode.binomial import MAX_STEPS as MAX_BINOMIAL_STEPS
 from ..ode.solvers import grid
@@ -244,13 +244,9 @@ class ODEBlock(nn.Module):
         probe = torch.randn_like(x) if extras.jacobian else None
         k = int(extras.kinetic) + int(extras.jacobian)
 
-        # the Jacobian term is differentiated twice: attention's fused CPU kernels have no
-        # second derivative, its composite (math) form has
-        kernels = contextlib.nullcontext
-        if probe is not None:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            kernels = functools.partial(sdpa_kernel, [SDPBackend.MATH])
+        # the Jacobian term is differentiated twice: the mixers' kernels without a second
+        # derivative (fused attention, chunkwise DeltaNet) give way to forms that have one
+        kernels = twice_differentiable if probe is not None else contextlib.nullcontext
 
         def f_aug(t, z):
             outer = torch.is_grad_enabled()  # off where a solve runs without a graph
