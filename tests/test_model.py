@@ -474,3 +474,24 @@ def test_dynamic_tanh_norm():
         check_trains(m)
         alphas = [mod.alpha for mod in m.modules() if isinstance(mod, DynamicTanh)]
         assert all(a.grad is not None and a.item() == 0.5 for a in alphas)
+
+
+def test_decoding_refuses_what_would_go_wrong_silently():
+    """A state built under one solver is refused after set_solver (its per-stage caches would
+    be read at other times: logits 0.06 off); top_k that is not a whole number, a negative
+    max_new_tokens and an empty step are refused when made, not at the first token."""
+    m = small_model(depth="ode", ode_solver="euler", ode_steps=2, num_layers=1)
+    prompt = torch.randint(0, 37, (1, 7))
+    state = m.init_state(1)
+    m.step(prompt, state)
+    m.set_solver(ode_steps=4, ode_grad="direct")
+    with pytest.raises(ValueError, match="start a new state"):
+        m.step(prompt[:, :1], state)
+    fresh = m.init_state(1)
+    m.step(prompt, fresh)  # a new state under the new solver decodes
+    with pytest.raises(ValueError, match="at least one token"):
+        m.step(prompt[:, :0], fresh)
+    for kw, needle in ((dict(top_k=2.5), "top_k"), (dict(top_k=True), "top_k"),
+                       (dict(max_new_tokens=-1), "max_new_tokens")):
+        with pytest.raises(ValueError, match=needle):
+            m.generate(prompt, **{"max_new_tokens": 3, **kw})

@@ -35,6 +35,7 @@ class DecodeState:
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
         self.pos = 0
+        self.solve: tuple[str, int] | None = None  # (ode_solver, ode_steps) that built the caches
         self.static: StaticStep | None = None
         self._caches: dict[Hashable, Any] = {}
 

@@ -31,8 +31,9 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     if not greedy and not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a positive finite number, got {temperature}; use "
                          f"greedy=True (--greedy) for deterministic argmax decoding.")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be a whole number of tokens, at least 1, got {top_k!r}.")
     if top_p is not None and not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}.")
 
@@ -92,6 +93,9 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     if cfg.mode != "decoder":
         raise ValueError("generation needs mode = 'decoder'; this model is an encoder.")
     check_sampling_args(temperature, top_k, top_p, greedy)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}.")
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError("the prompt must hold at least one token, shaped (batch, length).")
     if cfg.position == "learned" and idx.shape[1] > cfg.max_seq_len:

@@ -134,6 +134,15 @@ class LanguageModel(nn.Module):
         B, T = idx.shape
         pos0 = state.pos if state is not None else 0
         cfg = self.config
+        if state is not None:
+            # a state's caches are kept per solver stage: another solver or step count would
+            # read them at other times (set_solver between calls), so a state keeps one
+            solve = (cfg.ode_solver, cfg.ode_steps) if cfg.depth == "ode" else None
+            if state.pos and state.solve != solve:
+                raise ValueError(f"this decoding state was built with ode_solver, ode_steps = "
+                                 f"{state.solve}, and the model now integrates with {solve}: "
+                                 f"start a new state with init_state() after set_solver().")
+            state.solve = solve
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             if pos0 + T > cfg.max_seq_len:
@@ -214,6 +223,9 @@ class LanguageModel(nn.Module):
         last one, (B, vocab), together with the extended state."""
         if idx.shape[0] != state.batch_size:
             raise ValueError(f"state was made for batch size {state.batch_size}, got {idx.shape[0]}.")
+        if idx.dim() != 2 or idx.shape[1] == 0:
+            raise ValueError(f"step() takes token ids of shape (batch, tokens) with at least one "
+                             f"token, got shape {tuple(idx.shape)}.")
         if state.static is not None:
             raise ValueError("this decoding state is frozen for generate(compile=True)'s one-token "
                              "steps; start a new one with init_state() to use step().")
