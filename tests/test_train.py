@@ -168,6 +168,8 @@ device = "cpu"
     assert "decoding eagerly" not in r4.stderr  # the compiled graph ran
     r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
     assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
+    # without lr_decay_steps the cosine's horizon moved with max_steps: said, with the fix
+    assert "jumps from" in r.stderr and "train.lr_decay_steps = 20" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [

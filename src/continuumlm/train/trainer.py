@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -191,6 +192,17 @@ class Trainer:
                     f"--resume: {self.resumed_from} is at step {self.step}, past train.max_steps "
                     f"= {t.max_steps}; raise train.max_steps (e.g. --set train.max_steps="
                     f"{self.step * 2}) to train further.")
+            if t.lr_decay_steps is None and self.dist.is_main:
+                from .checkpoint import load_run_config
+
+                before = load_run_config(self.resumed_from).train.max_steps
+                if before != t.max_steps:  # the cosine's horizon is max_steps: it moves
+                    print(f"warning: --resume with train.max_steps = {t.max_steps} (the run had "
+                          f"{before}) and no train.lr_decay_steps: the learning rate's cosine "
+                          f"now ends at step {t.max_steps}, so at step {self.step} it jumps from "
+                          f"{lr_at(self.step, dataclasses.replace(t, max_steps=before)):.3g} to "
+                          f"{lr_at(self.step, t):.3g}. Set train.lr_decay_steps = {before} to "
+                          f"keep the schedule.", file=sys.stderr, flush=True)
         # consecutive bad steps carry over, so a resumed run stops where the uninterrupted one would
         self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
