@@ -181,3 +181,18 @@ def test_eval_and_generate_take_an_exit_threshold(tiny_corpus, tmp_path):
     assert r.returncode == 2 and "needs depth = 'ode'" in r.stderr
     r = run_cli("eval", "--checkpoint", run, "--exit-threshold", "-1")
     assert r.returncode == 2 and ">= 0" in r.stderr
+
+
+def test_a_copied_model_exits_on_its_own_head():
+    """The "kl" criterion's read-out is a bound method: a deepcopy reads its own head and
+    norm (a closure kept reading the original's), and the model pickles."""
+    import copy
+    import pickle
+
+    from continuumlm.testing import small_model
+
+    m = small_model(depth="ode")
+    m.set_exit(0.5, "kl")
+    c = copy.deepcopy(m)
+    assert c.depth.exit.readout.__self__ is c
+    pickle.dumps(m)

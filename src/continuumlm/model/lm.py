@@ -120,9 +120,13 @@ class LanguageModel(nn.Module):
             raise ValueError("per-token exit needs depth = 'ode'; a discrete stack has no "
                              "solver steps to stop early.")
         check_exit_solver(self.depth.blocks[0].solver, self.config.ode_solver)
-        self.depth.exit = ExitRule(float(threshold), criterion,
-                                   readout=lambda h: self.lm_head(self.norm_f(h)))
+        # a bound method, not a closure: a copy (deepcopy) reads its own head, and it pickles
+        self.depth.exit = ExitRule(float(threshold), criterion, readout=self._exit_readout)
         self.depth.exit_totals = [0, 0]
+
+    def _exit_readout(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits the "kl" exit criterion compares between steps."""
+        return self.lm_head(self.norm_f(h))
 
     def penalty(self) -> torch.Tensor:
         """Sum of the regularizers that mixers expose (added to the loss by the trainer)."""
