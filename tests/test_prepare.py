@@ -143,6 +143,37 @@ def test_a_folder_prepared_by_an_older_tokenizers_release_still_opens(tmp_path, 
     assert not P._complete(out)
 
 
+@pytest.mark.parametrize("elsewhere", ["same disk", "another disk"])
+def test_force_through_a_symlinked_out(tmp_path, elsewhere):
+    """--out as a symlink (data/ptb -> /scratch/...): --force builds beside the target, or in
+    place when that is another file system, and the link stays a link to the new corpus."""
+    import shutil
+    import tempfile
+
+    if elsewhere == "another disk":
+        shm = Path("/dev/shm")
+        if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+            pytest.skip("no second file system here")
+        real = Path(tempfile.mkdtemp(dir=shm)) / "corpus"
+    else:
+        real = tmp_path / "disk" / "corpus"
+    try:
+        real.mkdir(parents=True)
+        link = tmp_path / "link"
+        link.symlink_to(real)
+        src = write_source("text", tmp_path / "src")
+        args = ["prepare", "--input", src, "--tokenizer", "char", "--out", link]
+        assert run_cli(*args, "--val-fraction", "0.3").returncode == 0
+        r = run_cli(*args, "--val-fraction", "0.2", "--force")
+        assert r.returncode == 0, r.stderr
+        assert link.is_symlink() and read_meta(real)["split_rule"]["train_fraction"] == \
+            pytest.approx(0.8)
+        assert not list(real.parent.glob(".corpus.prepare-*"))
+    finally:
+        if elsewhere == "another disk":
+            shutil.rmtree(real.parent, ignore_errors=True)
+
+
 def test_an_unreadable_source_is_a_data_error(tmp_path, monkeypatch):
     """Hashing a source that cannot be read (permissions) names the file, exit status 2."""
     src = write_source("text", tmp_path / "src")

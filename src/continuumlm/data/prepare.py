@@ -644,10 +644,27 @@ def _replace_preparation(out: Path, plan: Plan, spec: TokenizerSpec, key: str,
     """--force over a finished preparation: build the new one beside it and move it in at the
     end, so that a prepare that fails (unreadable input, full disk) leaves the corpus that runs
     may still need as it was. Needs room for both while it runs."""
-    side = out.parent / f".{out.name}.prepare-{os.getpid()}.tmp"
+    target = out.resolve()  # --out may be a symlink to another disk: build beside its target
+    if target.parent.stat().st_dev != target.stat().st_dev:  # a mount point: no rename into it
+        (out / META_FILE).unlink(missing_ok=True)
+        for p in out.iterdir():
+            if _ours(p):
+                p.unlink()
+        return prepare_into(out, plan, spec, key, digests, dtype, quiet, log)
+    for stale in target.parent.glob(f".{target.name}.prepare-*.tmp"):  # of a killed --force
+        try:
+            os.kill(int(stale.name.rsplit("-", 1)[1].split(".")[0]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+    side = target.parent / f".{target.name}.prepare-{os.getpid()}.tmp"
     shutil.rmtree(side, ignore_errors=True)
     try:
-        meta = prepare_into(side, plan, spec, key, digests, dtype, quiet, log)
+        try:
+            meta = prepare_into(side, plan, spec, key, digests, dtype, quiet, log)
+        except (DataError, DiskError) as e:
+            raise type(e)(f"{e} (the corpus in {out} is unchanged)") from None
         new = {p.name for p in side.iterdir()}
         try:
             (out / META_FILE).unlink(missing_ok=True)  # first: the folder stops looking complete
@@ -655,7 +672,7 @@ def _replace_preparation(out: Path, plan: Plan, spec: TokenizerSpec, key: str,
                 if _ours(p) and p.name not in new:
                     p.unlink()
             for name in sorted(new - {META_FILE}) + [META_FILE]:  # meta.json last
-                os.replace(side / name, out / name)
+                os.replace(side / name, target / name)
         except OSError as e:
             raise _disk_error(out / META_FILE, e) from None
     finally:
@@ -721,5 +738,5 @@ def _complete(folder: Path) -> bool:
     try:
         Prepared(folder)
         return True
-    except (DataError, OSError):
+    except DataError:  # damaged or not ours; a transient OSError is no reason to delete it
         return False
