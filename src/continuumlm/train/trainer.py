@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 import os
 import sys
@@ -193,16 +193,7 @@ class Trainer:
                     f"= {t.max_steps}; raise train.max_steps (e.g. --set train.max_steps="
                     f"{self.step * 2}) to train further.")
             if t.lr_decay_steps is None and self.dist.is_main:
-                from .checkpoint import load_run_config
-
-                before = load_run_config(self.resumed_from).train.max_steps
-                if before != t.max_steps:  # the cosine's horizon is max_steps: it moves
-                    print(f"warning: --resume with train.max_steps = {t.max_steps} (the run had "
-                          f"{before}) and no train.lr_decay_steps: the learning rate's cosine "
-                          f"now ends at step {t.max_steps}, so at step {self.step} it jumps from "
-                          f"{lr_at(self.step, dataclasses.replace(t, max_steps=before)):.3g} to "
-                          f"{lr_at(self.step, t):.3g}. Set train.lr_decay_steps = {before} to "
-                          f"keep the schedule.", file=sys.stderr, flush=True)
+                self._warn_moved_horizon(t)
         # consecutive bad steps carry over, so a resumed run stops where the uninterrupted one would
         self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
         self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
@@ -344,6 +335,24 @@ class Trainer:
             self.last_draw = self.elastic.draw(self.step)
             with self.elastic.at(*self.last_draw):
                 return self._train_step(self.last_draw)
+
+    def _warn_moved_horizon(self, t) -> None:
+        """Without train.lr_decay_steps the cosine ends at max_steps: a resume that changes
+        max_steps moves it, and the learning rate jumps. Said, never refused."""
+        from .checkpoint import load_run_config
+
+        saved = load_run_config(self.resumed_from).train
+        horizon = saved.lr_decay_steps or saved.max_steps
+        if horizon == t.max_steps:
+            return
+        before = copy.copy(t)  # the saved schedule, without validating the rest again
+        object.__setattr__(before, "lr_decay_steps", horizon)
+        print(f"warning: --resume with train.max_steps = {t.max_steps} and no "
+              f"train.lr_decay_steps: the learning rate's cosine now ends at step {t.max_steps}, "
+              f"not {horizon}, so at step {self.step} it jumps from "
+              f"{lr_at(self.step, before):.3g} to {lr_at(self.step, t):.3g}. Set "
+              f"train.lr_decay_steps = {horizon} to keep the schedule.", file=sys.stderr,
+              flush=True)
 
     def _train_step(self, draw: tuple[str, int] | None) -> tuple[float, float]:
         t = self.cfg.train
