@@ -158,8 +158,9 @@ def test_refusals(kw, needle):
 
 @pytest.mark.parametrize("kw", [dict(ode_solver="rk4", ode_grad="binomial"),
                                 dict(ode_solver="reversible_heun", ode_grad="reversible"),
-                                dict(ode_solver="dopri5", ode_grad="checkpoint")],
-                         ids=["binomial", "reversible", "adaptive-checkpoint"])
+                                dict(ode_solver="dopri5", ode_grad="checkpoint"),
+                                dict(ode_solver="rk4", ode_grad="adjoint")],
+                         ids=["binomial", "reversible", "adaptive-checkpoint", "adjoint"])
 def test_a_double_backward_is_refused_not_wrong(kw):
     """These modes' backward passes build no graph of their own: differentiating a gradient
     through them raises (it gave a wrong Hessian-vector product for reversible), and binomial
@@ -169,6 +170,10 @@ def test_a_double_backward_is_refused_not_wrong(kw):
     idx = torch.randint(0, 29, (2, 9))
     params = [p for n, p in m.named_parameters() if "depth" in n]  # the ODE block's weights
     _, loss = m(idx, idx.roll(-1, 1))
+    if kw["ode_grad"] == "adjoint":  # refused as soon as the graph would be built
+        with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+            torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        return
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable"):
         sum(g.square().sum() for g in grads if g is not None).backward()

@@ -495,3 +495,18 @@ def test_decoding_refuses_what_would_go_wrong_silently():
                        (dict(max_new_tokens=-1), "max_new_tokens")):
         with pytest.raises(ValueError, match=needle):
             m.generate(prompt, **{"max_new_tokens": 3, **kw})
+
+
+def test_a_compiled_generation_refuses_a_solver_changed_between_tokens():
+    """The one-token static steps check the state's solver on the host too (they returned
+    logits 3e-3 off after set_solver between yields)."""
+    from continuumlm.model.generation import static_decoder
+
+    m = small_model(depth="ode", ode_solver="euler", ode_steps=4, num_layers=1)
+    state = m.init_state(1)
+    m.step(torch.randint(0, 37, (1, 5)), state)
+    token = static_decoder(m, state, compile=False)  # the compiled step's host side, eagerly
+    token(torch.randint(0, 37, (1, 1)), state)
+    m.set_solver(ode_steps=2, ode_grad="direct")
+    with pytest.raises(ValueError, match="start a new generation"):
+        token(torch.randint(0, 37, (1, 1)), state)

@@ -589,9 +589,11 @@ class RunConfig:
                               f"{m.depth!r} has none. Use depth = 'ode', or leave it out.")
         weighted = [n for n in ("kinetic_weight", "jacobian_weight") if getattr(t, n)]
         # what training integrates with: the elastic choices replace the model's own solver
+        # (names not registered are reported by the elastic checks below)
         fixed = [s for s in (t.ode_solver_choices or [m.ode_solver])
-                 if getattr(SOLVERS.component_class(s), "fixed_grid", True)]
-        if weighted and m.depth == "ode" and fixed:
+                 if s in SOLVERS and getattr(SOLVERS.component_class(s), "fixed_grid", True)
+                 ] if weighted and m.depth == "ode" else []
+        if fixed:
             raise ConfigError(f"train.{weighted[0]} makes an adaptive solver's dynamics cheaper "
                               f"to integrate (fewer steps for the same tolerance); with the "
                               f"fixed-grid {fixed[0]!r} every solve takes the same steps, so "
@@ -659,8 +661,9 @@ class RunConfig:
                     or m.ode_solver == "rk2_gated":
                 raise ConfigError(f"train.ode_solver_choices may list fixed-grid solvers without "
                                   f"weights of their own (euler, midpoint, heun, rk4, ...), "
-                                  f"and the model's own solver must be one too; got {solver!r} "
-                                  f"with model.ode_solver = {m.ode_solver!r}.")
+                                  f"and the model's own solver may not have weights either "
+                                  f"(rk2_gated); got {solver!r} with model.ode_solver = "
+                                  f"{m.ode_solver!r}.")
         if m.depth == "ode" and (t.ode_steps_choices or t.ode_solver_choices):
             # every solve a step may draw must suit the model's gradient mode (e.g. reversible
             # Heun's 'reversible' backward with rk4 drawn), or training would stop at its draw

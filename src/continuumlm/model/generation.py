@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -31,11 +32,19 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     if not greedy and not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a positive finite number, got {temperature}; use "
                          f"greedy=True (--greedy) for deterministic argmax decoding.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not _whole(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a whole number of tokens, at least 1, got {top_k!r}.")
     if top_p is not None and not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}.")
+
+
+def _whole(x) -> bool:
+    """An integer of any kind (int, numpy integer, 0-d integer tensor), not a float."""
+    try:
+        operator.index(x)
+        return True
+    except TypeError:
+        return False
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None,
@@ -93,8 +102,7 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     if cfg.mode != "decoder":
         raise ValueError("generation needs mode = 'decoder'; this model is an encoder.")
     check_sampling_args(temperature, top_k, top_p, greedy)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-            or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not _whole(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}.")
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise ValueError("the prompt must hold at least one token, shaped (batch, length).")
@@ -178,6 +186,12 @@ def static_decoder(model, state: DecodeState, compile: bool = True,
     state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
 
     def grow(st: DecodeState) -> None:
+        cfg = model.config  # the check hidden_states makes, here on the host for static steps
+        solve = (cfg.ode_solver, cfg.ode_steps) if cfg.depth == "ode" else None
+        if st.solve is not None and st.solve != solve:
+            raise ValueError(f"this decoding state was built with ode_solver, ode_steps = "
+                             f"{st.solve}, and the model now integrates with {solve}: start a "
+                             f"new generation after set_solver().")
         if st.pos >= st.static.capacity:
             st.freeze(2 * st.static.capacity, device)
 

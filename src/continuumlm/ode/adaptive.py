@@ -186,6 +186,25 @@ class _RecordingFunc(_Func):
             self.accepted.accept(t0, y0, dt)
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on the adjoint's output whose backward refuses create_graph: torchdiffeq's
+    adjoint backward builds no graph, so a double backward through it (a Hessian-vector
+    product, a gradient penalty) would silently miss its second-order part."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(
+                "the adjoint's backward solve builds no graph, so its gradient cannot be "
+                "differentiated twice (create_graph=True); use ode_grad = 'direct' or, on a "
+                "fixed grid, 'checkpoint'.")
+        return g
+
+
 def _number(x) -> float:
     return float(x.detach()) if torch.is_tensor(x) else float(x)
 
@@ -253,8 +272,9 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
         if adjoint:
             if adjoint_norm == "seminorm":
                 backward_options["norm"] = "seminorm"
-            out = torchdiffeq.odeint_adjoint(func, h0, t, adjoint_params=tuple(params),
-                                             adjoint_options=backward_options, **kwargs)
+            out = _NoDoubleBackward.apply(torchdiffeq.odeint_adjoint(
+                func, h0, t, adjoint_params=tuple(params), adjoint_options=backward_options,
+                **kwargs))
         elif checkpoint:
             from .aca import AcceptedSteps, checkpointed
 

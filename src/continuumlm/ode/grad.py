@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .adaptive import ADJOINT_FIXED, AdaptiveSolver, odeint_call
+from .adaptive import ADAPTIVE_METHODS, ADJOINT_FIXED, AdaptiveSolver, odeint_call
 from .binomial import default_checkpoints, integrate_binomial
 from .solvers import grid
 
@@ -82,8 +82,9 @@ def _check_mode(solver, grad: str) -> None:
     same in config terms), rather than fall back to direct backprop without a word."""
     from ..config.sections import GRAD_MODES
 
-    name = (getattr(solver, "method", None) or getattr(getattr(solver, "tableau", None), "name", None)
-            or type(solver).__name__)
+    method = getattr(solver, "method", None)  # torchdiffeq's name; the config's is shown
+    name = (next((k for k, v in ADAPTIVE_METHODS.items() if v == method), method)
+            or getattr(getattr(solver, "tableau", None), "name", None) or type(solver).__name__)
     adaptive = isinstance(solver, AdaptiveSolver)
     if grad not in GRAD_MODES:
         raise ValueError(f"unknown gradient mode {grad!r}: use one of {', '.join(GRAD_MODES)}.")
