@@ -508,5 +508,5 @@ def test_a_compiled_generation_refuses_a_solver_changed_between_tokens():
     token = static_decoder(m, state, compile=False)  # the compiled step's host side, eagerly
     token(torch.randint(0, 37, (1, 1)), state)
     m.set_solver(ode_steps=2, ode_grad="direct")
-    with pytest.raises(ValueError, match="start a new generation"):
+    with pytest.raises(ValueError, match="start a new state"):
         token(torch.randint(0, 37, (1, 1)), state)

@@ -39,6 +39,17 @@ class DecodeState:
         self.static: StaticStep | None = None
         self._caches: dict[Hashable, Any] = {}
 
+    def check_solve(self, config) -> None:
+        """Record the (ode_solver, ode_steps) that builds this state's caches, and refuse
+        another: the caches are kept per solver stage, and another solver or step count
+        (set_solver between calls) would read them at other times."""
+        solve = (config.ode_solver, config.ode_steps) if config.depth == "ode" else None
+        if self.pos and self.solve != solve:
+            raise ValueError(f"this decoding state was built with ode_solver, ode_steps = "
+                             f"{self.solve}, and the model now integrates with {solve}: start "
+                             f"a new state (a new generation) after set_solver().")
+        self.solve = solve
+
     def cache(self, key: Hashable, factory: Callable[[], Any]) -> Any:
         if key not in self._caches:
             if self.static is not None:

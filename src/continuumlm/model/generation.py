@@ -186,12 +186,7 @@ def static_decoder(model, state: DecodeState, compile: bool = True,
     state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
 
     def grow(st: DecodeState) -> None:
-        cfg = model.config  # the check hidden_states makes, here on the host for static steps
-        solve = (cfg.ode_solver, cfg.ode_steps) if cfg.depth == "ode" else None
-        if st.solve is not None and st.solve != solve:
-            raise ValueError(f"this decoding state was built with ode_solver, ode_steps = "
-                             f"{st.solve}, and the model now integrates with {solve}: start a "
-                             f"new generation after set_solver().")
+        st.check_solve(model.config)  # as hidden_states does, on the host for static steps
         if st.pos >= st.static.capacity:
             st.freeze(2 * st.static.capacity, device)
 

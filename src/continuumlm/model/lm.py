@@ -139,14 +139,7 @@ class LanguageModel(nn.Module):
         pos0 = state.pos if state is not None else 0
         cfg = self.config
         if state is not None:
-            # a state's caches are kept per solver stage: another solver or step count would
-            # read them at other times (set_solver between calls), so a state keeps one
-            solve = (cfg.ode_solver, cfg.ode_steps) if cfg.depth == "ode" else None
-            if state.pos and state.solve != solve:
-                raise ValueError(f"this decoding state was built with ode_solver, ode_steps = "
-                                 f"{state.solve}, and the model now integrates with {solve}: "
-                                 f"start a new state with init_state() after set_solver().")
-            state.solve = solve
+            state.check_solve(cfg)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             if pos0 + T > cfg.max_seq_len:
