@@ -616,7 +616,11 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
             raise DataError(f"{out} already holds a prepared corpus of other inputs or settings "
                             f"(its meta.json); pass --force to replace it, or choose another "
                             f"--out.")
-    replacing = force and (out / META_FILE).is_file()
+    # --force over a finished preparation builds beside it, unless --out is a mount point
+    # (nothing can be renamed into it from its parent's file system): then in place, as below
+    target = out.resolve()
+    replacing = (force and (out / META_FILE).is_file()
+                 and target.parent.stat().st_dev == target.stat().st_dev)
     if out.is_dir():
         foreign = [p.name for p in out.iterdir() if not _ours(p)]
         if foreign:
@@ -645,12 +649,6 @@ def _replace_preparation(out: Path, plan: Plan, spec: TokenizerSpec, key: str,
     end, so that a prepare that fails (unreadable input, full disk) leaves the corpus that runs
     may still need as it was. Needs room for both while it runs."""
     target = out.resolve()  # --out may be a symlink to another disk: build beside its target
-    if target.parent.stat().st_dev != target.stat().st_dev:  # a mount point: no rename into it
-        (out / META_FILE).unlink(missing_ok=True)
-        for p in out.iterdir():
-            if _ours(p):
-                p.unlink()
-        return prepare_into(out, plan, spec, key, digests, dtype, quiet, log)
     for stale in target.parent.glob(f".{target.name}.prepare-*.tmp"):  # of a killed --force
         try:
             os.kill(int(stale.name.rsplit("-", 1)[1].split(".")[0]), 0)
