@@ -446,6 +446,20 @@ def test_min_lr_above_lr_trains_with_a_warning(tiny_corpus, tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_warmup_past_the_decay_horizon_trains_with_a_warning(tiny_corpus, tmp_path, capsys):
+    """A warm-up as long as the run leaves no cosine decay: said once, the run goes on; a
+    warm-up below the horizon says nothing."""
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=2), ["train.warmup_steps=40"])
+    assert Trainer(cfg, tmp_path / "run", quiet=True).run()["step"] == 2
+    err = capsys.readouterr().err
+    assert "warning: train.warmup_steps (40) is not below the end of the cosine decay " \
+        "(train.lr_decay_steps = 40)" in err, err
+    assert err.count("warning:") == 1
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=3))
+    assert Trainer(cfg, tmp_path / "run3", quiet=True).run()["step"] == 3
+    assert "warmup" not in capsys.readouterr().err
+
+
 def test_a_changed_test_split_does_not_stop_a_resume(data_dir, tmp_path):
     """Training reads train and val only: a PTB test file changed since the run started is
     eval's warning, not a refusal to resume."""

@@ -277,9 +277,11 @@ class TrainConfig:
     min_lr: float = 1e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 100
-    """Steps of linear warm-up from 0 to lr."""
+    """Steps of linear warm-up from 0 to lr (one not below the decay's end is warned about at
+    the start: it leaves no cosine decay)."""
     lr_decay_steps: int | None = None
-    """Steps of cosine decay from lr to min_lr; defaults to max_steps."""
+    """The step at which the cosine decay (from lr, after the warm-up) reaches min_lr;
+    defaults to max_steps."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norms, biases or embeddings of size 1)."""
     beta1: float = 0.9

@@ -82,6 +82,13 @@ class Trainer:
                   f"cosine schedule raises the learning rate from lr to min_lr instead of "
                   f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
                   f"you want.", file=sys.stderr)
+        horizon = t.lr_decay_steps or t.max_steps
+        if self.main and 0 < horizon <= t.warmup_steps:
+            print(f"warning: train.warmup_steps ({t.warmup_steps}) is not below the end of the "
+                  f"cosine decay (train.{'lr_decay_steps' if t.lr_decay_steps else 'max_steps'} "
+                  f"= {horizon}), so the learning rate only climbs toward train.lr and then "
+                  f"drops to min_lr, with no decay; set train.warmup_steps to a fraction of "
+                  f"the run (e.g. a tenth) if that is not what you want.", file=sys.stderr)
         self.device = pick_device(device_name)
         self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
