@@ -144,6 +144,23 @@ def one_and_two_processes(runs, name, *settings, strategy="ddp"):
 
 
 @pytest.mark.slow  # end to end, several processes: make test-slow
+def test_logged_consistency_and_regularizers_are_the_global_batch_s(two_process_runs):
+    """Like the loss, the logged consistency and step read-out terms are the mean over every
+    rank's batch, as one process with the same global batch logs them (they were rank 0's)."""
+    one, ddp = one_and_two_processes(
+        two_process_runs, "terms", "model.depth=ode", "model.num_layers=1",
+        "model.ode_solver=euler", "model.ode_steps=2", "train.ode_steps_choices=[2, 4]",
+        "train.consistency_weight=0.5", "train.step_readout_weight=0.1", "train.max_steps=3")
+    rows = [[e for e in read_metrics(d) if "loss" in e] for d in (one, ddp)]
+    for name in ("consistency", "step_readout"):
+        a = [e[name] for e in rows[0] if name in e]
+        b = [e[name] for e in rows[1] if name in e]
+        assert len(a) == len(b) >= 1 and a[-1] > 0, name
+        assert a == pytest.approx(b, rel=1e-4, abs=0), name
+    assert_same_weights(weights(one), weights(ddp))
+
+
+@pytest.mark.slow  # end to end, several processes: make test-slow
 def test_fsdp_continuous_mixer_with_sobolev_penalty_matches_one_process(two_process_runs):
     """The trainer adds the mixers' penalty outside forward, where FSDP holds each weight as a
     shard: the penalty must still be the whole model's and its gradient the one-process one."""

@@ -423,8 +423,12 @@ class Trainer:
         penalty = (penalty.detach().to(acc) if solver_error is None
                    else torch.full((), math.nan, dtype=acc, device=self.device))
         if self.dist.enabled:  # on the device: no wait for the host
-            D.dist.all_reduce(total, op=D.dist.ReduceOp.SUM)
-            total = total / self.dist.world_size
+            # the logged terms are the global batch's, as the loss is (the elastic draw, and
+            # so whether a consistency term ran, is the same on every rank)
+            stats = torch.cat([torch.stack([total, consistency, distill]), reg_sums])
+            D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
+            stats = stats / self.dist.world_size
+            total, consistency, distill, reg_sums = stats[0], stats[1], stats[2], stats[3:]
         if t.grad_accum > 1:
             with torch.no_grad():
                 for p in self.model.parameters():
