@@ -1,6 +1,7 @@
 """Faults inflicted on purpose: kills, signals, corrupt checkpoints, NaNs, full disks, bad input."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -220,6 +221,24 @@ def test_nan_steps_are_skipped_then_training_stops(tiny_corpus, tmp_path):
     assert (out / "checkpoints" / "last").resolve().name == "step-00000010"
     weights = torch.cat([p.flatten() for p in trainer.model.parameters()])
     assert torch.isfinite(weights).all()  # no update was applied from a bad step
+
+
+def test_a_skipped_step_logs_its_own_nfe_not_the_diagnostic_pass_s(tiny_corpus, tmp_path):
+    """A bad step's culprit is found by one more forward: the step's logged forward and
+    backward NFE are the training pass's (the backward count read 0 after that forward)."""
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=4, ckpt=100),
+                      ["model.depth=ode", "model.num_layers=1", "model.ode_solver=euler",
+                       "model.ode_steps=3", "model.ode_grad=checkpoint"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+
+    def poison(module, inputs, output):
+        return output * float("inf") if trainer.step == 2 and module.training else output
+
+    trainer.model.depth.blocks[0].register_forward_hook(poison)
+    assert trainer.run()["skipped_steps"] == 1
+    rows = [e for e in read_metrics(tmp_path / "run") if "loss" in e]
+    assert not math.isfinite(rows[2]["loss"])
+    assert [(e["nfe"], e["nfe_backward"]) for e in rows] == [(3, 3)] * 4
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

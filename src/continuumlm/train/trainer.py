@@ -450,6 +450,8 @@ class Trainer:
         self.last_regularizers = {n: v / t.grad_accum for n, v in zip(reg_names, regs)
                                   if self.solve_reg.weight(n) > 0}
         loss_value = summed / t.grad_accum
+        # read before a bad step's diagnostic forward (_first_non_finite) overwrites them
+        self.last_step_nfe = {"nfe": self.model.last_nfe, **self._backward_nfe()}
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
         scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)
         if math.isfinite(loss_value) and (math.isfinite(grad_norm) or scaler_skips):
@@ -595,8 +597,8 @@ class Trainer:
                     tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                     self._log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
-                                     "nfe": self.model.last_nfe, "penalty": self.last_penalty,
-                                     **self._backward_nfe(), **self._solve_fields()})
+                                     "penalty": self.last_penalty, **self.last_step_nfe,
+                                     **self._solve_fields()})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
