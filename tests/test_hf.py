@@ -249,6 +249,28 @@ def test_lm_eval_harness_scores_an_exported_checkpoint(tiny_corpus, tmp_path):
     assert gen == want.split("\n\n")[0]
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 16, 17, 30])
+def test_harness_windows_are_lm_eval_s(n):
+    """Our copy of the harness's rolling windows (for the exact check of `continuumlm harness`)
+    gives lm-eval's windows: the same inputs and the same scored tokens, at lengths below, at
+    and past one window and not a multiple of it."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from continuumlm.hf.harness import harness_windows
+
+    tokens, context, prefix = list(range(100, 100 + n)), 8, -1
+    theirs = [(ctx + cont)[-(context + 1):][:-1] for ctx, cont in map(
+        make_disjoint_window, get_rolling_token_windows(tokens, prefix, context, 1))]
+    scored_theirs = [cont for _, cont in map(
+        make_disjoint_window, get_rolling_token_windows(tokens, prefix, context, 1))]
+    seq = [prefix] + tokens
+    ours = harness_windows(n, context)
+    assert [seq[s + 1:s + 1 + length] for s, length, _ in ours] == theirs
+    assert [seq[s + 2:s + 2 + length][length - k:] for s, length, k in ours] == scored_theirs
+    assert sum(k for _, _, k in ours) == n
+
+
 def test_export_refuses_a_folder_in_use(tiny_corpus, tmp_path):
     from conftest import run_cli
 
@@ -277,11 +299,14 @@ def test_harness_command_agrees_with_eval(tiny_corpus, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     kept = json.loads(r.stdout)
     assert kept["tokens"] > 100 and abs(kept["bits_per_byte_ratio"] - 1) < 0.01
+    # exact: our model on the harness's own windows (the split is several windows long)
+    assert abs(kept["harness_windows_ratio"] - 1) < 1e-5, kept
     r = run_cli("harness", "--checkpoint", tmp_path / "run", "--json", "--context", "32",
                 "--ode-steps", "8")
     assert r.returncode == 0, r.stderr[-3000:]
     deeper = json.loads(r.stdout)
     assert deeper["nfe"] == 32 and abs(deeper["bits_per_byte_ratio"] - 1) < 0.01
+    assert abs(deeper["harness_windows_ratio"] - 1) < 1e-5, deeper
     # a text no longer than the context: refused before lm-eval runs (it ended in a KeyError)
     r = run_cli("harness", "--checkpoint", tmp_path / "run", "--context", "32",
                 "--max-tokens", "20")

@@ -213,7 +213,10 @@ def cmd_harness(args) -> int:
     print(f"lm-eval:          bits/byte {h['bits_per_byte']:.4f}  byte ppl "
           f"{h['byte_perplexity']:.4f}  word ppl {h['word_perplexity']:.3f}")
     print(f"continuumlm eval: bits/byte {o['bits_per_byte']:.4f}  loss {o['loss']:.4f} "
-          f"nats/token (ratio {r['bits_per_byte_ratio']:.4f})")
+          f"nats/token (ratio {r['bits_per_byte_ratio']:.4f}; other windows)")
+    print(f"the model on lm-eval's windows: bits/byte "
+          f"{r['ours_on_harness_windows']['bits_per_byte']:.4f} (ratio "
+          f"{r['harness_windows_ratio']:.6f}; 1 up to float rounding)")
     if args.keep:
         print(f"kept in {args.keep}; lm-eval's own command:\n  {r['lm_eval_command']}")
     return 0

@@ -11,9 +11,12 @@ Word vocabularies: the split is scored as the text its ids decode to, rare words
 ``<unk>`` (Penn Treebank's own practice), which encodes back to the same ids.
 
 Windows: the harness scores every token, the first one given its end-of-text token, in
-non-overlapping windows of ``max_length``; ``continuumlm eval`` scores every token but the
-first in non-overlapping windows plus one tail window. At the same context length the two
-differ by the first token only.
+non-overlapping windows of ``max_length`` predictions (each later window reads the token before
+its first prediction, and a last, shorter one reads back a full window); ``continuumlm eval``
+scores every token but the first in non-overlapping windows plus one tail window. The two
+differ by the first token and by where the windows start, so they agree closely, not exactly.
+The exact check is :func:`harness_windows_nll`: our model scored on the harness's own windows,
+which must give the harness's figure to float precision.
 """
 
 from __future__ import annotations
@@ -52,6 +55,50 @@ def lm_eval_command(folder: Path, name: str, context: int, solver: dict) -> str:
             f"--include_path {folder / 'tasks'} --device cpu --batch_size 1")
 
 
+def harness_windows(n: int, context: int) -> list[tuple[int, int, int]]:
+    """lm-eval's rolling windows (``loglikelihood_rolling`` with ``context_len`` 1, as HFLM
+    calls it) over ``n`` tokens for a model of ``context`` positions, as ``(start, length,
+    scored)``: the window reads tokens ``start .. start + length - 1`` (start -1: the prefix
+    token, then tokens ``0 .. length - 2``) and its last ``scored`` outputs are scored. Written
+    here from that function's definition (lm_eval.utils.get_rolling_token_windows and
+    make_disjoint_window, 0.4.x) so our own model can reproduce the harness's figure."""
+    if n <= 0:
+        return []
+    first = min(context, n)
+    out = [(-1, first, first)]
+    done = first
+    while done < n:
+        scored = min(n - done, context)
+        end = done + scored  # predicts tokens end - scored .. end - 1
+        out.append((end - context - 1, context, scored))
+        done = end
+    return out
+
+
+@torch.no_grad()
+def harness_windows_nll(model, ids: list[int], context: int, prefix: int,
+                        device: torch.device, batch_tokens: int = 8192) -> float:
+    """Summed negative log-likelihood (nats) of ``ids`` under ``model``, scored on the
+    harness's rolling windows (:func:`harness_windows`) with ``prefix`` before the first token."""
+    model.eval()
+    seq = torch.tensor([prefix] + list(ids), dtype=torch.long)  # seq[i + 1] is ids[i]
+    windows = harness_windows(len(ids), context)
+    total = 0.0
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for start, length, scored in windows:
+        by_length.setdefault(length, []).append((start + 1, scored))
+    for length, group in by_length.items():
+        per = max(1, batch_tokens // length)
+        for i in range(0, len(group), per):
+            part = group[i:i + per]
+            x = torch.stack([seq[a:a + length] for a, _ in part]).to(device)
+            y = torch.stack([seq[a + 1:a + length + 1] for a, _ in part]).to(device)
+            logp = torch.log_softmax(model(x)[0].float(), -1).gather(-1, y[..., None])[..., 0]
+            for row, (_, scored) in zip(logp, part):
+                total -= row[length - scored:].double().sum().item()
+    return total
+
+
 def run_harness(checkpoint, which: str = "best", split: str = "val", context: int | None = None,
                 ode_solver: str | None = None, ode_steps: int | None = None,
                 max_tokens: int | None = None, device: str = "cpu",
@@ -66,7 +113,7 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
     from ..eval.perplexity import context_support, evaluate_contexts
     from ..train import load_model_and_tokenizer
     from ..train.checkpoint import load_run_config
-    from .export import export_hf, hf_tokenizer
+    from .export import end_of_text, export_hf, hf_tokenizer
 
     # on the device our own evaluation below runs on
     model, tok, ckpt = load_model_and_tokenizer(checkpoint, which, map_location=device)
@@ -129,9 +176,16 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
                               torch.device(device))
     n_bytes = len(text.encode("utf-8"))
     ours_bpb = row["loss"] * row["tokens"] / math.log(2) / n_bytes
+    _, prefix = end_of_text(tok)  # HFLM's prefix: the exported bos (= eos) token
+    exact_bpb = harness_windows_nll(model, ids, context, prefix, torch.device(device)) / (
+        math.log(2) * n_bytes)
     return {"checkpoint": str(ckpt), "split": split, "context": context, "tokens": len(ids),
             "bytes": n_bytes, "nfe": model.last_nfe, **solver,
             "harness": harness, "ours": {"loss": row["loss"], "bits_per_byte": ours_bpb,
                                          "targets": row["tokens"]},
             "bits_per_byte_ratio": harness["bits_per_byte"] / ours_bpb,
+            # our model on the harness's own windows: equal to float precision, or the adapter
+            # (export, tokenizer, solver options) scores something other than our model does
+            "ours_on_harness_windows": {"bits_per_byte": exact_bpb},
+            "harness_windows_ratio": harness["bits_per_byte"] / exact_bpb,
             **({"lm_eval_command": command} if keep else {})}
