@@ -183,3 +183,12 @@ def test_inspect_explain_prints_values_defaults_and_docs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[model.deltanet]\n  short_conv = 3  [int]  (default 0)" in r.stdout
     assert "Peak learning rate of AdamW" in r.stdout and "[train]" in r.stdout
+
+
+def test_a_gpu_by_index_is_a_valid_device():
+    """train.device = "cuda:N" is documented (and chosen under torchrun as one GPU per rank);
+    the config check refused it. Misspellings are still refused, naming the form."""
+    assert TrainConfig(device="cuda:1").device == "cuda:1"
+    for bad in ("cuda:x", "cuda:", "gpu", "cpu:0"):
+        with pytest.raises(ConfigError, match="cuda:N"):
+            TrainConfig(device=bad)

@@ -148,9 +148,11 @@ def _validate(obj, section: str, skip: tuple[str, ...] = ()) -> None:
                               f"{MAX_INT:,}; choose a smaller value.")
         if own:
             continue
-        if f.name in CHOICES and value not in CHOICES[f.name]:
+        if f.name in CHOICES and value not in CHOICES[f.name] and not (
+                f.name == "device" and re.fullmatch(r"cuda:\d+", str(value))):
+            extra = ", cuda:N (one GPU by index)" if f.name == "device" else ""
             raise ConfigError(f"{key} = {value!r} is not one of {', '.join(CHOICES[f.name])}"
-                              f"{_suggest(str(value), CHOICES[f.name])}.")
+                              f"{extra}{_suggest(str(value), CHOICES[f.name])}.")
         if f.name in POSITIVE and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}.")
         if f.name in NON_NEGATIVE and value < 0:
