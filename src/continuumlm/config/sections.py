@@ -55,7 +55,8 @@ class ModelConfig:
     position: str = "rope"
     """Positions: "rope" (rotary, any length), "learned" (a table of max_seq_len) or "none"."""
     max_seq_len: int = 256
-    """Longest sequence the learned position table covers (also the default context)."""
+    """Longest sequence the learned position table covers (also the continuous mixer's
+    default kernel length, and the exported tokenizer's model_max_length)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output layer."""
     bias: bool = False
@@ -283,7 +284,8 @@ class TrainConfig:
     """The step at which the cosine decay (from lr, after the warm-up) reaches min_lr;
     defaults to max_steps."""
     weight_decay: float = 0.1
-    """AdamW weight decay on matrices (not on norms, biases or embeddings of size 1)."""
+    """AdamW weight decay on every weight of two or more dimensions, the token embedding
+    included (not on norms' gains, biases or other 1-D parameters)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.99
@@ -376,11 +378,13 @@ class TrainConfig:
     kinetic_weight: float = 0.0
     """ODE models: add this weight times the kinetic energy of the solve, the integral of
     ||f||^2 / hidden_size over t per token, averaged (Finlay et al. 2020): straighter
-    trajectories that adaptive solvers take in fewer steps. Logged as "kinetic"."""
+    trajectories that adaptive solvers take in fewer steps. Adaptive solvers only (a fixed
+    grid takes the same steps whatever the field). Logged as "kinetic"."""
     jacobian_weight: float = 0.0
     """ODE models: add this weight times the integral of ||df/dh||_F^2 / hidden_size along the
     solve, estimated with one Gaussian probe per forward (Hutchinson; one extra
-    vector-Jacobian product per evaluation). Logged as "jacobian"."""
+    vector-Jacobian product per evaluation). Adaptive solvers only, as kinetic_weight.
+    Logged as "jacobian"."""
     step_readout_weight: float = 0.0
     """ODE models with a fixed-grid solver: add this weight times the mean cross-entropy of the
     read-out (final norm + head) of every intermediate solver step's state, in every block
@@ -487,7 +491,8 @@ class MQARConfig:
     test_examples: int = 1000
     """Size of the held-out set, sampled once from its own seed."""
     stop_accuracy: float = 1.0
-    """Stop at the first evaluation whose recall accuracy reaches this (1.0: run max_steps)."""
+    """Stop at the first evaluation whose recall accuracy reaches this (1.0: only at perfect
+    recall)."""
     train_kv_pairs: list[int] = field(default_factory=list)
     """Pair counts of a mixed training set, e.g. [4, 8, 16, 32, 64]: the training examples are
     split evenly among them (all at ``seq_len``), as in Zoology's training data. Empty: every
