@@ -114,6 +114,29 @@ def timed_runs(runs: list[dict]) -> tuple[list[dict], str]:
     return (alone, "") if alone else (runs, load_mark(runs))
 
 
+def forward_nfe(r: dict, cfg) -> tuple[float | None, bool]:
+    """A training run's forward NFE per step and whether it varies from step to step (an ODE
+    model with an adaptive solver or elastic solver/step draws): then the mean over the last
+    tenth of training (None where the JSON predates that record), else the fixed count. ``r``:
+    the run's result JSON; ``cfg``: its config with its overrides. (A varying run's last logged
+    step is one draw, not its cost.)"""
+    from continuumlm.registry import SOLVERS
+
+    varies = cfg.model.depth == "ode" and bool(
+        cfg.train.ode_steps_choices or cfg.train.ode_solver_choices
+        or not getattr(SOLVERS.component_class(cfg.model.ode_solver), "fixed_grid", True))
+    if varies:
+        return r.get("nfe_mean_last_tenth"), True
+    return r.get("nfe") or cfg.model.num_layers, False
+
+
+def run_config(r: dict, *extra: str):
+    """The RunConfig a result JSON's run trained with: its config file and --set options."""
+    from continuumlm import load_config
+
+    return load_config(ROOT / r["config"], [*(r.get("overrides") or []), *extra])
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

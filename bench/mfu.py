@@ -16,9 +16,9 @@ import json
 import time
 
 import torch
-from common import RESULTS, ROOT, load_mark, markdown_table, write_json
+from common import RESULTS, forward_nfe, load_mark, markdown_table, run_config, write_json
 
-from continuumlm import LanguageModel, load_config
+from continuumlm import LanguageModel
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
@@ -57,15 +57,18 @@ def flops_per_token(cfg, nfe: int, seq_len: int) -> float:
 
 def main() -> None:
     peak = matmul_peak_gflops()
-    rows = []
+    rows, skipped = [], []
     for path in sorted(RESULTS.glob("shakespeare_char-*.json")):
         r = json.loads(path.read_text())
-        cfg = load_config(ROOT / r["config"], r.get("overrides", []) +
-                          ["model.vocab_size=65"])
-        nfe = r.get("nfe") or cfg.model.num_layers
+        cfg = run_config(r, "model.vocab_size=65")
+        nfe, varies = forward_nfe(r, cfg)  # an elastic or adaptive run's mean, not its last draw
+        if nfe is None:
+            skipped.append(path.stem.replace("shakespeare_char-", ""))
+            continue  # a varying run recorded before its mean NFE was
         fpt = flops_per_token(cfg, nfe, cfg.train.seq_len)
         achieved = fpt * r["tokens_per_s_median"] / 1e9
-        rows.append({"run": path.stem.replace("shakespeare_char-", ""), "nfe": nfe,
+        rows.append({"run": path.stem.replace("shakespeare_char-", ""),
+                     "nfe": f"~{nfe:.1f}" if varies else nfe,
                      "mflop_per_token": round(fpt / 1e6, 2),
                      "tokens_per_s": f"{r['tokens_per_s_median']:.0f}" + load_mark([r]),
                      "gflops": round(achieved, 1), "mfu": f"{100 * achieved / peak:.0f}%"})
@@ -79,7 +82,10 @@ def main() -> None:
                                 f"{torch.get_num_threads()} threads); training runs of "
                                 f"bench/results/shakespeare_char-*.json (* = measured while "
                                 f"the machine was shared: understated; ° = no load "
-                                f"recorded)",
+                                f"recorded; ~ = the mean NFE of the last tenth of training of "
+                                f"an adaptive or elastic run)"
+                                + (f"; left out, their mean NFE not recorded: "
+                                   f"{', '.join(skipped)}" if skipped else ""),
                        "rows": rows, "table": table})
 
 

@@ -13,7 +13,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import tomllib
-from common import DOCS_DIR, RESULTS, ROOT, SHARED_CORES, markdown_table, timed_runs
+from common import (
+    DOCS_DIR,
+    RESULTS,
+    ROOT,
+    SHARED_CORES,
+    forward_nfe,
+    markdown_table,
+    run_config,
+    timed_runs,
+)
 
 DOCS = DOCS_DIR / "results.md"
 
@@ -144,13 +153,13 @@ def _tail(runs: list[dict]) -> str:
 
 
 def _nfe_cell(runs: list[dict]) -> str:
-    """Forward NFE: a fixed grid's count, or an adaptive solve's mean over the last tenth of
-    training (marked ~)."""
-    means = [r["nfe_mean_last_tenth"] for r in runs if r.get("nfe_mean_last_tenth")]
-    fixed = next((r["nfe"] for r in runs if r.get("nfe")), "")
-    if means and any(abs(m - round(m)) > 1e-9 for m in means):
-        return f"~{statistics.mean(means):.1f}"
-    return str(fixed)
+    """Forward NFE: a fixed grid's count, or the mean over the last tenth of training of a run
+    whose NFE varies (adaptive solvers, elastic draws), marked ~."""
+    nfes = [forward_nfe(r, run_config(r)) for r in runs]
+    if any(varies for _, varies in nfes):
+        means = [n for n, _ in nfes if n is not None]
+        return f"~{statistics.mean(means):.1f}" if means else "varies"  # an old record
+    return str(nfes[0][0]) if nfes else ""
 
 
 def _regularizer_runs(results: dict[str, dict]) -> list[dict]:
@@ -583,7 +592,11 @@ def main() -> None:
         "2000 steps, batch 12, context 64; validation loss over the whole validation split "
         "(`continuumlm eval`: non-overlapping windows). Produced by `continuumlm experiment shakespeare` "
         "(`python bench/train_seeds.py CONFIG --seeds ...` per row). nanoGPT reports val loss 1.88 for the "
-        "discrete model (its figure is an estimate from 20 random batches).",
+        "discrete model (its figure is an estimate from 20 random batches). NFE: field or layer "
+        "evaluations per forward; ~: the mean over the last tenth of training of a run whose "
+        "solve varies from step to step (an adaptive solver, elastic draws); \"varies\": an "
+        "elastic run recorded before that mean was (\"Training cost of elastic depth\" below "
+        "gives its mean).",
         "",
         (shakespeare := training_table(results, "configs/shakespeare_char/")),
         "",

@@ -423,3 +423,27 @@ def test_seminorm_why_reports_the_steps_saved_and_the_parts():
                       {"model": "m", "norm": "seminorm", "backward_nfe": 20}]}
     text = render.seminorm_why(run, parts)
     assert "saved by the seminorm in this step: m 37.5%." in text[2] and text[4] == "T"
+
+
+def test_the_nfe_of_a_varying_solve_is_its_mean_not_its_last_draw():
+    """An elastic or adaptive run's last logged step is one draw: the page and the MFU table
+    showed elastic runs at NFE 8 (their last draw) while they averaged 14-16, and adaptive
+    means that happened to be whole numbers lost their ~ mark."""
+    render = pytest.importorskip("render")
+    elastic = {"config": "configs/shakespeare_char/ode_elastic_narrow.toml", "nfe": 8,
+               "nfe_mean_last_tenth": 14.0}
+    cfg = common.run_config(elastic)
+    assert common.forward_nfe(elastic, cfg) == (14.0, True)
+    assert render._nfe_cell([elastic]) == "~14.0"
+    old = {**elastic, "nfe_mean_last_tenth": None}  # recorded before the mean was
+    assert render._nfe_cell([old]) == "varies"
+    adaptive = {"config": "configs/shakespeare_char/ode_tsit5.toml", "nfe": 126,
+                "nfe_mean_last_tenth": 132.0}
+    assert render._nfe_cell([adaptive]) == "~132.0"
+    fixed = {"config": "configs/shakespeare_char/ode_rk4.toml", "nfe": 16,
+             "nfe_mean_last_tenth": 16.0}
+    assert render._nfe_cell([fixed]) == "16"
+    # a --set that makes a fixed-grid config elastic is read too
+    drawn = {**fixed, "overrides": ["train.ode_steps_choices=[2, 4]"], "nfe": 2,
+             "nfe_mean_last_tenth": 7.6}
+    assert render._nfe_cell([drawn]) == "~7.6"
