@@ -53,6 +53,21 @@ def finished_run(run: Path) -> bool:
     return step >= load_run_config(last.resolve()).train.max_steps
 
 
+def other_settings(run: Path, config, overrides: list[str]) -> list[str]:
+    """The settings ("section.key") in which the run in ``run`` (its last checkpoint) differs
+    from ``config`` with ``overrides``: a folder to be resumed or reused must hold this run,
+    not one made with another --set or an edited config."""
+    from continuumlm.config import load_config
+    from continuumlm.train.checkpoint import load_run_config
+
+    saved = load_run_config((run / "checkpoints" / "last").resolve()).to_dict()
+    wanted = load_config(config, list(overrides)).to_dict()
+    if not wanted["model"]["vocab_size"]:  # filled in from the tokenizer at the start
+        wanted["model"]["vocab_size"] = saved["model"]["vocab_size"]
+    return [f"{s}.{k}" for s in wanted for k in wanted[s]
+            if saved.get(s, {}).get(k) != wanted[s][k]]
+
+
 def machine_busy_seconds() -> float | None:
     """CPU seconds all cores have spent busy since boot (Linux /proc/stat), or None elsewhere."""
     try:

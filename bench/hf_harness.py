@@ -26,6 +26,7 @@ from common import (  # noqa: E402
     finished_run,
     machine,
     markdown_table,
+    other_settings,
     replace_json,
 )
 
@@ -51,6 +52,12 @@ def main() -> None:
         keys = [f"{name}:{d[0]}x{d[1]}" if d else f"{name}:trained" for d in depths]
         if all(k in rows for k in keys):
             continue  # recorded already: no need to train it again
+        if (run / "checkpoints" / "last").exists():
+            # a folder trained with other settings (an edited config) is not this row's model
+            keys = other_settings(run, ROOT / config, [f"train.seed={seed}"])
+            if keys:
+                raise SystemExit(f"{run} holds a run with other settings ({', '.join(keys)}) "
+                                 f"than {config}; delete it to train this one.")
         if not finished_run(run):
             subprocess.run([*CLI, "train", "--config", config, "--out", str(run), "--resume",
                             "auto", "--quiet", "--set", f"train.seed={seed}"], cwd=ROOT,

@@ -107,6 +107,39 @@ def elastic_screening_table(results: dict) -> str:
                                  ("gap", "gap (target <= 0.02)")])
 
 
+def harness_checkpoints_note(r: dict, results: dict[str, dict]) -> list[str]:
+    """bench/hf_harness.py trains its own checkpoints of each config: say where one is not the
+    model of the training tables (its loss at the trained solve differs from that run's), so
+    its by-depth figures are not read as that run's."""
+    from hf_harness import PLAN
+
+    differ = []
+    for name, (config, seed, split, _) in PLAN.items():
+        stem = f"{Path(config).parent.name}-{Path(config).stem}_seed{seed}"
+        run = results.get(stem)
+        if run is None:
+            continue
+        cfg = run_config(run)
+        key = (f"{name}:{cfg.model.ode_solver}x{cfg.model.ode_steps}"
+               if cfg.model.depth == "ode" else f"{name}:trained")
+        theirs = run.get(f"{split}_loss_full_split")
+        row = r["rows"].get(key)
+        if row is None or theirs is None:
+            continue
+        if abs(row["ours_loss"] - theirs) > 1e-3:
+            differ.append(f"`{name}` ({row['ours_loss']:.4f} here, {theirs:.4f} in "
+                          f"`bench/results/{stem}.json`)")
+    if not differ:
+        return []
+    return [f"These checkpoints are the script's own trainings of their configs "
+            f"(`runs/bench/hf_harness/`). Where one scores another loss at its trained solve "
+            f"than the run of the training tables, it is a separate training of that config, "
+            f"and its figures by depth are not that run's: {'; '.join(differ)}. Each row still "
+            f"compares the harness with `continuumlm eval` on one checkpoint. Deleting "
+            f"`runs/bench/hf_harness/` and the JSON and running the command again retrains "
+            f"them.", ""]
+
+
 def _tokens_per_step(config: str) -> int | None:
     try:
         t = tomllib.loads((ROOT / config).read_text()).get("train", {})
@@ -768,6 +801,8 @@ def main() -> None:
                 parts += teacher_cost(r)
             if key == "seminorm_run":
                 parts += seminorm_why(r, results.get("adjoint_norm_parts"))
+            if key == "hf_harness":
+                parts += harness_checkpoints_note(r, results)
             screening = elastic_screening_table(results) if key == "depth_elasticity" else ""
             if screening:
                 parts += ["Elastic recipes against the NFE-16 target on the whole validation "

@@ -26,10 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, RUNS, OtherLoad, replace_json
+from common import RESULTS, RUNS, OtherLoad, other_settings, replace_json
 
 from continuumlm.cli import main as cli_main
-from continuumlm.config import load_config
 from continuumlm.experiments import run_child
 from continuumlm.train.checkpoint import load_run_config
 
@@ -100,13 +99,8 @@ def main() -> None:
         if resumed:
             # resuming takes the [train] settings of this command; a run made with others
             # (another --set, an edited config) must not be continued and recorded as this one
-            saved = load_run_config((run / "checkpoints" / "last").resolve()).to_dict()
-            wanted = load_config(config, [f"train.seed={seed}", *applied]).to_dict()
-            if not wanted["model"]["vocab_size"]:  # filled in from the tokenizer at the start
-                wanted["model"]["vocab_size"] = saved["model"]["vocab_size"]
-            if saved != wanted:
-                keys = [f"{s}.{k}" for s in wanted for k in wanted[s]
-                        if saved.get(s, {}).get(k) != wanted[s][k]]
+            keys = other_settings(run, config, [f"train.seed={seed}", *applied])
+            if keys:
                 sys.exit(f"{run} holds an unfinished run with other settings ({', '.join(keys)}) "
                          f"than {args.config} with --set {args.set}; delete that folder to start "
                          f"this run afresh.")

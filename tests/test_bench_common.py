@@ -447,3 +447,35 @@ def test_the_nfe_of_a_varying_solve_is_its_mean_not_its_last_draw():
     drawn = {**fixed, "overrides": ["train.ode_steps_choices=[2, 4]"], "nfe": 2,
              "nfe_mean_last_tenth": 7.6}
     assert render._nfe_cell([drawn]) == "~7.6"
+
+
+def test_a_run_folder_with_other_settings_is_named_not_reused(tiny_corpus, tmp_path):
+    """train_seeds.py and hf_harness.py resume or reuse a run folder only when it holds the
+    run their command asks for; other_settings names what differs."""
+    from continuumlm import load_config
+    from continuumlm.train import Trainer
+
+    cfg_file = tmp_path / "cfg.toml"
+    cfg_file.write_text(f"""[model]
+hidden_size = 32
+num_heads = 2
+num_layers = 1
+[data]
+dataset = "text"
+path = "{tiny_corpus}"
+[train]
+max_steps = 2
+batch_size = 2
+seq_len = 16
+warmup_steps = 1
+eval_interval = 2
+eval_iters = 1
+device = "cpu"
+""")
+    run = tmp_path / "run"
+    Trainer(load_config(cfg_file, ["train.seed=3"]), run, quiet=True).run()
+    assert common.other_settings(run, cfg_file, ["train.seed=3"]) == []
+    assert common.other_settings(run, cfg_file, ["train.seed=4", "train.lr=5e-3"]) == [
+        "train.lr", "train.seed"]
+    assert common.other_settings(run, cfg_file, ["train.seed=3", "model.num_layers=2"]) == [
+        "model.num_layers"]
