@@ -44,7 +44,7 @@ def early_stopping_table(results: dict, prefix: str) -> str:
         best = r.get("best_checkpoint")
         if not best or not r.get("config", "").startswith(prefix):
             continue
-        per_step = _tokens_per_step(r["config"]) or 0
+        per_step = _tokens_per_step(r) or 0
         test = best.get("test_loss_full_split")
         rows.append({"config": config_cell(r["config"], r.get("overrides")), "seed": r["seed"],
                      "step": f"{best['step']} of {r['final_step']}",
@@ -140,12 +140,13 @@ def harness_checkpoints_note(r: dict, results: dict[str, dict]) -> list[str]:
             f"them.", ""]
 
 
-def _tokens_per_step(config: str) -> int | None:
+def _tokens_per_step(r: dict) -> int | None:
+    """Training tokens per optimizer step of a run: its config with its --set options."""
     try:
-        t = tomllib.loads((ROOT / config).read_text()).get("train", {})
-    except OSError:
+        t = run_config(r).train
+    except (OSError, ValueError):  # a config since removed or changed past reading
         return None
-    return t.get("batch_size", 12) * t.get("seq_len", 64) * t.get("grad_accum", 1)
+    return t.batch_size * t.seq_len * t.grad_accum
 
 
 def run_setting(r: dict, key: str, default=None):
@@ -181,7 +182,11 @@ TAIL_NOTE = ("† scored before `eval` scored the tail of a split: every complet
 
 
 def _tail(runs: list[dict]) -> str:
-    """The mark of figures made by the evaluation that left a split's tail unscored."""
+    """The mark of figures made by the evaluation that left a split's tail unscored, or of a
+    score on at most N windows (train_seeds.py --max-windows, smoke tests), not the split."""
+    windows = {r["max_windows"] for r in runs if r.get("max_windows")}
+    if windows:
+        return f" ({max(windows)} windows at most, not the whole split)"
     return "" if all(r.get("eval_every_target") for r in runs) else " †"
 
 
@@ -319,13 +324,18 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results.values():
         if "val_loss_full_split" in r and r["config"].startswith(folder):
+            if r.get("split", "val") != "val":
+                raise SystemExit(f"{r['config']} seed {r['seed']}: its JSON scores the "
+                                 f"{r['split']} split under val_loss_full_split "
+                                 f"(train_seeds.py --split); the tables read the validation "
+                                 f"split. Move that JSON out of the results folder.")
             groups[(r["config"], row_overrides(r))].append(r)
     rows = []
     for (config, overrides), runs in sorted(groups.items()):
         runs.sort(key=lambda r: r["seed"])
         timed, mark = timed_runs(runs)
         tps = statistics.mean(r["tokens_per_s_median"] for r in timed)
-        per_step = _tokens_per_step(config)
+        per_step = _tokens_per_step(runs[0])
         rows.append({
             "config": config_cell(config, overrides),
             "seeds": ", ".join(str(r["seed"]) for r in runs),
@@ -1030,7 +1040,7 @@ def plots(results: dict[str, dict]) -> list[str]:
            and r.get("curve")]
     if ptb:
         rows = [{"run": (Path(r["config"]).stem, r["seed"]),
-                 "tokens": s * _tokens_per_step(r["config"]) / 1e6, "ppl": math.exp(v)}
+                 "tokens": s * _tokens_per_step(r) / 1e6, "ppl": math.exp(v)}
                 for r in ptb if not r.get("tag") for s, v in r["curve"]["val"] if s > 0]
         series("ptb_val_curves", rows, lambda r: r["run"], lambda r: r["tokens"],
                lambda r: r["ppl"], lambda k: f"{k[0]}, seed {k[1]}", family=lambda k: k[0],
@@ -1052,7 +1062,7 @@ def plots(results: dict[str, dict]) -> list[str]:
             for r in sorted(runs, key=lambda r: (Path(r["config"]).stem, r.get("tag") or "",
                                                  r["seed"])):
                 model, dropout = Path(r["config"]).stem, float(run_setting(r, "model.dropout", 0.0))
-                pts = [(s * _tokens_per_step(r["config"]) / 1e6, math.exp(v))
+                pts = [(s * _tokens_per_step(r) / 1e6, math.exp(v))
                        for s, v in r["curve"]["val"] if s > 0]
                 variant = not sweep and bool(r.get("tag"))  # a full-budget run with --set
                 if sweep:  # line style by dropout rate

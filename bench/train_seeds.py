@@ -81,9 +81,19 @@ def main() -> None:
             old = json.loads(dest.read_text())
             if (old.get("config"), old.get("overrides", [])) != (args.config, args.set):
                 sys.exit(f"{dest} records {old.get('config')} with --set options "
-                         f"{old.get('overrides', [])}, not {args.set}: pass --out DIR to keep "
-                         f"both results, or --force to replace it.")
+                         f"{old.get('overrides', [])}, not {args.set}: pass --tag TAG to keep "
+                         f"both results (its runs and JSON are named {name}-TAG_seedN), or "
+                         f"--force to replace it.")
             print(f"skip {dest} (exists)")
+            if (args.also_test or args.also_best) and (run / "checkpoints" / "last").exists():
+                # the folder must still hold the model the JSON records, not a later run
+                keys = other_settings(run, config, [f"train.seed={seed}", *applied])
+                step = int((run / "checkpoints" / "last").resolve().name.split("-")[-1])
+                if keys or step != old.get("final_step", step):
+                    sys.exit(f"{run} no longer holds the run {dest} records (settings "
+                             f"{', '.join(keys) or 'alike'}, step {step} against "
+                             f"{old.get('final_step')}): the test split and the best checkpoint "
+                             f"would score another model. Retrain with --force.")
             if args.also_test:
                 add_test(dest, run, args.max_windows)
             if args.also_best:
@@ -134,7 +144,10 @@ def main() -> None:
             "config": args.config, "overrides": args.set, "seed": seed, "tag": args.tag,
             # as a user types it in the repository, not this machine's paths
             "command": "continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
+            # the loss on args.split (render.py refuses a split other than val in its tables
+            # and marks a score of max_windows windows, a smoke test's, as not the whole split)
             "val_loss_full_split": row["loss"], "val_bpc": row.get("bpc"),
+            "max_windows": args.max_windows,
             "val_loss_in_training": vals[-1]["val_loss"], "final_step": vals[-1]["step"],
             "tokens_per_s_median": sorted(tps)[len(tps) // 2] if tps else None,
             "nfe": nfe[-1] if nfe else None,

@@ -479,3 +479,15 @@ device = "cpu"
         "train.lr", "train.seed"]
     assert common.other_settings(run, cfg_file, ["train.seed=3", "model.num_layers=2"]) == [
         "model.num_layers"]
+
+
+def test_a_score_on_a_few_windows_is_not_shown_as_the_whole_split():
+    """train_seeds.py --max-windows (smoke tests) records its window count, and the tables
+    say so instead of "whole split"; their tokens per step read the run's --set options."""
+    render = pytest.importorskip("render")
+    r = {"config": "configs/shakespeare_char/transformer_baby.toml", "seed": 1, "nfe": 4,
+         "eval_every_target": True, "max_windows": 16}
+    assert "16 windows at most" in render._tail([r])
+    assert render._tail([{**r, "max_windows": None}]) == ""
+    base = render._tokens_per_step(r)
+    assert render._tokens_per_step({**r, "overrides": ["train.batch_size=24"]}) == 2 * base
