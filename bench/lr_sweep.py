@@ -79,7 +79,7 @@ def euler4(run: Path) -> float:
 def main() -> None:
     path = RESULTS / "lr_sweep.json"
     old = json.loads(path.read_text())["rows"] if path.is_file() else []
-    have = {(r["model"], r["lr"], r["seed"], r["solve"]): r["val_loss"] for r in old}
+    have = {(r["model"], r["lr"], r["seed"], r["solve"]): r for r in old}
     rows, missing = [], []
     for model in MODELS:
         for lr in MODELS[model][3]:
@@ -99,12 +99,21 @@ def main() -> None:
                 if model not in ELASTICS:
                     continue
                 key = (model, lr, seed, "euler")
+                # a cached figure belongs to the model its run JSON records: a run retrained
+                # since (another val loss) is evaluated again (rows recorded before the
+                # source figure was are kept as they are)
+                source = have.get(key, {}).get("source_val_loss")
+                if source is not None and source != r["val_loss_full_split"]:
+                    del have[key]
                 if key not in have and finished_run(RUNS / name):
-                    have[key] = euler4(RUNS / name)
-                    print(f"{name}: Euler x 4 {have[key]:.4f}", flush=True)
+                    have[key] = {"val_loss": euler4(RUNS / name),
+                                 "source_val_loss": r["val_loss_full_split"]}
+                    print(f"{name}: Euler x 4 {have[key]['val_loss']:.4f}", flush=True)
                 if key in have:
                     rows.append({"model": model, "lr": lr, "seed": seed, "solve": "euler",
-                                 "val_loss": have[key]})
+                                 "val_loss": have[key]["val_loss"],
+                                 **({"source_val_loss": have[key]["source_val_loss"]}
+                                    if "source_val_loss" in have[key] else {})})
                 else:
                     missing.append(f"{name} (Euler x 4: no run folder)")
     say_untrained(missing)
