@@ -367,7 +367,7 @@ def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_
                   "seed": seed}]
     lines = [line for line in de.checks_table(rows).splitlines() if "x_elastic" in line]
     at_rate = [line for line in lines if "lr2e-3 | 1 |" in line][0]
-    assert "+0.010 (yes)" in at_rate and "+0.030 (no)" in at_rate  # vs the lr 2e-3 runs
+    assert "+0.0100 (yes)" in at_rate and "+0.0300 (no)" in at_rate  # vs the lr 2e-3 runs
     unmatched = [line for line in lines if "lr2e-3 | 2 |" in line][0]
     assert "(yes" not in unmatched and "(no" not in unmatched  # no lr 2e-3 reference at seed 2
     plain = [line for line in lines if "x_elastic | 1 |" in line][0]
