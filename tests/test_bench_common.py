@@ -371,7 +371,7 @@ def test_an_elastic_model_at_another_rate_is_checked_against_references_at_that_
     unmatched = [line for line in lines if "lr2e-3 | 2 |" in line][0]
     assert "(yes" not in unmatched and "(no" not in unmatched  # no lr 2e-3 reference at seed 2
     plain = [line for line in lines if "x_elastic | 1 |" in line][0]
-    assert "-0.040 (yes, vs 1337)" in plain and "-0.010 (yes, vs 1337)" in plain
+    assert "-0.0400 (yes, vs 1337)" in plain and "-0.0100 (yes, vs 1337)" in plain
 
 
 def test_train_seeds_fills_in_each_seeds_values():
