@@ -161,9 +161,10 @@ def run_setting(r: dict, key: str, default=None):
 
 
 def row_overrides(r: dict) -> tuple:
-    """A run's --set options, a teacher trained on the run's own seed written with `<seed>`
-    (train.distill_from=..._seed1 in the run of seed 1), so the seeds of one recipe share a row."""
-    return tuple(re.sub(rf"^(train\.distill_from=.*_seed){r.get('seed')}$", r"\1<seed>", o)
+    """A run's --set options, a teacher trained on the run's own seed written with `{seed}`
+    (train.distill_from=..._seed1 in the run of seed 1), so the seeds of one recipe share a
+    row, and the cell is what train_seeds.py takes (it fills in {seed})."""
+    return tuple(re.sub(rf"^(train\.distill_from=.*_seed){r.get('seed')}$", r"\1{seed}", o)
                  for o in r.get("overrides") or ())
 
 

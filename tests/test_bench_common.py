@@ -199,7 +199,7 @@ def test_a_teacher_of_the_runs_own_seed_shares_the_recipe_row():
     import render
 
     own = {"seed": 1, "overrides": ["train.distill_from=runs/bench/t_seed1", "train.lr=2e-3"]}
-    assert render.row_overrides(own) == ("train.distill_from=runs/bench/t_seed<seed>",
+    assert render.row_overrides(own) == ("train.distill_from=runs/bench/t_seed{seed}",
                                          "train.lr=2e-3")
     assert render.row_overrides({**own, "seed": 2}) == tuple(own["overrides"])  # another seed's
     assert render.row_overrides({**own, "seed": 11}) == tuple(own["overrides"])
