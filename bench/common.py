@@ -111,7 +111,10 @@ def load_mark(runs: list[dict]) -> str:
     were shared (understated; runs recorded before ``other_cores`` are judged by their 1-minute
     load averages, which count the run's own threads, so alone runs may carry the mark too),
     " °" not known (nothing recorded, ``other_cores`` None: a resumed run, whose earlier part
-    was not watched, or a machine without /proc/stat)."""
+    was not watched, or a machine without /proc/stat). A run known to be shared marks the row
+    " *" whatever the others' marks: its figures are known to be understated."""
+    if any((r.get("other_cores") or 0) > SHARED_CORES for r in runs):
+        return " *"
     if any(r.get("other_cores", 0) is None for r in runs):
         return " °"
     if all("other_cores" in r for r in runs):

@@ -440,7 +440,11 @@ def mqar_records(results: dict[str, dict]) -> list[dict]:
             continue
         if "lr_sweep" in r:
             best = next(x for x in r["lr_sweep"] if x["lr"] == r["lr_best"])
-            shown = results.get(best["record"].removesuffix(".json"), r)
+            shown = results.get(best["record"].removesuffix(".json"))
+            if shown is None:  # shown as the best rate, it would be another rate's record
+                raise SystemExit(f"{key}.json names {best['record']} as the record of its best "
+                                 f"learning rate, and bench/results/ has no such file: run "
+                                 f"`python bench/mqar_sweep.py {r['config']}` again.")
             r = {**shown, "lr_sweep": r["lr_sweep"],
                  "shown_lr": f"{r['lr_best']:g} (best of {len(r['lr_sweep'])})"}
         out.append(r)

@@ -20,13 +20,12 @@ import contextlib
 import io
 import json
 import os
-import platform
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, RUNS, OtherLoad, other_settings, replace_json
+from common import RESULTS, RUNS, OtherLoad, cpu_model, other_settings, replace_json
 
 from continuumlm.cli import main as cli_main
 from continuumlm.experiments import run_child
@@ -156,7 +155,7 @@ def main() -> None:
             "nfe_mean_last_tenth": _last_tenth_mean(metrics, "nfe"),
             "nfe_backward_mean_last_tenth": _last_tenth_mean(metrics, "nfe_backward"),
             "wall_seconds": None if resumed else wall,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
+            "machine": f"{cpu_model()}, {os.cpu_count()} cores, CPU",
             # cores that other work kept busy while it trained (its own threads excluded): above
             # common.SHARED_CORES the machine was shared and tokens/s and wall time understate
             # what the model reaches alone. The load averages (which count the run) for context.

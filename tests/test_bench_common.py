@@ -45,8 +45,9 @@ def test_load_mark():
     assert common.load_mark([alone, {}]) == " °"
     # a row is timed by its runs measured alone, and marked only when it has none
     assert common.timed_runs([busy, alone, {"other_cores": None}]) == ([alone], "")
+    # one run known shared: the row is understated whatever the other's mark
     assert common.timed_runs([busy, {"other_cores": None}]) == ([busy, {"other_cores": None}],
-                                                                " °")
+                                                                " *")
     assert common.timed_runs([busy, busy]) == ([busy, busy], " *")
 
 
