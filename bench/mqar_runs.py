@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
-from common import RESULTS, ROOT, RUNS, replace_json
+from common import RESULTS, ROOT, RUNS, cpu_model, replace_json
 
 from continuumlm.config import load_config
 from continuumlm.experiments import run_child
@@ -39,10 +38,25 @@ from continuumlm.train.mqar import fresh_recall, progress, recall_by_distance
 CLI = str(Path(sys.executable).parent / "continuumlm")
 
 
+def _device(config: Path, overrides: list[str]) -> str:
+    """Where the run trains (its train.device, "auto" resolved as the trainer does) and in which
+    autocast precision, in words: a sweep may mix CPU and GPU rates."""
+    import torch
+
+    from continuumlm.train.device import pick_device, resolve_dtype
+
+    t = load_config(config, overrides).train
+    device = pick_device(t.device)
+    dtype = resolve_dtype(device, t.dtype)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {dtype}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {device.type.upper()}, {dtype}"
+
+
 def _record(result: dict, config: Path, overrides: list[str], cmd: list[str]) -> dict:
     result.update(config=str(config.relative_to(ROOT)), overrides=overrides,
                   command="continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
-                  machine=f"{platform.machine()}, {os.cpu_count()} cores, CPU")
+                  machine=_device(config, overrides))
     return result
 
 

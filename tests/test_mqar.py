@@ -526,3 +526,25 @@ def test_mqar_throughput_counts_its_own_sequence_length(tmp_path, capsys):
 
     M.run_mqar(_mqar_cfg("train.max_steps=2", "train.seq_len=8"), tmp_path / "run")
     assert "; 512 tokens per step;" in capsys.readouterr().out  # 16 rows x 32 tokens
+
+
+def test_a_stopped_mqar_run_names_the_mqar_command(tmp_path, monkeypatch, capsys):
+    """A signal stops an MQAR run with a checkpoint; the message names the command that
+    continues it (it named `continuumlm train ... --resume auto`, which refuses an MQAR run)."""
+    import continuumlm.train.mqar as M
+    from continuumlm.train.signals import StopSignals
+
+    real = StopSignals.agreed_stop
+
+    def stop_after_two(self, dist, device, *a, **k):
+        self.requested = self.requested or ("SIGTERM" if len(calls) >= 2 else None)
+        calls.append(1)
+        return real(self, dist, device, *a, **k)
+
+    calls = []
+    monkeypatch.setattr(StopSignals, "agreed_stop", stop_after_two)
+    M.run_mqar(_mqar_cfg(), tmp_path / "run")
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert "saved a checkpoint" in said and "continuumlm mqar --config CONFIG --out" in said
+    assert "continuumlm train" not in said

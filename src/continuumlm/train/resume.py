@@ -146,6 +146,13 @@ TASK_NAMES = {"lm": "language-modeling (continuumlm train)", "mqar": "MQAR (cont
 RESUMED_BY = {"lm": "continuumlm train --resume", "mqar": "the continuumlm mqar command"}
 
 
+def continue_command(task: str, out) -> str:
+    """What continues a stopped run of ``task`` in ``out``, for the messages that say so."""
+    if task == "mqar":  # an MQAR run continues from its newest checkpoint by itself
+        return f"the same `continuumlm mqar --config CONFIG --out {out}` command"
+    return f"`continuumlm train --out {out} --resume auto`"
+
+
 def open_run_folder(cfg: RunConfig, out: Path, resume: bool, task: str = "lm"):
     """For a new run, check that ``out`` holds no other run; for ``resume``, find the newest
     usable checkpoint and check that ``cfg`` changes only [train] settings. Returns (trainer

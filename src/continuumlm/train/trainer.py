@@ -33,7 +33,11 @@ from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
-from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
+from .resume import (  # noqa: F401 - find_resumable: public here
+    continue_command,
+    find_resumable,
+    open_run_folder,
+)
 from .signals import StopSignals
 from .tasks import Evaluation, LanguageModelingTask
 
@@ -606,7 +610,7 @@ class Trainer:
                 self.save()
             if interrupted:
                 say(f"{interrupted}: saved a checkpoint at step {self.step}; continue with "
-                    f"`continuumlm train --out {self.out} --resume auto`")
+                    f"{continue_command(self.task.name, self.out)}")
             finished = True
         finally:
             self.signals.restore()

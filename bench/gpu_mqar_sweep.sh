@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Zoology's MQAR learning-rate sweep (bench/mqar_sweep.py's rates 1e-4, 4.6e-4, 2.2e-3, 1e-2;
+# each config's own rate, 3e-3, is already recorded) for the rows below 99% recall, every rate
+# of every row at once on one GPU, for at most $BUDGET seconds (default 420). Then every rate's
+# run is recorded, complete or as far as it got (bench/mqar_runs.py --snapshot), and each row
+# summarized (bench/mqar_sweep.py --snapshot). The records (each names the GPU and the autocast
+# precision it trained in: bf16 on CUDA, as train.dtype = "auto" does) and the logs are packed
+# into $OUT/gpu_mqar.tar.gz (default OUT: bench/results/gpu_mqar; one file, as the device tool
+# returns few): `tar -xzf gpu_mqar.tar.gz`, copy results/*.json into bench/results/, run
+# bench/render.py.
+# The run folders (runs/gpu_mqar/, emptied first) stay on that machine: a rate cut short by the
+# budget is recorded unfinished, not resumed.
+#
+#   bash bench/gpu_mqar_sweep.sh                 # on the GPU machine
+#   GPU_MQAR_DRY=1 bash bench/gpu_mqar_sweep.sh  # the same plumbing on the CPU at toy size
+#   GPU_MQAR_DRY=1 GPU_MQAR_DRY_STEPS=100000 GPU_MQAR_DRY_BUDGET=40 ...  # runs cut by the budget
+#   ROWS="softmax_kv64" BUDGET=300 bash bench/gpu_mqar_sweep.sh   # fewer rows, less time
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-bench/results/gpu_mqar}
+BUDGET=${BUDGET:-420}
+ROWS=${ROWS:-softmax_kv64 ode_deltanet_kv64 ode_deltanet_kv64_mixed}
+LRS="0.0001 0.00046 0.0022 0.01"  # as mqar_sweep.py tags them: lr{rate:g}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+WORK=$(mktemp -d)
+# run folders inside the repository (runs/ is ignored by git), so the recorded commands name
+# them relative to it, as every result file does
+rm -rf runs/gpu_mqar
+export CONTINUUMLM_RESULTS_DIR=$WORK/results CONTINUUMLM_RUNS_DIR=$PWD/runs/gpu_mqar
+mkdir -p "$CONTINUUMLM_RESULTS_DIR" "$CONTINUUMLM_RUNS_DIR" "$WORK/logs" "$OUT"
+configs=configs/mqar
+if [ -n "${GPU_MQAR_DRY:-}" ]; then
+  # toy copies of the configs (inside the repository, as records name their config relative
+  # to it; runs/ is ignored by git): a few steps on short sequences
+  configs=runs/gpu_mqar_dry/configs
+  mkdir -p "$configs"
+  for name in $ROWS; do
+    $PY - "configs/mqar/$name.toml" "$configs/$name.toml" "${GPU_MQAR_DRY_STEPS:-4}" <<'EOF' || exit 1
+import sys
+from continuumlm.config import dump_toml, load_config
+cfg = load_config(sys.argv[1], [f"train.max_steps={sys.argv[3]}", "train.eval_interval=2",
+                               "train.warmup_steps=1", "train.batch_size=4",
+                               "mqar.train_examples=32", "mqar.test_examples=16",
+                               "mqar.seq_len=32", "mqar.num_kv_pairs=4", "model.max_seq_len=32",
+                               "model.hidden_size=32"])
+open(sys.argv[2], "w").write(dump_toml(cfg))
+EOF
+  done
+  BUDGET=${GPU_MQAR_DRY_BUDGET:-120}
+else
+  nvidia-smi > "$WORK/logs/nvidia-smi.txt" 2>&1 || true
+  $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
+fi
+# the config's own rate was recorded on the CPU: the summaries compare it too
+for name in $ROWS; do cp "bench/results/mqar-$name.json" "$CONTINUUMLM_RESULTS_DIR/"; done
+for name in $ROWS; do
+  for lr in $LRS; do
+    # timeout signals the whole process group: the trainer saves at the step it is in
+    timeout -k 30 "$BUDGET" $PY bench/mqar_runs.py "$configs/$name.toml" \
+      --set "train.lr=$lr" --tag "lr$lr" > "$WORK/logs/mqar-$name-lr$lr.log" 2>&1 &
+  done
+done
+wait
+status=0
+for name in $ROWS; do
+  $PY bench/mqar_sweep.py --snapshot "$configs/$name.toml" >> "$WORK/logs/summary.log" 2>&1 ||
+    status=1
+done
+tail -n 40 "$WORK/logs/summary.log"
+tar -czf "$OUT/gpu_mqar.tar.gz" -C "$WORK" results logs && ls -l "$OUT"
+exit $status
