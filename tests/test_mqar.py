@@ -548,3 +548,9 @@ def test_a_stopped_mqar_run_names_the_mqar_command(tmp_path, monkeypatch, capsys
     said = out.out + out.err
     assert "saved a checkpoint" in said and "continuumlm mqar --config CONFIG --out" in said
     assert "continuumlm train" not in said
+    # a full disk says the same (the message read `continuumlm train ... --resume auto`)
+    from continuumlm.train.checkpointer import disk_error
+
+    e = disk_error("x", tmp_path, OSError(28, "No space left on device"), tmp_path, tmp_path,
+                   task="mqar")
+    assert "continuumlm mqar --config CONFIG" in str(e) and "continuumlm train" not in str(e)

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import DiskError, TrainingError
 from . import distributed as D
 from .checkpoint import save_checkpoint
+from .resume import continue_command
 
 # what a full disk, a quota, a read-only mount or a failing disk raise
 DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
@@ -23,7 +24,7 @@ def gib(n: float) -> str:
 
 
 def disk_error(what: str, where: Path, e: BaseException, root: Path, out: Path,
-               need: int | None = None) -> DiskError:
+               need: int | None = None, task: str = "lm") -> DiskError:
     """One paragraph: what could not be written, where, why, the last complete checkpoint,
     the space a checkpoint needs, and the command that continues the run."""
     last = root / "last"
@@ -37,9 +38,9 @@ def disk_error(what: str, where: Path, e: BaseException, root: Path, out: Path,
     space = f"; a checkpoint of this run needs about {gib(need)}" if need else ""
     why = why.splitlines()[0] if why else type(e).__name__
     return DiskError(f"could not write {what} to {where} ({why}){free}{space}; {kept}. Free "
-                     f"some space (or move the run folder to a larger disk) and continue with: "
-                     f"continuumlm train --out {out} --resume auto (with the --nproc it was "
-                     f"started with, if any)")
+                     f"some space (or move the run folder to a larger disk) and continue with "
+                     f"{continue_command(task, out)} (with the --nproc it was started with, if "
+                     f"any)")
 
 
 class Checkpointer:
@@ -52,6 +53,7 @@ class Checkpointer:
         self.root = out / "checkpoints"
         self.saved_at: int | None = None  # the step saved last by this process's loop
         self.saved_time = time.monotonic()
+        self.task = "lm"  # the run's task (Trainer sets it), for the command that continues it
 
     def due(self, step: int, improved: bool) -> bool:
         if self.saved_at == step:
@@ -117,19 +119,19 @@ class Checkpointer:
                 free = None
             if free is not None and free < need:  # refused before anything is written
                 e = OSError(errno.ENOSPC, f"{gib(need)} needed, {gib(free)} free")
-                raise disk_error(what, self.root, e, self.root, self.out, need)
+                raise disk_error(what, self.root, e, self.root, self.out, need, self.task)
         try:
             return save_checkpoint(self.root, step, model, tokenizer, cfg, state, best=best,
                                    keep=self.t.keep_checkpoints, shards=shards,
                                    evaluated=evaluated)
         except (OSError, SafetensorError) as e:  # safetensors reports ENOSPC its own way
-            raise disk_error(what, self.root, e, self.root, self.out, need) from None
+            raise disk_error(what, self.root, e, self.root, self.out, need, self.task) from None
         except RuntimeError as e:
             # torch.save reports a full disk as "[enforce fail at inline_container.cc...]
             # unexpected pos ...": a write that came up short
             if "inline_container" not in str(e) and "unexpected pos" not in str(e):
                 raise
-            raise disk_error(what, self.root, e, self.root, self.out, need) from None
+            raise disk_error(what, self.root, e, self.root, self.out, need, self.task) from None
 
     def size_needed(self, model, optimizer) -> int:
         """Bytes a new checkpoint takes: the last one's size when there is one, else the

@@ -29,11 +29,12 @@ def refuse_foreign_files(out: Path, names: tuple[str, ...], what: str) -> None:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True,
-                 keep_resume_evaluation: bool = False):
+                 keep_resume_evaluation: bool = False, task: str = "lm"):
         """``keep_resume_evaluation``: the resumed run will not evaluate again at its first
         step (MQAR saves after its evaluations; a run extended past a final step that is not a
         multiple of eval_interval), so an evaluation already logged at that step is kept."""
         self.path = run_dir / "metrics.jsonl"
+        self.task = task  # for the command that continues the run, in a disk error
         self.keep_resume_evaluation = keep_resume_evaluation
         kept_at_resume: list[dict] = []
         try:
@@ -91,7 +92,7 @@ class MetricsLogger:
         from .checkpointer import disk_error
 
         run = self.path.parent
-        return disk_error(what, where, e, run / "checkpoints", run)
+        return disk_error(what, where, e, run / "checkpoints", run, task=self.task)
 
     def _scalars(self, event: dict) -> None:
         step = event["step"]

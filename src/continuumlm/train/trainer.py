@@ -100,6 +100,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # the same initial weights on every rank
 
         self.task = task(cfg, self.out, self.resumed_from, state)
+        self.checkpointer.task = self.task.name
         self.tokenizer = self.task.tokenizer
 
         # self.model is the LanguageModel itself (what checkpoints save: never a wrapper's
@@ -219,7 +220,7 @@ class Trainer:
             # now extended) stays: it scored the very weights resumed from.
             redo = self.evaluator.due(self.step)
             self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None,
-                                        keep_resume_evaluation=not redo)
+                                        keep_resume_evaluation=not redo, task=self.task.name)
             try:  # once nothing else can fail
                 (self.out / "config.toml").write_text(dump_toml(cfg))
             except OSError as e:
