@@ -132,18 +132,37 @@ def timed_runs(runs: list[dict]) -> tuple[list[dict], str]:
     return (alone, "") if alone else (runs, load_mark(runs))
 
 
+def expected_elastic_nfe(cfg) -> float:
+    """The mean forward NFE per optimizer step of an elastic run, from its draw set (uniform
+    over the allowed (solver, steps) pairs, or over each list; the model's own solve before
+    train.elastic_from), summed over its ODE blocks as the logged NFE is."""
+    from continuumlm.config.sections import solve_nfe, solve_pairs
+
+    m, t = cfg.model, cfg.train
+    if t.ode_max_nfe is not None:
+        pairs = solve_pairs(m, t)
+    else:
+        pairs = [(s, n) for s in (t.ode_solver_choices or [m.ode_solver])
+                 for n in (t.ode_steps_choices or [m.ode_steps])]
+    drawn = statistics.mean(solve_nfe(m, s, n) for s, n in pairs)
+    start = min(t.elastic_from, t.max_steps)
+    own = solve_nfe(m, m.ode_solver, m.ode_steps)
+    return m.num_layers * (start * own + (t.max_steps - start) * drawn) / t.max_steps
+
+
 def forward_nfe(r: dict, cfg) -> tuple[float | None, bool]:
-    """A training run's forward NFE per step and whether it varies from step to step (an ODE
-    model with an adaptive solver or elastic solver/step draws): then the mean over the last
-    tenth of training (None where the JSON predates that record), else the fixed count. ``r``:
-    the run's result JSON; ``cfg``: its config with its overrides. (A varying run's last logged
-    step is one draw, not its cost.)"""
+    """A training run's forward NFE per step and whether it varies from step to step: an
+    elastic run's expected NFE from its draw set (:func:`expected_elastic_nfe`; its last
+    logged step is one draw, and the last tenth of training a few dozen draws), an adaptive
+    solver's mean over the last tenth of training (None where the JSON predates that record),
+    else the fixed count. ``r``: the run's result JSON; ``cfg``: its config with overrides."""
     from continuumlm.registry import SOLVERS
 
-    varies = cfg.model.depth == "ode" and bool(
-        cfg.train.ode_steps_choices or cfg.train.ode_solver_choices
-        or not getattr(SOLVERS.component_class(cfg.model.ode_solver), "fixed_grid", True))
-    if varies:
+    if cfg.model.depth == "ode" and (cfg.train.ode_steps_choices
+                                     or cfg.train.ode_solver_choices):
+        return expected_elastic_nfe(cfg), True
+    if cfg.model.depth == "ode" and not getattr(
+            SOLVERS.component_class(cfg.model.ode_solver), "fixed_grid", True):
         return r.get("nfe_mean_last_tenth"), True
     return r.get("nfe") or cfg.model.num_layers, False
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Zoology's MQAR learning-rate sweep (bench/mqar_sweep.py's rates 1e-4, 4.6e-4, 2.2e-3, 1e-2;
 # each config's own rate, 3e-3, is already recorded) for the rows below 99% recall, every rate
-# of every row at once on one GPU, for at most $BUDGET seconds (default 420). Then every rate's
+# of every row at once on one GPU, for at most $BUDGET seconds (default 300: with the records
+# after it, the whole script stays well inside one 600 s device command). Then every rate's
 # run is recorded, complete or as far as it got (bench/mqar_runs.py --snapshot), and each row
 # summarized (bench/mqar_sweep.py --snapshot). The records (each names the GPU and the autocast
 # precision it trained in: bf16 on CUDA, as train.dtype = "auto" does) and the logs are packed
@@ -19,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-bench/results/gpu_mqar}
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-300}
 ROWS=${ROWS:-softmax_kv64 ode_deltanet_kv64 ode_deltanet_kv64_mixed}
 LRS="0.0001 0.00046 0.0022 0.01"  # as mqar_sweep.py tags them: lr{rate:g}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -29,6 +30,8 @@ WORK=$(mktemp -d)
 rm -rf runs/gpu_mqar
 export CONTINUUMLM_RESULTS_DIR=$WORK/results CONTINUUMLM_RUNS_DIR=$PWD/runs/gpu_mqar
 mkdir -p "$CONTINUUMLM_RESULTS_DIR" "$CONTINUUMLM_RUNS_DIR" "$WORK/logs" "$OUT"
+# whatever happens after this (a kill included), what was recorded comes back
+trap 'tar -czf "$OUT/gpu_mqar.tar.gz" -C "$WORK" results logs; ls -l "$OUT"' EXIT
 configs=configs/mqar
 if [ -n "${GPU_MQAR_DRY:-}" ]; then
   # toy copies of the configs (inside the repository, as records name their config relative
@@ -62,11 +65,13 @@ for name in $ROWS; do
   done
 done
 wait
-status=0
+# the rows are recorded side by side (each row's rates one after another)
+pids=()
 for name in $ROWS; do
-  $PY bench/mqar_sweep.py --snapshot "$configs/$name.toml" >> "$WORK/logs/summary.log" 2>&1 ||
-    status=1
+  $PY bench/mqar_sweep.py --snapshot "$configs/$name.toml" > "$WORK/logs/summary-$name.log" 2>&1 &
+  pids+=($!)
 done
-tail -n 40 "$WORK/logs/summary.log"
-tar -czf "$OUT/gpu_mqar.tar.gz" -C "$WORK" results logs && ls -l "$OUT"
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+tail -n 3 "$WORK"/logs/summary-*.log
 exit $status

@@ -35,7 +35,9 @@ from continuumlm.config import load_config
 from continuumlm.experiments import run_child
 from continuumlm.train.mqar import fresh_recall, progress, recall_by_distance
 
-CLI = str(Path(sys.executable).parent / "continuumlm")
+# the package as a module of this interpreter: a machine with the source tree on PYTHONPATH
+# and no install (bench/gpu_mqar_sweep.sh on a GPU machine) has no continuumlm script
+CLI = [sys.executable, "-m", "continuumlm"]
 
 
 def _device(config: Path, overrides: list[str]) -> str:
@@ -55,7 +57,7 @@ def _device(config: Path, overrides: list[str]) -> str:
 
 def _record(result: dict, config: Path, overrides: list[str], cmd: list[str]) -> dict:
     result.update(config=str(config.relative_to(ROOT)), overrides=overrides,
-                  command="continuumlm " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
+                  command="continuumlm " + " ".join(cmd[len(CLI):]).replace(str(ROOT) + "/", ""),
                   machine=_device(config, overrides))
     return result
 
@@ -118,7 +120,7 @@ def main() -> None:
               f"{old.get('max_steps', '?')}) whose run folder {run} is gone; delete {dest} to "
               f"train it again from scratch")
         return
-    cmd = [CLI, "mqar", "--config", str(config), "--out", str(run),
+    cmd = [*CLI, "mqar", "--config", str(config), "--out", str(run),
            *sum((["--set", s] for s in args.set), [])]
     if args.snapshot:
         # refuses a run folder whose settings differ from this config and these --set options

@@ -186,14 +186,16 @@ def _tail(runs: list[dict]) -> str:
     """The mark of figures made by the evaluation that left a split's tail unscored, or of a
     score on at most N windows (train_seeds.py --max-windows, smoke tests), not the split."""
     windows = {r["max_windows"] for r in runs if r.get("max_windows")}
+    tail = "" if all(r.get("eval_every_target") for r in runs) else " †"
     if windows:
-        return f" ({max(windows)} windows at most, not the whole split)"
-    return "" if all(r.get("eval_every_target") for r in runs) else " †"
+        return f" ({max(windows)} windows at most, not the whole split){tail}"
+    return tail
 
 
 def _nfe_cell(runs: list[dict]) -> str:
-    """Forward NFE: a fixed grid's count, or the mean over the last tenth of training of a run
-    whose NFE varies (adaptive solvers, elastic draws), marked ~."""
+    """Forward NFE: a fixed grid's count, or the mean of a run whose NFE varies (elastic draws:
+    the expected NFE of the draw set; adaptive solvers: the last tenth of training), marked ~;
+    "varies" for an adaptive run recorded before that mean was."""
     nfes = [forward_nfe(r, run_config(r)) for r in runs]
     if any(varies for _, varies in nfes):
         means = [n for n, _ in nfes if n is not None]
@@ -641,10 +643,9 @@ def main() -> None:
         "(`continuumlm eval`: non-overlapping windows). Produced by `continuumlm experiment shakespeare` "
         "(`python bench/train_seeds.py CONFIG --seeds ...` per row). nanoGPT reports val loss 1.88 for the "
         "discrete model (its figure is an estimate from 20 random batches). NFE: field or layer "
-        "evaluations per forward; ~: the mean over the last tenth of training of a run whose "
-        "solve varies from step to step (an adaptive solver, elastic draws); \"varies\": an "
-        "elastic run recorded before that mean was (\"Training cost of elastic depth\" below "
-        "gives its mean).",
+        "evaluations per forward; ~: a mean, for a run whose solve varies from step to step "
+        "(elastic draws: the expected NFE of its draw set; an adaptive solver: the mean over "
+        "the last tenth of training).",
         "",
         (shakespeare := training_table(results, "configs/shakespeare_char/")),
         "",

@@ -548,9 +548,16 @@ def test_a_stopped_mqar_run_names_the_mqar_command(tmp_path, monkeypatch, capsys
     said = out.out + out.err
     assert "saved a checkpoint" in said and "continuumlm mqar --config CONFIG --out" in said
     assert "continuumlm train" not in said
-    # a full disk says the same (the message read `continuumlm train ... --resume auto`)
-    from continuumlm.train.checkpointer import disk_error
+    # a full disk at a checkpoint of an MQAR run says the same (it read `continuumlm train
+    # ... --resume auto`)
+    import continuumlm.train.checkpointer as ck
+    from continuumlm.errors import DiskError
 
-    e = disk_error("x", tmp_path, OSError(28, "No space left on device"), tmp_path, tmp_path,
-                   task="mqar")
-    assert "continuumlm mqar --config CONFIG" in str(e) and "continuumlm train" not in str(e)
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "save_checkpoint", full)
+    with pytest.raises(DiskError) as e:
+        M.run_mqar(_mqar_cfg(), tmp_path / "full", quiet=True)
+    assert "continuumlm mqar --config CONFIG" in str(e.value), str(e.value)
+    assert "continuumlm train" not in str(e.value)

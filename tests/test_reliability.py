@@ -468,12 +468,17 @@ def test_min_lr_above_lr_trains_with_a_warning(tiny_corpus, tmp_path, capsys):
 def test_warmup_past_the_decay_horizon_trains_with_a_warning(tiny_corpus, tmp_path, capsys):
     """A warm-up as long as the run leaves no cosine decay: said once, the run goes on; a
     warm-up below the horizon says nothing."""
-    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=2), ["train.warmup_steps=40"])
-    assert Trainer(cfg, tmp_path / "run", quiet=True).run()["step"] == 2
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=3),
+                      ["train.warmup_steps=3", "train.lr_decay_steps=3"])
+    assert Trainer(cfg, tmp_path / "run", quiet=True).run()["step"] == 3
     err = capsys.readouterr().err
-    assert "warning: train.warmup_steps (40) is not below the end of the cosine decay " \
-        "(train.lr_decay_steps = 40)" in err, err
+    assert "warning: train.warmup_steps (3) is not below the end of the cosine decay " \
+        "(train.lr_decay_steps = 3)" in err, err
     assert err.count("warning:") == 1
+    # a run that ends inside its warm-up, before a later decay horizon, is said too
+    cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=2), ["train.warmup_steps=5"])
+    assert Trainer(cfg, tmp_path / "run_short", quiet=True).run()["step"] == 2
+    assert "train.warmup_steps (5) is not below train.max_steps (2)" in capsys.readouterr().err
     cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=3))
     assert Trainer(cfg, tmp_path / "run3", quiet=True).run()["step"] == 3
     assert "warmup" not in capsys.readouterr().err

@@ -87,12 +87,14 @@ class Trainer:
                   f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
                   f"you want.", file=sys.stderr)
         horizon = t.lr_decay_steps or t.max_steps
-        if self.main and 0 < horizon <= t.warmup_steps:
-            print(f"warning: train.warmup_steps ({t.warmup_steps}) is not below the end of the "
-                  f"cosine decay (train.{'lr_decay_steps' if t.lr_decay_steps else 'max_steps'} "
-                  f"= {horizon}), so the learning rate only climbs toward train.lr and then "
-                  f"drops to min_lr, with no decay; set train.warmup_steps to a fraction of "
-                  f"the run (e.g. a tenth) if that is not what you want.", file=sys.stderr)
+        if self.main and 0 < min(horizon, t.max_steps) <= t.warmup_steps:
+            end = (f"the end of the cosine decay (train."
+                   f"{'lr_decay_steps' if t.lr_decay_steps else 'max_steps'} = {horizon})"
+                   if horizon <= t.max_steps else f"train.max_steps ({t.max_steps})")
+            print(f"warning: train.warmup_steps ({t.warmup_steps}) is not below {end}, so the "
+                  f"learning rate only climbs toward train.lr, with no cosine decay; set "
+                  f"train.warmup_steps to a fraction of the run (e.g. a tenth) if that is not "
+                  f"what you want.", file=sys.stderr)
         self.device = pick_device(device_name)
         self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
@@ -227,7 +229,7 @@ class Trainer:
                 from .checkpointer import disk_error
 
                 raise disk_error("config.toml", self.out / "config.toml", e, self.ckpt_root,
-                                 self.out) from None
+                                 self.out, task=self.task.name) from None
         else:
             self.logger = _NullLogger()
         self.dist.barrier()
