@@ -87,8 +87,11 @@ def harness_windows_nll(model, ids: list[int], context: int, prefix: int,
     by_length: dict[int, list[tuple[int, int]]] = {}
     for start, length, scored in windows:
         by_length.setdefault(length, []).append((start + 1, scored))
+    # an adaptive solver's steps depend on the whole batch: one window at a time, as the
+    # harness runs it (batch_size 1)
+    adaptive = not getattr(model.depth, "exact_cache", True)
     for length, group in by_length.items():
-        per = max(1, batch_tokens // length)
+        per = 1 if adaptive else max(1, batch_tokens // length)
         for i in range(0, len(group), per):
             part = group[i:i + per]
             x = torch.stack([seq[a:a + length] for a, _ in part]).to(device)
