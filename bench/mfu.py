@@ -82,8 +82,8 @@ def main() -> None:
                                 f"{torch.get_num_threads()} threads); training runs of "
                                 f"bench/results/shakespeare_char-*.json (* = measured while "
                                 f"the machine was shared: understated; ° = no load "
-                                f"recorded; ~ = the mean NFE of the last tenth of training of "
-                                f"an adaptive or elastic run)"
+                                f"recorded; ~ = a mean NFE: an elastic run's draw set's "
+                                f"expectation, an adaptive run's last tenth of training)"
                                 + (f"; left out, their mean NFE not recorded: "
                                    f"{', '.join(skipped)}" if skipped else ""),
                        "rows": rows, "table": table})
