@@ -318,15 +318,18 @@ def _golden():
 
 @pytest.mark.parametrize("name", ["softmax", "ode_deltanet"])
 def test_mqar_on_the_trainer_reproduces_the_standalone_loop(tmp_path, name):
-    """Per-step losses and held-out recall equal, bit for bit, those of the standalone loop
-    MQAR had before it became a task on the trainer (tests/data/mqar_golden.json)."""
+    """Per-step losses and held-out recall equal those of the standalone loop MQAR had before
+    it became a task on the trainer (tests/data/mqar_golden.json): bit for bit on the CPU that
+    recorded them, and to float32 rounding on another (other SIMD kernels round otherwise:
+    ode_deltanet differs by 1e-7 relative at step 5 on another x86 CPU)."""
     import continuumlm.train.mqar as M
     from continuumlm.train.logging import read_metrics
 
     g = _golden()[name]
     r = M.run_mqar(_mqar_cfg(*g["set"]), tmp_path / "run", quiet=True)
-    assert [[e["step"], e["loss"]] for e in read_metrics(tmp_path / "run") if "loss" in e] \
-        == g["losses"]
+    losses = [[e["step"], e["loss"]] for e in read_metrics(tmp_path / "run") if "loss" in e]
+    assert [s for s, _ in losses] == [s for s, _ in g["losses"]]
+    assert [v for _, v in losses] == pytest.approx([v for _, v in g["losses"]], rel=1e-5)
     assert r["history"] == g["history"] and r["parameters"] == g["parameters"]
 
 
