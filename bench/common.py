@@ -37,20 +37,27 @@ def rss_now_kb() -> int:
     return 0
 
 
+def checkpoint_step(run: Path, which: str = "last") -> int | None:
+    """The step of the run's ``last`` (or ``best``) checkpoint, read from the folder it points
+    to (step-NNNNNNNN); None without one."""
+    link = run / "checkpoints" / which
+    if not link.exists():
+        return None
+    try:
+        return int(link.resolve().name.rpartition("-")[2])
+    except ValueError:
+        return None
+
+
 def finished_run(run: Path) -> bool:
     """Whether the training run in ``run`` has a checkpoint of its last step (a run still
     going, or stopped early, has only earlier ones: its model is not the one a result names)."""
-    last = run / "checkpoints" / "last"
-    if not last.exists():
+    step = checkpoint_step(run)
+    if step is None:
         return False
     from continuumlm.train.checkpoint import load_run_config
 
-    name = last.resolve().name  # step-NNNNNNNN
-    try:
-        step = int(name.rpartition("-")[2])
-    except ValueError:
-        return False
-    return step >= load_run_config(last.resolve()).train.max_steps
+    return step >= load_run_config((run / "checkpoints" / "last").resolve()).train.max_steps
 
 
 def other_settings(run: Path, config, overrides: list[str]) -> list[str]:
@@ -139,12 +146,7 @@ def expected_elastic_nfe(cfg) -> float:
     from continuumlm.config.sections import solve_nfe, solve_pairs
 
     m, t = cfg.model, cfg.train
-    if t.ode_max_nfe is not None:
-        pairs = solve_pairs(m, t)
-    else:
-        pairs = [(s, n) for s in (t.ode_solver_choices or [m.ode_solver])
-                 for n in (t.ode_steps_choices or [m.ode_steps])]
-    drawn = statistics.mean(solve_nfe(m, s, n) for s, n in pairs)
+    drawn = statistics.mean(solve_nfe(m, s, n) for s, n in solve_pairs(m, t))
     start = min(t.elastic_from, t.max_steps)
     own = solve_nfe(m, m.ode_solver, m.ode_steps)
     return m.num_layers * (start * own + (t.max_steps - start) * drawn) / t.max_steps

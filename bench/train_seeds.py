@@ -25,7 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, RUNS, OtherLoad, cpu_model, other_settings, replace_json
+from common import (
+    RESULTS,
+    RUNS,
+    OtherLoad,
+    checkpoint_step,
+    cpu_model,
+    other_settings,
+    replace_json,
+)
 
 from continuumlm.cli import main as cli_main
 from continuumlm.experiments import run_child
@@ -87,7 +95,7 @@ def main() -> None:
             if (args.also_test or args.also_best) and (run / "checkpoints" / "last").exists():
                 # the folder must still hold the model the JSON records, not a later run
                 keys = other_settings(run, config, [f"train.seed={seed}", *applied])
-                step = int((run / "checkpoints" / "last").resolve().name.split("-")[-1])
+                step = checkpoint_step(run)
                 if keys or step != old.get("final_step", step):
                     sys.exit(f"{run} no longer holds the run {dest} records (settings "
                              f"{', '.join(keys) or 'alike'}, step {step} against "
@@ -226,7 +234,7 @@ def add_best(dest: Path, run: Path, max_windows: int | None, test: bool) -> None
     if not best.exists():
         print(f"cannot add the best checkpoint to {dest}: {best} is gone")
         return
-    entry = {"step": int(best.resolve().name.split("-")[-1]),
+    entry = {"step": checkpoint_step(run, "best"),
              "val_loss_full_split": evaluate(run, "val", max_windows, which="best")[0]["loss"]}
     if test:
         entry["test_loss_full_split"] = evaluate(run, "test", max_windows, which="best")[0]["loss"]

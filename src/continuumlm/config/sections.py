@@ -739,9 +739,10 @@ def solve_nfe(model_config, solver: str, steps: int) -> int:
 
 
 def solve_pairs(model_config, t) -> list[tuple[str, int]]:
-    """The (solver, steps) pairs that ``train.ode_max_nfe`` allows, in list order (an entry
-    listed twice counts twice)."""
+    """The (solver, steps) pairs that elastic training may draw: every pair of the two lists,
+    less those over ``train.ode_max_nfe`` when it is set, in list order (an entry listed twice
+    counts twice)."""
     solvers = list(t.ode_solver_choices or [model_config.ode_solver])
     steps = list(t.ode_steps_choices or [model_config.ode_steps])
     return [(s, n) for s in solvers for n in steps
-            if solve_nfe(model_config, s, n) <= t.ode_max_nfe]
+            if t.ode_max_nfe is None or solve_nfe(model_config, s, n) <= t.ode_max_nfe]
