@@ -8,7 +8,7 @@ ifneq ($(wildcard ../shared/data/tinyshakespeare.txt),)
 export CONTINUUMLM_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: install install-dev demo test test-slow lint bench results clean
+.PHONY: install install-dev demo test test-slow test-hf-suite lint bench results clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,14 @@ test: $(VENV)/.installed-dev
 
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -m slow
+
+# transformers' own model tests (ModelTesterMixin, ConfigTester) against continuumlm.hf, in four
+# configurations and with each attention mask of HF_SUITE_MASKS (ones, padded, random). The test
+# files come from the installed transformers' source distribution, downloaded once into
+# .cache/hf-suite/ (later runs are offline); prints passed/failed/skipped per configuration.
+HF_SUITE_MASKS ?= ones,padded
+test-hf-suite: $(VENV)/.installed-dev
+	$(BIN)/python tests/hf_conformance/run.py --mask $(HF_SUITE_MASKS)
 
 # The performance suite (ODE cost, memory, kernels, mixers, decoding, processes/compile, MFU).
 bench: $(VENV)/.installed-dev

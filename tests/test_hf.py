@@ -59,9 +59,9 @@ def test_generate_feeds_one_token_per_step_after_the_prompt(tmp_path, monkeypatc
     seen = []
     real = lm.hidden_states
 
-    def spy(idx, state=None):
+    def spy(idx, state=None, **kw):
         seen.append((idx.shape[1], state.pos if state is not None else None))
-        return real(idx, state)
+        return real(idx, state, **kw)
 
     monkeypatch.setattr(lm, "hidden_states", spy)
     hf.model = lm
@@ -144,20 +144,32 @@ def test_hf_save_pretrained_is_read_by_continuumlm(tmp_path):
 def test_refusals_are_clear(tmp_path):
     hf = saved(build("softmax", "discrete", None), tmp_path)
     x = torch.randint(0, 37, (2, 6))
+    # a mixer without padding support refuses a padded batch by name
+    cat = saved(build("continuous", "discrete", None), tmp_path / "cat")
     mask = torch.ones_like(x)
     mask[0, :2] = 0  # left padding
-    with pytest.raises(ValueError, match="padded batches"):
-        hf(input_ids=x, attention_mask=mask)
-    with pytest.raises(ValueError, match="padded batches"):
-        hf.generate(x, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        hf.generate(x[:1], max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="ContinuousAttention does not support padded"):
+        cat(input_ids=x, attention_mask=mask)
+    with pytest.raises(ValueError, match="ContinuousAttention does not support padded"):
+        cat.generate(x, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    cat(input_ids=x, attention_mask=torch.ones_like(x))  # an all-ones mask is no padding
+    other = transformers.DynamicCache()
+    other.update(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8), 0)  # holds 3 tokens
     with pytest.raises(ValueError, match="ContinuumLMCache"):
-        hf(input_ids=x, cache=transformers.DynamicCache())
+        hf(input_ids=x, cache=other)
+    with pytest.raises(ValueError, match="attention maps"):
+        hf(input_ids=x, output_attentions=True)
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        hf()
     cache = ContinuumLMCache(hf.model.init_state(2))
     assert cache.get_seq_length() == 0
     hf(input_ids=x, cache=cache)
     assert cache.get_seq_length() == 6
+    with pytest.raises(NotImplementedError, match="cannot be rewound"):
+        cache.crop(1)
+    with pytest.raises(NotImplementedError, match="cannot be rewound"):  # assisted decoding
+        hf.generate(x[:1], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                    prompt_lookup_num_tokens=2)
     # batched generation without padding is exact too
     out = hf.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.tolist() == hf.model.generate(x, 3, greedy=True).tolist()

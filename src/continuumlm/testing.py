@@ -14,6 +14,9 @@ field for a solver) and each model must be
 - decodable with its caches: greedy generation with the cache equals generation by
   recomputing, and prefill + one step per token gives the logits of one full forward, both
   eagerly and on the frozen one-token path that ``generate(compile=True)`` compiles;
+- padded (when its mixers declare ``supports_padding``): a row padded on the left or right
+  gives, at its real tokens, the logits of the row alone, in a full forward and in cached
+  decoding; a mixer without padding support refuses a padded batch by name;
 - trainable: the loss backpropagates to finite gradients on every parameter that takes part;
 - (ODE depth) the same size whatever the number of solver steps.
 
@@ -87,6 +90,53 @@ def check_cached_decoding(model: LanguageModel, prompt: torch.Tensor, n_new: int
     return a
 
 
+def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:
+    """For a model whose mixers support padding (``supports_padding``): a row padded on the
+    left or on the right gives, at its real tokens, the logits of the same sequence alone, in
+    a full forward and in cached decoding (a left-padded prompt, then one token per step).
+    A model whose mixer has no padding support must refuse a padded batch by name."""
+    g = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (9, 5, 1)]
+    L = max(len(s) for s in seqs)
+    supported = all(getattr(m, "supports_padding", False) for m in model.modules()
+                    if type(m).__name__ != "LanguageModel" and hasattr(m, "cache_factory"))
+    with torch.no_grad():
+        alone = [model(s[None])[0][0] for s in seqs]
+        for side in ("right", "left"):  # the left-padded batch is decoded on below
+            ids = torch.zeros(len(seqs), L, dtype=torch.long)
+            mask = torch.zeros(len(seqs), L, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                where = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+                ids[i, where], mask[i, where] = s, 1
+            if not supported:
+                try:
+                    model.hidden_states(ids, attention_mask=mask)
+                except ValueError as e:
+                    assert "padded" in str(e), f"a padded batch was refused unclearly: {e}"
+                    return
+                raise AssertionError("a mixer without supports_padding took a padded batch")
+            out = model.lm_head(model.hidden_states(ids, attention_mask=mask))
+            for i, s in enumerate(seqs):
+                where = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+                torch.testing.assert_close(
+                    out[i, where], alone[i], rtol=0, atol=atol,
+                    msg=lambda m, side=side: f"a {side}-padded row != the row alone: {m}")
+        # cached decoding of the left-padded batch, three more tokens one at a time
+        more = torch.randint(0, V, (len(seqs), 3), generator=g)
+        state = model.init_state(len(seqs))
+        steps = [model.lm_head(model.hidden_states(ids, state, attention_mask=mask))[:, -1]]
+        for t in range(more.shape[1]):
+            mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=mask.dtype)], 1)
+            h = model.hidden_states(more[:, t:t + 1], state, attention_mask=mask)
+            steps.append(model.lm_head(h)[:, -1])
+        for i, s in enumerate(seqs):
+            full = model(torch.cat([s, more[i]])[None])[0][0, len(s) - 1:]
+            torch.testing.assert_close(
+                torch.stack([x[i] for x in steps]), full, rtol=0, atol=atol * 10,
+                msg=lambda m: f"cached decoding of a left-padded row != the row alone: {m}")
+
+
 def check_trains(model: LanguageModel) -> None:
     """One backward of the loss: finite, and a gradient on every parameter."""
     model.train()
@@ -113,6 +163,8 @@ def _check_model(kw: dict, fixed_grid: bool = True) -> None:
     if fixed_grid:
         check_causal(model)
         check_cached_decoding(model, torch.randint(0, SMALL["vocab_size"], (2, 5)), 12)
+        if model.config.mode == "decoder":
+            check_padding(model)
     else:  # adaptive: decoding recomputes the context; causality holds only approximately
         a = model.generate(torch.randint(0, SMALL["vocab_size"], (1, 4)), 3, greedy=True)
         assert a.shape == (1, 7)

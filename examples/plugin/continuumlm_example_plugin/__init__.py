@@ -40,6 +40,11 @@ class ConvCache:
         self.history = self.history.clone()
         self.static = step
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` in that order (beam search reorders its beams)."""
+        if self.history is not None:
+            self.history = self.history.index_select(0, index)
+
     def update(self, history: torch.Tensor, T: int) -> None:
         if self.static is not None:
             self.history.copy_(history)

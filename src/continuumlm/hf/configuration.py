@@ -33,6 +33,31 @@ class ContinuumLMConfig(PretrainedConfig):
         object.__setattr__(self, "use_cache", kwargs.pop("use_cache", True))
         super().__post_init__(**kwargs)
 
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        """``config.json`` (every field) and, when the config has an ``auto_map`` (an exported
+        or remote-code-loaded model's), the two one-line remote-code modules it names, so the
+        folder loads with ``trust_remote_code=True`` as well. (transformers' own method copies
+        the source file of a class loaded as remote code, which for this package is a module
+        with relative imports, and fails.)"""
+        import json
+        from pathlib import Path
+
+        from .export import AUTO_MAP, REMOTE_CODE
+
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub: save the folder, then upload it with "
+                                      "huggingface_hub.upload_folder.")
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = self.to_dict()
+        if cfg.get("auto_map"):
+            cfg["auto_map"] = {**cfg["auto_map"], **AUTO_MAP}
+            for name, code in REMOTE_CODE.items():
+                (out / name).write_text(code)
+        tmp = out / "config.json.tmp"
+        tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        tmp.replace(out / "config.json")
+
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, **kwargs) -> ContinuumLMConfig:
         return cls(**cfg.to_dict(), **kwargs)

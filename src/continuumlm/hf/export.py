@@ -110,7 +110,11 @@ def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
     for name, code in REMOTE_CODE.items():
         (out / name).write_text(code)
     converted.save(str(out / "tokenizer.json"))
+    # batches are padded with the end-of-text token (the model masks pads, so which id fills
+    # them does not matter), on the left, where generation appends after the real tokens
+    pad = specials.get("eos_token") or specials.get("unk_token")
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+           **({"pad_token": pad} if pad is not None else {}), "padding_side": "left",
            "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out

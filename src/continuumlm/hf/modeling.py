@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -23,8 +29,10 @@ class ContinuumLMCache(Cache):
 
     It holds no per-layer key/value tensors of transformers' kind (``layers`` is empty): each
     mixer keeps its own state (keys and values, a DeltaNet recurrent state, a continuous
-    attention's value history), which is what keeps cached ODE decoding exact. Beam search and
-    cache cropping need to rewind or reorder those states and are refused."""
+    attention's value history), which is what keeps cached ODE decoding exact. Every one of
+    them is batch-first, so beam search's reordering and expansion are an index on the batch
+    dimension. Cropping (assisted and prompt-lookup decoding) is refused: a recurrent state
+    cannot be rewound."""
 
     def __init__(self, state: DecodeState):
         super().__init__(layers=[])
@@ -34,6 +42,9 @@ class ContinuumLMCache(Cache):
         return self.state.pos
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
 
     @property
@@ -47,47 +58,105 @@ class ContinuumLMCache(Cache):
     def reset(self) -> None:
         self.state = DecodeState(self.state.batch_size)
 
-    def _refuse(self, what: str):
-        raise NotImplementedError(
-            f"{what} is not supported by ContinuumLMCache: the per-mixer decoding states "
-            f"(recurrent states, value histories) cannot be reordered or rewound. Use greedy "
-            f"search or sampling (num_beams=1), without assisted decoding.")
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.state.reorder(beam_idx)
 
-    def reorder_cache(self, beam_idx):
-        self._refuse("beam search (reorder_cache)")
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        index = torch.arange(self.state.batch_size).repeat_interleave(repeats)
+        self.state.reorder(index)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.state.reorder(torch.as_tensor(indices, dtype=torch.long))
 
     def crop(self, tokens_to_remove: int) -> None:
-        self._refuse("cropping the cache (assisted decoding)")
+        raise NotImplementedError(
+            "ContinuumLMCache cannot be cropped (assisted or prompt-lookup decoding): a "
+            "DeltaNet state or an ODE block's per-stage caches cannot be rewound to an earlier "
+            "token. Use greedy search, sampling or beam search.")
 
-    def batch_repeat_interleave(self, repeats: int):
-        if repeats != 1:
-            self._refuse("expanding the cache's batch")
 
-    def batch_select_indices(self, indices):
-        self._refuse("selecting from the cache's batch")
+@functools.cache
+def _checkpointing_layer(cls: type) -> type:
+    """``cls`` (a discrete layer or an ODE block) that is also transformers'
+    ``GradientCheckpointingLayer``, the type its checkpointing finds the repeated layers by.
+    The stack still does the checkpointing (the layer's flag and function are the core's), so
+    the layer keeps ``nn.Module``'s plain call."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if issubclass(cls, GradientCheckpointingLayer):
+        return cls
+    return type(cls.__name__, (cls, GradientCheckpointingLayer),
+                {"__call__": nn.Module.__call__, "__module__": cls.__module__})
 
 
 class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     """A ContinuumLM :class:`LanguageModel` (``self.model``) for transformers' tools.
 
-    ``forward(input_ids, attention_mask=None, labels=None, cache=None, use_cache=None)``
-    returns ``CausalLMOutputWithPast``; ``labels`` are shifted inside, as in every transformers
-    causal LM (-100 is ignored). ``generate`` decodes incrementally through
-    :class:`ContinuumLMCache`. Padding is refused: an ``attention_mask`` must be all ones."""
+    ``forward(input_ids, attention_mask=None, position_ids=None, cache=None,
+    inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
+    return_dict=None)`` returns ``CausalLMOutputWithPast``; ``labels`` are shifted inside, as
+    in every transformers causal LM (-100 is ignored). ``generate`` decodes incrementally
+    through :class:`ContinuumLMCache`. A padded ``attention_mask`` (left or right) is honoured
+    by the mixers that support padding (softmax attention, DeltaNet): each row's outputs at
+    its real tokens are the row's alone."""
 
     config_class = ContinuumLMConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
     _no_split_modules: list[str] = []
+    supports_gradient_checkpointing = True  # per layer, or per ODE block (its whole solve)
+    _supports_sdpa = True  # the attention mixers run scaled_dot_product_attention
 
     def __init__(self, config: ContinuumLMConfig, model: LanguageModel | None = None):
         super().__init__(config)
         self.model = model if model is not None else LanguageModel(config.to_model_config())
+        for layer in getattr(self.model.depth, "layers", getattr(self.model.depth, "blocks", [])):
+            layer.__class__ = _checkpointing_layer(type(layer))
         self.post_init()
 
+    def post_init(self):
+        # the LanguageModel initialized itself (or holds the weights just loaded): transformers'
+        # initialization, which post_init runs, skips modules marked initialized. The marks go
+        # again, so an explicit init_weights() (after to_empty, say) initializes everything.
+        modules = list(self.model.modules())
+        for m in modules:
+            m._is_hf_initialized = True
+        try:
+            super().post_init()
+        finally:
+            for m in modules:
+                m.__dict__.pop("_is_hf_initialized", None)
+
+    def initialize_weights(self):
+        # every module's own tensors come from a freshly built LanguageModel (the one place
+        # that knows how each is drawn: residual scaling, identity convolutions, zeroed time
+        # embeddings, RoPE tables...), made once per pass
+        device = next(iter(self.model.parameters())).device
+        with torch.device(device):
+            fresh = LanguageModel(self.model.config)
+        self._fresh = dict(fresh.named_modules())
+        self._names = {m: n for n, m in self.model.named_modules()}
+        try:
+            super().initialize_weights()
+        finally:
+            del self._fresh, self._names
+
     def _init_weights(self, module):
-        """Nothing: :class:`LanguageModel` initializes its own weights when it is built."""
+        """``LanguageModel``'s initialization: inside ``initialize_weights`` (a model made on
+        the meta device and materialized with ``to_empty``), a module's own parameters and
+        buffers from a freshly built model; called on its own (``resize_token_embeddings``'s
+        new rows), a linear or embedding module drawn as ``LanguageModel`` draws them."""
+        name = getattr(self, "_names", {}).get(module)
+        if name is not None:
+            src = self._fresh[name]
+            with torch.no_grad():
+                for kind in ("named_parameters", "named_buffers"):
+                    theirs = dict(getattr(src, kind)(recurse=False))
+                    for n, t in getattr(module, kind)(recurse=False):
+                        t.copy_(theirs[n])
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            LanguageModel._init_weights(module)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -96,8 +165,44 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.tok_emb
 
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.tok_emb = value
+        self._sync_vocab(value.num_embeddings)
+
     def get_output_embeddings(self):
         return self.model.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.model.lm_head = new_embeddings
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        out = super().resize_token_embeddings(*args, **kwargs)
+        self._sync_vocab(self.model.tok_emb.num_embeddings)
+        return out
+
+    def _sync_vocab(self, n: int) -> None:
+        """The wrapped model's own config follows the embedding's size (it is what saving
+        writes and loading builds)."""
+        if self.model.config.vocab_size != n:
+            self.model.config = dataclasses.replace(self.model.config, vocab_size=n)
+            self.config.vocab_size = n
+
+    ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate``, with assisted and prompt-lookup decoding refused up
+        front (they rewind the decoding state after rejected draft tokens, and a recurrent
+        state or an ODE block's per-stage caches cannot be rewound)."""
+        configs = [kwargs, kwargs.get("generation_config"), self.generation_config]
+        for name in self.ASSISTED:
+            if any(getattr(c, name, None) if not isinstance(c, dict) else c.get(name)
+                   for c in configs if c is not None):
+                raise NotImplementedError(
+                    f"{name}: assisted and prompt-lookup decoding are not supported: they "
+                    f"rewind the decoding state after rejected draft tokens, and a DeltaNet "
+                    f"state or an ODE block's per-stage caches cannot be rewound. Use greedy "
+                    f"search, sampling or beam search.")
+        return super().generate(*args, **kwargs)
 
     def forward(self, input_ids: torch.LongTensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -106,56 +211,91 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                 inputs_embeds: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None,
+                output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None,
+                return_dict: bool | None = None,
                 logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> CausalLMOutputWithPast:
-        if inputs_embeds is not None or input_ids is None:
-            raise ValueError("ContinuumLMForCausalLM reads input_ids (inputs_embeds are not "
-                             "supported).")
-        if kwargs.get("past_key_values") is not None:
-            raise ValueError("pass the decoding state as cache=... (transformers 5's name), not "
-                             "past_key_values.")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "ContinuumLMForCausalLM does not support padded batches: the attention_mask holds "
-                "zeros, and the model's mixers (DeltaNet's recurrence, continuous attention, "
-                "learned and rotary positions) would read the pad tokens. Generate or score "
-                "each sequence on its own (batch size 1), or batch sequences of one length.")
+                **kwargs) -> CausalLMOutputWithPast | tuple:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds.")
+        if cache is None and kwargs.get("past_key_values") is not None:
+            cache = kwargs.pop("past_key_values")  # the name before transformers 5
+        kwargs.pop("past_key_values", None)
+        if output_attentions if output_attentions is not None else \
+                self.config.output_attentions:
+            raise ValueError("output_attentions: ContinuumLM's mixers form no attention maps "
+                             "to return (DeltaNet and the ODE fields have none, softmax runs "
+                             "fused); leave it off.")
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        return_dict = return_dict if return_dict is not None else self.config.use_return_dict
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.training and self.is_activation_checkpointing:
+            # a checkpointed layer runs twice; a cache would take its tokens twice
+            use_cache, cache = False, None
         if cache is not None and not isinstance(cache, ContinuumLMCache):
-            raise ValueError(f"cache must be a ContinuumLMCache (the model's own decoding "
-                             f"state), not {type(cache).__name__}; leave it out and the model "
-                             f"makes one.")
+            if cache.get_seq_length() == 0:  # an empty cache of another kind: make ours
+                cache = None
+            else:
+                raise ValueError(f"cache must be a ContinuumLMCache (the model's own decoding "
+                                 f"state), not {type(cache).__name__}; leave it out and the "
+                                 f"model makes one.")
+        batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if cache is None and use_cache:
-            cache = ContinuumLMCache(self.model.init_state(input_ids.shape[0]))
+            cache = ContinuumLMCache(self.model.init_state(batch))
         state = cache.state if cache is not None else None
-        if position_ids is not None:
-            start = state.pos if state is not None else 0
-            expected = torch.arange(start, start + input_ids.shape[1], device=position_ids.device)
-            if not bool((position_ids == expected).all()):
-                raise ValueError("position_ids must count on from the cache (0, 1, 2, ... without "
-                                 "gaps): positions come from the decoding state.")
-        h = self.model.hidden_states(input_ids, state)
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            h = h[:, -logits_to_keep:]
+        record = [] if output_hidden_states else None
+        h = self.model.hidden_states(input_ids, state, attention_mask=attention_mask,
+                                     position_ids=position_ids, embeds=inputs_embeds,
+                                     record=record)
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+        else:
+            h = h[:, logits_to_keep]
         logits = self.model.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                   labels[:, 1:].reshape(-1).to(logits.device),
-                                   ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+            loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits,
+                                     cache=cache if use_cache else None,
+                                     hidden_states=tuple(record) if record is not None else None)
+        return out if return_dict else out.to_tuple()
 
     # -------------------------------------------------------------- persistence
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None,
+                        state_dict: dict | None = None, output_loading_info: bool = False,
                         ode_solver: str | None = None, ode_steps: int | None = None,
                         dtype=None, torch_dtype=None, device_map=None, **kwargs):
         """Load a ContinuumLM checkpoint folder (or a Hub repository holding one). The weights
-        are read with ContinuumLM's own loader (safetensors, checked against config.json);
-        ``ode_solver`` / ``ode_steps`` integrate an ODE model's trained fields with another
-        solver or step count (anytime depth, as ``continuumlm eval --ode-steps``); ``dtype``
-        casts, ``device_map`` (one device: "cpu", "cuda", "cuda:1", ...) places the model."""
+        are read with ContinuumLM's own loader (safetensors, checked against config.json), or
+        from ``state_dict`` when given (with ``pretrained_model_name_or_path=None`` and a
+        ``config``, nothing is read from disk); ``ode_solver`` / ``ode_steps`` integrate an
+        ODE model's trained fields with another solver or step count (anytime depth, as
+        ``continuumlm eval --ode-steps``); ``dtype`` casts, ``device_map`` (one device: "cpu",
+        "cuda", "cuda:1", ...) places the model. Loading is strict, so
+        ``output_loading_info`` reports no missing or unexpected keys."""
+        from transformers.modeling_utils import get_torch_context_manager_or_global_device
+
+        if get_torch_context_manager_or_global_device() == torch.device("meta"):
+            raise RuntimeError(
+                "You are using `from_pretrained` with a meta device context manager or "
+                "torch.set_default_device('meta'): the weights would be read into tensors "
+                "without storage. Load outside the context, or build an empty model with "
+                "ContinuumLMForCausalLM(config) inside it.")
+        if pretrained_model_name_or_path is None:
+            if config is None or state_dict is None:
+                raise ValueError("from_pretrained(None, ...) builds the model from config= "
+                                 "and state_dict=; give both, or name a checkpoint folder.")
+            if not isinstance(config, ContinuumLMConfig):
+                raise ValueError(f"config must be a ContinuumLMConfig, not "
+                                 f"{type(config).__name__}.")
+            lm = LanguageModel(config.to_model_config())
+            load_state_dict(lm, state_dict, "the state_dict")
+            model = cls(config, model=lm)
+            return cls._finish_loading(model, lm, ode_solver, ode_steps, dtype, torch_dtype,
+                                       device_map, None, output_loading_info)
         path = Path(pretrained_model_name_or_path)
         name = str(pretrained_model_name_or_path)
         if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~"))
@@ -197,16 +337,27 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                     {**config.to_dict(), **{k: getattr(folder, k) for k in asked}})
         mcfg = config.to_model_config()
         lm = LanguageModel(mcfg)
-        load_weights(lm, path)
+        if state_dict is not None:
+            load_state_dict(lm, state_dict, "the state_dict")
+        else:
+            load_weights(lm, path)
+        model = cls(config, model=lm)
+        return cls._finish_loading(model, lm, ode_solver, ode_steps, dtype, torch_dtype,
+                                   device_map, path, output_loading_info)
+
+    @classmethod
+    def _finish_loading(cls, model, lm, ode_solver, ode_steps, dtype, torch_dtype, device_map,
+                        path: Path | None, output_loading_info: bool):
+        config = model.config
         if ode_solver is not None or ode_steps is not None:
             try:
                 lm.set_solver(ode_solver, ode_steps, ode_grad="direct")
             except ValueError as e:
-                raise CheckpointError(f"{path}: {e}") from None
+                raise CheckpointError(f"{path or 'the model'}: {e}") from None
             # the loaded config with the new solver (its eos/bos ids, auto_map... kept)
-            config = ContinuumLMConfig.from_dict({**config.to_dict(), **lm.config.to_dict()})
-        model = cls(config, model=lm)
-        if (path / "generation_config.json").is_file():
+            model.config = ContinuumLMConfig.from_dict({**config.to_dict(),
+                                                        **lm.config.to_dict()})
+        if path is not None and (path / "generation_config.json").is_file():
             from transformers import GenerationConfig
 
             model.generation_config = GenerationConfig.from_pretrained(path)
@@ -226,13 +377,95 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
             if lm.config.tie_embeddings:
                 lm.lm_head.weight = lm.tok_emb.weight
         model.eval()
+        if output_loading_info:  # the loaders are strict: anything amiss raised above
+            return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                           "error_msgs": []}
         return model
 
-    def save_pretrained(self, save_directory, **kwargs):
-        """config.json (this config: every ModelConfig field and model_type) and
-        model.safetensors, as ContinuumLM writes them (the tied head stored once)."""
+    def save_pretrained(self, save_directory, is_main_process: bool = True,
+                        state_dict: dict | None = None, push_to_hub: bool = False,
+                        max_shard_size="50GB", variant: str | None = None,
+                        safe_serialization: bool = True, **kwargs):
+        """A complete folder or none: ``config.json`` (every ModelConfig field, model_type,
+        ``auto_map``), the two one-line remote-code modules ``auto_map`` names (so the folder
+        loads with ``trust_remote_code=True`` in a process that never imported
+        ``continuumlm.hf``), ``generation_config.json`` and ``model.safetensors`` (the tied
+        head stored once; ``state_dict`` when given, e.g. a trainer's). The files are written
+        into a temporary folder beside the target and moved in, config.json last."""
+        if not is_main_process:
+            return
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub: save the folder, then upload it with "
+                                      "huggingface_hub.upload_folder(repo_id=..., "
+                                      "folder_path=...).")
+        if variant is not None or not safe_serialization:
+            raise ValueError("ContinuumLM saves one model.safetensors (no variants, no pickle).")
         directory = Path(save_directory)
-        self.model.save_pretrained(directory)
-        self.config.save_pretrained(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            self._write_folder(tmp, state_dict)
+            if not directory.exists():
+                os.replace(tmp, directory)
+                return
+            names = sorted(p.name for p in tmp.iterdir())
+            for name in [n for n in names if n != "config.json"] + ["config.json"]:
+                os.replace(tmp / name, directory / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write_folder(self, out: Path, state_dict: dict | None) -> None:
+        from safetensors.torch import save_file, save_model
+
+        from ..model.lm import MODEL_TYPE, WEIGHTS_FILE
+        from .export import AUTO_MAP, REMOTE_CODE
+
+        lm = self.model
+        if state_dict is None:
+            save_model(lm, str(out / WEIGHTS_FILE))
+        else:
+            tensors = own_names(lm, state_dict, "the state_dict")
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                      str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        for name, code in REMOTE_CODE.items():
+            (out / name).write_text(code)
         if self.generation_config is not None:
-            self.generation_config.save_pretrained(directory)
+            self.generation_config.save_pretrained(out)
+        # the saved folder names its remote code: the config says so from now on, as
+        # transformers' own saving of a remote-code model sets it
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        self.config.architectures = [type(self).__name__]
+        cfg = {**self.config.to_dict(), **lm.config.to_dict(), "model_type": MODEL_TYPE}
+        cfg.pop("_name_or_path", None)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for p in out.iterdir():
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def own_names(lm: LanguageModel, state_dict: dict, where: str) -> dict:
+    """``state_dict`` in the wrapped model's names (a ``model.`` prefix dropped; a tied head
+    left out, as ``model.safetensors`` stores it), checked: a tensor missing or extra is a
+    CheckpointError."""
+    prefix = ContinuumLMForCausalLM.base_model_prefix + "."
+    tensors = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state_dict.items()}
+    expected = set(lm.state_dict())
+    if lm.config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{where} does not match the model: missing tensors "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}.")
+    return tensors
+
+
+def load_state_dict(lm: LanguageModel, state_dict: dict, where: str) -> None:
+    """Copy ``state_dict`` (names with or without the ``model.`` prefix) into ``lm``,
+    strictly."""
+    tensors = own_names(lm, state_dict, where)
+    try:
+        lm.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"{where} does not fit the model: {str(e).splitlines()[-1]}") \
+            from None

@@ -76,6 +76,12 @@ class SeqCache:
                 n[..., : self.length, :] = b[..., : self.length, :]
         self.buffers = new
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (B',) in that order: beam search's reordering and
+        expansion, an index on the batch dimension."""
+        if self.buffers is not None:
+            self.buffers = [b.index_select(0, index.to(b.device)) for b in self.buffers]
+
     def freeze(self, step: StaticStep) -> None:
         if self.buffers is None:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")

@@ -283,6 +283,12 @@ class DeltaNetCache:
         self.conv = {n: h.clone() for n, h in self.conv.items()}  # own storage, updated in place
         self.static = step
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` in that order (beam search)."""
+        if self.state is not None:
+            self.state = self.state.index_select(0, index.to(self.state.device))
+        self.conv = {n: h.index_select(0, index.to(h.device)) for n, h in self.conv.items()}
+
     def update(self, state: torch.Tensor, T: int) -> None:
         if self.static is not None:
             self.state.copy_(state)
@@ -357,6 +363,7 @@ class DeltaNetAttention(nn.Module):
 
     cache_factory = DeltaNetCache
     chunk_size = 64
+    supports_padding = True  # a pad writes nothing: beta 0, zeros into the short convolution
 
     def __init__(self, cfg):
         super().__init__()
@@ -385,11 +392,15 @@ class DeltaNetAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: DeltaNetCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: DeltaNetCache | None = None,
+                padding=None) -> torch.Tensor:
         B, T, C = x.shape
         if cache is not None and not self.causal:
             raise ValueError("incremental decoding needs mode = 'decoder'.")
         proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+        real = padding.valid[..., None].to(x.dtype) if padding is not None else None
+        if real is not None:  # the row alone has no input there: zeros (its conv history)
+            proj = {name: p * real for name, p in proj.items()}
         if self.convs is not None:
             for name, conv in self.convs.items():
                 hist = cache.conv.get(name) if cache is not None else None
@@ -403,6 +414,8 @@ class DeltaNetAttention(nn.Module):
         k = F.normalize(self._heads(proj["k"]), dim=-1)
         v = self._heads(proj["v"])
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, T)
+        if real is not None:  # a pad leaves the state as it is
+            beta = beta * real.transpose(1, 2)
         if self.causal:
             init = cache.state if cache is not None else None
             o, state = self._kernel(q, k, v, beta, init)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ..nn import RotaryEmbedding, SharedDropout, make_linear
 from ..registry import register_mixer
 from .cache import KVCache
+from .padding import Padding
 
 
 @register_mixer("softmax")
@@ -16,6 +17,7 @@ class SoftmaxAttention(nn.Module):
     """Causal (decoder) or bidirectional (encoder) scaled dot-product attention."""
 
     cache_factory = KVCache
+    supports_padding = True  # pad keys masked, positions counted per row (mixers/padding.py)
 
     def __init__(self, cfg):
         super().__init__()
@@ -29,10 +31,13 @@ class SoftmaxAttention(nn.Module):
         self.resid_dropout = SharedDropout(cfg.dropout)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len) if cfg.position == "rope" else None
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                padding: Padding | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if cache is not None and cache.static is not None:
+            if padding is not None:
+                raise ValueError("a frozen (static) decoding state does not take padding.")
             return self._static_step(qkv, cache)
         offset = 0
         if cache is not None:
@@ -40,7 +45,10 @@ class SoftmaxAttention(nn.Module):
                 raise ValueError("incremental decoding needs mode = 'decoder'; an encoder "
                                  "attends to future tokens, which do not exist yet.")
             offset = cache.length
-        if self.rope is not None:  # q and k rotated in one call
+        if self.rope is not None and padding is not None:  # each row from its first token
+            q, k = self.rope.rows(qkv[:2], padding.positions, padding.keys.shape[1]).unbind(0)
+            v = qkv[2]
+        elif self.rope is not None:  # q and k rotated in one call
             q, k = self.rope(qkv[:2], offset).unbind(0)
             v = qkv[2]
         else:
@@ -48,7 +56,9 @@ class SoftmaxAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         mask, is_causal = None, False
-        if self.causal:
+        if padding is not None:
+            mask = padding.attention_mask(self.causal)
+        elif self.causal:
             if offset == 0:
                 is_causal = T > 1
             elif T > 1:  # a chunk after cached tokens: query i sees keys <= offset + i
@@ -63,7 +73,7 @@ class SoftmaxAttention(nn.Module):
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_dropout(y) if self.resid_dropout.p else y
 
-    def write(self, x: torch.Tensor, cache: KVCache) -> None:
+    def write(self, x: torch.Tensor, cache: KVCache, padding: Padding | None = None) -> None:
         """Extend the cache with the keys and values of ``x`` without attending: what a token
         that stopped integrating early (per-token exit) leaves for later tokens to read."""
         B, T, C = x.shape
@@ -75,7 +85,8 @@ class SoftmaxAttention(nn.Module):
             cache.write(k, v)
             return
         if self.rope is not None:
-            k = self.rope(k, cache.length)
+            k = (self.rope(k, cache.length) if padding is None
+                 else self.rope.rows(k, padding.positions, padding.keys.shape[1]))
         cache.append(k, v)
 
     def _static_step(self, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -38,6 +38,28 @@ class DecodeState:
         self.solve: tuple[str, int] | None = None  # (ode_solver, ode_steps) that built the caches
         self.static: StaticStep | None = None
         self._caches: dict[Hashable, Any] = {}
+        # (B, pos) bool, which consumed tokens are real, once a padded batch came through;
+        # None while every token so far was real
+        self.keys: torch.Tensor | None = None
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (B',) in that order, in every cache: what beam search
+        does between steps (and how it expands a batch). Every decoding state is batch-first,
+        so this is an index on the batch dimension; a cache type without ``reorder(index)`` (a
+        plugin's) is refused by name."""
+        if self.static is not None:
+            raise ValueError("a frozen (static) decoding state cannot be reordered.")
+        for key, c in self._caches.items():
+            if not hasattr(c, "reorder"):
+                raise NotImplementedError(
+                    f"the decoding cache {type(c).__name__} (of {key!r}) has no "
+                    f"reorder(index), so its batch rows cannot be reordered (beam search); "
+                    f"give the cache type a reorder method that indexes its batch dimension.")
+        for c in self._caches.values():
+            c.reorder(index)
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, index.to(self.keys.device))
+        self.batch_size = int(index.shape[0])
 
     def check_solve(self, config) -> None:
         """Record the (ode_solver, ode_steps) that builds this state's caches, and refuse
@@ -62,6 +84,9 @@ class DecodeState:
         """Switch to static one-token steps with room for ``capacity`` tokens in all."""
         if self.pos == 0:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
+        if self.keys is not None:
+            raise ValueError("a decoding state that holds padded rows cannot be frozen for "
+                             "one-token static steps; decode it eagerly.")
         self.static = StaticStep(capacity, self.pos, device)
         for c in self._caches.values():
             c.freeze(self.static)

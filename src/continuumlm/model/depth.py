@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from ..errors import ConfigError
+from ..mixers.padding import Padding, mix
 from ..nn import MLP, freeze_dropout, make_norm
 from ..nn.twice import twice_differentiable
 from ..ode import ADJOINT_FIXED, AdaptiveSolver, integrate
@@ -31,6 +33,12 @@ from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
 
 log = logging.getLogger("continuumlm")
+
+
+def checkpoint(fn, *args):
+    """Activation checkpointing of one layer or block (non-reentrant, which keeps the
+    gradients of inputs that need none and the forward's random state)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 EXIT_CRITERIA = ("state", "kl")
@@ -116,9 +124,13 @@ class TransformerBlock(nn.Module):
         self.mixer = MIXERS[cfg.mixer](cfg)
         self.norm2 = make_norm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg)
+        # activation checkpointing of this layer (transformers' names, which its
+        # gradient_checkpointing_enable sets); the stack calls the function
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = checkpoint
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.mixer(self.norm1(x), cache)
+    def forward(self, x: torch.Tensor, cache=None, padding: Padding | None = None) -> torch.Tensor:
+        x = x + mix(self.mixer, self.norm1(x), cache, padding)
         return x + self.mlp(self.norm2(x))
 
 
@@ -129,13 +141,22 @@ class DiscreteStack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.last_nfe = 0
+        self.record: list[torch.Tensor] | None = None  # a list: every layer's output goes in
 
-    def forward(self, x: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DecodeState | None = None,
+                padding: Padding | None = None) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             cache = None
             if state is not None:
                 cache = state.cache(("layer", i), layer.mixer.cache_factory)
-            x = layer(x, cache)
+            if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # the layer's activations are recomputed in the backward pass, with the
+                # forward's random state (the same dropout masks)
+                x = layer._gradient_checkpointing_func(layer.__call__, x, cache, padding)
+            else:
+                x = layer(x, cache, padding)
+            if self.record is not None:
+                self.record.append(x)
         self.last_nfe = len(self.layers)
         return x
 
@@ -164,10 +185,13 @@ class ODEBlock(nn.Module):
         self.last_regularizers: dict[str, torch.Tensor] = {}
         self.step_states: list[torch.Tensor] = []
         self._calls = [0]
+        self.gradient_checkpointing = False  # as TransformerBlock's
+        self._gradient_checkpointing_func = checkpoint
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
                 exit_rule: ExitRule | None = None,
-                extras: SolveExtras | None = None) -> torch.Tensor:
+                extras: SolveExtras | None = None,
+                padding: Padding | None = None) -> torch.Tensor:
         for d in self._dropouts:
             d.reset()  # one dropout mask per forward, shared by every step and stage
         calls = [0]
@@ -187,7 +211,7 @@ class ODEBlock(nn.Module):
             field.dt = dt
             for d, mask in zip(self._dropouts, masks):
                 d._mask = mask
-            out = fn(t, h, cache_of(n))
+            out = mix(fn, h, cache_of(n), padding, t)
             masks[:] = [d._mask for d in self._dropouts]
             return out
 
@@ -327,6 +351,7 @@ class ODEStack(nn.Module):
         self.last_step_states: list[torch.Tensor] = []  # SolveExtras.readout's states
         self.last_token_nfe: torch.Tensor | None = None
         self.exact_cache = bool(getattr(self.blocks[0].solver, "fixed_grid", True))
+        self.record: list[torch.Tensor] | None = None  # as DiscreteStack's
         if not self.exact_cache and cfg.mode == "decoder" and cfg.ode_solver not in _WARNED:
             _WARNED.add(cfg.ode_solver)  # once per solver and process: models are rebuilt often
             log.warning(
@@ -402,7 +427,8 @@ class ODEStack(nn.Module):
             raise ConfigError(f"model.ode_t1 ({cfg.ode_t1}) must be greater than model.ode_t0 "
                               f"({cfg.ode_t0}).")
 
-    def forward(self, x: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DecodeState | None = None,
+                padding: Padding | None = None) -> torch.Tensor:
         if state is not None and not self.exact_cache:
             raise ValueError("an adaptive ODE solver cannot be decoded incrementally (its steps "
                              "depend on the whole sequence); use use_cache=False.")
@@ -414,7 +440,15 @@ class ODEStack(nn.Module):
                                  "time (train.kinetic_weight, jacobian_weight, steer): call "
                                  "model.set_exit(None) before training.")
         for block in self.blocks:
-            x = block(x, state, self.exit, self.extras)
+            if block.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # the whole solve recomputed in the backward pass (a checkpoint per block,
+                # whatever ode_grad does inside it)
+                x = block._gradient_checkpointing_func(block.__call__, x, state, self.exit,
+                                                       self.extras, padding)
+            else:
+                x = block(x, state, self.exit, self.extras, padding)
+            if self.record is not None:
+                self.record.append(x)
         self.last_nfe = sum(b.last_nfe for b in self.blocks)
         regs: dict[str, torch.Tensor] = {}
         for b in self.blocks:  # summed over blocks

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..config.components import model_settings
 from ..errors import CheckpointError, ConfigError
+from ..mixers.padding import Padding
 from ..nn import make_norm
 from ..registry import DEPTHS, SOLVERS
 from . import generation, memory
@@ -133,25 +134,86 @@ class LanguageModel(nn.Module):
         terms = [m.penalty() for m in self.modules() if m is not self and hasattr(m, "penalty")]
         return torch.stack(terms).sum() if terms else self.tok_emb.weight.new_zeros(())
 
-    def hidden_states(self, idx: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
-        """Final normalized hidden states (B, T, C); extends ``state`` when given."""
-        B, T = idx.shape
+    def hidden_states(self, idx: torch.Tensor | None, state: DecodeState | None = None,
+                      attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None,
+                      embeds: torch.Tensor | None = None,
+                      record: list | None = None) -> torch.Tensor:
+        """Final normalized hidden states (B, T, C); extends ``state`` when given.
+
+        ``attention_mask`` (1 real, 0 pad): a padded batch, over this call's T tokens or over
+        every token so far (the state's and these, transformers' convention); each row's
+        outputs at its real tokens are those of the row alone (``mixers/padding.py``).
+        ``position_ids`` (B, T): each token's position, when not counted from each row's
+        first real token. ``embeds`` (B, T, C): input embeddings instead of ``idx``.
+        ``record``: a list that receives the input of the depth module and each layer's (or
+        ODE block's) output, the last one normalized as returned (transformers'
+        ``hidden_states``: num_layers + 1 tensors)."""
+        x = self.tok_emb(idx) if embeds is None else embeds
+        B, T = x.shape[:2]
         pos0 = state.pos if state is not None else 0
         cfg = self.config
         if state is not None:
             state.check_solve(cfg)
-        x = self.tok_emb(idx)
+        padding = self._padding(B, T, state, attention_mask, position_ids, x.device)
         if self.pos_emb is not None:
             if pos0 + T > cfg.max_seq_len:
                 raise ValueError(
                     f"sequence of {pos0 + T} tokens is longer than max_seq_len = {cfg.max_seq_len}, "
                     f"the size of this model's learned position table; use a shorter context or a "
                     f"model with position = 'rope'.")
-            x = x + self.pos_emb(torch.arange(pos0, pos0 + T, device=idx.device))
-        x = self.depth(self.drop(x), state)
+            x = x + self.pos_emb(padding.positions if padding is not None
+                                 else torch.arange(pos0, pos0 + T, device=x.device))
+        x = self.drop(x)
+        if record is not None:
+            if not hasattr(self.depth, "record"):
+                raise ValueError(f"the depth module {type(self.depth).__name__} does not "
+                                 f"record its layers' outputs (a `record` list attribute), so "
+                                 f"hidden states cannot be returned.")
+            record.append(x)
+            self.depth.record = record
+        try:
+            x = self.depth(x, state, padding) if padding is not None else self.depth(x, state)
+        finally:
+            self.depth.record = None
         if state is not None:
             state.pos += T
-        return self.norm_f(x)
+            state.keys = padding.keys if padding is not None else None
+        x = self.norm_f(x)
+        if record is not None:
+            record[-1] = x
+        return x
+
+    @staticmethod
+    def _padding(B: int, T: int, state: DecodeState | None, mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None, device) -> Padding | None:
+        """The :class:`Padding` of a call, or None when every token so far is real and the
+        positions are the usual ones (the unpadded path, which every mixer takes)."""
+        pos0 = state.pos if state is not None else 0
+        before = state.keys if state is not None else None
+        if mask is None and before is None and position_ids is None:
+            return None
+        if mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool, device=device)
+        mask = mask.to(device=device, dtype=torch.bool)
+        if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] not in (T, pos0 + T):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; it must be "
+                             f"(batch, tokens) over this call's {T} tokens or over all "
+                             f"{pos0 + T} so far, batch {B}.")
+        if mask.shape[1] == T and pos0:  # this call's tokens only: the state knows the rest
+            past = before if before is not None else mask.new_ones(B, pos0)
+            mask = torch.cat([past, mask], 1)
+        if position_ids is not None:
+            position_ids = position_ids.to(device).expand(B, T)
+        if torch.compiler.is_compiling():  # no data-dependent branch in a traced graph
+            return Padding.from_mask(mask, T, position_ids)
+        if position_ids is not None:
+            default = torch.arange(pos0, pos0 + T, device=device)
+            if bool(mask.all()) and bool((position_ids == default).all()):
+                return None
+        elif before is None and bool(mask.all()):
+            return None
+        return Padding.from_mask(mask, T, position_ids)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 state: DecodeState | None = None, targets_only: bool = False):

@@ -39,6 +39,13 @@ class RotaryEmbedding(nn.Module):
             self._build(max(offset + T, 2 * self.cos.shape[0]))
         return _rotate(x, self.cos[offset:offset + T], self.sin[offset:offset + T])
 
+    def rows(self, x: torch.Tensor, positions: torch.Tensor, limit: int) -> torch.Tensor:
+        """x: (..., B, H, T, D) with each row's own positions (B, T), all below ``limit`` (a
+        padded batch, whose rows count from their first real token)."""
+        if limit > self.cos.shape[0]:
+            self._build(max(limit, 2 * self.cos.shape[0]))
+        return _rotate(x, self.cos[positions][:, None], self.sin[positions][:, None])
+
     def at(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (..., 1, D), one token at the position held in the (1,) tensor ``pos`` (the
         static decoding step: no Python value or table size depends on the position, so the

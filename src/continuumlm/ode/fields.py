@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ..mixers.padding import mix
 from ..nn import MLP, make_norm
 from ..registry import MIXERS, register_field
 
@@ -77,16 +78,20 @@ class _Field(nn.Module):
     def _plus(x: torch.Tensor, te) -> torch.Tensor:
         return x if te is None else x + te
 
-    def write(self, t: float, h: torch.Tensor, cache) -> None:
+    supports_padding = True  # passed on to the mixer (mixers/padding.py)
+
+    def write(self, t: float, h: torch.Tensor, cache, padding=None) -> None:
         """Only what later tokens read from this evaluation at state ``h``: the mixer's cache
         writes, for tokens that stopped integrating early (``ExitRule``). No MLP; the mixer's
         own read is skipped too when it has a ``write(x, cache)``."""
         x = self.mixer_input(t, h)
         writer = getattr(self.mixer, "write", None)
         if writer is None:
-            self.mixer(x, cache)
-        else:
+            mix(self.mixer, x, cache, padding)
+        elif padding is None:
             writer(x, cache)
+        else:
+            writer(x, cache, padding=padding)
 
 
 @register_field("attention")
@@ -101,8 +106,8 @@ class AttentionField(_Field):
     def mixer_input(self, t: float, h: torch.Tensor) -> torch.Tensor:
         return self._plus(self.norm(h), self.temb(t, h))
 
-    def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
-        return self.mixer(self.mixer_input(t, h), cache)
+    def forward(self, t: float, h: torch.Tensor, cache=None, padding=None) -> torch.Tensor:
+        return mix(self.mixer, self.mixer_input(t, h), cache, padding)
 
 
 class _TransformerField(_Field):
@@ -121,15 +126,15 @@ class _TransformerField(_Field):
 
 @register_field("sequential")
 class SequentialField(_TransformerField):
-    def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, t: float, h: torch.Tensor, cache=None, padding=None) -> torch.Tensor:
         te = self.temb(t, h)
-        a = self.mixer(self._plus(self.norm1(h), te), cache)
+        a = mix(self.mixer, self._plus(self.norm1(h), te), cache, padding)
         return a + self.mlp(self._plus(self.norm2(h + a), te))
 
 
 @register_field("parallel")
 class ParallelField(_TransformerField):
-    def forward(self, t: float, h: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, t: float, h: torch.Tensor, cache=None, padding=None) -> torch.Tensor:
         te = self.temb(t, h)
-        return (self.mixer(self._plus(self.norm1(h), te), cache)
+        return (mix(self.mixer, self._plus(self.norm1(h), te), cache, padding)
                 + self.mlp(self._plus(self.norm2(h), te)))

@@ -1,0 +1,76 @@
+"""Padded batches: which tokens of each row are real, and where each row's sequence starts.
+
+Rows of different lengths share a batch by padding (left, as decoding does, or right, as
+scoring does). A :class:`Padding` tells a mixer which positions are pads, so that a padded
+row's outputs at its real positions equal the same sequence run alone:
+
+- softmax attention masks pad keys, and rotary or learned positions count from each row's
+  first real token (``positions``);
+- DeltaNet writes nothing to its state at a pad (write strength 0) and feeds zeros to its
+  short convolution there, so a row's state and convolution history are those of the row alone.
+
+What a pad position itself outputs is unspecified (finite, never read by a real token).
+
+A mixer that honours padding says so with the class attribute ``supports_padding = True`` and
+takes ``forward(x, cache=None, padding=None)``; :func:`mix` hands it the padding only when
+there is some, so a mixer (or field) without it keeps working on unpadded batches and refuses
+a padded one by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Padding:
+    """``keys`` (B, L) bool: which of every position so far is real (the cached tokens, then
+    this call's T); ``positions`` (B, T) long: the position of each of this call's tokens
+    counted from its row's first real token (what rotary and learned positions read)."""
+
+    keys: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, T) bool: which of this call's tokens are real."""
+        return self.keys[:, self.keys.shape[1] - self.positions.shape[1]:]
+
+    @classmethod
+    def from_mask(cls, keys: torch.Tensor, T: int,
+                  positions: torch.Tensor | None = None) -> Padding:
+        """From a (B, L) attention mask (1 real, 0 pad) over every position so far, the last T
+        of them this call's; ``positions`` (B, T) when the caller gives its own."""
+        keys = keys.bool()
+        if positions is None:
+            positions = (keys.long().cumsum(1) - 1).clamp_min(0)[:, keys.shape[1] - T:]
+        return cls(keys, positions.long())
+
+    def attention_mask(self, causal: bool) -> torch.Tensor:
+        """(B, 1, T, L) bool for scaled-dot-product attention: real keys (and, in decoder mode,
+        no later ones). A pad query also sees itself, so that no row of the softmax is empty
+        (an empty row is NaN, and NaN times a zero weight is still NaN)."""
+        B, L = self.keys.shape
+        T = self.positions.shape[1]
+        k = torch.arange(L, device=self.keys.device)
+        q = torch.arange(L - T, L, device=self.keys.device)[:, None]
+        allowed = self.keys[:, None, :] | (k[None, :] == q)[None]  # (B, T, L)
+        if causal:
+            allowed = allowed & (k[None, :] <= q)[None]
+        return allowed[:, None]
+
+
+def mix(module, x: torch.Tensor, cache, padding: Padding | None, *args):
+    """``module(*args, x, cache)``, with ``padding=`` when there is padding: a mixer or field
+    without ``supports_padding`` is refused then, by name, instead of reading the pads."""
+    if padding is None:
+        return module(*args, x, cache)
+    owner = getattr(module, "__self__", module)  # a bound method (field.write): its object
+    if not getattr(owner, "supports_padding", False):
+        raise ValueError(
+            f"{type(owner).__name__} does not support padded batches (it has no "
+            f"supports_padding = True): it would read the pad tokens. Score or generate the "
+            f"sequences one at a time, or batch sequences of one length.")
+    return module(*args, x, cache, padding=padding)
