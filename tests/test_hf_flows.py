@@ -94,6 +94,28 @@ def test_beam_search_with_left_padding_equals_rows_alone():
         assert out[i, ids.shape[1]:].tolist() == hf.generate(s[None], **kw)[0, len(s):].tolist()
 
 
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_greedy_dict_outputs_with_and_without_the_cache(mixer):
+    """What transformers' generation tests check of greedy search: sequences, scores, logits
+    and hidden states of a dict output, equal with and without the cache."""
+    hf = hf_model(mixer, DEPTHS[1])
+    x = torch.randint(1, V, (2, 5), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_scores=True, output_logits=True, output_hidden_states=True)
+    a, b = (hf.generate(x, use_cache=c, **kw) for c in (True, False))
+    assert a.sequences.tolist() == b.sequences.tolist() and a.sequences.shape == (2, 9)
+    assert len(a.scores) == len(a.logits) == len(a.hidden_states) == 4
+    for sa, sb, la, lb in zip(a.scores, b.scores, a.logits, b.logits):
+        torch.testing.assert_close(sa, sb, rtol=0, atol=1e-5)
+        torch.testing.assert_close(la, lb, rtol=0, atol=1e-5)
+    n = hf.config.num_hidden_layers + 1
+    # the prompt's step holds every prompt position; later steps the one new token (cached)
+    assert [h.shape[1] for h in a.hidden_states[0]] == [5] * n
+    assert [h.shape[1] for h in a.hidden_states[1]] == [1] * n
+    torch.testing.assert_close(a.hidden_states[1][-1][:, -1], b.hidden_states[1][-1][:, -1],
+                               rtol=0, atol=1e-5)
+
+
 def test_sampling_with_and_without_the_cache_agree():
     hf = hf_model("softmax", DEPTHS[1])
     x = torch.randint(1, V, (2, 4), generator=torch.Generator().manual_seed(4))
@@ -143,7 +165,7 @@ def test_loading_conventions(tmp_path):
     hf = hf_model("deltanet")
     hf.save_pretrained(tmp_path / "m")
     model, info = ContinuumLMForCausalLM.from_pretrained(tmp_path / "m", output_loading_info=True)
-    assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(),
                     "error_msgs": []}
     x = torch.randint(0, V, (1, 5))
     built = ContinuumLMForCausalLM.from_pretrained(None, config=hf.config,

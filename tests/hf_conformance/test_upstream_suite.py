@@ -138,6 +138,18 @@ class _ContinuumLMModelTest(ModelTesterMixin, GenerationTesterMixin):
     def test_config(self):
         self.config_tester.run_common_tests()
 
+    # deliberate: a checkpoint that lacks tensors is refused with a CheckpointError naming them
+    # (ContinuumLM's loading is strict), where transformers initializes them at random and warns
+    @unittest.skip("deliberate: a checkpoint missing tensors is refused by name, not filled "
+                   "with random weights")
+    def test_can_init_all_missing_weights(self):
+        pass
+
+    @unittest.skip("deliberate: a checkpoint missing tensors is refused by name, not filled "
+                   "with random weights")
+    def test_model_weights_reload_no_missing_tied_weights(self):
+        pass
+
     def test_causal_lm(self):
         self.model_tester.create_and_check_for_causal_lm(
             *self.model_tester.prepare_config_and_inputs())
@@ -160,4 +172,10 @@ class DiscreteDeltaNetTest(_ContinuumLMModelTest, unittest.TestCase):
 
 class OdeDeltaNetTest(_ContinuumLMModelTest, unittest.TestCase):
     settings = {"mixer": "deltanet", "position": "none", "depth": "ode", "ode_solver": "rk4",
+                "ode_steps": 2}
+
+
+# CAT's continuous spectral attention (its default Gauss-Legendre quadrature) in an ODE block
+class OdeContinuousTest(_ContinuumLMModelTest, unittest.TestCase):
+    settings = {"mixer": "continuous", "position": "none", "depth": "ode", "ode_solver": "rk4",
                 "ode_steps": 2}

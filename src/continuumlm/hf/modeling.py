@@ -79,14 +79,16 @@ class ContinuumLMCache(Cache):
 def _checkpointing_layer(cls: type) -> type:
     """``cls`` (a discrete layer or an ODE block) that is also transformers'
     ``GradientCheckpointingLayer``, the type its checkpointing finds the repeated layers by.
-    The stack still does the checkpointing (the layer's flag and function are the core's), so
-    the layer keeps ``nn.Module``'s plain call."""
+    The layer checkpoints itself already (its flag and function have transformers' names), so
+    it keeps its own ``forward`` rather than the wrapper transformers gives a subclass."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if issubclass(cls, GradientCheckpointingLayer):
         return cls
-    return type(cls.__name__, (cls, GradientCheckpointingLayer),
-                {"__call__": nn.Module.__call__, "__module__": cls.__module__})
+    new = type(cls.__name__, (cls, GradientCheckpointingLayer),
+               {"__call__": nn.Module.__call__, "__module__": cls.__module__})
+    new.forward = cls.forward
+    return new
 
 
 class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
@@ -378,8 +380,8 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                 lm.lm_head.weight = lm.tok_emb.weight
         model.eval()
         if output_loading_info:  # the loaders are strict: anything amiss raised above
-            return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
-                           "error_msgs": []}
+            return model, {"missing_keys": set(), "unexpected_keys": set(),
+                           "mismatched_keys": set(), "error_msgs": []}
         return model
 
     def save_pretrained(self, save_directory, is_main_process: bool = True,

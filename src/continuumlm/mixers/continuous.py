@@ -67,6 +67,7 @@ from ..errors import ConfigError
 from ..nn import SharedDropout, make_linear
 from ..registry import register_mixer
 from .cache import KVCache, SeqCache
+from .padding import Padding
 
 
 def _sdpa_any_dims(q, k, v, mask, is_causal: bool) -> torch.Tensor:
@@ -130,6 +131,8 @@ class ContinuousAttention(nn.Module):
                     f"= {self.mode!r}. Set mode = 'bias' or kernel = 'absolute'.")
 
     cache_factory = ValueCache
+    # per row: positions from the row's first real token, pads never read (_padded_*)
+    supports_padding = True
     query_chunk = 512  # queries per block (bounds memory at long contexts)
     dense_limit = 1024  # above this many keys the gather path is cheaper than a dense matrix
 
@@ -312,11 +315,16 @@ class ContinuousAttention(nn.Module):
             qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return qk[0].to(dt) * self.head_dim ** -0.5, qk[1].to(dt)
         with torch.autocast(x.device.type, enabled=False):
-            a = torch.einsum("if,hfg->hig", self.phi(q_pos.to(dt) / self.scale),
-                             self.coef.to(dt))                          # (H, Tq, F)
-            kphi = self.phi(k_pos.to(dt) / self.scale)                  # (Tk, F)
-        q = a.unsqueeze(0).expand(B, -1, -1, -1)
-        k = kphi.expand(B, self.num_heads, -1, -1)
+            if q_pos.dim() == 2:  # each row its own positions (B, T): a padded batch
+                q = torch.einsum("btf,hfg->bhtg", self.phi(q_pos.to(dt) / self.scale),
+                                 self.coef.to(dt))                      # (B, H, Tq, F)
+                k = self.phi(k_pos.to(dt) / self.scale)[:, None].expand(
+                    -1, self.num_heads, -1, -1)                          # (B, H, Tk, F)
+            else:
+                a = torch.einsum("if,hfg->hig", self.phi(q_pos.to(dt) / self.scale),
+                                 self.coef.to(dt))                      # (H, Tq, F)
+                q = a.unsqueeze(0).expand(B, -1, -1, -1)
+                k = self.phi(k_pos.to(dt) / self.scale).expand(B, self.num_heads, -1, -1)
         if self.mode == "bias":
             qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             q = torch.cat([qk[0].to(dt) * self.head_dim ** -0.5, q], -1)
@@ -387,6 +395,70 @@ class ContinuousAttention(nn.Module):
                 q[:, :, i:i + c], k, v, attn_mask=bias, scale=1.0))
         return torch.cat(outs, dim=2)
 
+    # ------------------------------------------------------------------ padded batches
+
+    def _padded(self, x: torch.Tensor, cache, padding: Padding) -> torch.Tensor:
+        """A padded batch: each row's positions count from its first real token, so a row's
+        kernel, quadrature nodes and values are those of the row alone. The exact forms mask
+        pad keys; the quadrature reads the values at (first real token + node position), which
+        needs each row's real tokens to be contiguous (left or right padding, and decoding
+        after a left-padded prompt)."""
+        if not self.causal:
+            raise ValueError("continuous attention takes padded batches in decoder mode only "
+                             "(an encoder's quadrature spans the whole window).")
+        if cache is not None and cache.static is not None:
+            raise ValueError("a frozen (static) decoding state does not take padding.")
+        keys = padding.keys
+        first = keys.long().argmax(1)                                   # (B,) first real token
+        if not torch.compiler.is_compiling():
+            last = keys.shape[1] - 1 - keys.flip(1).long().argmax(1)
+            gaps = (last - first + 1) != keys.long().sum(1)
+            if bool((gaps & keys.any(1)).any()):
+                raise ValueError("continuous attention reads a padded row's tokens as one "
+                                 "stretch: pad on the left or on the right, not in between.")
+        if self.exact:
+            return self._padded_exact(x, cache, padding)
+        B, T, C = x.shape
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            (v,) = cache.append(v)
+        L = v.shape[2]
+        pos = padding.positions                                          # (B, T)
+        p, lo, hi, alpha = self.quadrature(pos.reshape(-1), L)          # (H, B*T, Q), (B*T, Q)
+        H, Q = p.shape[0], p.shape[-1]
+        p = p.view(H, B, T, Q)
+        at = (first[:, None, None] + torch.stack([lo, hi]).view(2, B, T, Q)).clamp(max=L - 1)
+        w = torch.stack([p * (1 - alpha.view(B, T, Q)), p * alpha.view(B, T, Q)]).to(v.dtype)
+        y = 0
+        for j in range(2):  # the values each node reads, gathered per row
+            idx = at[j].view(B, 1, T * Q, 1).expand(B, H, T * Q, self.head_dim)
+            vals = torch.gather(v, 2, idx).view(B, H, T, Q, self.head_dim)
+            y = y + torch.einsum("hbtq,bhtqd->bhtd", w[j], vals)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.out_proj(y))
+
+    def _padded_exact(self, x: torch.Tensor, cache, padding: Padding) -> torch.Tensor:
+        B, T, C = x.shape
+        dt = torch.promote_types(self.coef.dtype, torch.float32)
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        pos = padding.positions
+        q, k = self._keys(x, pos, pos, dt)
+        if cache is not None:
+            k, v = cache.append(k, v.to(dt))
+        mask = padding.attention_mask(causal=True)                      # (B, 1, T, L)
+        with torch.autocast(x.device.type, enabled=False):
+            if self.relative:
+                k_pos = (padding.keys.long().cumsum(1) - 1).clamp_min(0)  # (B, L)
+                d = (pos[:, :, None] - k_pos[:, None, :]).abs()          # (B, T, L)
+                bias = self.distance_prior(d).to(dt).transpose(0, 1)     # (B, H, T, L)
+                y = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v.to(dt), attn_mask=bias.masked_fill(~mask, float("-inf")),
+                    scale=1.0)
+            else:
+                y = _sdpa_any_dims(q, k, v.to(dt), mask, False)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.out_proj(y))
+
     def unique_range(self) -> int:
         """Tokens over which the kernel's positions are distinct: positions 0..length (past
         it Fourier features reflect, cos(pi f (2 - s)) = cos(pi f s), and Chebyshev's clamp)."""
@@ -407,9 +479,12 @@ class ContinuousAttention(nn.Module):
                 f"{int(self.scale)}, basis {self.basis!r}): keys at different positions get "
                 f"the same kernel value there; {advice}.", stacklevel=2)
 
-    def forward(self, x: torch.Tensor, cache: ValueCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: ValueCache | None = None,
+                padding: Padding | None = None) -> torch.Tensor:
         if cache is None or cache.static is None:  # the compiled decoding step is not checked
             self._check_range(x.shape[1] + (cache.length if cache is not None else 0))
+        if padding is not None:
+            return self._padded(x, cache, padding)
         if self.exact:
             return self._exact(x, cache)
         B, T, C = x.shape

@@ -125,11 +125,16 @@ class TransformerBlock(nn.Module):
         self.norm2 = make_norm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg)
         # activation checkpointing of this layer (transformers' names, which its
-        # gradient_checkpointing_enable sets); the stack calls the function
+        # gradient_checkpointing_enable sets): hooks run once, the layer's work is recomputed
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func = checkpoint
 
     def forward(self, x: torch.Tensor, cache=None, padding: Padding | None = None) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(self._layer, x, cache, padding)
+        return self._layer(x, cache, padding)
+
+    def _layer(self, x: torch.Tensor, cache, padding: Padding | None) -> torch.Tensor:
         x = x + mix(self.mixer, self.norm1(x), cache, padding)
         return x + self.mlp(self.norm2(x))
 
@@ -149,12 +154,7 @@ class DiscreteStack(nn.Module):
             cache = None
             if state is not None:
                 cache = state.cache(("layer", i), layer.mixer.cache_factory)
-            if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                # the layer's activations are recomputed in the backward pass, with the
-                # forward's random state (the same dropout masks)
-                x = layer._gradient_checkpointing_func(layer.__call__, x, cache, padding)
-            else:
-                x = layer(x, cache, padding)
+            x = layer(x, cache, padding)
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = len(self.layers)
@@ -192,6 +192,15 @@ class ODEBlock(nn.Module):
                 exit_rule: ExitRule | None = None,
                 extras: SolveExtras | None = None,
                 padding: Padding | None = None) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # the whole solve recomputed in the backward pass (whatever ode_grad does inside
+            # it), with the forward's random state: the same dropout masks
+            return self._gradient_checkpointing_func(self._solve, x, state, exit_rule, extras,
+                                                     padding)
+        return self._solve(x, state, exit_rule, extras, padding)
+
+    def _solve(self, x: torch.Tensor, state: DecodeState | None, exit_rule: ExitRule | None,
+               extras: SolveExtras | None, padding: Padding | None) -> torch.Tensor:
         for d in self._dropouts:
             d.reset()  # one dropout mask per forward, shared by every step and stage
         calls = [0]
@@ -440,13 +449,7 @@ class ODEStack(nn.Module):
                                  "time (train.kinetic_weight, jacobian_weight, steer): call "
                                  "model.set_exit(None) before training.")
         for block in self.blocks:
-            if block.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                # the whole solve recomputed in the backward pass (a checkpoint per block,
-                # whatever ode_grad does inside it)
-                x = block._gradient_checkpointing_func(block.__call__, x, state, self.exit,
-                                                       self.extras, padding)
-            else:
-                x = block(x, state, self.exit, self.extras, padding)
+            x = block(x, state, self.exit, self.extras, padding)
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = sum(b.last_nfe for b in self.blocks)
