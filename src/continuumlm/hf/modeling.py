@@ -230,7 +230,7 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                              "fused); leave it off.")
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
-        return_dict = return_dict if return_dict is not None else self.config.use_return_dict
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and self.training and self.is_activation_checkpointing:
             # a checkpointed layer runs twice; a cache would take its tokens twice
