@@ -22,7 +22,16 @@ from continuumlm.ode.adaptive import (
 C = (0.0,) + TSIT5_C  # stage nodes, the first one 0
 A = ((),) + TSIT5_A  # stage i uses A[i]
 B = TSIT5_A[-1] + (0.0,)  # fifth order (first same as last: stage 7 is f at the new point)
-B4 = tuple(b - e for b, e in zip(B, TSIT5_B_ERROR))  # the embedded fourth-order weights
+# the error row is (fourth-order weights) - (fifth-order weights), as Tsitouras tabulates
+# b-hat - b, so the embedded fourth-order weights are B + E (B - E = 2 b - b-hat satisfies the
+# same conditions up to order four, so only the values themselves tell them apart)
+B4 = tuple(b + e for b, e in zip(B, TSIT5_B_ERROR))
+
+
+def test_embedded_weights_are_tsitouras_b_hat():
+    # Tsitouras 2011, Table 1: b-hat_1 = 0.09468075576583945..., b-hat_7 = 1/66
+    assert math.isclose(B4[0], 0.09468075576583945, abs_tol=1e-15)
+    assert math.isclose(B4[6], 1 / 66, abs_tol=1e-16)
 
 
 def test_row_sums_and_low_order_conditions():

@@ -228,12 +228,12 @@ class LanguageModel(nn.Module):
                 raise ValueError("targets_only needs targets: it keeps the positions that have one.")
             keep = targets >= 0
             logits = self.lm_head(h[keep])
-            return logits, F.cross_entropy(logits.float(), targets[keep])
+            return logits, F.cross_entropy(_upcast(logits), targets[keep])
         logits = self.lm_head(h)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                   ignore_index=-1)
+            loss = F.cross_entropy(_upcast(logits.view(-1, logits.shape[-1])),
+                                   targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def set_solver(self, ode_solver: str | None = None, ode_steps: int | None = None,
@@ -374,6 +374,12 @@ class LanguageModel(nn.Module):
 
 
 MODEL_TYPE = "continuumlm"  # the model_type of config.json, for transformers' Auto classes
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 for the cross-entropy; float32 and float64 as they are
+    (a float64 model's loss stays float64, so gradient checks through it keep its precision)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def load_weights(model: LanguageModel, directory: str | Path) -> None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..errors import ContinuumLMError
 from ..registry import SOLVERS
-from .solvers import TABLEAUS, rk_stages
+from .solvers import TABLEAUS, combine
 
 # our names -> the torchdiffeq method
 ADAPTIVE_METHODS = {"dopri5": "dopri5", "dopri8": "dopri8", "tsit5": "continuumlm_tsit5",
@@ -45,12 +45,23 @@ def _register_classical_rk4() -> None:
     if "continuumlm_rk4" in _odeint_mod.SOLVERS:
         return
 
+    from torchdiffeq._impl.misc import Perturb
+
+    tab = TABLEAUS["rk4"]
+
     class ClassicalRK4(FixedGridODESolver):
         order = 4
 
         def _step_func(self, func, t0, dt, t1, y0):
-            ks = rk_stages(func, t0, y0, dt, TABLEAUS["rk4"])
-            dy = sum((dt * b) * k for b, k in zip(TABLEAUS["rk4"].b, ks))
+            # the first stage at t0 and the last at t1, each on the step's side of a
+            # discontinuity there when torchdiffeq's perturb option asks for it
+            ks: list[torch.Tensor] = []
+            for i, c in enumerate(tab.c):
+                at = t1 if c == 1.0 else t0 + c * dt
+                side = (Perturb.NEXT if c == 0.0 else Perturb.PREV if c == 1.0
+                        else Perturb.NONE) if self.perturb else Perturb.NONE
+                ks.append(func(at, combine(y0, dt, tab.a[i], ks) if i else y0, perturb=side))
+            dy = sum((dt * b) * k for b, k in zip(tab.b, ks))
             return dy, ks[0]
 
     _odeint_mod.SOLVERS["continuumlm_rk4"] = ClassicalRK4
@@ -114,10 +125,14 @@ def _register_tsit5() -> None:
     _odeint_mod.SOLVERS["continuumlm_tsit5"] = Tsit5Solver
 
 
-# torchdiffeq steps past t1 and interpolates back to it; the interpolant of these methods is
-# not accurate enough at the tolerances asked of them (dopri8's error at t1 was a thousand times
-# its tolerance), so their solves are made to end a step exactly at t1 (torchdiffeq's step_t).
-LAND_ON_T1 = {"continuumlm_tsit5", "dopri8", "fehlberg2"}
+# torchdiffeq steps past t1 and interpolates back to it. Every adaptive solve here is made to
+# end a step exactly at t1 instead (torchdiffeq's step_t), for two reasons: the interpolants
+# are less accurate than a step at the tolerances asked of them (dopri8's error at t1 was a
+# thousand times its tolerance; bosh3's and adaptive_heun's 50-100 times a landed step's at
+# rtol 1e-7), and torchdiffeq chooses its steps without a graph, so backpropagation cannot see
+# the interpolation point move with the state: only a solve that lands on t1 has the gradient
+# of what it returned.
+LAND_ON_T1 = set(ADAPTIVE_METHODS.values())
 
 
 def ensure_registered(method: str) -> None:
@@ -176,14 +191,25 @@ class _Func(nn.Module):
 
 
 class _RecordingFunc(_Func):
-    """A field whose solve records its accepted steps (a checkpointed solve's search). Apart,
-    because torchdiffeq warns when a solver cannot make a callback the field defines."""
+    """A field whose solve records its accepted steps (a checkpointed solve's search): every
+    evaluation and torchdiffeq's accept/reject callbacks. Apart, because torchdiffeq warns when
+    a solver cannot make a callback the field defines."""
 
     accepted = None  # an aca.AcceptedSteps
+
+    def forward(self, t, y):
+        out = super().forward(t, y)
+        if self.accepted is not None:
+            self.accepted.evaluated(y, out)
+        return out
 
     def callback_accept_step(self, t0, y0, dt):
         if self.accepted is not None:
             self.accepted.accept(t0, y0, dt)
+
+    def callback_reject_step(self, t0, y0, dt):
+        if self.accepted is not None:
+            self.accepted.reject()
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -278,11 +304,11 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
         elif checkpoint:
             from .aca import AcceptedSteps, checkpointed
 
-            func.accepted = AcceptedSteps(t[1])
-            with torch.no_grad():  # the controller's search: which steps to take
+            func.accepted = accepted = AcceptedSteps(t[1], method, h0)
+            with torch.no_grad():  # the one solve: its accepted steps are kept for the backward
                 torchdiffeq.odeint(func, h0, t, **kwargs)
-            intervals, func.accepted = func.accepted.intervals(), None
-            return checkpointed(func, h0, intervals, method, tuple(params))
+            func.accepted = None
+            return checkpointed(func, h0, accepted, tuple(params))
         else:
             out = torchdiffeq.odeint(func, h0, t, **kwargs)
     except AssertionError as e:
@@ -294,3 +320,8 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
 
 for _name, _method in ADAPTIVE_METHODS.items():
     SOLVERS.register(_name, partial(AdaptiveSolver, method=_method))
+
+# torchdiffeq's table holds both methods as soon as this module is imported (import
+# continuumlm.ode, or anything that builds a model), not only after a first solve
+_register_classical_rk4()
+_register_tsit5()

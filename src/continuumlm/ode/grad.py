@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -54,6 +56,7 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
         return solver.integrate_direct(f, h0, times, dt)
     if grad == "adjoint" and needs_grad:
         method = ADJOINT_FIXED[solver.tableau.name]
+        _warn_low_order_adjoint(solver.tableau)
         # only h(t1) is returned and stored; the grid fixes the number of steps exactly (a
         # step_size can round into an extra step). The adjoint calls it again on the reversed,
         # negated interval, so it is built from the interval it is given.
@@ -75,6 +78,24 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
         if observe is not None and n + 1 < len(times):
             observe(n, h)
     return h
+
+
+_WARNED_ADJOINT: set[str] = set()
+
+
+def _warn_low_order_adjoint(tableau) -> None:
+    """Once per method and process: the backsolve adjoint differentiates the continuous ODE,
+    so on a fixed grid of low order its gradient is far from that of the steps computed
+    (8 steps on [0, 1]: Euler 16%, midpoint 0.3%, heun 0.06%, rk4 2e-6)."""
+    if tableau.order >= 4 or tableau.name in _WARNED_ADJOINT:
+        return
+    _WARNED_ADJOINT.add(tableau.name)
+    logging.getLogger("continuumlm").warning(
+        "ode_grad = 'adjoint' with the order-%d solver %s: the backsolve adjoint's gradient is "
+        "that of the continuous ODE, off from the gradient of the computed steps by the "
+        "solver's discretization error (about 16%% for Euler at 8 steps). Use ode_grad = "
+        "'checkpoint' or 'binomial' for the exact gradient at the same memory order, or rk4.",
+        tableau.order, tableau.name)
 
 
 def _check_mode(solver, grad: str) -> None:

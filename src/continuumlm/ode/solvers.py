@@ -44,11 +44,14 @@ TABLEAUS: dict[str, Tableau] = {
 }
 
 
-def _combine(h: torch.Tensor, dt: float, coeffs, ks) -> torch.Tensor:
+def combine(h: torch.Tensor, dt, coeffs, ks) -> torch.Tensor:
     out = h
     for coef, k in zip(coeffs, ks):
         if coef != 0.0:
-            out = torch.add(out, k, alpha=dt * coef)  # one fused op per term
+            if torch.is_tensor(dt):  # a time grid that requires grad (torchdiffeq's)
+                out = out + (dt * coef) * k
+            else:
+                out = torch.add(out, k, alpha=dt * coef)  # one fused op per term
     return out
 
 
@@ -56,13 +59,13 @@ def rk_stages(f, t: float, h: torch.Tensor, dt: float, tab: Tableau) -> list[tor
     """The stage derivatives k_i of one step."""
     ks: list[torch.Tensor] = []
     for i in range(tab.stages):
-        hi = _combine(h, dt, tab.a[i], ks) if i else h
+        hi = combine(h, dt, tab.a[i], ks) if i else h
         ks.append(f(t + tab.c[i] * dt, hi))
     return ks
 
 
 def rk_step(f, t: float, h: torch.Tensor, dt: float, tab: Tableau) -> torch.Tensor:
-    return _combine(h, dt, tab.b, rk_stages(f, t, h, dt, tab))
+    return combine(h, dt, tab.b, rk_stages(f, t, h, dt, tab))
 
 
 class FixedGridSolver(nn.Module):
