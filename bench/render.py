@@ -9,6 +9,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -625,6 +626,15 @@ def context_table(results: dict[str, dict], folder: str) -> str:
 
 
 def main() -> None:
+    # the page and its figures are one: without matplotlib nothing is written (a page without
+    # its Figures section, or with figures of older results, would be a page that lies)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("bench/render.py draws the page's figures with matplotlib, which is not "
+              "installed; nothing was written. Install it with pip install 'continuumlm[plot]' "
+              "(or the dev extra) and run python bench/render.py again.", file=sys.stderr)
+        raise SystemExit(2) from None
     results = _load()
     recorded = {r.get("machine", "") for r in results.values()} - {""}
     # older records carry a shorter form of the same description; keep the fullest one
@@ -915,15 +925,12 @@ def _pareto(rows: list[dict], key: str) -> list[dict]:
 
 def plots(results: dict[str, dict]) -> list[str]:
     """PNG figures in docs/img from the same JSON; returns markdown lines linking them."""
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("matplotlib is not installed: plots not regenerated (pip install -e '.[plot]')")
-        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
     img = DOCS.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     lines = []

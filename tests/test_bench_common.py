@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 common = pytest.importorskip("common")
 
 SPIN = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < {}: pass"
@@ -495,3 +498,30 @@ def test_a_score_on_a_few_windows_is_not_shown_as_the_whole_split():
     assert render._tail([{**r, "max_windows": None}]) == ""
     base = render._tokens_per_step(r)
     assert render._tokens_per_step({**r, "overrides": ["train.batch_size=24"]}) == 2 * base
+
+
+def test_the_committed_results_page_is_what_the_renderer_writes(tmp_path):
+    """docs/results.md is generated: rendering the committed JSONs gives it exactly, with
+    every figure it links."""
+    pytest.importorskip("matplotlib")
+    env = {**os.environ, "CONTINUUMLM_DOCS_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "render.py")], env=env,
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    page = (tmp_path / "results.md").read_text()
+    assert page == (ROOT / "docs" / "results.md").read_text(), (
+        "docs/results.md differs from what python bench/render.py writes: render it again")
+    for link in re.findall(r"\]\((img/[^)]+\.png)\)", page):
+        assert (tmp_path / link).is_file(), link
+
+
+def test_render_refuses_without_matplotlib(tmp_path):
+    """Without matplotlib the page is not written at all (it would lose its figures)."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    env = {**os.environ, "CONTINUUMLM_DOCS_DIR": str(tmp_path / "docs"),
+           "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "render.py")], env=env,
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and "pip install 'continuumlm[plot]'" in run.stderr
+    assert not (tmp_path / "docs" / "results.md").exists()
