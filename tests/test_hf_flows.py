@@ -374,3 +374,51 @@ def test_torch_export_traces_a_padded_forward(mixer, depth):
     out = program.module()(**kw)
     torch.testing.assert_close(out.logits if hasattr(out, "logits") else out[0],
                                hf(**kw).logits, rtol=0, atol=1e-6)
+
+
+def test_padding_keeps_the_autocast_precision():
+    """Under bf16 autocast a padded DeltaNet row equals the row alone (the pad masks do not
+    promote its projections to float32)."""
+    hf = hf_model("deltanet", DEPTHS[0])
+    seqs = rows((6, 3))
+    ids, mask = left_padded(seqs)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hf(input_ids=ids, attention_mask=mask).logits
+        for i, s in enumerate(seqs):
+            alone = hf(input_ids=s[None]).logits[0]
+            torch.testing.assert_close(out[i, ids.shape[1] - len(s):], alone, rtol=0, atol=0)
+
+
+def test_a_wrapped_model_pickles_and_wrapping_builds_no_second_model(tmp_path, monkeypatch):
+    import pickle
+
+    from continuumlm.model import lm as lm_module
+
+    hf = hf_model("softmax", DEPTHS[1])
+    again = pickle.loads(pickle.dumps(hf))
+    x = torch.randint(0, V, (1, 5))
+    torch.testing.assert_close(again(input_ids=x).logits, hf(input_ids=x).logits)
+    pickle.dumps(hf.model)  # the LanguageModel it wraps too
+    built = []
+    real = lm_module.LanguageModel.__init__
+
+    def counting(self, cfg):
+        built.append(cfg)
+        real(self, cfg)
+
+    monkeypatch.setattr(lm_module.LanguageModel, "__init__", counting)
+    hf.save_pretrained(tmp_path / "m")
+    ContinuumLMForCausalLM.from_pretrained(tmp_path / "m")
+    assert len(built) == 1  # the loaded model only, no throwaway initialization copy
+    mode = (tmp_path / "m").stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o777 & ~umask  # readable as any folder the user makes
+
+
+def test_continuous_attention_refuses_positions_other_than_its_own():
+    hf = hf_model("continuous")
+    x = torch.randint(1, V, (1, 8))
+    with pytest.raises(ValueError, match="position_ids"):
+        hf(input_ids=x, position_ids=torch.arange(4, 12)[None])
+    hf(input_ids=x, position_ids=torch.arange(8)[None])  # the usual ones are fine

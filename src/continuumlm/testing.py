@@ -26,6 +26,8 @@ a plugin are held to the same standard. Each check raises AssertionError saying 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .config import ModelConfig
@@ -96,6 +98,12 @@ def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:
     a full forward and in cached decoding (a left-padded prompt, then one token per step).
     A model whose mixer has no padding support must refuse a padded batch by name."""
     g = torch.Generator().manual_seed(1)
+    # weights away from their initialization (a short convolution starts as the identity,
+    # which hides what its history holds)
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
     V = model.config.vocab_size
     seqs = [torch.randint(0, V, (n,), generator=g) for n in (9, 5, 1)]
     L = max(len(s) for s in seqs)
@@ -122,19 +130,35 @@ def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:
                 torch.testing.assert_close(
                     out[i, where], alone[i], rtol=0, atol=atol,
                     msg=lambda m, side=side: f"a {side}-padded row != the row alone: {m}")
-        # cached decoding of the left-padded batch, three more tokens one at a time
+        # cached decoding after a left-padded prompt, three more tokens one at a time; after a
+        # right-padded one (pads between a row's tokens) a mixer either gets it right or
+        # refuses it by name
         more = torch.randint(0, V, (len(seqs), 3), generator=g)
-        state = model.init_state(len(seqs))
-        steps = [model.lm_head(model.hidden_states(ids, state, attention_mask=mask))[:, -1]]
-        for t in range(more.shape[1]):
-            mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=mask.dtype)], 1)
-            h = model.hidden_states(more[:, t:t + 1], state, attention_mask=mask)
-            steps.append(model.lm_head(h)[:, -1])
-        for i, s in enumerate(seqs):
-            full = model(torch.cat([s, more[i]])[None])[0][0, len(s) - 1:]
-            torch.testing.assert_close(
-                torch.stack([x[i] for x in steps]), full, rtol=0, atol=atol * 10,
-                msg=lambda m: f"cached decoding of a left-padded row != the row alone: {m}")
+        for side in ("left", "right"):
+            ids = torch.zeros(len(seqs), L, dtype=torch.long)
+            mask = torch.zeros(len(seqs), L, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                where = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+                ids[i, where], mask[i, where] = s, 1
+            state = model.init_state(len(seqs))
+            try:
+                steps = [model.lm_head(model.hidden_states(ids, state, attention_mask=mask))]
+                for t in range(more.shape[1]):
+                    mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=mask.dtype)], 1)
+                    h = model.hidden_states(more[:, t:t + 1], state, attention_mask=mask)
+                    steps.append(model.lm_head(h)[:, -1:])
+            except ValueError as e:
+                assert side == "right" and "one stretch" in str(e), \
+                    f"decoding after a {side}-padded prompt was refused: {e}"
+                continue
+            for i, s in enumerate(seqs):
+                last = L - 1 if side == "left" else len(s) - 1
+                got = torch.stack([steps[0][i, last]] + [x[i, 0] for x in steps[1:]])
+                full = model(torch.cat([s, more[i]])[None])[0][0, len(s) - 1:]
+                torch.testing.assert_close(
+                    got, full, rtol=0, atol=atol * 10,
+                    msg=lambda m, side=side: f"cached decoding of a {side}-padded row != the "
+                                             f"row alone: {m}")
 
 
 def check_trains(model: LanguageModel) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -15,12 +14,15 @@ import torch
 import torch.nn as nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import CheckpointError
 from ..model.cache import DecodeState
+from ..model.depth import ODEBlock, TransformerBlock
 from ..model.lm import LanguageModel, load_weights
 from .configuration import ContinuumLMConfig
+from .export import AUTO_MAP
 
 
 class ContinuumLMCache(Cache):
@@ -75,20 +77,26 @@ class ContinuumLMCache(Cache):
             "token. Use greedy search, sampling or beam search.")
 
 
-@functools.cache
-def _checkpointing_layer(cls: type) -> type:
-    """``cls`` (a discrete layer or an ODE block) that is also transformers'
-    ``GradientCheckpointingLayer``, the type its checkpointing finds the repeated layers by.
-    The layer checkpoints itself already (its flag and function have transformers' names), so
-    it keeps its own ``forward`` rather than the wrapper transformers gives a subclass."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+class CheckpointedTransformerBlock(TransformerBlock, GradientCheckpointingLayer):
+    """A discrete layer that is also transformers' ``GradientCheckpointingLayer``, the type
+    its checkpointing finds the repeated layers by. The layer checkpoints itself already (its
+    flag and function have transformers' names), so it keeps ``nn.Module``'s call and its own
+    ``forward`` rather than the wrapper transformers gives a subclass. A class of this module
+    (not made on the fly), so a wrapped model pickles."""
 
-    if issubclass(cls, GradientCheckpointingLayer):
-        return cls
-    new = type(cls.__name__, (cls, GradientCheckpointingLayer),
-               {"__call__": nn.Module.__call__, "__module__": cls.__module__})
-    new.forward = cls.forward
-    return new
+    __call__ = nn.Module.__call__
+
+
+class CheckpointedODEBlock(ODEBlock, GradientCheckpointingLayer):
+    """An ODE block as a ``GradientCheckpointingLayer`` (as CheckpointedTransformerBlock)."""
+
+    __call__ = nn.Module.__call__
+
+
+# GradientCheckpointingLayer wraps a subclass's forward when the class is made: undo it
+CheckpointedTransformerBlock.forward = TransformerBlock.forward
+CheckpointedODEBlock.forward = ODEBlock.forward
+CHECKPOINTED = {TransformerBlock: CheckpointedTransformerBlock, ODEBlock: CheckpointedODEBlock}
 
 
 class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
@@ -114,7 +122,8 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = model if model is not None else LanguageModel(config.to_model_config())
         for layer in getattr(self.model.depth, "layers", getattr(self.model.depth, "blocks", [])):
-            layer.__class__ = _checkpointing_layer(type(layer))
+            if type(layer) in CHECKPOINTED:  # a plugin's depth keeps its own layer types
+                layer.__class__ = CHECKPOINTED[type(layer)]
         self.post_init()
 
     def post_init(self):
@@ -133,11 +142,8 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     def initialize_weights(self):
         # every module's own tensors come from a freshly built LanguageModel (the one place
         # that knows how each is drawn: residual scaling, identity convolutions, zeroed time
-        # embeddings, RoPE tables...), made once per pass
-        device = next(iter(self.model.parameters())).device
-        with torch.device(device):
-            fresh = LanguageModel(self.model.config)
-        self._fresh = dict(fresh.named_modules())
+        # embeddings, RoPE tables...), built once per pass and only when a module needs it
+        self._fresh = None
         self._names = {m: n for n, m in self.model.named_modules()}
         try:
             super().initialize_weights()
@@ -151,6 +157,10 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         new rows), a linear or embedding module drawn as ``LanguageModel`` draws them."""
         name = getattr(self, "_names", {}).get(module)
         if name is not None:
+            if self._fresh is None:
+                device = next(iter(self.model.parameters())).device
+                with torch.device(device):
+                    self._fresh = dict(LanguageModel(self.model.config).named_modules())
             src = self._fresh[name]
             with torch.no_grad():
                 for kind in ("named_parameters", "named_buffers"):
@@ -189,7 +199,8 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
             self.model.config = dataclasses.replace(self.model.config, vocab_size=n)
             self.config.vocab_size = n
 
-    ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+    ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
+                "use_mtp")
 
     def generate(self, *args, **kwargs):
         """transformers' ``generate``, with assisted and prompt-lookup decoding refused up
@@ -407,14 +418,26 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
             self._write_folder(tmp, state_dict)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # as a folder made by mkdir (mkdtemp's is 0700)
             if not directory.exists():
                 os.replace(tmp, directory)
-                return
-            names = sorted(p.name for p in tmp.iterdir())
-            for name in [n for n in names if n != "config.json"] + ["config.json"]:
-                os.replace(tmp / name, directory / name)
+            else:
+                names = sorted(p.name for p in tmp.iterdir())
+                for name in [n for n in names if n != "config.json"] + ["config.json"]:
+                    os.replace(tmp / name, directory / name)
+            fd = os.open(directory.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        # the saved folder names its remote code: the config says so from now on, as
+        # transformers' own saving of a remote-code model sets it
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        self.config.architectures = [type(self).__name__]
 
     def _write_folder(self, out: Path, state_dict: dict | None) -> None:
         from safetensors.torch import save_file, save_model
@@ -433,11 +456,9 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
             (out / name).write_text(code)
         if self.generation_config is not None:
             self.generation_config.save_pretrained(out)
-        # the saved folder names its remote code: the config says so from now on, as
-        # transformers' own saving of a remote-code model sets it
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
-        self.config.architectures = [type(self).__name__]
-        cfg = {**self.config.to_dict(), **lm.config.to_dict(), "model_type": MODEL_TYPE}
+        cfg = {**self.config.to_dict(), **lm.config.to_dict(), "model_type": MODEL_TYPE,
+               "auto_map": {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP},
+               "architectures": [type(self).__name__]}
         cfg.pop("_name_or_path", None)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         for p in out.iterdir():

@@ -410,12 +410,16 @@ class ContinuousAttention(nn.Module):
             raise ValueError("a frozen (static) decoding state does not take padding.")
         keys = padding.keys
         first = keys.long().argmax(1)                                   # (B,) first real token
-        if not torch.compiler.is_compiling():
-            last = keys.shape[1] - 1 - keys.flip(1).long().argmax(1)
-            gaps = (last - first + 1) != keys.long().sum(1)
-            if bool((gaps & keys.any(1)).any()):
-                raise ValueError("continuous attention reads a padded row's tokens as one "
-                                 "stretch: pad on the left or on the right, not in between.")
+        padding.require_one_stretch("continuous attention")
+        if not padding.derived and not torch.compiler.is_compiling():
+            own = Padding.from_mask(keys, padding.positions.shape[1]).positions
+            real = padding.valid  # what a pad's position is does not matter
+            if not torch.equal(own[real], padding.positions[real]):
+                raise ValueError("continuous attention places its kernel at each token's "
+                                 "position counted from its row's first real token; "
+                                 "position_ids that differ from those would make it read "
+                                 "other tokens than the positions say. Leave position_ids "
+                                 "out.")
         if self.exact:
             return self._padded_exact(x, cache, padding)
         B, T, C = x.shape
@@ -423,18 +427,22 @@ class ContinuousAttention(nn.Module):
         if cache is not None:
             (v,) = cache.append(v)
         L = v.shape[2]
-        pos = padding.positions                                          # (B, T)
-        p, lo, hi, alpha = self.quadrature(pos.reshape(-1), L)          # (H, B*T, Q), (B*T, Q)
-        H, Q = p.shape[0], p.shape[-1]
-        p = p.view(H, B, T, Q)
-        at = (first[:, None, None] + torch.stack([lo, hi]).view(2, B, T, Q)).clamp(max=L - 1)
-        w = torch.stack([p * (1 - alpha.view(B, T, Q)), p * alpha.view(B, T, Q)]).to(v.dtype)
-        y = 0
-        for j in range(2):  # the values each node reads, gathered per row
-            idx = at[j].view(B, 1, T * Q, 1).expand(B, H, T * Q, self.head_dim)
-            vals = torch.gather(v, 2, idx).view(B, H, T, Q, self.head_dim)
-            y = y + torch.einsum("hbtq,bhtqd->bhtd", w[j], vals)
-        y = y.transpose(1, 2).reshape(B, T, C)
+        outs = []
+        for i in range(0, T, self.query_chunk):  # bounds the gathered (B, H, Tc, Q, D)
+            pos = padding.positions[:, i:i + self.query_chunk]          # (B, Tc)
+            Tc = pos.shape[1]
+            p, lo, hi, alpha = self.quadrature(pos.reshape(-1), L)      # (H, B*Tc, Q), (B*Tc, Q)
+            H, Q = p.shape[0], p.shape[-1]
+            p, alpha = p.view(H, B, Tc, Q), alpha.view(B, Tc, Q)
+            at = (first[:, None, None] + torch.stack([lo, hi]).view(2, B, Tc, Q)).clamp(max=L - 1)
+            w = torch.stack([p * (1 - alpha), p * alpha]).to(v.dtype)
+            y = 0
+            for j in range(2):  # the values each node reads, gathered per row
+                idx = at[j].view(B, 1, Tc * Q, 1).expand(B, H, Tc * Q, self.head_dim)
+                vals = torch.gather(v, 2, idx).view(B, H, Tc, Q, self.head_dim)
+                y = y + torch.einsum("hbtq,bhtqd->bhtd", w[j], vals)
+            outs.append(y)
+        y = torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
 
     def _padded_exact(self, x: torch.Tensor, cache, padding: Padding) -> torch.Tensor:

@@ -398,9 +398,11 @@ class DeltaNetAttention(nn.Module):
         if cache is not None and not self.causal:
             raise ValueError("incremental decoding needs mode = 'decoder'.")
         proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
-        real = padding.valid[..., None].to(x.dtype) if padding is not None else None
+        real = padding.valid[..., None] if padding is not None else None
         if real is not None:  # the row alone has no input there: zeros (its conv history)
-            proj = {name: p * real for name, p in proj.items()}
+            if self.convs is not None:  # the history holds the last inputs by index
+                padding.require_one_stretch("DeltaNet's short convolution")
+            proj = {name: p.masked_fill(~real, 0.0) for name, p in proj.items()}
         if self.convs is not None:
             for name, conv in self.convs.items():
                 hist = cache.conv.get(name) if cache is not None else None
@@ -415,7 +417,7 @@ class DeltaNetAttention(nn.Module):
         v = self._heads(proj["v"])
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, T)
         if real is not None:  # a pad leaves the state as it is
-            beta = beta * real.transpose(1, 2)
+            beta = beta.masked_fill(~real.transpose(1, 2), 0.0)
         if self.causal:
             init = cache.state if cache is not None else None
             o, state = self._kernel(q, k, v, beta, init)

@@ -32,6 +32,7 @@ class Padding:
 
     keys: torch.Tensor
     positions: torch.Tensor
+    derived: bool = True  # the positions are counted from the mask (no position_ids given)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -44,9 +45,24 @@ class Padding:
         """From a (B, L) attention mask (1 real, 0 pad) over every position so far, the last T
         of them this call's; ``positions`` (B, T) when the caller gives its own."""
         keys = keys.bool()
-        if positions is None:
+        derived = positions is None
+        if derived:
             positions = (keys.long().cumsum(1) - 1).clamp_min(0)[:, keys.shape[1] - T:]
-        return cls(keys, positions.long())
+        return cls(keys, positions.long(), derived)
+
+    def require_one_stretch(self, who: str) -> None:
+        """Refuse rows whose real tokens are not one stretch (a pad between two real tokens:
+        a right-padded prompt decoded further), for a mixer that reads a row's recent inputs
+        by index. Not checked inside a traced graph (no data-dependent branch there)."""
+        if torch.compiler.is_compiling():
+            return
+        keys = self.keys.long()
+        first = keys.argmax(1)
+        last = keys.shape[1] - 1 - keys.flip(1).argmax(1)
+        if bool((((last - first + 1) != keys.sum(1)) & self.keys.any(1)).any()):
+            raise ValueError(f"{who} reads a padded row's tokens as one stretch: pad on the "
+                             f"left or on the right, not in between (decode after a "
+                             f"left-padded prompt, not a right-padded one).")
 
     def attention_mask(self, causal: bool) -> torch.Tensor:
         """(B, 1, T, L) bool for scaled-dot-product attention: real keys (and, in decoder mode,

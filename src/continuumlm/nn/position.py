@@ -42,6 +42,8 @@ class RotaryEmbedding(nn.Module):
     def rows(self, x: torch.Tensor, positions: torch.Tensor, limit: int) -> torch.Tensor:
         """x: (..., B, H, T, D) with each row's own positions (B, T), all below ``limit`` (a
         padded batch, whose rows count from their first real token)."""
+        if not torch.compiler.is_compiling() and positions.numel():
+            limit = max(limit, int(positions.max()) + 1)  # position_ids past the key count
         if limit > self.cos.shape[0]:
             self._build(max(limit, 2 * self.cos.shape[0]))
         return _rotate(x, self.cos[positions][:, None], self.sin[positions][:, None])
