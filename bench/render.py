@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+import findings
 import tomllib
 from common import (
     DOCS_DIR,
@@ -26,6 +28,9 @@ from common import (
 )
 
 DOCS = DOCS_DIR / "results.md"
+# the README whose findings block is written (CONTINUUMLM_README redirects it, as tests do)
+README_FILE = Path(os.environ.get("CONTINUUMLM_README", Path(__file__).resolve().parents[1]
+                                  / "README.md"))
 
 
 def _load() -> dict[str, dict]:
@@ -880,6 +885,12 @@ def main() -> None:
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     DOCS.write_text("\n".join(parts))
     print(f"wrote {DOCS}")
+    # the README's "What we found" (bench/findings.py), from the same records
+    readme = README_FILE.read_text()
+    found = findings.replace_block(readme, findings.block(results, _regularizer_runs(results)))
+    if found != readme:
+        README_FILE.write_text(found)
+        print(f"wrote {README_FILE} (What we found)")
 
 
 def _family(stem: str) -> str:

@@ -501,16 +501,22 @@ def test_a_score_on_a_few_windows_is_not_shown_as_the_whole_split():
 
 
 def test_the_committed_results_page_is_what_the_renderer_writes(tmp_path):
-    """docs/results.md is generated: rendering the committed JSONs gives it exactly, with
-    every figure it links."""
+    """docs/results.md and the README's findings are generated: rendering the committed JSONs
+    gives them exactly, with every figure the page links."""
     pytest.importorskip("matplotlib")
-    env = {**os.environ, "CONTINUUMLM_DOCS_DIR": str(tmp_path)}
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    env = {**os.environ, "CONTINUUMLM_DOCS_DIR": str(tmp_path), "CONTINUUMLM_README": str(readme)}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "render.py")], env=env,
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     page = (tmp_path / "results.md").read_text()
     assert page == (ROOT / "docs" / "results.md").read_text(), (
         "docs/results.md differs from what python bench/render.py writes: render it again")
+    # the README's "What we found" is written from the same records
+    assert readme.read_text() == (ROOT / "README.md").read_text(), (
+        "README.md's What we found differs from what python bench/render.py writes")
+    assert "## What we found" in readme.read_text()
     for link in re.findall(r"\]\((img/[^)]+\.png)\)", page):
         assert (tmp_path / link).is_file(), link
 
