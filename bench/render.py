@@ -28,9 +28,15 @@ from common import (
 )
 
 DOCS = DOCS_DIR / "results.md"
-# the README whose findings block is written (CONTINUUMLM_README redirects it, as tests do)
-README_FILE = Path(os.environ.get("CONTINUUMLM_README", Path(__file__).resolve().parents[1]
-                                  / "README.md"))
+# the README whose findings block is written: the repository's when the page is (records and
+# page in their own folders), else only one named by CONTINUUMLM_README (a --quick run into
+# other folders leaves the README alone)
+_ROOT = Path(__file__).resolve().parents[1]
+README_FILE = (Path(os.environ["CONTINUUMLM_README"]) if "CONTINUUMLM_README" in os.environ
+               else _ROOT / "README.md" if (RESULTS.resolve() == (_ROOT / "bench" / "results")
+                                            .resolve() and DOCS_DIR.resolve()
+                                            == (_ROOT / "docs").resolve())
+               else None)
 
 
 def _load() -> dict[str, dict]:
@@ -886,11 +892,13 @@ def main() -> None:
     DOCS.write_text("\n".join(parts))
     print(f"wrote {DOCS}")
     # the README's "What we found" (bench/findings.py), from the same records
-    readme = README_FILE.read_text()
-    found = findings.replace_block(readme, findings.block(results, _regularizer_runs(results)))
-    if found != readme:
-        README_FILE.write_text(found)
-        print(f"wrote {README_FILE} (What we found)")
+    if README_FILE is not None:
+        readme = README_FILE.read_text()
+        found = findings.replace_block(readme,
+                                       findings.block(results, _regularizer_runs(results)))
+        if found != readme:
+            README_FILE.write_text(found)
+            print(f"wrote {README_FILE} (What we found)")
 
 
 def _family(stem: str) -> str:

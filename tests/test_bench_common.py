@@ -531,3 +531,18 @@ def test_render_refuses_without_matplotlib(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and "pip install 'continuumlm[plot]'" in run.stderr
     assert not (tmp_path / "docs" / "results.md").exists()
+
+
+def test_a_render_into_other_folders_leaves_the_readme_alone(tmp_path):
+    """A --quick experiment renders its records into another docs folder: the repository's
+    README (its findings) is written only by a render of the repository's own records."""
+    code = "import sys; sys.path.insert(0, 'bench'); import render; print(render.README_FILE)"
+    for env, expected in (({"CONTINUUMLM_DOCS_DIR": str(tmp_path)}, "None"),
+                          ({"CONTINUUMLM_RESULTS_DIR": str(tmp_path)}, "None"),
+                          ({}, str(ROOT / "README.md"))):
+        clean = {k: v for k, v in os.environ.items()
+                 if k not in ("CONTINUUMLM_DOCS_DIR", "CONTINUUMLM_RESULTS_DIR",
+                              "CONTINUUMLM_README")}
+        run = subprocess.run([sys.executable, "-c", code], env={**clean, **env},
+                             capture_output=True, text=True, cwd=ROOT)
+        assert run.stdout.strip() == expected, (env, run.stdout, run.stderr[-500:])
