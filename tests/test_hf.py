@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import continuumlm.hf  # noqa: E402,F401  (registers the model type)
 from continuumlm.hf import ContinuumLMCache, ContinuumLMConfig, ContinuumLMForCausalLM  # noqa: E402
+from continuumlm.hf.modeling import CACHE_FIELD  # noqa: E402
 from continuumlm.registry import MIXERS, SOLVERS  # noqa: E402
 from continuumlm.testing import small_model  # noqa: E402
 
@@ -84,7 +85,7 @@ def test_labels_give_our_loss(mixer, depth, tmp_path):
     y[:, :8] = -1
     torch.testing.assert_close(hf(input_ids=x, labels=masked).loss, lm(x[:, :-1], y)[1],
                                rtol=0, atol=1e-6)
-    assert hf(input_ids=x, use_cache=False).cache is None
+    assert getattr(hf(input_ids=x, use_cache=False), CACHE_FIELD) is None
 
 
 def test_anytime_depth_from_from_pretrained(tmp_path):

@@ -422,3 +422,24 @@ def test_continuous_attention_refuses_positions_other_than_its_own():
     with pytest.raises(ValueError, match="position_ids"):
         hf(input_ids=x, position_ids=torch.arange(4, 12)[None])
     hf(input_ids=x, position_ids=torch.arange(8)[None])  # the usual ones are fine
+
+
+def test_the_decoding_state_is_named_as_the_installed_transformers_names_it():
+    """transformers 5.24 renamed the output field and keyword past_key_values to cache (the
+    old name a deprecated alias); the adapter returns the state under the installed release's
+    field, and takes either keyword (the GPU machine's 5.17 has only past_key_values)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from continuumlm.hf import ContinuumLMCache
+    from continuumlm.hf.modeling import CACHE_FIELD
+
+    assert CACHE_FIELD in CausalLMOutputWithPast.__dataclass_fields__
+    hf = hf_model("softmax")
+    x = torch.randint(0, V, (1, 5))
+    out = hf(input_ids=x)
+    state = getattr(out, CACHE_FIELD)
+    assert isinstance(state, ContinuumLMCache) and state.get_seq_length() == 5
+    for name in ("cache", "past_key_values"):
+        nxt = hf(input_ids=x[:, :1], **{name: state})
+        assert getattr(nxt, CACHE_FIELD) is state and state.get_seq_length() == 6 + (
+            name == "past_key_values")

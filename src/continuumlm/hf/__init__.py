@@ -10,7 +10,8 @@ module is imported (``import continuumlm.hf``; the core package never imports tr
 Any ContinuumLM checkpoint folder (``config.json`` + ``model.safetensors``) loads as it is;
 ``continuumlm export --checkpoint RUN --hf OUT`` adds the files ``AutoTokenizer`` and
 ``generate`` read (``tokenizer_config.json``, ``generation_config.json``). Written against
-transformers 5 (the ``cache`` keyword and output field of the 5.x API).
+transformers 5.17 and later: the decoding state is the ``cache`` keyword and output field from
+5.24, ``past_key_values`` before (``modeling.CACHE_FIELD``); either keyword is taken.
 """
 
 from __future__ import annotations

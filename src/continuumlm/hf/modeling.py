@@ -24,6 +24,11 @@ from ..model.lm import LanguageModel, load_weights
 from .configuration import ContinuumLMConfig
 from .export import AUTO_MAP
 
+# the decoding state's name in transformers' outputs and keywords: "cache" from 5.24 (where
+# past_key_values is a deprecated alias), "past_key_values" in earlier 5.x releases
+CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
+               else "past_key_values")
+
 
 class ContinuumLMCache(Cache):
     """The :class:`DecodeState` of a ContinuumLM model (one cache per (block, solver stage
@@ -243,7 +248,8 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                                 else self.config.output_hidden_states)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and self.training and self.is_activation_checkpointing:
+        if use_cache and self.training and any(getattr(m, "gradient_checkpointing", False)
+                                               for m in self.modules()):
             # a checkpointed layer runs twice; a cache would take its tokens twice
             use_cache, cache = False, None
         if cache is not None and not isinstance(cache, ContinuumLMCache):
@@ -270,7 +276,7 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
         out = CausalLMOutputWithPast(loss=loss, logits=logits,
-                                     cache=cache if use_cache else None,
+                                     **{CACHE_FIELD: cache if use_cache else None},
                                      hidden_states=tuple(record) if record is not None else None)
         return out if return_dict else out.to_tuple()
 
