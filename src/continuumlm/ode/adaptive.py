@@ -135,14 +135,6 @@ def _register_tsit5() -> None:
 LAND_ON_T1 = set(ADAPTIVE_METHODS.values())
 
 
-def ensure_registered(method: str) -> None:
-    """Add the method to torchdiffeq's table if it is one of ours."""
-    if method == "continuumlm_rk4":
-        _register_classical_rk4()
-    elif method == "continuumlm_tsit5":
-        _register_tsit5()
-
-
 class AdaptiveSolver(nn.Module):
     fixed_grid = False
     reversible = False
@@ -276,7 +268,6 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
     adjoint; ``checkpoint``: by replaying the accepted steps (aca.py)."""
     import torchdiffeq
 
-    ensure_registered(method)
     # errors name the solver as the config does (tsit5, not the torchdiffeq table's name)
     name = next((k for k, v in ADAPTIVE_METHODS.items() if v == method), method)
     kind = h0.device.type
@@ -289,7 +280,7 @@ def odeint_call(f, h0: torch.Tensor, t0: float, t1: float, method: str, adjoint:
                      dtype=torch.float64 if h0.dtype == torch.float64 else torch.float32)
     options = dict(options or {})
     backward_options = dict(options)  # max_num_steps; the backward solve ends where it ends
-    if method in LAND_ON_T1 or checkpoint:  # a checkpointed solve replays steps: none past t1
+    if method in LAND_ON_T1:  # every adaptive method (a checkpointed one's steps end there)
         options["step_t"] = t[1:]
     if method in LAND_ON_T1:  # the adjoint's backward solve lands on t0 for the same reason
         backward_options["step_t"] = t[:1]  # (torchdiffeq flips it with the reversed interval)
