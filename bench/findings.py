@@ -77,6 +77,50 @@ def parallel(results: dict) -> str | None:
             f"baseline reaches {m(base):.3f}. [Tiny Shakespeare]({PAGE}#tiny-shakespeare-characters-nanogpts-cpu-budget)")
 
 
+ELASTIC_RECIPE = "ode_elastic_dial_capped-cw1.0-kd1.0t5e-3-lr2e-3"  # depth_elasticity's name
+ELASTIC_SWEEP = "elastic (cw1.0 + teacher at 5e-3)"  # the same recipe in lr_sweep
+
+
+def _best_rate(results: dict, model: str, solve: str) -> float | None:
+    """The seeds' mean val loss of ``model`` solved ``solve`` at its best learning rate in
+    bench/lr_sweep.py's record (rates run on fewer than three seeds left out)."""
+    by: dict[str, list[float]] = {}
+    for r in (results.get("lr_sweep") or {}).get("rows", []):
+        if r["model"] == model and r["solve"] == solve:
+            by.setdefault(r["lr"], []).append(r["val_loss"])
+    means = [statistics.mean(v) for v in by.values() if len(v) >= 3]
+    return min(means) if means else None
+
+
+def elastic(results: dict) -> str | None:
+    rows = [r for r in (results.get("depth_elasticity") or {}).get("rows", [])
+            if r["model"] == ELASTIC_RECIPE]
+    best = {k: _best_rate(results, *k) for k in ((ELASTIC_SWEEP, "euler"), (ELASTIC_SWEEP, "rk4"),
+                                                  ("ode_euler", "euler"), ("ode_rk4", "rk4"))}
+    if not rows or None in best.values():
+        return None
+    rise = 0.0  # the largest rise between neighbouring solves of one seed and solver
+    for seed in {r.get("seed", 1337) for r in rows}:
+        for solver in ("euler", "rk4"):
+            curve = [r["val_loss"] for r in sorted(rows, key=lambda r: r["nfe"])
+                     if r["solver"] == solver and r.get("seed", 1337) == seed]
+            rise = max([rise] + [b - a for a, b in zip(curve, curve[1:])])
+    seeds = len({r.get("seed", 1337) for r in rows})
+    nfe = sorted({r["nfe"] for r in rows})
+    d4 = best[(ELASTIC_SWEEP, "euler")] - best[("ode_euler", "euler")]
+    d16 = best[(ELASTIC_SWEEP, "rk4")] - best[("ode_rk4", "rk4")]
+
+    def said(d):
+        return f"{'better' if d < 0 else 'worse'} by {abs(d):.3f}"
+
+    return (f"**One elastic ODE model serves every depth**: trained across solvers and step "
+            f"counts and distilled from the NFE-4 model, on each of its "
+            f"seeds the loss never rises by more than {rise:.3f} as the solve grows from {nfe[0]} to {nfe[-1]} field evaluations; against "
+            f"fixed-depth models each at its best learning rate it is {said(d16)} at NFE 16 and "
+            f"{said(d4)} at NFE 4 (Tiny Shakespeare, {seeds} seeds; the teacher is a second "
+            f"training run). [Anytime depth]({PAGE}#anytime-depth)")
+
+
 def mqar(results: dict) -> str | None:
     rows = {k: results.get(f"mqar-{k}") for k in ("deltanet_kv64", "softmax_kv64_mixed",
                                                   "ode_deltanet_kv64")}
@@ -119,7 +163,7 @@ def decoding(results: dict) -> str | None:
             f"[Decoding]({PAGE}#decoding-cached-vs-recompute)")
 
 
-FINDINGS = [ptb, cat, parallel, mqar, regularizers, decoding]
+FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding]
 
 
 def block(results: dict, regularizer_runs: list[dict]) -> list[str]:
@@ -132,9 +176,9 @@ def block(results: dict, regularizer_runs: list[dict]) -> list[str]:
             missing.append(f.__name__)
         else:
             lines.append(f"- {text}")
-    lines += ["", "![Tiny Shakespeare: validation loss against training time per token and "
-              "parameters, every model family, with the Pareto front]"
-              "(docs/img/shakespeare_pareto.png)", ""]
+    lines += ["", "![Tiny Shakespeare: validation loss against training time per token, every "
+              "model family, with the Pareto front]"
+              "(docs/img/findings_pareto.png)", ""]
     if missing:
         lines += [f"(Not yet measured: {', '.join(missing)}.)", ""]
     lines.append(END)

@@ -14,7 +14,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import conclusions
 import findings
+import page
 import tomllib
 from common import (
     DOCS_DIR,
@@ -186,14 +188,6 @@ def config_cell(config: str, overrides: list[str] | tuple | None) -> str:
     return " ".join([f"`{config}`", *(f"`--set {o}`" for o in overrides or ())])
 
 
-TAIL_NOTE = ("† scored before `eval` scored the tail of a split: every complete non-overlapping "
-             "window, leaving the last (n − 1) mod L targets of the split unscored (fewer than L "
-             "of its n tokens: under 0.1% of the Shakespeare and PTB splits at context 64, under "
-             "0.5% of CAT's validation split at context 5000). `eval` now adds one window ending at the last "
-             "token, so every target is scored once and every context length scores the same "
-             "tokens; a rerun of the row's command gives figures without the mark.")
-
-
 def _tail(runs: list[dict]) -> str:
     """The mark of figures made by the evaluation that left a split's tail unscored, or of a
     score on at most N windows (train_seeds.py --max-windows, smoke tests), not the split."""
@@ -335,10 +329,13 @@ def seminorm_why(run: dict, norm_parts: dict | None) -> list[str]:
     return out
 
 
-def training_table(results: dict[str, dict], folder: str, test: bool = False) -> str:
+def training_table(results: dict[str, dict], folder: str, test: bool = False,
+                   keep=lambda r: True) -> str:
+    """One row per config and --set options under ``folder`` (the runs ``keep`` accepts),
+    its seeds' mean ± sd."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results.values():
-        if "val_loss_full_split" in r and r["config"].startswith(folder):
+        if "val_loss_full_split" in r and r["config"].startswith(folder) and keep(r):
             if r.get("split", "val") != "val":
                 raise SystemExit(f"{r['config']} seed {r['seed']}: its JSON scores the "
                                  f"{r['split']} split under val_loss_full_split "
@@ -377,28 +374,14 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False) ->
     return markdown_table(rows, cols)
 
 
-BUSY_NOTE = (f"A row's tokens/s and wall time are the mean over its seeds measured alone, "
-             f"when any was; a mark means none was. Throughput marked * was measured while "
-             f"other work shared the 2 cores (it kept more than {SHARED_CORES} cores busy on "
-             f"average during the run, measured from the "
-             f"machine's busy time less the run's own CPU time and recorded in the JSON as "
-             f"`other_cores`; runs recorded before that was measured are marked whenever the load "
-             f"was recorded, since their load averages count the run itself): those tokens/s and "
-             f"wall times understate what the model reaches alone. Throughput marked ° is of "
-             f"unknown standing: runs made before any load was recorded, or resumed after an "
-             f"interruption (the earlier part was not watched). Unmarked rows were measured alone "
-             f"as far as the machine can tell (a virtual machine does not see contention from its "
-             f"host); the cost-per-evaluation and training-step tables below time the models "
-             f"under control. The losses are unaffected.")
-
-
-def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool) -> list[str]:
+def verdict(results: dict[str, dict], folder: str, baseline: str, ppl: bool,
+            skip=lambda stem: False) -> list[str]:
     """One sentence, computed from the JSON, on where each ODE row stands against its discrete
     counterpart (quality and time per token), so the page says so when they lose."""
     runs: dict[str, list[dict]] = defaultdict(list)
     for r in results.values():  # each config as written: runs with --set options are other rows
         if ("val_loss_full_split" in r and r["config"].startswith(folder)
-                and not r.get("overrides")):
+                and not r.get("overrides") and not skip(Path(r["config"]).stem)):
             runs[Path(r["config"]).stem].append(r)
 
     def score(name):  # as the table shows it: the seeds' mean loss, or mean perplexity
@@ -636,6 +619,183 @@ def context_table(results: dict[str, dict], folder: str) -> str:
                           [(c, f"context {c}: CE (ppl)") for c in contexts] + rise) if rows else ""
 
 
+ABLATIONS = DOCS_DIR / "ablations.md"
+# the elastic-depth config the main table shows; the other ode_elastic* configs are variants
+ELASTIC_CHOSEN = "configs/shakespeare_char/ode_elastic_dial_capped.toml"
+# the elastic recipe the anytime-depth section shows (trained as in lr_sweep's best rows)
+ELASTIC_RECIPE = findings.ELASTIC_RECIPE
+# the models of the anytime-depth section (table and figure); the others are on the ablations page
+ANYTIME_SHOWN = ("ode_euler", "ode_rk4", "ode_euler-lr2e-3", "ode_rk4-lr2e-3",
+                 "ode_elastic_dial_capped", ELASTIC_RECIPE)
+# bench/<key>.py records shown as one section each: (key, title); their prose is
+# bench/pages/results/bench.md plus bench/pages/results/<key>.md when there is one
+BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
+                  ("ode_memory", "Memory and time vs solver steps"),
+                  ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),
+                  ("mixer_step", "Training step by mixer at equal depth and NFE"),
+                  ("decode_speed", "Decoding: cached vs recompute"),
+                  ("depth_elasticity", "Anytime depth"),
+                  ("depth_exit", "Per-token adaptive depth"),
+                  ("elastic_cost", "Training cost of elastic depth"),
+                  ("adaptive_grads", "Gradients of adaptive solves"),
+                  ("adaptive_solvers", "Adaptive solvers on trained fields"),
+                  ("seminorm_run", "The seminorm adjoint in training"),
+                  ("scale", "Training throughput: processes and compile"),
+                  ("keep_freed_memory", "CPU training: keeping freed memory"),
+                  ("mfu", "Model FLOPs utilization"),
+                  ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
+                  ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding"),
+                  ("hf_harness", "lm-evaluation-harness on trained checkpoints, by depth"))
+
+
+def _shakespeare_variant(r: dict) -> bool:
+    """A Tiny Shakespeare run the main table leaves to the ablations page: one with --set
+    options, or an elastic-depth config other than the chosen one."""
+    config = r.get("config", "")
+    return bool(r.get("overrides")) or (Path(config).stem.startswith("ode_elastic")
+                                        and config != ELASTIC_CHOSEN)
+
+
+def _notes(table: str) -> dict:
+    return {"tail_note": page.fill("notes/tail") if "†" in table else ""}
+
+
+def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str], list[str]]:
+    """The lines of docs/results.md and of docs/ablations.md."""
+    recorded = {r.get("machine", "") for r in results.values()} - {""}
+    # older records carry a shorter form of the same description; keep the fullest one
+    machines = sorted(m for m in recorded if not any(o != m and o.startswith(m) for o in recorded))
+    reg_runs = _regularizer_runs(results)
+    busy = page.fill("notes/busy", shared_cores=SHARED_CORES)
+    main = page.fill("results/intro", machines="; ".join(machines),
+                     summary=conclusions.summary_table(results, reg_runs))
+    extra = page.fill("ablations/intro")
+
+    def ablation(part: str, **values) -> str:
+        """Add an ablations section; its address from the results page."""
+        nonlocal extra
+        lines = page.fill(f"ablations/{part}", **values)
+        extra += lines
+        return "ablations.md#" + page.anchor(page.heading(lines))
+
+    def opening(text: str | None) -> str:
+        return text or ""
+
+    # Tiny Shakespeare: the configs as written; variants to the ablations page
+    variants = training_table(results, "configs/shakespeare_char/", keep=_shakespeare_variant)
+    shakespeare = training_table(results, "configs/shakespeare_char/",
+                                 keep=lambda r: not _shakespeare_variant(r))
+    if shakespeare.count("\n") > 1:
+        variants_at = (ablation("shakespeare", table=variants, busy_note=busy, **_notes(variants))
+                       if variants.count("\n") > 1 else "#tiny-shakespeare-characters-nanogpts-"
+                                                           "cpu-budget")
+        main += page.fill("results/shakespeare",
+                          conclusion=opening(conclusions.shakespeare(results)),
+                          variants=variants_at, table=shakespeare, busy_note=busy,
+                          baseline=baseline_sentence(results),
+                          verdict=verdict(results, "configs/shakespeare_char/", "transformer_baby",
+                                          ppl=False, skip=lambda stem: _shakespeare_variant(
+                                              {"config": f"configs/shakespeare_char/{stem}.toml"})),
+                          **_notes(shakespeare))
+    cat = context_table(results, "configs/cat_protocol/")
+    if cat:
+        main += page.fill("results/cat_protocol",
+                          conclusion=opening(conclusions.cat_protocol(results)), table=cat,
+                          length5120=("The run tagged `length5120` trains with positions "
+                                      "scaled to 5120 (`--set model.continuous.length=5120`) "
+                                      "instead." if any("length5120" in k for k in results)
+                                      else ""), **_notes(cat))
+    ptb = training_table(results, "configs/ptb/", test=True)
+    if ptb.count("\n") > 1:
+        main += page.fill("results/ptb", conclusion=opening(conclusions.ptb(results)), table=ptb,
+                          verdict=verdict(results, "configs/ptb/", "transformer", ppl=True),
+                          ngram=page.fill("results/ptb.ngram", table=results["ptb-ngram"]["table"])
+                          if "ptb-ngram" in results else "", **_notes(ptb))
+
+    def dropout_sweep(r: dict) -> bool:
+        return (r.get("tag") or "").startswith("sweep_")
+
+    std = training_table(results, "configs/ptb_std/", test=True,
+                         keep=lambda r: not dropout_sweep(r))
+    if std.count("\n") > 1:
+        swept = training_table(results, "configs/ptb_std/", test=True, keep=dropout_sweep)
+        sweep_at = (ablation("ptb_dropout", table=swept, sweep=ptb_dropout_sweep(results))
+                    if swept else "#penn-treebank-standard-setup")
+        early = early_stopping_table(results, "configs/ptb_std/")
+        main += page.fill("results/ptb_std", conclusion=opening(conclusions.ptb_std(results)),
+                          table=std, sweep=sweep_at, targets=ptb_std_targets(results),
+                          early=page.fill("results/ptb_std.early", table=early) if early else "")
+    mq = mqar_table(results)
+    if mq.count("\n") > 1:
+        sweep = mqar_sweep_table(results)
+        sweep_at = ablation("mqar_sweep", table=sweep) if sweep else "#multi-query-associative-recall-mqar"
+        md = mqar_distance_table(results)
+        main += page.fill("results/mqar", conclusion=opening(conclusions.mqar(results)),
+                          table=mq, sweep=sweep_at,
+                          distance=page.fill("results/mqar.distance", table=md) if md else "")
+    reg = regularizer_table(results)
+    if reg:
+        main += page.fill("results/regularizers",
+                          conclusion=opening(conclusions.regularizers(results, reg_runs)),
+                          table=reg, verdict=regularizer_verdict(results))
+    for key, title in BENCH_SECTIONS:
+        if key not in results:
+            continue
+        r = results[key]
+        table, notes = r["table"], []
+        if key == "elastic_cost":
+            notes += teacher_cost(r)
+        if key == "seminorm_run":
+            notes += seminorm_why(r, results.get("adjoint_norm_parts"))
+        if key == "hf_harness":
+            notes += harness_checkpoints_note(r, results)
+        if key == "depth_elasticity":
+            table, others = page.split_table(r["table"], lambda cells: cells[0] in ANYTIME_SHOWN)
+            checks, other_checks = page.split_table(
+                r.get("checks_table", ""), lambda cells: cells[0] in ANYTIME_SHOWN)
+            if checks:
+                notes += page.fill("results/depth_elasticity.checks", table=checks)
+            if others:
+                others_at = ablation("anytime", table=others, command=r["command"],
+                                     checks=other_checks)
+                screening = elastic_screening_table(results)
+                screening_at = (ablation("screening", table=screening) if screening
+                                else others_at)
+                notes += page.fill("results/depth_elasticity", chosen=ELASTIC_RECIPE,
+                                   others=others_at, screening=screening_at)
+            sweep = results.get("lr_sweep")
+            if sweep:
+                sweep_at = ablation("lr_sweep", command=sweep["command"], setup=sweep["setup"],
+                                    table=sweep["table"], gaps=sweep["gaps_table"])
+                if sweep.get("best_table"):
+                    notes += page.fill("results/depth_elasticity.best", sweep=sweep_at,
+                                       table=sweep["best_table"])
+        if key == "depth_exit":
+            chosen = {tuple(c[:3]) for c in _table_cells(r.get("decoding_table", ""))}
+            table, others = page.split_table(
+                r["table"], lambda cells: cells[1] == "full" or tuple(cells[:3]) in chosen)
+            if others:
+                notes += page.fill("results/depth_exit",
+                                   others=ablation("depth_exit", table=r["table"],
+                                                   command=r["command"]))
+        if r.get("decoding_table"):
+            notes += page.fill("results/depth_exit.decoding", table=r["decoding_table"])
+        said = getattr(conclusions, key)
+        conclusion = said(r) if key in ("ode_cost", "ode_memory", "deltanet_kernels",
+                                        "mixer_step") else said(r, results)
+        main += page.fill("results/bench", title=title, conclusion=opening(conclusion),
+                          command=r["command"], setup=r["setup"], table=table, notes=notes)
+    if figures:
+        main += page.fill("results/figures", figures=[f + "\n" for f in figures])
+    return main, extra
+
+
+def _table_cells(table: str) -> list[list[str]]:
+    """The cells of a Markdown table's rows (header and rule left out)."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.strip("\n").split("\n")[2:]] if table else []
+
+
 def main() -> None:
     # the page and its figures are one: without matplotlib nothing is written (a page without
     # its Figures section, or with figures of older results, would be a page that lies)
@@ -647,250 +807,11 @@ def main() -> None:
               "(or the dev extra) and run python bench/render.py again.", file=sys.stderr)
         raise SystemExit(2) from None
     results = _load()
-    recorded = {r.get("machine", "") for r in results.values()} - {""}
-    # older records carry a shorter form of the same description; keep the fullest one
-    machines = sorted(m for m in recorded if not any(o != m and o.startswith(m) for o in recorded))
-    parts = [
-        "# Results",
-        "",
-        "Generated by `python bench/render.py` (the last step of `continuumlm experiment NAME` "
-        "and `make results`) from the JSON files in `bench/results/`, never typed by hand; "
-        "each section names the command that produced its JSON. Machine: "
-        + "; ".join(machines) + ".",
-        "",
-        "## Tiny Shakespeare, characters: nanoGPT's CPU budget",
-        "",
-        "2000 steps, batch 12, context 64; validation loss over the whole validation split "
-        "(`continuumlm eval`: non-overlapping windows). Produced by `continuumlm experiment shakespeare` "
-        "(`python bench/train_seeds.py CONFIG --seeds ...` per row). nanoGPT reports val loss 1.88 for the "
-        "discrete model (its figure is an estimate from 20 random batches). NFE: field or layer "
-        "evaluations per forward; ~: a mean, for a run whose solve varies from step to step "
-        "(elastic draws: the expected NFE of its draw set; an adaptive solver: the mean over "
-        "the last tenth of training).",
-        "",
-        (shakespeare := training_table(results, "configs/shakespeare_char/")),
-        "",
-        BUSY_NOTE,
-        "",
-        *([TAIL_NOTE, ""] if "†" in shakespeare else []),
-        "Rows: `transformer_baby` is the 4-layer discrete model; `ode_*` other than "
-        "`ode_attention*` integrate one shared block (`num_layers = 1`): `ode_euler` (Euler x4) "
-        "and `ode_rk4x1` (one RK4 step) have NFE 4 = the discrete depth, `ode_rk4` is RK4 x4 "
-        "(NFE 16); `ode_parallel*` use the "
-        "parallel field (attention and MLP read the same state); `ode_wide_rk4x1` is the "
-        "parameter-matched ODE model (one 256-wide block, as many block parameters as the four "
-        "128-wide layers, NFE 4 — matched in parameters and NFE, but each evaluation of a 256-wide "
-        "block costs about 4x a 128-wide layer, so it spends about 4x the discrete model's "
-        "FLOPs); `ode_attention` integrates four attention-only fields, and "
-        "`ode_attention_bitnet` is the same model with BitNet b1.58 projections (ternary "
-        "weights, 8-bit activations, trained through a straight-through estimator), set "
-        "against `ode_attention` below, as is `ode_attention_dyt` (Dynamic Tanh, "
-        "gamma tanh(alpha x) + beta with alpha 0.5 at first, in place of every LayerNorm, "
-        "the default of the ODE-attention seed's implementation); "
-        "`ode_deltanet` is DeltaNet inside one ODE block; `cat_*` the causal continuous "
-        "attention.",
-        "",
-        *baseline_sentence(results),
-        *verdict(results, "configs/shakespeare_char/", "transformer_baby", ppl=False),
-    ]
-    cat = context_table(results, "configs/cat_protocol/")
-    if cat:
-        parts += ["## CAT's context-length protocol", "",
-                  "First 50,000 characters train, the rest validate; d=128, 8 heads, 1 block, "
-                  "context 256, batch 32, 800 steps, lr 3e-4; cross-entropy (nats/char) and "
-                  "perplexity on non-overlapping windows of each length. Every model here is "
-                  "causal. CAT's own printed numbers are not comparable: its continuous model "
-                  "and its baseline both see the token they predict. Produced by "
-                  "`python bench/train_seeds.py configs/cat_protocol/NAME.toml --contexts "
-                  "128,512,1024,5000`. Quadrature of each continuous row: `cat_fourier` "
-                  "CAT's 32 Gauss-Legendre nodes on [0, s] (a query at 4999 reads 64 of "
-                  "5000 tokens); `cat_composite` 32 nodes per 256-token panel (identical to "
-                  "`cat_fourier` at the training context, 640 nodes at 5000); `cat_exact` "
-                  "every earlier token (the exact sum, one SDPA call); `cat_bias` ordinary "
-                  "attention with the continuous kernel added to q.k/sqrt(d), over every "
-                  "token; `cat_bias_relative` the same with a kernel of the distance alone, "
-                  "b(log(1 + |i - j|) / log(257)) in the same Fourier basis, constant past "
-                  "256 tokens (`model.continuous.kernel = \"relative\"`), starting as a power law "
-                  "per head, -m log(1 + d) with m from 1/4 to 4. Positions map to s = i / 256 (the training context), and the "
-                  "Fourier kernel cos(pi f s) is even about s = 1 and periodic with period 2: "
-                  "a key at position 256 + k gets the kernel value of the key at 256 - k, and "
-                  "positions 512 apart repeat (tested in tests/test_mixers.py), so in the "
-                  "kernel modes each kernel value is shared by about 20 positions at 5000 "
-                  "tokens, whatever the quadrature."
-                  + (" The run tagged `length5120` trains with positions scaled to 5120 "
-                     "(`--set model.continuous.length=5120`) instead."
-                     if any("length5120" in k for k in results) else ""), "", cat, ""]
-        parts += [TAIL_NOTE, ""] if "†" in cat else []
-    ptb = training_table(results, "configs/ptb/", test=True)
-    if ptb.count("\n") > 1:
-        parts += ["## Penn Treebank, word level", "",
-                  "PTB's own train/valid/test files, word tokenizer with a 4,000-token "
-                  "vocabulary (the 3,998 most frequent training words, `<eos>` and `<unk>`), "
-                  "context 64, 3000 steps; loss in nats/word "
-                  "(perplexity = exp), validation every 500 steps; the test split is scored "
-                  "once, after training. Produced by `continuumlm experiment ptb` (`python "
-                  "bench/train_seeds.py configs/ptb/NAME.toml --seeds 42 1 2 --also-test`). "
-                  "`ode_rk4_wide` is the parameter-matched ODE row (d 180, as many parameters "
-                  "as the 3-layer baseline).", "", ptb, ""]
-        parts += [TAIL_NOTE, ""] if "†" in ptb else []
-        parts += verdict(results, "configs/ptb/", "transformer", ppl=True)
-        if "ptb-ngram" in results:
-            parts += ["N-gram references fitted on the training file with the same vocabulary "
-                      "(`python bench/ngram_ref.py`):", "", results["ptb-ngram"]["table"], ""]
-        parts += ["The ContinuumLM seed reports 113.7 (discrete) and 119.9 (ODE) at step 3000, "
-                  "unigram 426.8 and bigram 321.5. Those are not comparable with the rows "
-                  "above: it validates on a random 10% of shuffled training chunks (not PTB's "
-                  "valid file), keeps a different vocabulary, and its two models are not "
-                  "parameter-matched.", ""]
-    std = training_table(results, "configs/ptb_std/", test=True)
-    if std.count("\n") > 1:
-        parts += ["## Penn Treebank, standard setup", "",
-                  "Mikolov's files with the full 10,000-word vocabulary, about 4.6 M parameters "
-                  "counting embeddings, Zaremba et al.'s small-LSTM budget of about 12 M tokens "
-                  "(5,860 steps of 32 x 64); loss in nats/word. Rows with `model.dropout` and "
-                  "1,465 steps are the dropout sweep at a quarter of the budget, judged on the "
-                  "validation split only (summarized below the table). The discrete model's "
-                  "winner, 0.0, overfits at the full budget (the `model.dropout=0.0` row without "
-                  "a step override: validation loss rises after step 2,000), so the configs use "
-                  "0.1, the better of the two full-budget runs on the validation split; the "
-                  "quarter-budget sweep does not predict the full one. The ODE model uses the "
-                  "same 0.1. The rows without overrides are the headline runs, whose test split is "
-                  "scored once, at the end. Produced by `continuumlm experiment ptb_std`.", "", std, "",
-                  "Reference points (Zaremba, Sutskever & Vinyals 2014, cited, not rerun): "
-                  "small LSTM (2 x 200, 4.6 M parameters, no dropout, 13 epochs) valid 120.7 / "
-                  "test 114.5 perplexity; medium LSTM (2 x 650, dropout 0.5, 39 epochs) valid "
-                  "86.2 / test 82.7.", ""]
-        parts += ptb_dropout_sweep(results)
-        parts += ptb_std_targets(results)
-        early = early_stopping_table(results, "configs/ptb_std/")
-        if early:
-            parts += ["The same runs stopped early: the checkpoint with the lowest in-training "
-                      "validation estimate (chosen on the validation split only; `python "
-                      "bench/train_seeds.py CONFIG --seeds N --also-test --also-best`), scored "
-                      "on the whole validation and test splits.", "", early, ""]
-    mq = mqar_table(results)
-    if mq.count("\n") > 1:
-        parts += ["## Multi-query associative recall (MQAR)", "",
-                  "Zoology's task: vocabulary 8192, sequence 256, 2 layers (or one ODE block), "
-                  "hidden 128; recall accuracy on 1,000 held-out sequences. Each run stops at "
-                  "99% or after 20,000 steps of batch 64. Produced by `continuumlm experiment "
-                  "mqar` (`python bench/mqar_runs.py configs/mqar/NAME.toml`). A run marked "
-                  "unfinished was interrupted there (its record written by `python "
-                  "bench/mqar_runs.py --snapshot configs/mqar/NAME.toml`); its recall is where "
-                  "it stood, not a final figure. Minutes are wall-clock time on a 2-core "
-                  "machine shared with other jobs (two runs at a time, one thread each). "
-                  "\"Trained on\" marks a run whose training set mixes pair counts "
-                  "(`mqar.train_kv_pairs`, all at sequence 256; Zoology trains on such a mix); "
-                  "it is still tested on the pairs in the first number. The held-out set also "
-                  "decides when a run stops, so its recall at the stop is picked by it (slightly "
-                  "optimistic); \"final model, fresh set\" scores the final model once on "
-                  "1,000 sequences from another seed that no run ever saw (`python "
-                  "bench/mqar_runs.py --fresh configs/mqar/NAME.toml`). Two differences from "
-                  "Zoology's generator: the value also follows its query key in the input (a "
-                  "causal model cannot read it at the key's position; later queries never ask "
-                  "for that key again), and values are drawn with replacement (two keys may "
-                  "share a value).", "",
-                  mq, ""]
-        sweep = mqar_sweep_table(results)
-        if sweep:
-            parts += ["Learning-rate sweeps (`python bench/mqar_sweep.py configs/mqar/NAME.toml`, "
-                      "Zoology's four rates): the table above shows each swept config's best "
-                      "rate; every rate's run is below.", "", sweep, ""]
-        md = mqar_distance_table(results)
-        if md:
-            parts += ["Recall at that evaluation split by how far each query lies after its "
-                      "key (in positions; number of queries in brackets).", "", md, ""]
-    reg = regularizer_table(results)
-    if reg:
-        parts += ["## NFE regularizers on an adaptive solver", "",
-                  "ode_rk4.toml's model trained with Tsit5 (rtol 1e-3, atol 1e-4, exact "
-                  "gradients through the accepted steps) at the baby budget, without and with "
-                  "RNODE's regularizers (`train.kinetic_weight`, `train.jacobian_weight`; "
-                  "the config's 0.01 each, as in RNODE, and lower weights with `--tag wW --set "
-                  "train.kinetic_weight=W --set train.jacobian_weight=W`; STEER's random end "
-                  "time, t1 drawn from [1 - b, 1 + b] in training, with `--set "
-                  "train.steer=b`), seed 1337. "
-                  "Target: >= 40% fewer forward NFE at <= 1% higher val loss. Tsit5 spends 6 "
-                  "evaluations per step it tries, so NFE moves in steps of about 6. Produced "
-                  "by `continuumlm experiment regularizers`.", "", reg, "",
-                  regularizer_verdict(results), ""]
-    for key, title in (("ode_cost", "Cost per function evaluation"),
-                       ("ode_memory", "Memory and time vs solver steps"),
-                       ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),
-                       ("mixer_step", "Training step by mixer at equal depth and NFE"),
-                       ("decode_speed", "Decoding: cached vs recompute"),
-                       ("depth_elasticity", "Anytime depth"),
-                       ("depth_exit", "Per-token adaptive depth"),
-                       ("elastic_cost", "Training cost of elastic depth"),
-                       ("adaptive_grads", "Gradients of adaptive solves"),
-                       ("adaptive_solvers", "Adaptive solvers on trained fields"),
-                       ("seminorm_run", "The seminorm adjoint in training"),
-                       ("scale", "Training throughput: processes and compile"),
-                       ("keep_freed_memory", "CPU training: keeping freed memory"),
-                       ("mfu", "Model FLOPs utilization"),
-                       ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
-                       ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding"),
-                       ("hf_harness", "lm-evaluation-harness on trained checkpoints, by depth")):
-        if key in results:
-            r = results[key]
-            parts += [f"## {title}", "", f"`{r['command']}` — {r['setup']}.", "", r["table"], ""]
-            if key == "elastic_cost":
-                parts += teacher_cost(r)
-            if key == "seminorm_run":
-                parts += seminorm_why(r, results.get("adjoint_norm_parts"))
-            if key == "hf_harness":
-                parts += harness_checkpoints_note(r, results)
-            screening = elastic_screening_table(results) if key == "depth_elasticity" else ""
-            if screening:
-                parts += ["Elastic recipes against the NFE-16 target on the whole validation "
-                          "split (`val_loss_full_split` of each run's JSON, at the solve it was "
-                          "saved with, RK4 x 4), each against `ode_rk4` trained on the same "
-                          "seed; the tagged rows are recipes tried with `--set` (`python "
-                          "bench/train_seeds.py configs/shakespeare_char/ode_elastic_dial_capped"
-                          ".toml --seeds N --tag TAG --set ...`, the overrides in the first "
-                          "column). A rerun of the same command differs by a few thousandths "
-                          "(ode_rk4 seeds 1 and 2: 0.004 and 0.001), which bounds what one "
-                          "seed can tell.", "", screening, ""]
-            sweep = results.get("lr_sweep") if key == "depth_elasticity" else None
-            if sweep:
-                parts += ["The same targets across learning rates (`" + sweep["command"]
-                          + "`: " + sweep["setup"] + "). The recipe above, its fixed-NFE "
-                          "references and the discrete baseline at lr 1e-3, 2e-3 and 3e-3, then "
-                          "5e-3 and 8e-3 while a model's best was the highest rate tried "
-                          "(ode_euler, the discrete baseline), three seeds each; the last "
-                          "rows of the second table set each model at its own best rate against "
-                          "the reference at its best rate, the comparison the targets intend. "
-                          "The rows \"elastic (cw1.0 + teacher)\" and \"elastic (teacher "
-                          "only)\" are the recipe at lr 2e-3 distilled (`train.distill_from`, "
-                          "weight 1.0) from ode_euler trained at lr 3e-3 on the same seed, with "
-                          "and without the consistency term; \"elastic (cw1.0 + teacher at "
-                          "5e-3)\" is the first with ode_euler trained at 5e-3 (within 0.001 of its "
-                          "best rate, 8e-3) as the teacher, at lr 2e-3 and (seed 1337) at the "
-                          "teacher's rate. The teacher is a second training run, a cost the fixed "
-                          "models do not pay.",
-                          "", sweep["table"], "", sweep["gaps_table"], ""]
-                if sweep.get("best_table"):
-                    parts += ["Every model at its best rate, and against the discrete baseline "
-                              "at its best (the Shakespeare table above uses lr 1e-3 for every "
-                              "row; this is how far that understates each model):", "",
-                              sweep["best_table"], ""]
-            if r.get("checks_table"):
-                parts += ["Each elastic model against the anytime-depth targets (the 400 windows "
-                          "above; each against the fixed-NFE reference trained on the same seed, "
-                          "or seed 1337's where marked; in brackets whether the target is met; "
-                          "the mean rows average the seed-matched gaps):", "",
-                          r["checks_table"], ""]
-            if r.get("decoding_table"):
-                parts += ["Cached greedy decoding at full depth and at the largest threshold of "
-                          "each criterion within 0.5% of full depth's val loss (speeds measured "
-                          "while other work shared the cores are understated; `other_cores` in "
-                          "the JSON):", "", r["decoding_table"], ""]
-    figures = plots(results)
-    if figures:
-        parts += ["## Figures", "", *[f + "\n" for f in figures]]
+    main_lines, ablation_lines = results_page(results, plots(results))
     DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text("\n".join(parts))
-    print(f"wrote {DOCS}")
+    for path, lines in ((DOCS, main_lines), (ABLATIONS, ablation_lines)):
+        path.write_text("\n".join(lines))
+        print(f"wrote {path}")
     # the README's "What we found" (bench/findings.py), from the same records
     if README_FILE is not None:
         readme = README_FILE.read_text()
@@ -958,14 +879,16 @@ def plots(results: dict[str, dict]) -> list[str]:
         """Write img/<name>.png and link it."""
         if suptitle:
             fig.suptitle(suptitle)
-        fig.tight_layout()
+        if fig.get_layout_engine() is None:
+            fig.tight_layout()
         fig.savefig(img / f"{name}.png", dpi=110)
         plt.close(fig)
         lines.append(f"![{alt}](img/{name}.png)")
 
     curves = {r["config"]: r["curve"] for r in results.values()
               if r.get("curve") and r.get("seed") == 1337 and not r.get("tag")
-              and r["config"].startswith("configs/shakespeare_char/")}
+              and r["config"].startswith("configs/shakespeare_char/")
+              and not _shakespeare_variant(r)}
     families = {"discrete Transformer": [], "ODE (softmax attention)": [],
                 "DeltaNet": [], "continuous attention (CAT)": []}
     for config in sorted(curves):
@@ -976,15 +899,16 @@ def plots(results: dict[str, dict]) -> list[str]:
             break
         fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True, sharey=True)
         for ax, (family, configs) in zip(axes.flat, families.items()):
-            colors = plt.cm.tab10.colors
+            colors = plt.cm.tab20.colors if len(configs) > 10 else plt.cm.tab10.colors
             for i, config in enumerate(configs):
                 c = curves[config]
                 if c.get(kind):
                     steps, vals = zip(*c[kind])
-                    ax.plot(steps, vals, color=colors[i % 10], ls=styles[(i // 10) % 4],
+                    ax.plot(steps, vals, color=colors[i % len(colors)],
+                            ls=styles[(i // len(colors)) % 4],
                             marker="o" if kind == "val" else None, ms=2.5,
                             lw=1 if kind == "train" else 1.4, label=Path(config).stem)
-            ax.set(title=family, ylim=(1.3, 3.0))
+            ax.set(title=family, ylim=(1.6, 2.8))
             ax.grid(alpha=0.3)
             if configs:
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
@@ -996,31 +920,83 @@ def plots(results: dict[str, dict]) -> list[str]:
         save(fig, f"shakespeare_{kind}_curves", f"{kind} curves",
              f"Tiny Shakespeare, baby-GPT budget: {kind} loss by model family (seed 1337)")
     summary = _shakespeare_summary(results)
+
+    def pareto_panel(ax, key: str, xlabel: str, fontsize: float, ylim: tuple) -> None:
+        """Loss against ``key`` by family, the Pareto front named; rows above ``top`` drawn
+        on the upper edge with their loss written beside them (one outlier would otherwise
+        flatten every other row into a band)."""
+        markers = dict(zip(families, "osD^"))
+        top = ylim[1] - 0.02
+        known = [r for r in summary if r[key] is not None]
+        for family in families:
+            pts = [r for r in known if r["family"] == family]
+            if pts:
+                ax.scatter([r[key] for r in pts], [min(r["val"], top) for r in pts],
+                           marker=markers[family], s=40, label=family, alpha=0.85)
+        front = _pareto(known, key)
+        ax.plot([r[key] for r in front], [r["val"] for r in front], color="k", lw=1,
+                ls="--", label="Pareto front")
+        # the front and the discrete baseline named; alternate sides (neighbours are close)
+        best = [min((r for r in known if r["family"] == f), key=lambda r: r["val"])
+                for f in families if any(r["family"] == f for r in known)]
+        named = front + [r for r in known if (r["family"] == "discrete Transformer" or r in best)
+                         and r not in front]
+        ax.set_ylim(*ylim)
+        ax.set(xscale="log")
+        renderer = ax.figure.canvas.get_renderer()
+        taken = []  # label boxes placed so far, in pixels: a label goes where none is
+        for r in named:
+            for dx, dy, ha in ((6, 4, "left"), (6, -12, "left"), (-6, 4, "right"),
+                               (-6, -12, "right"), (6, 14, "left"), (6, -22, "left"),
+                               (-6, 14, "right"), (-6, -22, "right")):
+                label = ax.annotate(r["name"], (r[key], r["val"]), fontsize=fontsize,
+                                    xytext=(dx, dy), textcoords="offset points", ha=ha)
+                box = label.get_window_extent(renderer)
+                if not any(box.overlaps(b) for b in taken):
+                    break
+                label.remove()
+            else:  # nowhere free: the first place
+                label = ax.annotate(r["name"], (r[key], r["val"]), fontsize=fontsize,
+                                    xytext=(6, 4), textcoords="offset points")
+                box = label.get_window_extent(renderer)
+            taken.append(box)
+        for r in known:
+            if r["val"] > top:
+                ax.annotate(f"{r['name']} {r['val']:.2f} (off scale)", (r[key], top),
+                            fontsize=fontsize, xytext=(-8, -12), textcoords="offset points",
+                            ha="right")
+        ax.set(xscale="log", xlabel=xlabel)
+        # plain numbers at 1, 2 and 5 per decade: one label per decade cannot be read
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+            lambda v, _: f"{v:,.0f}" if v < 1e5 else f"{v / 1e6:g} M"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+
     if summary:
+        vals = sorted(r["val"] for r in summary
+                      if r["us_per_token"] is not None or r["parameters"] is not None)
+        top = min(vals[-1] + 0.02, statistics.median(vals) + 0.3)
+        cost = "training time per token (µs, 2 CPU cores; runs measured alone)"
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-        for ax, key, xlabel, xscale in (
-                (axes[0], "us_per_token", "training time per token (us, 2 CPU cores; runs "
-                 "measured alone)", "log"),
-                (axes[1], "parameters", "parameters", "log")):
-            markers = dict(zip(families, "osD^"))
-            known = [r for r in summary if r[key] is not None]
-            for family in families:
-                pts = [r for r in known if r["family"] == family]
-                if pts:
-                    ax.scatter([r[key] for r in pts], [r["val"] for r in pts],
-                               marker=markers[family], s=36, label=family)
-            front = _pareto(known, key)
-            ax.plot([r[key] for r in front], [r["val"] for r in front], color="k", lw=1,
-                    ls="--", label="Pareto front")
-            for i, r in enumerate(front):  # alternate sides: neighbours on the front are close
-                ax.annotate(r["name"], (r[key], r["val"]), fontsize=6.5,
-                            xytext=(4, 4 if i % 2 else -10), textcoords="offset points")
-            ax.set(xscale=xscale, xlabel=xlabel)
-            ax.grid(alpha=0.3)
+        for ax, key, xlabel in ((axes[0], "us_per_token", cost),
+                                (axes[1], "parameters", "parameters")):
+            pareto_panel(ax, key, xlabel, 6.5, (vals[0] - 0.03, top + 0.02))
         axes[0].set_ylabel("val loss, whole split (nats/char, mean over seeds)")
         axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         save(fig, "shakespeare_pareto", "loss against cost",
              "Tiny Shakespeare: loss against training cost and size, every row")
+        # the README's figure: one panel, sized for a page about 880 pixels wide
+        fig, ax = plt.subplots(figsize=(8, 5.2), layout="constrained")
+        timed = sorted(r["val"] for r in summary if r["us_per_token"] is not None)
+        top = min(timed[-1] + 0.02, statistics.median(timed) + 0.3)
+        pareto_panel(ax, "us_per_token", cost, 8, (timed[0] - 0.03, top + 0.02))
+        ax.set_ylabel("val loss (nats/char)")
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=3,
+                   fontsize=8.5, frameon=False)
+        save(fig, "findings_pareto", "loss against training cost",
+             "Tiny Shakespeare at nanoGPT's CPU budget: every model family")
+        lines.pop()  # the README links it; the page shows the two-panel figure
 
     def series(name, rows, series_of, x, y, label, family=None, **axes):
         """One line per series (rows grouped by series_of(row)), saved as img/<name>.png.
@@ -1124,7 +1100,10 @@ def plots(results: dict[str, dict]) -> list[str]:
         # step-size range also drawn with the clamp lifted (dashed: its own points where they
         # differ, the clamped model's elsewhere, since inside the range the two are one model)
         rows = [r for r in results["depth_elasticity"]["rows"] if r.get("seed", 1337) == 1337]
-        models = [m for m in dict.fromkeys(r["model"] for r in rows) if ", unclamped" not in m]
+        # the section's models (every other is on the ablations page), each with more than
+        # one solve (a learning-rate check at one NFE is a point, not a curve)
+        models = [m for m in dict.fromkeys(r["model"] for r in rows) if m in ANYTIME_SHOWN
+                  and sum(r["model"] == m for r in rows) > 1]
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
         for ax, solver in zip(axes, ("euler", "rk4")):
             for i, model in enumerate(models):
@@ -1174,7 +1153,7 @@ def plots(results: dict[str, dict]) -> list[str]:
                 if full:
                     ax.plot([full["nfe_per_token"]], [full["val_loss"]], marker="*", ms=11,
                             color=color, ls="none", label=f"{model}, full depth")
-            ax.set(xlabel="field evaluations per token (mean)", ylabel="val loss",
+            ax.set(xlabel="field evaluations per token (mean)", ylabel="val loss (nats/char, 400 windows)",
                    title="within 2% of each model's full depth" if zoom else "every threshold")
             ax.grid(alpha=0.3)
         axes[1].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

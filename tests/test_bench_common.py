@@ -513,12 +513,75 @@ def test_the_committed_results_page_is_what_the_renderer_writes(tmp_path):
     page = (tmp_path / "results.md").read_text()
     assert page == (ROOT / "docs" / "results.md").read_text(), (
         "docs/results.md differs from what python bench/render.py writes: render it again")
+    ablations = (tmp_path / "ablations.md").read_text()
+    assert ablations == (ROOT / "docs" / "ablations.md").read_text(), (
+        "docs/ablations.md differs from what python bench/render.py writes: render it again")
     # the README's "What we found" is written from the same records
     assert readme.read_text() == (ROOT / "README.md").read_text(), (
         "README.md's What we found differs from what python bench/render.py writes")
     assert "## What we found" in readme.read_text()
     for link in re.findall(r"\]\((img/[^)]+\.png)\)", page):
         assert (tmp_path / link).is_file(), link
+
+
+def _tables(text: str) -> list[int]:
+    """The number of body rows of each Markdown table in ``text``."""
+    sizes, rows = [], None
+    for line in text.split("\n") + [""]:
+        if line.startswith("|"):
+            rows = (rows or 0) + 1
+        elif rows is not None:
+            sizes.append(rows - 2)
+            rows = None
+    return sizes
+
+
+def _anchors(text: str) -> set[str]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import page
+    return {page.anchor(line.lstrip("#")) for line in text.split("\n") if line.startswith("## ")}
+
+
+def test_the_results_page_opens_with_its_answers_and_links_what_it_moved():
+    """The page opens with a summary table of at most about 15 rows; no table on it is longer
+    than 25 rows (sweeps and variants are on the ablations page); every section starts with a
+    sentence, not a table; every link between the two pages lands on a heading."""
+    results = (ROOT / "docs" / "results.md").read_text()
+    ablations = (ROOT / "docs" / "ablations.md").read_text()
+    assert results.index("## At a glance") < results.index("## Tiny Shakespeare")
+    sizes = _tables(results)
+    assert sizes[0] <= 17 and max(sizes) <= 25, sizes
+    for section in results.split("\n## ")[2:]:
+        first = section.split("\n\n")[1]
+        assert not first.startswith("|"), section[:80]
+    targets = {"results.md": _anchors(results), "ablations.md": _anchors(ablations)}
+    for here, text in (("results.md", results), ("ablations.md", ablations)):
+        for file, anchor in re.findall(r"\]\(((?:results|ablations)\.md)?#([\w-]+)\)", text):
+            assert anchor in targets[file or here], f"{here}: {file or here}#{anchor}"
+    # every ablations section is linked from the results page
+    for anchor in _anchors(ablations):
+        assert f"ablations.md#{anchor}" in results, anchor
+
+
+def test_page_templates_are_filled_exactly(tmp_path, monkeypatch):
+    """A placeholder left unfilled, or a value no placeholder takes, is an error; blank runs
+    collapse; tables split by row keep their header."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import page
+    monkeypatch.setattr(page, "PAGES", tmp_path)
+    (tmp_path / "t.md").write_text("## Title, it's\n\n$a\n\n\n$b\n")
+    assert page.fill("t", a="x", b="") == ["## Title, it's", "", "x", ""]
+    assert page.fill("t", a=["1", "2"], b="y") == ["## Title, it's", "", "1", "2", "", "y", ""]
+    with pytest.raises(KeyError):
+        page.fill("t", a="x")
+    with pytest.raises(ValueError, match=r"\$c"):
+        page.fill("t", a="x", b="y", c="z")
+    assert page.anchor("CAT's context-length protocol") == "cats-context-length-protocol"
+    assert page.anchor("Decoding: cached vs recompute") == "decoding-cached-vs-recompute"
+    table = "| a | b |\n| --- | --- |\n| 1 | x |\n| 2 | y |"
+    assert page.split_table(table, lambda c: c[0] == "1") == (
+        "| a | b |\n| --- | --- |\n| 1 | x |", "| a | b |\n| --- | --- |\n| 2 | y |")
+    assert page.split_table(table, lambda c: True)[1] == ""
 
 
 def test_render_refuses_without_matplotlib(tmp_path):

@@ -1,0 +1,388 @@
+"""The answers of docs/results.md: its summary table ("At a glance") and the one sentence each
+section opens with, every number read from bench/results/ (so the page cannot say what its
+records do not). One function per section, named by its key in bench/render.py; a function
+returns None when its records are missing, and the section then opens with its table.
+
+The longer prose of each section is text in bench/pages/; the README's findings are in
+bench/findings.py, and the sections that have one open with it."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import defaultdict
+
+import findings
+from common import markdown_table
+from page import anchor
+
+NANOGPT_BABY_VAL = 1.88  # nanoGPT's README, baby GPT on Tiny Shakespeare characters
+ZOOLOGY_BAR = 0.99  # Zoology's recall threshold for "solves MQAR"
+
+
+def _mean(xs) -> float:
+    return statistics.mean(xs)
+
+
+def _mean_sd(xs: list[float], digits: int = 3) -> str:
+    return findings._mean_sd(xs, digits)
+
+
+def _unlinked(sentence: str | None) -> str | None:
+    """A README finding without its trailing link (the section is where it points)."""
+    return None if sentence is None else re.sub(r"\s*\[[^\]]+\]\([^)]+\)\s*$", "", sentence)
+
+
+def _link(title: str, text: str = "section") -> str:
+    return f"[{text}](#{anchor(title)})"
+
+
+# ---- the summary table ------------------------------------------------------------------
+
+
+def _lr_best(results: dict) -> dict[tuple[str, str], tuple[str, list[float]]]:
+    """(model, solve) -> (best learning rate, the seeds' val losses at it) from lr_sweep."""
+    sweep = results.get("lr_sweep")
+    if not sweep:
+        return {}
+    by: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for r in sweep["rows"]:
+        by[(r["model"], r["solve"], r["lr"])].append(r["val_loss"])
+    best: dict[tuple[str, str], tuple[str, list[float]]] = {}
+    for (model, solve, lr), losses in by.items():
+        if len(losses) < 3:  # a rate tried on fewer seeds is not a row's chosen setting
+            continue
+        if (model, solve) not in best or _mean(losses) < _mean(best[(model, solve)][1]):
+            best[(model, solve)] = (lr, losses)
+    return best
+
+
+def summary_table(results: dict, regularizer_runs: list[dict]) -> str:
+    rows: list[dict] = []
+
+    def row(experiment, model, setting, losses_or_text, anchor_text, section, seeds=""):
+        result = (losses_or_text if isinstance(losses_or_text, str)
+                  else _mean_sd(losses_or_text))
+        if not seeds and not isinstance(losses_or_text, str):
+            seeds = str(len(losses_or_text))
+        rows.append({"experiment": experiment, "model": model, "setting": setting,
+                     "seeds": seeds, "result": result, "anchor": anchor_text,
+                     "section": section})
+
+    shakespeare = "Tiny Shakespeare, val loss (nats/char)"
+    sh_link = _link("Tiny Shakespeare, characters: nanoGPT's CPU budget")
+    best = _lr_best(results)
+    base_1e3 = [r["val_loss_full_split"] for r in findings._seeds(
+        results, "shakespeare_char-transformer_baby")]
+    best_base = best.get(("transformer_baby", "discrete"))
+    lr_links = _link("Anytime depth", "best rates") + (", [every rate](ablations.md#learning-"
+                                                       "rates-on-tiny-shakespeare)")
+    for (model, solve), label in ((("transformer_baby", "discrete"), "discrete Transformer, 4 layers"),
+                                  (("ode_euler", "euler"), "ODE block, Euler x 4 (NFE 4)"),
+                                  (("ode_rk4", "rk4"), "ODE block, RK4 x 4 (NFE 16)")):
+        if (model, solve) not in best:
+            continue
+        lr, losses = best[(model, solve)]
+        anchor_text = (f"nanoGPT {NANOGPT_BABY_VAL} at lr 1e-3 (ours at 1e-3: "
+                       f"{_mean(base_1e3):.3f})" if model == "transformer_baby" and base_1e3
+                       else f"discrete at its best rate: {_mean(best_base[1]):.3f}"
+                       if best_base else "")
+        row(shakespeare, label, f"best lr {lr}", losses, anchor_text, lr_links)
+    elastic = "elastic (cw1.0 + teacher at 5e-3)"
+    if (elastic, "euler") in best and (elastic, "rk4") in best:
+        (lr, at4), (_, at16) = best[(elastic, "euler")], best[(elastic, "rk4")]
+        row(shakespeare, "one elastic ODE model at NFE 4 / NFE 16",
+            f"best lr {lr}; distilled from ode_euler",
+            f"{_mean_sd(at4)} / {_mean_sd(at16)}",
+            "fixed models at their best rates: "
+            f"{_mean(best[('ode_euler', 'euler')][1]):.3f} / "
+            f"{_mean(best[('ode_rk4', 'rk4')][1]):.3f}"
+            if ("ode_euler", "euler") in best and ("ode_rk4", "rk4") in best else "",
+            lr_links, seeds=str(len(at4)))
+    for stem, label, ref_stem, ref_label in (
+            ("deltanet_conv", "DeltaNet + short convolution, 4 layers", "transformer_baby",
+             "softmax, 4 layers"),
+            ("ode_parallel", "ODE block, parallel field (2212.06011), RK4 x 4",
+             "ode_rk4", "sequential field")):
+        runs = findings._seeds(results, f"shakespeare_char-{stem}")
+        ref = findings._seeds(results, f"shakespeare_char-{ref_stem}")
+        if runs and ref:
+            row(shakespeare, label, "lr 1e-3", [r["val_loss_full_split"] for r in runs],
+                f"{ref_label} at lr 1e-3: {_mean([r['val_loss_full_split'] for r in ref]):.3f}",
+                sh_link)
+    std_link = _link("Penn Treebank, standard setup")
+    zaremba = f"Zaremba et al. small LSTM {findings.ZAREMBA_SMALL_TEST_PPL}"
+    for stem, label in (("transformer", "discrete Transformer, 3 layers"),
+                        ("ode_euler", "ODE block, Euler x 4")):
+        runs = findings._seeds(results, f"ptb_std-{stem}")
+        if runs and all("test_loss_full_split" in r for r in runs):
+            row("PTB standard setup (10k words), test perplexity", label, "12 M tokens",
+                _mean_sd([math.exp(r["test_loss_full_split"]) for r in runs], 1), zaremba,
+                std_link, seeds=str(len(runs)))
+    ngram = results.get("ptb-ngram")
+    bigram = next((r for r in (ngram or {}).get("rows", []) if r.get("split") == "test"), None)
+    for stem, label in (("transformer", "discrete Transformer, 3 layers"),
+                        ("ode_rk4", "ODE block, RK4 x 4"),
+                        ("ode_rk4_wide", "ODE block, RK4 x 4, parameter-matched")):
+        runs = findings._seeds(results, f"ptb-{stem}")
+        if runs and all("test_loss_full_split" in r for r in runs):
+            row("PTB, 4k-word vocabulary, test perplexity", label, "3000 steps",
+                _mean_sd([math.exp(r["test_loss_full_split"]) for r in runs], 1),
+                f"bigram {bigram['bigram_ppl']:.0f}" if bigram and "bigram_ppl" in bigram else
+                "n-gram references in the section", _link("Penn Treebank, word level"),
+                seeds=str(len(runs)))
+    rel = results.get("cat_protocol-cat_bias_relative_seed1337")
+    rope = results.get("cat_protocol-softmax_rope_seed1337")
+    if rel and rope:
+        def ce(r, n):
+            return next(c["loss"] for c in r["contexts"] if c["context"] == n)
+        row("CAT's protocol, cross-entropy at 128 / 5000 characters",
+            "relative-kernel attention prior", "trained at 256", f"{ce(rel, 128):.3f} / "
+            f"{ce(rel, 5000):.3f}", f"RoPE {ce(rope, 128):.3f} / {ce(rope, 5000):.3f}",
+            _link("CAT's context-length protocol"), seeds="1")
+    for key, label in (("softmax_kv64_mixed", "softmax attention (mixed pair counts)"),
+                       ("deltanet_kv64", "DeltaNet"), ("ode_deltanet_kv64", "ODE DeltaNet block")):
+        r = results.get(f"mqar-{key}")
+        if r:
+            row("MQAR, 64 key-value pairs, recall", label,
+                f"lr {r.get('lr_best') or 3e-3:g}, {r['steps']} steps",
+                f"{100 * r['accuracy']:.1f}%", f"Zoology's bar {100 * ZOOLOGY_BAR:.0f}%",
+                _link("Multi-query associative recall (MQAR)"), seeds="1")
+    if len(regularizer_runs) > 1:
+        within = [r for r in regularizer_runs[1:] if r["dloss"] <= 0.01]
+        if within:
+            b = max(within, key=lambda r: r["fewer"])
+            row("Adaptive solver (Tsit5), forward NFE", "RNODE kinetic + Jacobian regularizers",
+                b["what"], f"{100 * b['fewer']:.0f}% fewer at {100 * b['dloss']:+.2f}% loss",
+                "RNODE's target: 40% fewer within 1%",
+                _link("NFE regularizers on an adaptive solver"), seeds="1")
+    d = results.get("decode_speed")
+    if d:
+        row("Decoding, 4 ODE blocks RK4 x 4, 512 tokens", "cached decoding through ODE depth",
+            "eager, greedy", ", ".join(f"{r['mixer']} {r['cache_speedup']:.1f}x"
+                                       for r in d["rows"]),
+            "recomputing the prefix (1x); exact to 1e-4", _link("Decoding: cached vs recompute"),
+            seeds="-")
+    if not rows:
+        return ""
+    return markdown_table(rows, [("experiment", "experiment"), ("model", "model"),
+                                 ("setting", "setting"), ("seeds", "seeds"),
+                                 ("result", "result (mean ± sd)"), ("anchor", "set against"),
+                                 ("section", "section")])
+
+
+# ---- one sentence per section -----------------------------------------------------------
+
+
+def shakespeare(results: dict) -> str | None:
+    runs = {stem: findings._seeds(results, f"shakespeare_char-{stem}")
+            for stem in ("transformer_baby", "ode_euler", "ode_rk4", "deltanet_conv",
+                         "ode_wide_rk4x1")}
+    if not runs["transformer_baby"] or not runs["ode_rk4"]:
+        return None
+    m = {k: _mean([r["val_loss_full_split"] for r in v]) for k, v in runs.items() if v}
+    parts = [f"At nanoGPT's learning rate the discrete baseline reaches {m['transformer_baby']:.3f} "
+             f"(nanoGPT: {NANOGPT_BABY_VAL}); one shared ODE block reaches {m['ode_rk4']:.3f} at "
+             f"NFE 16"]
+    if "ode_euler" in m:
+        parts.append(f"{m['ode_euler']:.3f} at NFE 4")
+    tail = []
+    if "deltanet_conv" in m:
+        tail.append(f"DeltaNet with a short convolution is the best 4-layer model "
+                    f"({m['deltanet_conv']:.3f})")
+    if "ode_wide_rk4x1" in m:
+        tail.append(f"a parameter-matched 256-wide ODE block reaches {m['ode_wide_rk4x1']:.3f} "
+                    f"at about 4x the FLOPs")
+    return ", ".join(parts) + (f"; {'; '.join(tail)}" if tail else "") + "."
+
+
+def cat_protocol(results: dict) -> str | None:
+    return _unlinked(findings.cat(results))
+
+
+def ptb(results: dict) -> str | None:
+    runs = {s: findings._seeds(results, f"ptb-{s}") for s in ("transformer", "ode_rk4",
+                                                             "ode_rk4_wide")}
+    if not all(runs.values()) or not all("test_loss_full_split" in r
+                                         for v in runs.values() for r in v):
+        return None
+    p = {s: _mean([math.exp(r["test_loss_full_split"]) for r in v]) for s, v in runs.items()}
+    return (f"With a 4,000-word vocabulary the discrete model's test perplexity is "
+            f"{p['transformer']:.1f}, one ODE block's {p['ode_rk4']:.1f} and the "
+            f"parameter-matched ODE block's {p['ode_rk4_wide']:.1f}, all far below the n-gram "
+            f"references.")
+
+
+def ptb_std(results: dict) -> str | None:
+    return _unlinked(findings.ptb(results))
+
+
+def mqar(results: dict) -> str | None:
+    return _unlinked(findings.mqar(results))
+
+
+def regularizers(results: dict, regularizer_runs: list[dict]) -> str | None:
+    return _unlinked(findings.regularizers(results, regularizer_runs))
+
+
+def ode_cost(r: dict) -> str:
+    by_width = defaultdict(list)
+    for x in r["rows"]:
+        by_width[x["width"]].append(x["ratio"])
+    return ("One field evaluation costs about what one discrete layer of the same width costs "
+            "(forward and backward): " + "; ".join(
+                f"{min(v):.2f}-{max(v):.2f}x at d {w}" for w, v in sorted(by_width.items()))
+            + " across the fixed-grid solvers, so NFE counts cost like layers.")
+
+
+def ode_memory(r: dict) -> str:
+    def peak(grad, steps):
+        return next((x["peak_vs_4_steps"] for x in r["rows"] if x["grad"] == grad
+                     and x["steps"] == steps and x["solver"] == "euler"), None)
+    direct, binomial, adjoint = peak("direct", 64), peak("binomial", 256), peak("adjoint", 256)
+    return (f"From 4 to 64 steps direct backpropagation's peak memory grows {direct:.1f}x; "
+            f"binomial checkpointing grows it {binomial:.2f}x by 256 steps and the adjoint "
+            f"{adjoint:.2f}x, at more backward evaluations.")
+
+
+def deltanet_kernels(r: dict) -> str:
+    rows = sorted(r["rows"], key=lambda x: x["T"])
+    over = next((x["T"] for x in rows if x.get("speedup_vs_sdpa", 0) > 1), None)
+    rec = [x for x in rows if x.get("speedup_vs_recurrent")]
+    return (f"The chunkwise DeltaNet kernel is {rec[0]['speedup_vs_recurrent']:.0f}-"
+            f"{rec[-1]['speedup_vs_recurrent']:.0f}x faster than the recurrent one"
+            + (f" and faster than causal softmax attention from {over} tokens on "
+               f"({rows[-1]['speedup_vs_sdpa']:.1f}x at {rows[-1]['T']})" if over else "") + ".")
+
+
+def mixer_step(r: dict) -> str:
+    by = defaultdict(list)
+    for x in r["rows"]:
+        by[x["mixer"]].append(x["vs_softmax"])
+    return ("At equal depth and NFE a training step costs, against softmax attention's: "
+            + "; ".join(f"{m} {min(v):.2f}-{max(v):.2f}x" for m, v in by.items()
+                        if m != "softmax") + ".")
+
+
+def decode_speed(r: dict, results: dict) -> str | None:
+    return _unlinked(findings.decoding(results))
+
+
+def depth_elasticity(r: dict, results: dict) -> str | None:
+    return _unlinked(findings.elastic(results))
+
+
+def depth_exit(r: dict, results: dict) -> str | None:
+    best = None
+    for x in r["rows"]:
+        if x["criterion"] == "full":
+            continue
+        full = next(y["val_loss"] for y in r["rows"] if y["model"] == x["model"]
+                    and y["criterion"] == "full")
+        if x["val_loss"] <= full * 1.005:
+            fewer = next(y["nfe_per_token"] for y in r["rows"] if y["model"] == x["model"]
+                         and y["criterion"] == "full") / x["nfe_per_token"]
+            if best is None or fewer > best[0]:
+                best = (fewer, x)
+    if best is None:
+        return "No exit threshold saves field evaluations within 0.5% of full depth's loss."
+    fewer, x = best
+    return (f"Exiting per token saves at most {fewer:.2f}x field evaluations within 0.5% of "
+            f"full depth's loss ({x['model']}, {x['criterion']} criterion, tau {x['tau']}); the "
+            f"other models save less.")
+
+
+def elastic_cost(r: dict, results: dict) -> str | None:
+    ratios = {x["config"]: x["ratio"] for x in r["rows"]}
+    elastic = {k: v for k, v in ratios.items() if k.startswith("ode_elastic")}
+    if not elastic:
+        return None
+    return (f"Training across depths costs {min(elastic.values()):.2f}-"
+            f"{max(elastic.values()):.2f}x a fixed RK4 x 4 model per step, by recipe.")
+
+
+def adaptive_grads(r: dict, results: dict) -> str | None:
+    modes = {(x["grad"], x["adjoint_norm"]) for x in r["rows"]}
+    worst = max(r["rows"], key=lambda x: x["grad_rel_error"])
+    direct = [x["peak_mb"] for x in r["rows"] if x["grad"] == "direct"]
+    other = [x["peak_mb"] for x in r["rows"] if x["grad"] != "direct"]
+    return (f"Every gradient mode of an adaptive solve agrees with direct backpropagation to "
+            f"{worst['grad_rel_error']:.0e} relative error or better ({len(modes)} modes); "
+            f"checkpointing and the adjoint cut peak memory from {min(direct):.0f} MB to "
+            f"{max(other):.0f} MB or less.")
+
+
+def adaptive_solvers(r: dict, results: dict) -> str | None:
+    best = {}
+    for x in r["rows"]:
+        if abs(x["val_loss"] - x["reference_loss"]) <= 0.001:
+            key = (x["model"],)
+            if key not in best or x["nfe"] < best[key]["nfe"]:
+                best[key] = x
+    if not best:
+        return None
+    return ("Within 0.001 of the reference loss, the cheapest adaptive solve takes "
+            + "; ".join(f"{x['nfe']} evaluations on {m} ({x['solver']}, rtol {x['rtol']:g})"
+                        for (m,), x in sorted(best.items()))
+            + ", against the reference's " + str(r["rows"][0]["reference_nfe"]) + ".")
+
+
+def seminorm_run(r: dict, results: dict) -> str | None:
+    semi = next((x for x in r["rows"] if x["norm"] == "seminorm"), None)
+    if semi is None:
+        return None
+    return (f"In training, the seminorm adjoint took {semi['backward_vs_default']:.3f}x the "
+            f"default norm's backward evaluations: no saving on this model.")
+
+
+def scale(r: dict, results: dict) -> str | None:
+    return (f"Two DDP processes train {r['speedup_2proc_vs_best_1proc']:.2f}x as fast as the "
+            f"best single process (scaling efficiency {r['scaling_efficiency_2proc']:.2f}); "
+            f"torch.compile gives {r['compile_speedup']:.2f}x and bf16 autocast "
+            f"{r['bf16_speedup']:.2f}x on this CPU.")
+
+
+def keep_freed_memory(r: dict, results: dict) -> str | None:
+    by = defaultdict(dict)
+    for x in r["rows"]:
+        by[x["config"]][x["keep_freed_memory"]] = x["s_per_step"]
+    cuts = [1 - v[True] / v[False] for v in by.values() if True in v and False in v]
+    if not cuts:
+        return None
+    return (f"Keeping freed memory in the process cuts a CPU training step by "
+            f"{100 * min(cuts):.0f}-{100 * max(cuts):.0f}% across {len(cuts)} configs.")
+
+
+def mfu(r: dict, results: dict) -> str | None:
+    vals = [float(x["mfu"].rstrip("%")) for x in r["rows"] if str(x.get("mfu", "")).endswith("%")]
+    if not vals:
+        return None
+    return (f"Training runs reach {min(vals):.0f}-{max(vals):.0f}% of this machine's measured "
+            f"fp32 matmul peak ({r['peak_gflops']:.0f} GFLOP/s).")
+
+
+def data_scale(r: dict, results: dict) -> str | None:
+    met = [t for t in r["targets"] if t["met"]]
+    missed = [t["target"] for t in r["targets"] if not t["met"]]
+    return (f"A {r['size_gb']:.0f} GB corpus is prepared and trained from memory-mapped files "
+            f"within {len(met)} of {len(r['targets'])} targets"
+            + (f"; missed: {'; '.join(missed)} (the page-cache pages, see below)" if missed
+               else "") + ".")
+
+
+def hf_generate(r: dict, results: dict) -> str | None:
+    same = all(x["same_tokens"] for x in r["rows"])
+    return ("Hugging Face `generate` on the exported model runs at "
+            + ", ".join(f"{x['ratio']:.2f}x our decoding ({x['mixer']})" for x in r["rows"])
+            + (", with the same tokens" if same else ", with different tokens") + ".")
+
+
+def hf_harness(r: dict, results: dict) -> str | None:
+    ratios = [x["ratio"] for x in r["rows"].values() if x.get("ratio")]
+    if not ratios:
+        return None
+    worst = max(abs(x - 1) for x in ratios)
+    return (f"lm-evaluation-harness, loading the exported checkpoints through transformers, "
+            f"scores every depth within {100 * worst:.2f}% of our own evaluation "
+            f"({len(ratios)} checkpoint and solve pairs).")
