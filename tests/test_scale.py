@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import small_model
+from continuumlm import ConfigError
 from continuumlm.data.batches import BatchSampler
 from continuumlm.train import Trainer
 from continuumlm.train.logging import read_metrics
@@ -426,6 +427,7 @@ def test_each_torchrun_rank_takes_its_own_gpu_with_nccl(monkeypatch, name):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: chosen.setdefault("set_device", i))
     monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(D.dist, "init_process_group",
@@ -433,6 +435,15 @@ def test_each_torchrun_rank_takes_its_own_gpu_with_nccl(monkeypatch, name):
     env, device = D.setup(name, 60)
     assert (env.rank, env.local_rank, env.world_size) == (1, 1, 2)
     assert device == "cuda:1" and chosen == {"set_device": 1, "backend": "nccl"}
+    # SLURM binding one GPU to each task: local rank 1 sees one GPU, cuda:0
+    chosen.clear()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert D.setup(name, 60)[1] == "cuda:0" and chosen["set_device"] == 0
+    # more ranks on a node than GPUs it sees: one paragraph
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="local rank 3 needs a GPU of its own"):
+        D.setup(name, 60)
 
 
 def test_cpu_torchrun_ranks_use_gloo(monkeypatch):

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="print only the final summary")
     t.add_argument("--nproc", type=_positive_int, help="train with N processes on this machine "
                    "(runs torchrun --standalone --nproc_per_node=N for you; DDP, or FSDP with "
-                   "train.strategy = 'fsdp')")
+                   "train.strategy = 'fsdp'); per node with --nnodes")
+    _launcher_options(t)
 
     pp = sub.add_parser("prepare", parents=[plugin], help="tokenize a corpus once into memory-"
                         "mapped token files (a config's [data] corpus, or any --input)")
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quiet", action="store_true")
     q.add_argument("--nproc", type=_positive_int, help="train with N processes on this machine "
                    "(torchrun --standalone --nproc_per_node=N, as for train)")
+    _launcher_options(q)
 
     i = sub.add_parser("inspect", parents=[plugin], help="parameter count and NFE of a config's model")
     i.add_argument("--config", required=True)
@@ -182,6 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _launcher_options(p: argparse.ArgumentParser) -> None:
+    """Several nodes: one launcher per node (srun --ntasks-per-node 1), meeting at a c10d
+    rendezvous; see docs/cluster.md."""
+    p.add_argument("--nnodes", type=_positive_int, help="the job spans N nodes, one such command "
+                   "on each (e.g. srun --ntasks-per-node 1), each launching --nproc ranks; they "
+                   "meet at a c10d rendezvous (torchrun --nnodes N --rdzv-backend c10d)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="with --nnodes: where the nodes "
+                   "meet (default in a SLURM job: its first node, a port from the job id)")
+    p.add_argument("--rdzv-id", metavar="ID", help="with --nnodes: the job's id, the same on "
+                   "every node (default in a SLURM job: the job id and restart count)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -202,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if e.collective and not env_from_environment().is_main:
             # every rank meets this error; rank 0 prints it and its exit makes the launcher
-            # end this rank. Should that not come, print it here after all.
+            # end this rank (SIGTERM, by its default action here). Should that not come,
+            # print it here after all.
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(10)
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_status", 2)

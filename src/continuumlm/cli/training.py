@@ -12,28 +12,75 @@ from .common import UsageError
 
 # ---------------------------------------------------------------------------- train
 
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run this command under torchrun's launcher with ``nproc`` processes (in this process,
-    as ``torchrun`` would). Exit status: 0; 2 when the ranks stopped on a user error (bad
-    input, divergence), which they printed; 74 on a disk fault and 75 on a requeue signal
-    (every rank alike); 130 on Ctrl-C (the ranks save a checkpoint first); 1 when a rank
-    crashed, with its error printed above this summary."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+LAUNCHER_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
 
+
+def _rank_argv(argv: list[str]) -> list[str]:
+    """The command line of a rank: this one without the launcher's own options."""
     rest, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCHER_OPTIONS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(o + "=" for o in LAUNCHER_OPTIONS)):
             rest.append(a)
-    cmd = ["--standalone", f"--nproc_per_node={nproc}", "-m", "continuumlm", *rest]
+    return rest
+
+
+def _rendezvous(args) -> list[str]:
+    """torchrun's options for this launcher: one node (--standalone), or ``--nnodes M`` agents
+    (one per node, e.g. ``srun --ntasks-per-node 1``) meeting at a c10d rendezvous: the
+    endpoint from --rdzv-endpoint, else the job's first node and a port from its id; the id
+    from --rdzv-id, else the SLURM job (and its restart count, so that a requeued job does not
+    meet the remains of the last one)."""
+    nnodes = getattr(args, "nnodes", None)
+    if not nnodes or nnodes == 1:
+        return ["--standalone"]
+    from ..train.distributed import expand_hostlist
+
+    endpoint, run_id = args.rdzv_endpoint, args.rdzv_id
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if endpoint is None:
+        nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        if not nodes or not job.isdigit():
+            raise UsageError(f"--nnodes {nnodes}: pass --rdzv-endpoint HOST:PORT (a free port "
+                             f"on one of the nodes; the same on every node), or run inside a "
+                             f"SLURM job, where the first node and a port from the job id are "
+                             f"used.")
+        endpoint = f"{expand_hostlist(nodes)[0]}:{20000 + int(job) % 20000}"
+    if run_id is None:
+        if not job:
+            raise UsageError(f"--nnodes {nnodes}: pass --rdzv-id ID (the same on every node, "
+                             f"new for every job), or run inside a SLURM job, whose id is used.")
+        run_id = f"{job}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", run_id]
+
+
+def launch_torchrun(nproc: int, argv: list[str], args=None, out: Path | None = None) -> int:
+    """Run this command under torchrun's launcher with ``nproc`` processes per node (in this
+    process, as ``torchrun`` would). Exit status: 0; 2 when the ranks stopped on a user error
+    (bad input, divergence), which they printed; 74 on a disk fault and 75 on a requeue signal
+    (every rank alike); 130 on Ctrl-C (the ranks save a checkpoint first); 1 when a rank
+    crashed, with its error printed above this summary. On one node this launcher holds the
+    run folder ``out``'s lock for its ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from ..train import runlock, signals
+
+    cmd = [*_rendezvous(args), f"--nproc_per_node={nproc}", "-m", "continuumlm",
+           *_rank_argv(argv)]
+    if out is not None and cmd[0] == "--standalone":
+        runlock.hold(out, "continuumlm " + " ".join(argv))
+        os.environ.update(runlock.inherit_env(out))
     print("launching: torchrun " + " ".join(cmd), flush=True)
-    # a scheduler's warning signal reaches this launcher only: pass it on to the ranks, which
-    # save and exit with REQUEUE_STATUS
+    # a scheduler's warning signal reaches this launcher (or every process of the job): pass
+    # it on to the ranks, which agree, save and exit with REQUEUE_STATUS; from here on a
+    # signal no longer ends this process where it stands (the ranks decide)
+    signals.loop_started()
     previous = {sig: signal.signal(sig, _forward_to_children)
                 for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
@@ -139,7 +186,58 @@ def _clear_unstarted_run(args, out: Path) -> None:
                         "--resume auto")
 
 
+def _stopped_before_training(signame: str) -> int:
+    """A signal before the training loop: nothing to save yet (a resumed run's checkpoint is
+    where it was); the documented status."""
+    from ..train.distributed import env_from_environment
+
+    requeue = signame in ("SIGUSR1", "SIGUSR2")
+    if env_from_environment().is_main:
+        print(f"stopped by {signame} before training began: nothing saved (there was nothing "
+              f"new to save); the same command with --resume auto starts or continues the run",
+              flush=True)
+    if requeue:
+        return REQUEUE_STATUS
+    return 130 if signame == "SIGINT" else 128 + signal.SIGTERM
+
+
+def _start_job(args, out: Path, command: str) -> bool:
+    """What every train and mqar command does first, before reading anything: ranks that
+    SLURM started take their place (unless this process launches ranks itself), and the run
+    folder's lock is taken, or checked by ranks other than 0. Returns whether this process
+    launches ranks (--nproc > 1 or --nnodes)."""
+    from ..train import distributed, runlock
+
+    launcher = bool((args.nproc and args.nproc > 1) or getattr(args, "nnodes", None))
+    if launcher:
+        if distributed.env_from_environment().enabled or distributed.scheduler_ranks():
+            raise UsageError(
+                "--nproc or --nnodes was given in a process that is already one rank of a "
+                "job (torchrun, or srun with several tasks); drop them, since the job already "
+                "sets the number of processes, or start one task per node (srun "
+                "--ntasks-per-node 1) to let this command launch the ranks.")
+        return True
+    distributed.adopt_scheduler_ranks(say=lambda m: print(m, flush=True))
+    runlock.hold(out, f"continuumlm {command} " + " ".join(args.argv[1:]),
+                 rank=distributed.env_from_environment().rank)
+    return False
+
+
 def cmd_train(args) -> int:
+    from ..train import runlock
+    from ..train.signals import StopRequested, install_early, uninstall_early
+
+    install_early()  # from the first moment: a signal during start-up ends the command cleanly
+    try:
+        return _train(args)
+    except StopRequested as e:
+        return _stopped_before_training(e.signame)
+    finally:  # in-process callers (the Python API, tests) get their handlers and folder back
+        runlock.release_all()
+        uninstall_early()
+
+
+def _train(args) -> int:
     import gc
 
     from ..config import load_config
@@ -149,18 +247,16 @@ def cmd_train(args) -> int:
     if args.out is None and args.config is None:
         raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    launcher = _start_job(args, out, "train")
     # decided once by this process, or (under a torchrun started elsewhere) by every rank
     # alike from the folder, without clearing anything (ranks would race)
     under_torchrun = distributed.env_from_environment().enabled
     args.resume = "yes" if _resume_mode(args, out, clear=not under_torchrun) else None
-    if args.nproc and args.nproc > 1:
-        if distributed.env_from_environment().enabled:
-            raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
-                             "already sets the number of processes).")
+    if launcher:
         if args.config or not args.resume:  # a bad config is reported here, once, status 2
             load_config(args.config, args.set, plugins=args.plugin).check_trainable()
         argv = _without_resume(args.argv) + (["--resume"] if args.resume else [])
-        return launch_torchrun(args.nproc, argv)
+        return launch_torchrun(args.nproc or 1, argv, args, out)
     resume = args.resume == "yes"
     if resume:
         if args.config:
@@ -203,16 +299,28 @@ def cmd_train(args) -> int:
 # ---------------------------------------------------------------------------- mqar
 
 def cmd_mqar(args) -> int:
+    from ..train import runlock
+    from ..train.signals import StopRequested, install_early, uninstall_early
+
+    install_early()  # from the first moment, as for train
+    try:
+        return _mqar(args)
+    except StopRequested as e:
+        return _stopped_before_training(e.signame)
+    finally:  # in-process callers (the Python API, tests) get their handlers and folder back
+        runlock.release_all()
+        uninstall_early()
+
+
+def _mqar(args) -> int:
     from ..config import load_config
     from ..train import distributed
     from ..train.mqar import run_mqar
 
-    cfg = load_config(args.config, args.set, plugins=args.plugin)
     out = Path(args.out) if args.out else Path("runs") / "mqar" / Path(args.config).stem
-    if args.nproc and args.nproc > 1:
-        if distributed.env_from_environment().enabled:
-            raise UsageError("--nproc was given inside a torchrun job; drop --nproc (torchrun "
-                             "already sets the number of processes).")
+    launcher = _start_job(args, out, "mqar")
+    cfg = load_config(args.config, args.set, plugins=args.plugin)
+    if launcher:
         from ..train.mqar import prepare_run_folder
 
         try:  # a bad config is reported here, once; an earlier version's run folder adopted
@@ -221,7 +329,7 @@ def cmd_mqar(args) -> int:
             raise
         except ValueError as e:
             raise UsageError(f"[mqar]: {e}") from None
-        return launch_torchrun(args.nproc, args.argv)
+        return launch_torchrun(args.nproc or 1, args.argv, args, out)
     # task sizes that do not fit together are ConfigErrors of the [mqar] section; any other
     # error during training is not the user's input and keeps its traceback
     r = run_mqar(cfg, out, quiet=args.quiet)

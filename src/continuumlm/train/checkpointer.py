@@ -154,16 +154,21 @@ class Checkpointer:
                 os.fsync(f.fileno())
             probe.unlink()
         except OSError as e:
-            advice = {errno.ENOSPC: "free some space or choose another --out",
-                      errno.EDQUOT: "free some space or choose another --out",
-                      errno.ENOTDIR: "a part of that path is a file, not a folder; choose "
-                                     "another --out",
-                      errno.EEXIST: "a part of that path is a file, not a folder; choose "
-                                    "another --out",
-                      errno.EACCES: "you may not write there; choose a writable --out",
-                      errno.EPERM: "you may not write there; choose a writable --out",
-                      errno.EROFS: "that file system is read-only; choose a writable --out",
-                      }.get(e.errno, "choose a writable --out")
-            kind = DiskError if e.errno in DISK_ERRNOS else TrainingError
-            raise kind(f"cannot write to the run folder {self.out} ({e.strerror or e}); "
-                       f"{advice}.") from None
+            raise unwritable_folder(self.out, e) from None
+
+
+def unwritable_folder(out, e: OSError) -> Exception:
+    """The one-paragraph error of a run folder that cannot be created or written (a disk
+    fault is a DiskError, exit status 74; a wrong path a TrainingError)."""
+    advice = {errno.ENOSPC: "free some space or choose another --out",
+              errno.EDQUOT: "free some space or choose another --out",
+              errno.ENOTDIR: "a part of that path is a file, not a folder; choose "
+                             "another --out",
+              errno.EEXIST: "a part of that path is a file, not a folder; choose "
+                            "another --out",
+              errno.EACCES: "you may not write there; choose a writable --out",
+              errno.EPERM: "you may not write there; choose a writable --out",
+              errno.EROFS: "that file system is read-only; choose a writable --out",
+              }.get(e.errno, "choose a writable --out")
+    kind = DiskError if e.errno in DISK_ERRNOS else TrainingError
+    return kind(f"cannot write to the run folder {out} ({e.strerror or e}); {advice}.")

@@ -1,9 +1,11 @@
-"""Multi-process training under ``torchrun``: process group, model wrapping, collectives.
+"""Multi-process training: process group, model wrapping, collectives.
 
-``torchrun --nproc_per_node=N -m continuumlm train ...`` sets RANK, WORLD_SIZE and friends;
-:func:`setup` turns them into a process group (gloo on CPU, nccl on CUDA) with a collective
-timeout, so a rank that dies makes the others fail instead of waiting forever. Without those
-variables everything here is a no-op for a single process.
+``torchrun --nproc_per_node=N -m continuumlm train ...`` sets RANK, WORLD_SIZE and friends; so
+does :func:`adopt_scheduler_ranks` for ranks that SLURM started itself (``srun --ntasks N
+continuumlm train ...``), from the SLURM task variables. :func:`setup` turns them into a process
+group (gloo on CPU, nccl on CUDA) with a collective timeout, so a rank that dies makes the others
+fail instead of waiting forever. Without those variables everything here is a no-op for a single
+process.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ContinuumLMError
 
 
 @dataclass
@@ -59,6 +61,137 @@ class DistEnv:
             dist.barrier()
 
 
+# ---------------------------------------------------------------------------- SLURM ranks
+
+class SchedulerError(ContinuumLMError):
+    """The SLURM variables of a rank cannot be read (exit status 2)."""
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """SLURM's compressed host list as host names, in order: ``"node[01-03,07],gpu-a[1-2]"``
+    gives node01, node02, node03, node07, gpu-a1, gpu-a2; several bracket groups in one name
+    multiply out (``"r[1-2]n[1-2]"``: r1n1, r1n2, r2n1, r2n2); a range keeps the zero padding
+    of its first number. Written here rather than calling ``scontrol show hostnames``: that
+    needs SLURM's client tools on every compute node and a controller that answers."""
+
+    def items(s: str) -> list[str]:  # split at the commas outside brackets
+        out, depth, start = [], 0, 0
+        for i, c in enumerate(s):
+            depth += (c == "[") - (c == "]")
+            if depth < 0 or depth > 1:
+                raise ValueError(s)
+            if c == "," and depth == 0:
+                out.append(s[start:i])
+                start = i + 1
+        if depth:
+            raise ValueError(s)
+        return out + [s[start:]]
+
+    def expand(name: str) -> list[str]:
+        if "[" not in name:
+            if "]" in name or not name:
+                raise ValueError(name)
+            return [name]
+        head, _, rest = name.partition("[")
+        body, _, tail = rest.partition("]")
+        values = []
+        for part in body.split(","):
+            lo, dash, hi = part.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                raise ValueError(name)
+            if not dash:
+                values.append(lo)
+                continue
+            if int(hi) < int(lo):
+                raise ValueError(name)
+            values += [str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1)]
+        return [head + v + t for v in values for t in expand(tail)] if tail else \
+            [head + v for v in values]
+
+    try:
+        return [host for item in items(spec.strip()) for host in expand(item)]
+    except ValueError:
+        raise SchedulerError(
+            f"the SLURM node list {spec!r} is not in SLURM's host-list syntax (names, "
+            f"bracketed ranges such as node[01-04,07], commas between); set MASTER_ADDR to the "
+            f"first node's host name in the job script instead.") from None
+
+
+def _tasks_on_node(spec: str, node: int) -> int:
+    """The task count of node ``node`` from SLURM's "2(x3),1" form (2 tasks on each of the
+    first three nodes, then 1)."""
+    counts = []
+    for part in spec.split(","):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+    return counts[node]
+
+
+def scheduler_ranks(environ=None) -> dict[str, str] | None:
+    """The torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) of a process that SLURM started as one task of a job step with more than one
+    task (``srun --ntasks N``), or None: under torchrun (RANK set), outside a job step (the
+    batch script itself, which SLURM runs once whatever --ntasks says) or for a step of one
+    task. The rendezvous is MASTER_ADDR/MASTER_PORT when the job script exports them, else the
+    step's first node and a port derived from the job id."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env or "SLURM_STEP_ID" not in env:
+        return None
+    try:
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1")
+        if ntasks <= 1:
+            return None
+        rank = int(env["SLURM_PROCID"])
+        local_rank = int(env.get("SLURM_LOCALID", "0"))
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        local_world = (_tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0")))
+                       if per_node else 1)
+    except (KeyError, ValueError, IndexError) as e:
+        raise SchedulerError(
+            f"this process runs as one task of a {env.get('SLURM_STEP_NUM_TASKS') or env.get('SLURM_NTASKS')}"
+            f"-task SLURM job step, but its task variables cannot be read ({e!r} in "
+            f"SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID or SLURM_STEP_TASKS_PER_NODE); start the "
+            f"ranks with srun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+            f"MASTER_PORT yourself.") from None
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
+            or env.get("SLURM_NODELIST")
+        if not nodes:
+            raise SchedulerError("a SLURM job step of several tasks without a node list "
+                                 "(SLURM_STEP_NODELIST, SLURM_JOB_NODELIST) or MASTER_ADDR: "
+                                 "export MASTER_ADDR (the first node's host name) in the job "
+                                 "script.")
+        addr = expand_hostlist(nodes)[0]
+    port = env.get("MASTER_PORT")
+    if not port:
+        job = env.get("SLURM_JOB_ID", "")
+        if not job.isdigit():
+            raise SchedulerError("a SLURM job step of several tasks without SLURM_JOB_ID or "
+                                 "MASTER_PORT: export MASTER_PORT (a free port on the first "
+                                 "node) in the job script.")
+        port = str(20000 + int(job) % 20000)  # one job's ranks agree; jobs rarely collide
+    return {"RANK": str(rank), "WORLD_SIZE": str(ntasks), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": port}
+
+
+def adopt_scheduler_ranks(environ=None, say=print) -> bool:
+    """Become the rank SLURM started (see :func:`scheduler_ranks`): its variables go into the
+    environment, where the process group (``env://``), the data loader and every later check
+    read them, and rank 0 says once what world it resolved. True when it did."""
+    env = os.environ if environ is None else environ
+    ranks = scheduler_ranks(env)
+    if ranks is None:
+        return False
+    env.update(ranks)
+    if ranks["RANK"] == "0":
+        say(f"SLURM job {env.get('SLURM_JOB_ID', '?')}: {ranks['WORLD_SIZE']} ranks started by "
+            f"srun ({env.get('SLURM_STEP_NUM_NODES') or env.get('SLURM_NNODES') or '?'} "
+            f"node(s), {ranks['LOCAL_WORLD_SIZE']} on this one); rendezvous at "
+            f"{ranks['MASTER_ADDR']}:{ranks['MASTER_PORT']}")
+    return True
+
+
 def env_from_environment() -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -84,8 +217,15 @@ def setup(device_name: str, timeout_s: float) -> tuple[DistEnv, str]:
         if device_name not in ("auto", "cuda", f"cuda:{env.local_rank}") and env.is_main:
             print(f"note: train.device = {device_name!r} under torchrun: each rank uses "
                   f"cuda:LOCAL_RANK", flush=True)
-        torch.cuda.set_device(env.local_rank)
-        device_name = f"cuda:{env.local_rank}"
+        # SLURM may bind one GPU to each task (CUDA_VISIBLE_DEVICES of one): then it is cuda:0
+        visible = torch.cuda.device_count()
+        index = env.local_rank if env.local_rank < visible else 0 if visible == 1 else None
+        if index is None:
+            raise ConfigError(f"local rank {env.local_rank} needs a GPU of its own, and this "
+                              f"process sees {visible}; start at most {visible} ranks per node "
+                              f"(--nproc, srun --ntasks-per-node) or make more GPUs visible.")
+        torch.cuda.set_device(index)
+        device_name = f"cuda:{index}"
     elif device_name == "auto":
         device_name = "cpu"
     if not dist.is_initialized():

@@ -1,10 +1,18 @@
 """Stopping on a signal: SIGINT or SIGTERM ends training after the current step, with a
 checkpoint; so does a scheduler's warning signal (``train.requeue_signals``, SIGUSR1 and
 SIGUSR2 by default), after which the command exits with status 75, "requeue me". Every rank
-under torchrun agrees on whether to stop, and why, before any stops."""
+agrees on whether to stop, and why, before any stops.
+
+The handlers hold from the command's first moment (:func:`install_early`): a signal that comes
+before the training loop (data preparation, model build, compile) ends the command at once with
+the same status and nothing saved (there is nothing yet; a resumed run's checkpoint is already
+there). After the loop (teardown) a requeue signal is noted and does not cut the exit, and its
+status, short; SIGINT and SIGTERM take their default action there (the checkpoint is written;
+a launcher ends the remaining ranks of a failed job with SIGTERM)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -12,22 +20,40 @@ import torch
 from . import distributed as D
 
 
+class StopRequested(Exception):
+    """A signal before the training loop: the command ends at once with its status."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.signame = signame
+
+
 class StopSignals:
     """Installed for the training loop (and restored after it). The first signal asks the
     loop to stop after the current step; a second SIGINT stops at once (the last checkpoint
     stays intact)."""
 
-    def __init__(self, requeue: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, requeue: list[str] | tuple[str, ...] = (), raise_now: bool = False) -> None:
         self.requeue = tuple(requeue)
         self.requested: str | None = None
+        self.raise_now = raise_now  # before the loop: end the command where it stands
+        self.after = False  # after the loop: SIGINT and SIGTERM by their default action
         self._previous: dict = {}
 
     def _handler(self, signum, frame) -> None:
+        if self.after and signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
+        if self.raise_now:
+            raise StopRequested(self.requested)
 
     def install(self) -> None:
+        if _early is not None and _early is not self:  # the loop's handlers take over from here
+            _early.raise_now = False
         for sig in (signal.SIGINT, signal.SIGTERM, *(getattr(signal, n) for n in self.requeue)):
             try:
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -38,6 +64,8 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if _early is not None and _early is not self:
+            _early.after = True
 
     def agreed_stop(self, dist: D.DistEnv, device: torch.device,
                     fault: bool = False) -> str | None:
@@ -57,3 +85,33 @@ class StopSignals:
         if other:
             return mine or "SIGTERM"
         return None
+
+
+_early: StopSignals | None = None
+
+
+def install_early() -> StopSignals:
+    """The command's handlers from its first moment, for SIGINT, SIGTERM, SIGUSR1 and SIGUSR2
+    (the requeue signals a config may name): until the training loop installs its own, a
+    signal raises :class:`StopRequested` where the process stands; after the loop it is only
+    noted. Kept for the life of the process."""
+    global _early
+    _early = StopSignals(requeue=("SIGUSR1", "SIGUSR2"), raise_now=True)
+    _early.install()
+    return _early
+
+
+def loop_started() -> None:
+    """From here on the command's early handlers only note a signal (a launcher whose ranks
+    decide, or the training loop, which installs its own)."""
+    if _early is not None:
+        _early.raise_now = False
+
+
+def uninstall_early() -> None:
+    """The handlers as they were before :func:`install_early` (a command run in-process, by
+    the Python API or a test, leaves the caller's handlers as it found them)."""
+    global _early
+    if _early is not None:
+        _early.restore()
+        _early = None
