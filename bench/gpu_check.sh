@@ -1,26 +1,62 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (under 8 minutes on one modern GPU: 100 s of tests, a 360 s bench): the CUDA-marked tests, then
-# bench/gpu_bench.py (each of its sections in a child process with its own time budget).
-# Results go to $OUT (or bench/results/gpu): gpu_bench.json, gpu_bench.log, pytest-cuda.log,
-# nvidia-smi.txt; run folders stay in a temporary folder, so the check can be run again.
+# Every GPU check in one command that ends inside 9 minutes whatever happens (about 8 when every
+# section uses its budget): the environment, the CUDA-marked tests (at most 90 s), then
+# bench/gpu_bench.py (340 s: the GPT-2-small target rows first, then DeltaNet kernels, training
+# tokens/s and MFU, decoding), each of its sections in a child process with its own budget.
+# Results go to $OUT (or bench/results/gpu), four files: env.txt, pytest-cuda.log,
+# gpu_bench.json, gpu_bench.log; run folders stay in a temporary folder, so the check can be
+# run again.
 #
-#   bash bench/gpu_check.sh --prepare   # here: copy tinyshakespeare.txt into .gpu_data/
-#   bash bench/gpu_check.sh             # on the GPU machine (carry .gpu_data along)
+#   bash bench/gpu_check.sh --prepare   # here, with the package index: .gpu_data/ (the corpus)
+#                                       # and .gpu_wheels/ (the fla-core wheel)
+#   bash bench/gpu_check.sh             # on the GPU machine; carry .gpu_data and .gpu_wheels
 #   GPU_CHECK_DRY=1 bash bench/gpu_check.sh   # the same plumbing on the CPU at toy size
+#   bash bench/gpu_check.sh --plan      # the time limits it would use, and nothing else
 #
-# The training rows read Tiny Shakespeare from $CONTINUUMLM_DATA, else from .gpu_data/ in the
-# repository (ignored by git), else ../shared/data; without it they are recorded as skipped.
+# It runs from src/ on PYTHONPATH with the machine's own packages: a GPU machine without network
+# cannot `pip install -e .` (no setuptools>=77 there, and the dev extra needs lm-eval). The
+# carried fla-core wheel (pure Python and Triton) is installed offline into a temporary folder
+# (pip --no-index --no-deps --target), so the fla rows run; without it they are recorded as
+# unavailable. The training rows read Tiny Shakespeare from $CONTINUUMLM_DATA, else .gpu_data/,
+# else ../shared/data; without it they are recorded as skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
+FLA_CORE=0.6.0
+TESTS_LIMIT=90   # s, CUDA-marked tests
+BENCH_DEADLINE=340  # s, gpu_bench.py's own deadline (its DEADLINE)
 if [ "${1:-}" = "--prepare" ]; then
   src=${CONTINUUMLM_DATA:-../shared/data}/tinyshakespeare.txt
   [ -f "$src" ] || { echo "no $src: set CONTINUUMLM_DATA to the folder holding it" >&2; exit 2; }
   mkdir -p .gpu_data && cp "$src" .gpu_data/ && echo "copied $src to .gpu_data/"
+  $PY -m pip download --quiet --no-deps --dest .gpu_wheels "fla-core==$FLA_CORE" ||
+    { echo "could not download fla-core $FLA_CORE into .gpu_wheels/ (the fla rows will be" \
+           "recorded as unavailable)" >&2; exit 1; }
+  echo "fla-core wheel in .gpu_wheels/: carry .gpu_data and .gpu_wheels to the GPU machine"
+  exit 0
+fi
+scale=${GPU_CHECK_BUDGET_SCALE:-1}
+# the backstop around the benchmark (its own deadline, scaled, plus time to stop a section and
+# mark its rows); a fractional scale is fine, anything else is refused
+backstop=$($PY -c "import sys; s = float(sys.argv[1]); assert s > 0; print(round(($BENCH_DEADLINE + 30) * s))" "$scale" 2>/dev/null) ||
+  { echo "GPU_CHECK_BUDGET_SCALE=$scale is not a positive number (e.g. 1 or 1.5)" >&2; exit 2; }
+worst=$(( TESTS_LIMIT + 10 + backstop + 15 + 30 ))  # + kill grace, + environment and install
+if [ "${1:-}" = "--plan" ]; then
+  echo "tests ${TESTS_LIMIT} s, benchmark ${backstop} s at most (scale $scale), whole command ${worst} s at most"
   exit 0
 fi
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
+WORK=$(mktemp -d)
+# whatever ends this script (its own end, a signal, the device's time limit), nothing it started
+# keeps the GPU: every child process is stopped, and gpu_bench.py's sections die with it
+cleanup() {
+  if pkill -TERM -P $$ 2>/dev/null; then sleep 3; pkill -KILL -P $$ 2>/dev/null; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 for d in "${CONTINUUMLM_DATA:-}" "$PWD/.gpu_data" "$PWD/../shared/data"; do
   if [ -n "$d" ] && [ -f "$d/tinyshakespeare.txt" ]; then export CONTINUUMLM_DATA=$d; break; fi
@@ -28,22 +64,51 @@ done
 [ -f "${CONTINUUMLM_DATA:-/nonexistent}/tinyshakespeare.txt" ] ||
   echo "warning: no tinyshakespeare.txt found: the training rows will be skipped" \
        "(run 'bash bench/gpu_check.sh --prepare' first and carry .gpu_data)"
+wheel=$(ls .gpu_wheels/fla_core-*.whl 2>/dev/null | head -n 1)
+if [ -n "$wheel" ]; then
+  if $PY -m pip install --quiet --no-index --no-deps --target "$WORK/site" "$wheel"; then
+    export PYTHONPATH=$PYTHONPATH:$WORK/site
+  else
+    echo "warning: could not install $wheel offline: the fla rows will be recorded as unavailable"
+  fi
+else
+  echo "note: no fla-core wheel in .gpu_wheels/ (bash bench/gpu_check.sh --prepare): the fla" \
+       "rows will be recorded as unavailable"
+fi
+{
+  echo "# $(date -u '+%Y-%m-%d %H:%M:%S') UTC, bash bench/gpu_check.sh${GPU_CHECK_DRY:+ (GPU_CHECK_DRY=1)}"
+  echo "# limits: tests ${TESTS_LIMIT} s, benchmark ${backstop} s (scale $scale), whole command ${worst} s at most"
+  nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+  $PY - <<'EOF' 2>&1
+import importlib
+import platform
+print("python", platform.python_version())
+for name in ("torch", "triton", "transformers", "tokenizers", "safetensors", "torchdiffeq", "fla"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
+    except Exception as e:  # noqa: BLE001
+        print(name, "unavailable:", type(e).__name__, str(e)[:200])
+import torch
+print("cuda", torch.version.cuda, "devices", torch.cuda.device_count(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+from continuumlm.mixers.deltanet import fla_status
+print("fla for DeltaNet:", fla_status())
+EOF
+} > "$OUT/env.txt"
 if [ -n "${GPU_CHECK_DRY:-}" ]; then
   dry=--dry
-  tests_limit=120
 else
   dry=
-  tests_limit=100
-  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
   $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 fi
-# the cuda-marked tests (they skip themselves on machines without a GPU); -k after the limit
-timeout -k 10 $tests_limit $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 |
+# the cuda-marked tests (they skip themselves on machines without a GPU)
+timeout -k 10 "$TESTS_LIMIT" $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 |
   tee "$OUT/pytest-cuda.log"
 tests=${PIPESTATUS[0]}
-# a backstop only: gpu_bench keeps its own deadline (360 s on a GPU; GPU_CHECK_BUDGET_SCALE
-# scales it) and, stopped by this timeout, stops its running section and marks what it skipped
-timeout -k 30 $(( 420 * ${GPU_CHECK_BUDGET_SCALE:-1} )) $PY bench/gpu_bench.py --out "$OUT" $dry 2>&1 |
+# a backstop only: gpu_bench keeps its own deadline and, stopped by this timeout, stops its
+# running section and marks what it skipped
+timeout -k 15 "$backstop" $PY bench/gpu_bench.py --out "$OUT" --budget-scale "$scale" $dry 2>&1 |
   tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 echo "cuda tests exit $tests, benchmark exit $bench"

@@ -29,6 +29,8 @@ WORK=$(mktemp -d)
 # them relative to it, as every result file does
 rm -rf runs/gpu_mqar
 export CONTINUUMLM_RESULTS_DIR=$WORK/results CONTINUUMLM_RUNS_DIR=$PWD/runs/gpu_mqar
+# every rate of a row trains on the same seeded example set: built once, memory-mapped by all
+export CONTINUUMLM_MQAR_CACHE=$WORK/examples
 mkdir -p "$CONTINUUMLM_RESULTS_DIR" "$CONTINUUMLM_RUNS_DIR" "$WORK/logs" "$OUT"
 # whatever happens after this (a kill included), what was recorded comes back
 trap 'tar -czf "$OUT/gpu_mqar.tar.gz" -C "$WORK" results logs; ls -l "$OUT"' EXIT
@@ -42,11 +44,12 @@ if [ -n "${GPU_MQAR_DRY:-}" ]; then
     $PY - "configs/mqar/$name.toml" "$configs/$name.toml" "${GPU_MQAR_DRY_STEPS:-4}" <<'EOF' || exit 1
 import sys
 from continuumlm.config import dump_toml, load_config
-cfg = load_config(sys.argv[1], [f"train.max_steps={sys.argv[3]}", "train.eval_interval=2",
-                               "train.warmup_steps=1", "train.batch_size=4",
-                               "mqar.train_examples=32", "mqar.test_examples=16",
-                               "mqar.seq_len=32", "mqar.num_kv_pairs=4", "model.max_seq_len=32",
-                               "model.hidden_size=32"])
+sets = [f"train.max_steps={sys.argv[3]}", "train.eval_interval=2", "train.warmup_steps=1",
+        "train.batch_size=4", "mqar.train_examples=32", "mqar.test_examples=16",
+        "mqar.seq_len=32", "mqar.num_kv_pairs=4", "model.max_seq_len=32", "model.hidden_size=32"]
+if load_config(sys.argv[1]).mqar.train_kv_pairs:  # a mixed row: pair counts that fit 32
+    sets.append("mqar.train_kv_pairs=[2, 4]")
+cfg = load_config(sys.argv[1], sets)
 open(sys.argv[2], "w").write(dump_toml(cfg))
 EOF
   done

@@ -40,21 +40,31 @@ def rates(base_lr: float, lrs: list[float]) -> list[float]:
     return sorted(set(lrs) | {base_lr})
 
 
-def summarize(name: str, base_lr: float, lrs: list[float]) -> dict | None:
+def summarize(name: str, base_lr: float, lrs: list[float],
+              snapshot: bool = False) -> dict | None:
     """The plain record with ``lr_sweep`` and ``lr_best`` filled in from the record of every
-    rate (``lrs`` and the config's own); None while a rate has no record yet."""
+    rate (``lrs`` and the config's own); None while a rate has no record yet. With
+    ``snapshot``, a rate stopped before its first evaluation (so without a record) is listed
+    as such (no recall, no record) and the others are summarized; None when no rate has one."""
     base_path = RESULTS / f"{name}.json"
     rows = []
     for lr in rates(base_lr, lrs):
         path = base_path if lr == base_lr else RESULTS / f"{name}-{tag(lr)}.json"
         if not path.exists():
-            return None
+            if not snapshot:
+                return None
+            rows.append({"lr": lr, "accuracy": None, "fresh_accuracy": None, "steps": 0,
+                         "max_steps": None, "complete": False, "record": None})
+            continue
         r = json.loads(path.read_text())
         rows.append({"lr": lr, "accuracy": r["accuracy"],
                      "fresh_accuracy": r.get("fresh_accuracy"), "steps": r["steps"],
                      "max_steps": r["max_steps"], "complete": r.get("complete", True),
                      "record": path.name})
-    best = max(rows, key=lambda r: (r["complete"], r["accuracy"]))
+    recorded = [r for r in rows if r["record"] is not None]
+    if not base_path.exists() or not recorded:
+        return None
+    best = max(recorded, key=lambda r: (r["complete"], r["accuracy"]))
     return {**json.loads(base_path.read_text()), "lr_sweep": rows, "lr_best": best["lr"]}
 
 
@@ -88,7 +98,7 @@ def main() -> None:
         if r.returncode and not args.snapshot:
             sys.exit(f"the run at learning rate {lr:g} ended with exit status {r.returncode}; "
                      f"the same command continues the sweep")
-    summary = summarize(name, base_lr, lrs)
+    summary = summarize(name, base_lr, lrs, snapshot=args.snapshot)
     if summary is None:
         sys.exit(f"not every rate of {name} has a record yet; nothing summarized")
     replace_json(RESULTS / f"{name}.json", summary)

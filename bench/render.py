@@ -463,6 +463,11 @@ def mqar_sweep_table(results: dict[str, dict]) -> str:
     rows = []
     for r in recs:
         for x in r["lr_sweep"]:
+            if x.get("record") is None:  # stopped before its first evaluation
+                rows.append({"config": config_cell(r["config"], []), "lr": f"{x['lr']:g}",
+                             "acc": "none (stopped before its first evaluation)",
+                             "fresh": "", "steps": "0"})
+                continue
             rows.append({"config": config_cell(r["config"], []), "lr": f"{x['lr']:g}",
                          "acc": f"{100 * x['accuracy']:.1f}%",
                          "fresh": "" if x.get("fresh_accuracy") is None

@@ -564,3 +564,25 @@ def test_a_stopped_mqar_run_names_the_mqar_command(tmp_path, monkeypatch, capsys
         M.run_mqar(_mqar_cfg(), tmp_path / "full", quiet=True)
     assert "continuumlm mqar --config CONFIG" in str(e.value), str(e.value)
     assert "continuumlm train" not in str(e.value)
+
+
+def test_a_shared_example_cache_gives_the_same_training_set_built_once(tmp_path, monkeypatch):
+    """$CONTINUUMLM_MQAR_CACHE: the seeded training set of one config is built once and
+    memory-mapped by every later run (a sweep's rates side by side), equal to the uncached one;
+    another seed or [mqar] setting gets its own file."""
+    import continuumlm.train.mqar as M
+
+    cfg = _mqar_cfg()
+    plain = M._draw_train_set(cfg)
+    monkeypatch.setenv(M.EXAMPLE_CACHE, str(tmp_path / "cache"))
+    built = M._train_set(cfg)
+    files = list((tmp_path / "cache").glob("mqar-train-*.pt"))
+    assert len(files) == 1
+    calls = []
+    monkeypatch.setattr(M, "_draw_train_set", lambda c: calls.append(c) or plain)
+    shared = M._train_set(cfg)
+    assert calls == []  # read from the file, not drawn again
+    for a, b, c in zip(plain, built, shared):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    M._train_set(_mqar_cfg("train.seed=7"))
+    assert len(list((tmp_path / "cache").glob("mqar-train-*.pt"))) == 2 and len(calls) == 1

@@ -19,7 +19,10 @@ versions (``state.pt``) is adopted: its state becomes a checkpoint, and the run 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -58,7 +61,36 @@ def _test_set(cfg: RunConfig, offset: int = 10_000) -> tuple[torch.Tensor, torch
 FRESH_OFFSET = 20_000
 
 
+EXAMPLE_CACHE = "CONTINUUMLM_MQAR_CACHE"  # a folder: training sets built once, shared
+
+
 def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training sequences (seeded). With ``$CONTINUUMLM_MQAR_CACHE`` set to a folder, the
+    set of one seed and [mqar] section is built once (by the first process to ask, the others
+    wait) and memory-mapped by every run that asks again: runs of several learning rates side
+    by side share one copy in the page cache instead of each drawing its own."""
+    folder = os.environ.get(EXAMPLE_CACHE)
+    if not folder:
+        return _draw_train_set(cfg)
+    key = json.dumps({"seed": cfg.train.seed, "mqar": dataclasses.asdict(cfg.mqar)},
+                     sort_keys=True)
+    path = Path(folder) / f"mqar-train-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait for its file
+        if not path.exists():
+            x, y = _draw_train_set(cfg)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save({"key": key, "x": x, "y": y}, tmp)
+            os.replace(tmp, path)  # complete or absent
+            return x, y
+    saved = torch.load(path, mmap=True, weights_only=True)
+    if saved["key"] != key:  # a hash collision, in principle
+        return _draw_train_set(cfg)
+    return saved["x"], saved["y"]
+
+
+def _draw_train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     # one pair count draws exactly mqar_batch's sequences, so both cases share one call (the
     # config has checked that every pair count fits the vocabulary and the sequence length)
     q = cfg.mqar
