@@ -78,7 +78,7 @@ def test_srun_tasks_become_ranks_with_a_rendezvous_on_the_first_node():
                    SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_LOCALID="1")
     assert distributed.scheduler_ranks(env) == {
         "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 123456 % 20000)}
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(10000 + (123456 * 16) % 20000)}
     # what the job script exports wins
     env.update(MASTER_ADDR="head", MASTER_PORT="29500")
     assert distributed.scheduler_ranks(env)["MASTER_ADDR"] == "head"
@@ -108,7 +108,8 @@ def test_adopting_srun_ranks_sets_torchruns_variables_and_rank_0_says_so():
     env = srun_env(0, 2, job=99)
     assert distributed.adopt_scheduler_ranks(env, say=said.append)
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "2", "localhost")
-    assert len(said) == 1 and "2 ranks started by srun" in said[0] and "localhost:20099" in said[0]
+    assert len(said) == 1 and "2 ranks started by srun" in said[0]
+    assert f"localhost:{10000 + 99 * 16}" in said[0]
     said.clear()
     assert distributed.adopt_scheduler_ranks(srun_env(1, 2, job=99), say=said.append)
     assert said == []  # only rank 0 speaks
@@ -158,7 +159,7 @@ def test_the_rendezvous_of_several_launchers(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[3-4]")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     assert _rendezvous(two) == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                                "n3:20031", "--rdzv-id", "31-2"]
+                                f"n3:{10000 + 31 * 16}", "--rdzv-id", "31-2"]
 
 
 # ---------------------------------------------------------------------------- run folder lock
@@ -168,6 +169,7 @@ import sys, time
 from pathlib import Path
 from continuumlm.train import runlock
 runlock.hold(Path(sys.argv[1]), "holder")
+runlock.ready(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(600)
 """
@@ -205,7 +207,8 @@ def test_ranks_of_the_holding_job_pass_the_check(tmp_path):
     env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
     holder = _hold_in_child(out, env=env)
     try:
-        runlock.hold(out, "rank 1", rank=1, environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})
+        runlock.hold(out, "rank 1", rank=1, environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"},
+                     wait_ready=10)
         with pytest.raises(runlock.RunFolderBusy):  # the same job requeued is another job
             runlock.hold(out, "rank 1", rank=1, environ={
                 "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"})
@@ -331,3 +334,173 @@ def test_a_command_run_in_process_gives_back_its_handlers_and_folder(tiny_corpus
     assert runlock._held == {}
     runlock.hold(out, "next job", environ={})
     runlock.release_all()
+
+
+# ---------------------------------------------------------------------------- second reading
+
+def test_one_launcher_per_node_under_srun_is_accepted(monkeypatch, tmp_path):
+    """srun --ntasks-per-node 1 ... --nnodes 2: a step of two tasks, one per node, whose tasks
+    are launchers (the second job script of docs/cluster.md), not ranks."""
+    from argparse import Namespace
+
+    from continuumlm.cli.common import UsageError
+    from continuumlm.cli.training import _start_job
+
+    for k in [k for k in os.environ if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE")]:
+        monkeypatch.delenv(k)
+    for k, v in srun_env(0, 2, job=8, SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                         SLURM_STEP_NODELIST="n[1-2]", SLURM_LOCALID="0").items():
+        if k.startswith("SLURM_"):
+            monkeypatch.setenv(k, v)
+    args = Namespace(nproc=4, nnodes=2, rdzv_endpoint=None, rdzv_id=None,
+                     argv=["train", "--nnodes", "2"])
+    assert _start_job(args, tmp_path / "run", "train") == "nodes"
+    assert not (tmp_path / "run").exists()  # launchers neither lock nor touch the folder
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2")  # two tasks on this node: ranks
+    with pytest.raises(UsageError, match="--ntasks-per-node 1"):
+        _start_job(args, tmp_path / "run", "train")
+
+
+def test_a_lock_file_removed_by_its_holder_is_taken_afresh(tmp_path):
+    """release_all removes a folder (and its lock file) that a refused command created; a
+    process that opened the old file meanwhile must not hold a lock on a deleted file while a
+    third holds the new one."""
+    out = tmp_path / "fresh"
+    runlock.hold(out, "first", environ={})
+    stale = os.open(out / runlock.LOCK_NAME, os.O_RDWR)
+    runlock.release_all()  # created by the hold, nothing else in it: removed again
+    assert not out.exists()
+    out.mkdir()
+    (out / runlock.LOCK_NAME).write_text("")
+    assert not runlock._same_file(stale, out / runlock.LOCK_NAME)
+    os.close(stale)
+    holder = _hold_in_child(out)
+    try:
+        with pytest.raises(runlock.RunFolderBusy):
+            runlock.hold(out, "third", environ={})
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_second_job_with_nproc_leaves_a_running_jobs_folder_alone(tiny_corpus, tmp_path):
+    """The one-node launcher takes the lock before --resume auto may clear anything: a second
+    job with --nproc 2 into a folder a single process is training stops with 2 and removes
+    nothing of it."""
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=100000, ckpt=1000)
+    out = tmp_path / "busy"
+    first = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(out / "metrics.jsonl", timeout=120)
+        r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--nproc",
+                            "2", "--resume", "auto"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "in use by another job" in r.stderr, r.stderr
+        assert (out / "config.toml").exists() and (out / "metrics.jsonl").exists()
+        assert first.poll() is None  # still training
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_signals_in_quick_succession_during_start_up_end_the_command_once(tiny_corpus,
+                                                                          tmp_path):
+    """A rank that gets the scheduler's signal directly and again from its launcher, or a
+    requeue signal and SIGTERM together: one clean stop, status 75, no traceback."""
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=100000, ckpt=1000)
+    for second in (signal.SIGUSR1, signal.SIGTERM):
+        out = tmp_path / f"twice{int(second)}"
+        p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for(out / runlock.LOCK_NAME, timeout=60)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.002)
+        p.send_signal(second)
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == REQUEUE_STATUS, (second, stdout, stderr)
+        assert "Traceback" not in stderr
+
+
+def test_a_launcher_waiting_at_its_rendezvous_answers_signals(tiny_corpus, tmp_path):
+    """One of two --nnodes launchers whose peer never comes: SIGTERM ends it with 143 and a
+    requeue signal with 75, at once, instead of both being ignored until the rendezvous
+    times out."""
+    cfg = write_cfg(tmp_path, tiny_corpus)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for sig, status in ((signal.SIGTERM, 143), (signal.SIGUSR1, REQUEUE_STATUS)):
+        p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(tmp_path / "n"),
+                              "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
+                              f"127.0.0.1:{_free_port()}", "--rdzv-id", f"lonely{sig}"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        out = ""
+        while "launching: torchrun" not in out and time.time() < deadline:
+            out += p.stdout.readline()
+        time.sleep(2)  # inside the rendezvous
+        t0 = time.time()
+        p.send_signal(sig)
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == status, (sig, stdout, stderr)
+        assert time.time() - t0 < 30
+
+
+@pytest.mark.slow  # a killed first run, then two ranks started like srun
+def test_srun_ranks_restart_a_run_that_died_before_its_first_checkpoint(tiny_corpus, tmp_path):
+    # the same job both times (a requeue): no checkpoint and no evaluation before step 300
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=300, ckpt=1000)
+    out = tmp_path / "died"
+    every = ("--set", "train.eval_interval=1000")
+    p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out), *every],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(out / "config.toml", timeout=120)
+    _wait_for(out / "metrics.jsonl", timeout=120)
+    p.kill()  # a node lost: config.toml and metrics.jsonl written, no checkpoint yet
+    p.wait()
+    if (out / "checkpoints").exists() or max(losses(out), default=0) >= 300:
+        pytest.skip("the killed run got as far as a checkpoint on this machine")
+    procs = _srun(cfg, out, 2, 77, "--resume", "auto", *every)
+    outs = [q.communicate(timeout=300) for q in procs]
+    assert [q.returncode for q in procs] == [0, 0], outs
+    assert max(losses(out)) == 300
+
+
+@pytest.mark.slow  # two ranks under a launcher that is then killed
+def test_ranks_stop_when_their_launcher_dies(tiny_corpus, tmp_path):
+    """The one-node launcher holds the lock for its ranks; killed (SIGKILL), its ranks must not
+    train on unguarded: they get SIGTERM, save and stop."""
+    cfg = write_cfg(tmp_path, tiny_corpus, steps=100000, ckpt=1000)
+    out = tmp_path / "orphans"
+    p = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out), "--nproc", "2"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(out / "metrics.jsonl", timeout=180)
+    while len(losses(out)) < 3:
+        time.sleep(0.05)
+    ranks = [int(s.parent.name) for s in Path("/proc").glob("[0-9]*/stat")
+             if _parent(s) == p.pid]
+    assert ranks
+    p.kill()
+    p.wait()
+    deadline = time.time() + 120
+    while time.time() < deadline and any(Path(f"/proc/{r}").exists() and not _zombie(r)
+                                         for r in ranks):
+        time.sleep(0.2)
+    alive = [r for r in ranks if Path(f"/proc/{r}").exists() and not _zombie(r)]
+    for r in alive:
+        os.kill(r, signal.SIGKILL)
+    assert not alive, "ranks outlived their launcher"
+    verify_checkpoint((out / "checkpoints" / "last").resolve())  # they saved on the way out
+
+
+def _parent(stat: Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

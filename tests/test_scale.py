@@ -435,15 +435,16 @@ def test_each_torchrun_rank_takes_its_own_gpu_with_nccl(monkeypatch, name):
     env, device = D.setup(name, 60)
     assert (env.rank, env.local_rank, env.world_size) == (1, 1, 2)
     assert device == "cuda:1" and chosen == {"set_device": 1, "backend": "nccl"}
-    # SLURM binding one GPU to each task: local rank 1 sees one GPU, cuda:0
-    chosen.clear()
+    # two ranks on a machine with one GPU (not bound by SLURM): one paragraph, not NCCL's
+    # duplicate-GPU error
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert D.setup(name, 60)[1] == "cuda:0" and chosen["set_device"] == 0
-    # more ranks on a node than GPUs it sees: one paragraph
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(ConfigError, match="local rank 3 needs a GPU of its own"):
+    with pytest.raises(ConfigError, match="local rank 1 needs a GPU of its own"):
         D.setup(name, 60)
+    # srun ranks with GPUs bound to each task (--gpus-per-task=1): each sees its own as cuda:0
+    chosen.clear()
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert D.setup(name, 60)[1] == "cuda:0" and chosen["set_device"] == 0
 
 
 def test_cpu_torchrun_ranks_use_gloo(monkeypatch):

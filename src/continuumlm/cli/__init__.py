@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "registers can be named in a config (repeatable; a trained run "
                              "remembers its plugins)")
 
-    t = sub.add_parser("train", parents=[plugin], help="train a model from a TOML config")
+    # no abbreviated options: the launcher strips its own (--nproc, --nnodes, ...) by name
+    t = sub.add_parser("train", parents=[plugin], allow_abbrev=False,
+                       help="train a model from a TOML config")
     t.add_argument("--config", help="TOML file with [model], [data] and [train] sections")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.max_steps=100")
@@ -147,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the task YAML into DIR (new) and print the lm_eval command that scores them")
     h.add_argument("--json", action="store_true")
 
-    q = sub.add_parser("mqar", parents=[plugin], help="train and score multi-query associative recall")
+    q = sub.add_parser("mqar", parents=[plugin], allow_abbrev=False,
+                       help="train and score multi-query associative recall")
     q.add_argument("--config", required=True, help="TOML file with [model], [mqar], [train]")
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     q.add_argument("--out", help="run folder (default: runs/mqar/<config name>)")
@@ -197,9 +200,11 @@ def _launcher_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    in_process = argv is not None  # the Python API or a test, not the console command
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    args.in_process = in_process
     try:
         if args.plugin:
             from ..registry import export_plugins, load_plugins

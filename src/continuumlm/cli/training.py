@@ -37,18 +37,19 @@ def _rendezvous(args) -> list[str]:
     nnodes = getattr(args, "nnodes", None)
     if not nnodes or nnodes == 1:
         return ["--standalone"]
-    from ..train.distributed import expand_hostlist
+    from ..train.distributed import expand_hostlist, job_port
 
     endpoint, run_id = args.rdzv_endpoint, args.rdzv_id
     job = os.environ.get("SLURM_JOB_ID", "")
     if endpoint is None:
-        nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        nodes = (os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+                 or os.environ.get("SLURM_NODELIST"))
         if not nodes or not job.isdigit():
             raise UsageError(f"--nnodes {nnodes}: pass --rdzv-endpoint HOST:PORT (a free port "
                              f"on one of the nodes; the same on every node), or run inside a "
                              f"SLURM job, where the first node and a port from the job id are "
                              f"used.")
-        endpoint = f"{expand_hostlist(nodes)[0]}:{20000 + int(job) % 20000}"
+        endpoint = f"{expand_hostlist(nodes)[0]}:{job_port(os.environ)}"
     if run_id is None:
         if not job:
             raise UsageError(f"--nnodes {nnodes}: pass --rdzv-id ID (the same on every node, "
@@ -73,14 +74,15 @@ def launch_torchrun(nproc: int, argv: list[str], args=None, out: Path | None = N
 
     cmd = [*_rendezvous(args), f"--nproc_per_node={nproc}", "-m", "continuumlm",
            *_rank_argv(argv)]
-    if out is not None and cmd[0] == "--standalone":
-        runlock.hold(out, "continuumlm " + " ".join(argv))
-        os.environ.update(runlock.inherit_env(out))
+    inherited = runlock.inherit_env(out) if out is not None and cmd[0] == "--standalone" \
+        else {}
+    os.environ.update(inherited)  # the ranks' environment: the lock this launcher holds
     print("launching: torchrun " + " ".join(cmd), flush=True)
     # a scheduler's warning signal reaches this launcher (or every process of the job): pass
-    # it on to the ranks, which agree, save and exit with REQUEUE_STATUS; from here on a
-    # signal no longer ends this process where it stands (the ranks decide)
-    signals.loop_started()
+    # it on to the ranks, which agree, save and exit with REQUEUE_STATUS. Until the ranks
+    # exist (a rendezvous may wait for other nodes) a signal ends this command where it stands,
+    # as before any training; once they run, torchrun's own SIGINT/SIGTERM handlers take over
+    _LAUNCHED.clear()
     previous = {sig: signal.signal(sig, _forward_to_children)
                 for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
@@ -99,14 +101,22 @@ def launch_torchrun(nproc: int, argv: list[str], args=None, out: Path | None = N
         print(f"launcher stopped by signal {e.sigval}", file=sys.stderr)
         return 130 if e.sigval == 2 else 128 + int(e.sigval)
     finally:
+        signals.loop_started()  # the ranks have ended: a late signal changes nothing now
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for key in inherited:
+            os.environ.pop(key, None)
     return 0
+
+
+_LAUNCHED: set = set()  # non-empty once the launcher's forwarder has seen its ranks
 
 
 def _forward_to_children(signum, frame) -> None:
     """Send the signal on to this process's children, the ranks (Linux /proc): not to their
     own children (compile workers), which the signal would kill."""
+
+    from ..train.signals import StopRequested, before_loop
 
     me, children = os.getpid(), []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -115,6 +125,13 @@ def _forward_to_children(signum, frame) -> None:
                 children.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
+    if not children and not _LAUNCHED and before_loop():  # no rank yet: end the command here
+        from ..train.signals import loop_started
+
+        loop_started()  # once: a second signal is only noted while this one ends the command
+        raise StopRequested(signal.Signals(signum).name)
+    if children:
+        _LAUNCHED.add(True)
     for pid in children:
         try:
             os.kill(pid, signum)
@@ -189,9 +206,12 @@ def _clear_unstarted_run(args, out: Path) -> None:
 def _stopped_before_training(signame: str) -> int:
     """A signal before the training loop: nothing to save yet (a resumed run's checkpoint is
     where it was); the documented status."""
+    from ..train import signals
     from ..train.distributed import env_from_environment
 
-    requeue = signame in ("SIGUSR1", "SIGUSR2")
+    seen = signals._early.seen if signals._early is not None else set()
+    requeue = bool(({signame} | seen) & {"SIGUSR1", "SIGUSR2"})  # a requeue outranks the rest
+    signame = next((n for n in ("SIGUSR1", "SIGUSR2") if n in {signame} | seen), signame)
     if env_from_environment().is_main:
         print(f"stopped by {signame} before training began: nothing saved (there was nothing "
               f"new to save); the same command with --resume auto starts or continues the run",
@@ -201,26 +221,44 @@ def _stopped_before_training(signame: str) -> int:
     return 130 if signame == "SIGINT" else 128 + signal.SIGTERM
 
 
-def _start_job(args, out: Path, command: str) -> bool:
-    """What every train and mqar command does first, before reading anything: ranks that
-    SLURM started take their place (unless this process launches ranks itself), and the run
-    folder's lock is taken, or checked by ranks other than 0. Returns whether this process
-    launches ranks (--nproc > 1 or --nnodes)."""
+def _start_job(args, out: Path, command: str) -> str:
+    """What every train and mqar command does first, before it reads the run folder. Returns
+    this process's role:
+
+    - ``"nodes"``: one of ``--nnodes`` launchers; it neither locks nor changes the folder (its
+      ranks do, rank 0 first);
+    - ``"launcher"``: the one-node launcher of ``--nproc N``: it holds the folder's lock for its
+      ranks, which inherit it (and end with it: a rank whose launcher dies gets SIGTERM);
+    - ``"holder"``: a single process, or rank 0 of a job started elsewhere (torchrun, srun):
+      it takes the lock and alone clears what a run that died early left;
+    - ``"rank"``: another rank: it checks the lock and waits until rank 0 has the folder ready.
+
+    Ranks that SLURM started take their place first (unless this process launches ranks)."""
     from ..train import distributed, runlock
 
-    launcher = bool((args.nproc and args.nproc > 1) or getattr(args, "nnodes", None))
-    if launcher:
-        if distributed.env_from_environment().enabled or distributed.scheduler_ranks():
+    text = f"continuumlm {command} " + " ".join(args.argv[1:])
+    nnodes = getattr(args, "nnodes", None)
+    if (args.nproc and args.nproc > 1) or nnodes:
+        slurm = distributed.scheduler_ranks()
+        one_per_node = slurm is not None and slurm["LOCAL_WORLD_SIZE"] == "1"
+        if distributed.env_from_environment().enabled or (
+                slurm is not None and not (nnodes and one_per_node)):
             raise UsageError(
                 "--nproc or --nnodes was given in a process that is already one rank of a "
-                "job (torchrun, or srun with several tasks); drop them, since the job already "
-                "sets the number of processes, or start one task per node (srun "
-                "--ntasks-per-node 1) to let this command launch the ranks.")
-        return True
+                "job (torchrun, or srun with several tasks on a node); drop them, since the "
+                "job already sets the number of processes, or start one task per node (srun "
+                "--ntasks-per-node 1) with --nnodes to let this command launch the ranks.")
+        if nnodes and nnodes > 1:
+            return "nodes"
+        runlock.hold(out, text)
+        return "launcher"
     distributed.adopt_scheduler_ranks(say=lambda m: print(m, flush=True))
-    runlock.hold(out, f"continuumlm {command} " + " ".join(args.argv[1:]),
-                 rank=distributed.env_from_environment().rank)
-    return False
+    if os.environ.get(runlock.INHERITED) == str((out / runlock.LOCK_NAME).resolve()):
+        distributed.die_with_parent(signal.SIGTERM)  # saves and stops when its launcher dies
+        return "rank"
+    rank = distributed.env_from_environment().rank
+    runlock.hold(out, text, rank=rank)
+    return "holder" if rank == 0 else "rank"
 
 
 def cmd_train(args) -> int:
@@ -232,27 +270,33 @@ def cmd_train(args) -> int:
         return _train(args)
     except StopRequested as e:
         return _stopped_before_training(e.signame)
-    finally:  # in-process callers (the Python API, tests) get their handlers and folder back
+    finally:
         runlock.release_all()
-        uninstall_early()
+        if getattr(args, "in_process", False):  # the Python API, tests: their handlers back
+            uninstall_early()
 
 
 def _train(args) -> int:
     import gc
 
     from ..config import load_config
-    from ..train import Trainer, distributed
+    from ..train import Trainer, distributed, runlock
     from ..train.trainer import find_resumable
 
     if args.out is None and args.config is None:
         raise UsageError("pass --config FILE (and optionally --out DIR), or --out DIR --resume.")
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
-    launcher = _start_job(args, out, "train")
-    # decided once by this process, or (under a torchrun started elsewhere) by every rank
-    # alike from the folder, without clearing anything (ranks would race)
-    under_torchrun = distributed.env_from_environment().enabled
-    args.resume = "yes" if _resume_mode(args, out, clear=not under_torchrun) else None
-    if launcher:
+    role = _start_job(args, out, "train")
+    if role == "nodes":  # every rank decides --resume auto itself, rank 0 first (it clears)
+        if args.config:  # a bad config is reported here, once, status 2
+            load_config(args.config, args.set, plugins=args.plugin).check_trainable()
+        return launch_torchrun(args.nproc or 1, args.argv, args, out)
+    # decided by the process that holds the folder (clearing what a run that died before its
+    # first checkpoint left), then by every other rank alike from the folder it left
+    args.resume = ("yes" if _resume_mode(args, out, clear=role in ("holder", "launcher"))
+                   else None)
+    runlock.ready(out)
+    if role == "launcher":
         if args.config or not args.resume:  # a bad config is reported here, once, status 2
             load_config(args.config, args.set, plugins=args.plugin).check_trainable()
         argv = _without_resume(args.argv) + (["--resume"] if args.resume else [])
@@ -307,9 +351,10 @@ def cmd_mqar(args) -> int:
         return _mqar(args)
     except StopRequested as e:
         return _stopped_before_training(e.signame)
-    finally:  # in-process callers (the Python API, tests) get their handlers and folder back
+    finally:
         runlock.release_all()
-        uninstall_early()
+        if getattr(args, "in_process", False):  # the Python API, tests: their handlers back
+            uninstall_early()
 
 
 def _mqar(args) -> int:
@@ -318,9 +363,11 @@ def _mqar(args) -> int:
     from ..train.mqar import run_mqar
 
     out = Path(args.out) if args.out else Path("runs") / "mqar" / Path(args.config).stem
-    launcher = _start_job(args, out, "mqar")
+    role = _start_job(args, out, "mqar")
     cfg = load_config(args.config, args.set, plugins=args.plugin)
-    if launcher:
+    if role == "nodes":
+        return launch_torchrun(args.nproc or 1, args.argv, args, out)
+    if role == "launcher":
         from ..train.mqar import prepare_run_folder
 
         try:  # a bad config is reported here, once; an earlier version's run folder adopted
@@ -332,7 +379,7 @@ def _mqar(args) -> int:
         return launch_torchrun(args.nproc or 1, args.argv, args, out)
     # task sizes that do not fit together are ConfigErrors of the [mqar] section; any other
     # error during training is not the user's input and keeps its traceback
-    r = run_mqar(cfg, out, quiet=args.quiet)
+    r = run_mqar(cfg, out, quiet=args.quiet, clear=True if role == "holder" else None)
     # exit statuses as for train: a requeue signal gives REQUEUE_STATUS on every rank
     requeue = r.get("interrupted") in cfg.train.requeue_signals
     if not distributed.env_from_environment().is_main:

@@ -215,13 +215,20 @@ class ODEBlock(nn.Module):
         # closures: a backward pass that evaluates f again (checkpoint, binomial, adjoint,
         # reversible) sees them even if another forward ran in between and reset the modules
         masks: list = [None] * len(self._dropouts)
+        # dropout that draws masks (training): each evaluation restores this forward's masks
+        dropouts = [d for d in self._dropouts if d.active()]
 
         def evaluation(fn, t: float, h: torch.Tensor, n: int):
-            field.dt = dt
-            for d, mask in zip(self._dropouts, masks):
-                d._mask = mask
+            # per evaluation only what can change (Module.__setattr__ costs microseconds, and
+            # a decoded token makes dozens of evaluations)
+            if field.dt != dt:
+                field.dt = dt
+            if dropouts:
+                for d, mask in zip(self._dropouts, masks):
+                    d._mask = mask
             out = mix(fn, h, cache_of(n), padding, t)
-            masks[:] = [d._mask for d in self._dropouts]
+            if dropouts:
+                masks[:] = [d._mask for d in self._dropouts]
             return out
 
         def cache_of(n: int):

@@ -117,6 +117,29 @@ def expand_hostlist(spec: str) -> list[str]:
             f"first node's host name in the job script instead.") from None
 
 
+def job_port(environ) -> int:
+    """A rendezvous port every process of one SLURM job step derives alike: from the job id
+    and step id, in 10000-29999 (below Linux's ephemeral ports, where an outgoing connection
+    may already hold it). Two steps of one job, or jobs whose ids coincide modulo the range,
+    collide: export MASTER_PORT (or pass --rdzv-endpoint) to choose another."""
+    job = int(environ["SLURM_JOB_ID"])
+    step = environ.get("SLURM_STEP_ID", "0")
+    return 10000 + (job * 16 + (int(step) if step.isdigit() else 0)) % 20000
+
+
+def die_with_parent(sig: int) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent dies (a rank whose
+    launcher was killed saves and stops instead of training on unguarded)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() == 1:  # the parent died before the request was in place
+        os.kill(os.getpid(), sig)
+
+
 def _tasks_on_node(spec: str, node: int) -> int:
     """The task count of node ``node`` from SLURM's "2(x3),1" form (2 tasks on each of the
     first three nodes, then 1)."""
@@ -165,12 +188,11 @@ def scheduler_ranks(environ=None) -> dict[str, str] | None:
         addr = expand_hostlist(nodes)[0]
     port = env.get("MASTER_PORT")
     if not port:
-        job = env.get("SLURM_JOB_ID", "")
-        if not job.isdigit():
+        if not env.get("SLURM_JOB_ID", "").isdigit():
             raise SchedulerError("a SLURM job step of several tasks without SLURM_JOB_ID or "
                                  "MASTER_PORT: export MASTER_PORT (a free port on the first "
                                  "node) in the job script.")
-        port = str(20000 + int(job) % 20000)  # one job's ranks agree; jobs rarely collide
+        port = str(job_port(env))
     return {"RANK": str(rank), "WORLD_SIZE": str(ntasks), "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": port}
 
@@ -217,9 +239,12 @@ def setup(device_name: str, timeout_s: float) -> tuple[DistEnv, str]:
         if device_name not in ("auto", "cuda", f"cuda:{env.local_rank}") and env.is_main:
             print(f"note: train.device = {device_name!r} under torchrun: each rank uses "
                   f"cuda:LOCAL_RANK", flush=True)
-        # SLURM may bind one GPU to each task (CUDA_VISIBLE_DEVICES of one): then it is cuda:0
+        # SLURM may bind GPUs to each task (--gpus-per-task): a rank srun started that sees
+        # fewer GPUs than its node has ranks takes its first one
         visible = torch.cuda.device_count()
-        index = env.local_rank if env.local_rank < visible else 0 if visible == 1 else None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        bound = "SLURM_PROCID" in os.environ and 0 < visible < local_world
+        index = 0 if bound else env.local_rank if env.local_rank < visible else None
         if index is None:
             raise ConfigError(f"local rank {env.local_rank} needs a GPU of its own, and this "
                               f"process sees {visible}; start at most {visible} ranks per node "

@@ -287,17 +287,21 @@ def _quiet_model(cfg: RunConfig) -> LanguageModel:
         return LanguageModel(cfg.model)
 
 
-def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
+def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False,
+             clear: bool | None = None) -> dict:
     """Train ``cfg``'s model on MQAR into ``out`` (continuing the run there, if any) and return
     its record (also in ``out/result.json``). A run stopped by a signal returns its record
-    with ``"complete": false`` and ``"interrupted"`` naming the signal."""
+    with ``"complete": false`` and ``"interrupted"`` naming the signal. ``clear``: whether this
+    process clears what a run that died before its first checkpoint left (default: when it is
+    the only process; the CLI says so for rank 0, which holds the run folder's lock)."""
     import gc
 
-    from . import distributed
+    from . import distributed, runlock
     from .trainer import Trainer
 
     out = Path(out)
-    prepare_run_folder(cfg, out)
+    prepare_run_folder(cfg, out, clear=clear)
+    runlock.ready(out)  # the other ranks read the folder from here on
     try:
         trainer = Trainer(cfg, out, resume=has_checkpoints(out), quiet=quiet, task=MQARTask)
         summary = trainer.run()
@@ -315,17 +319,19 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False) -> dict:
     return {**result, "interrupted": summary["interrupted"]} if summary["interrupted"] else result
 
 
-def prepare_run_folder(cfg: RunConfig, out: Path) -> None:
+def prepare_run_folder(cfg: RunConfig, out: Path, clear: bool | None = None) -> None:
     """Before training: the config suits the task (it gets the task's model settings), the
     data fits in memory, and a run folder of the standalone loop is adopted (one process:
-    the launcher of a multi-process run, or the run itself)."""
+    the launcher of a multi-process run, or the run itself). ``clear`` (default: when this is
+    the only process) removes what this same run left before its first checkpoint."""
     from . import distributed
 
     cfg.check_trainable()
     cfg.model = _task_model(cfg)
     _check_data_memory(cfg.mqar)
-    if not has_checkpoints(out) and not (out / LEGACY_STATE).exists() \
-            and not distributed.env_from_environment().enabled:
+    if clear is None:
+        clear = not distributed.env_from_environment().enabled
+    if not has_checkpoints(out) and not (out / LEGACY_STATE).exists() and clear:
         _clear_unstarted_run(cfg, out)
     if not has_checkpoints(out) and (out / LEGACY_STATE).exists():
         if distributed.env_from_environment().enabled:

@@ -70,9 +70,28 @@ def _busy(out: Path, holder: dict) -> RunFolderBusy:
         f"requeued job is never kept out by a dead one.")
 
 
-def hold(out: Path, command: str, rank: int = 0, environ=None) -> None:
+def _write(fd: int, holder: dict) -> None:
+    data = json.dumps(holder).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)  # ranks on other nodes read it (through a shared file system's cache)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path``: a lock taken on a file that its last
+    holder removed (:func:`release_all`) guards nothing, so it is taken again on the new one."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
+
+
+def hold(out: Path, command: str, rank: int = 0, environ=None, wait_ready: float = 300.0) -> None:
     """Take (rank 0) or check (other ranks) the run folder's lock; raise :class:`RunFolderBusy`
-    when another job holds it. A no-op when this process's launcher holds it already."""
+    when another job holds it. A no-op when this process's launcher holds it already. Another
+    rank also waits (up to ``wait_ready`` seconds) until rank 0 has got the folder ready
+    (:func:`ready`): rank 0 alone clears what a run that died before its first checkpoint left,
+    and the other ranks read the folder after it."""
     env = os.environ if environ is None else environ
     path = (out / LOCK_NAME).resolve()
     if env.get(INHERITED) == str(path) or str(path) in _held:
@@ -82,58 +101,83 @@ def hold(out: Path, command: str, rank: int = 0, environ=None) -> None:
         if not out.exists():
             _created.add(out.resolve())
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         from .checkpointer import unwritable_folder
 
         raise unwritable_folder(out, e) from None
-    try:
-        if rank == 0:
-            # a rank of this job that checks holds the lock shared for an instant: try again
-            # for a moment before taking a held lock for another job's
-            deadline = time.monotonic() + 3.0
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise _busy(out, _holder(path)) from None
-                    time.sleep(0.05)
-                except OSError as e:
-                    if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                        print(f"note: {out} is on a file system without locks; one job per "
-                              f"run folder is not enforced there", flush=True)
-                        os.close(fd)
-                        return
-                    raise
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"command": command, "host": socket.gethostname(),
-                                      "pid": os.getpid(), "job": me,
-                                      "started": time.time()}).encode(), 0)
-            _held[str(path)] = fd
-            fd = -1
-            return
-        # another rank: free, or held by this job's rank 0 (which writes who it is at once)
+    if rank == 0:
+        _take(out, path, command, me)
+    else:
+        _check(out, path, me, wait_ready)
+
+
+def _take(out: Path, path: Path, command: str, me: str) -> None:
+    # a rank of this job that checks holds the lock shared for an instant: try again for a
+    # moment before taking a held lock for another job's
+    deadline = time.monotonic() + 3.0
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pass
-        except OSError:
-            return  # no locks on this file system: rank 0 says so
-        deadline = time.monotonic() + 5.0
-        while True:
-            holder = _holder(path)
-            if holder.get("job") == me:
-                return
-            if time.monotonic() > deadline:
-                raise _busy(out, holder)
-            time.sleep(0.1)
-    finally:
-        if fd >= 0:
             os.close(fd)
+            if time.monotonic() > deadline:
+                raise _busy(out, _holder(path)) from None
+            time.sleep(0.05)
+            continue
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                print(f"note: {out} is on a file system without locks; one job per run "
+                      f"folder is not enforced there", flush=True)
+                return
+            raise
+        if not _same_file(fd, path):  # removed by the holder we waited for: take the new one
+            os.close(fd)
+            continue
+        _write(fd, {"command": command, "host": socket.gethostname(), "pid": os.getpid(),
+                    "job": me, "started": time.time(), "ready": False})
+        _held[str(path)] = fd
+        return
+
+
+def _check(out: Path, path: Path, me: str, wait_ready: float) -> None:
+    """Another rank: the folder is free, or held by this job's rank 0 (which writes who it is
+    at once, and that the folder is ready once it is)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        free = True
+    except BlockingIOError:
+        free = False
+    except OSError:
+        return  # no locks on this file system: rank 0 says so
+    finally:
+        os.close(fd)
+    start = time.monotonic()
+    while True:
+        holder = _holder(path)
+        if holder.get("job") == me and holder.get("ready"):
+            return
+        waited = time.monotonic() - start
+        if holder.get("job") != me and not free and waited > 5.0:
+            raise _busy(out, holder)
+        if waited > wait_ready:
+            raise RunFolderBusy(
+                f"rank 0 of this job did not get the run folder {out} ready within "
+                f"{wait_ready:.0f} s (its own error, printed by rank 0, says why); this rank "
+                f"stops too.")
+        time.sleep(0.1)
+
+
+def ready(out: Path) -> None:
+    """Rank 0 (or a single process): the folder is ready for the other ranks to read."""
+    path = (out / LOCK_NAME).resolve()
+    fd = _held.get(str(path))
+    if fd is not None:
+        holder = _holder(path)
+        _write(fd, {**holder, "ready": True})
 
 
 def inherit_env(out: Path) -> dict[str, str]:

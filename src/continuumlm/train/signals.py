@@ -20,8 +20,11 @@ import torch
 from . import distributed as D
 
 
-class StopRequested(Exception):
-    """A signal before the training loop: the command ends at once with its status."""
+class StopRequested(BaseException):
+    """A signal before the training loop: the command ends at once with its status. A
+    BaseException, as KeyboardInterrupt is, so that start-up code which catches Exception (a
+    compile fallback, a tokenizer probe, a checkpoint read) does not take it for its own
+    failure."""
 
     def __init__(self, signame: str) -> None:
         super().__init__(signame)
@@ -36,7 +39,8 @@ class StopSignals:
     def __init__(self, requeue: list[str] | tuple[str, ...] = (), raise_now: bool = False) -> None:
         self.requeue = tuple(requeue)
         self.requested: str | None = None
-        self.raise_now = raise_now  # before the loop: end the command where it stands
+        self.seen: set[str] = set()  # every signal that came, for the exit status
+        self.raise_now = raise_now  # before the loop: end the command where it stands (once)
         self.after = False  # after the loop: SIGINT and SIGTERM by their default action
         self._previous: dict = {}
 
@@ -45,20 +49,32 @@ class StopSignals:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        name = signal.Signals(signum).name
+        if self.raise_now:  # the first signal ends the command; later ones are only noted
+            self.raise_now = False
+            self.requested = name
+            self.seen.add(name)
+            raise StopRequested(name)
         if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        if self.raise_now:
-            raise StopRequested(self.requested)
+            raise KeyboardInterrupt  # Ctrl-C after a first signal: stop at once
+        self.seen.add(name)
+        if self.requested is None or name in self.requeue:  # a requeue signal outranks others
+            self.requested = name
+
+    def requeue_seen(self) -> bool:
+        return bool(self.seen & set(self.requeue))
 
     def install(self) -> None:
-        if _early is not None and _early is not self:  # the loop's handlers take over from here
-            _early.raise_now = False
         for sig in (signal.SIGINT, signal.SIGTERM, *(getattr(signal, n) for n in self.requeue)):
             try:
                 self._previous[sig] = signal.signal(sig, self._handler)
             except ValueError:  # not the main thread: leave signals alone
                 break
+        if _early is not None and _early is not self:  # the loop's handlers have taken over
+            _early.raise_now = False
+            if _early.requested is not None and self.requested is None:
+                self.requested = _early.requested  # noted, never raised: stop at once
+                self.seen |= _early.seen
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -99,6 +115,11 @@ def install_early() -> StopSignals:
     _early = StopSignals(requeue=("SIGUSR1", "SIGUSR2"), raise_now=True)
     _early.install()
     return _early
+
+
+def before_loop() -> bool:
+    """Whether a signal now would still end the command where it stands (nothing started)."""
+    return _early is not None and _early.raise_now
 
 
 def loop_started() -> None:
