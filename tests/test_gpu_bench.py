@@ -54,8 +54,10 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert rows["gpt2", "ode_euler"]["depth_ms_per_evaluation"] > 0
         assert result["gpt2"]["ode_evaluation_vs_layer"] > 0
     # nothing large under OUT: the JSON and the logs, no run folders or checkpoints
-    assert sorted(p.name for p in out.iterdir()) == ["gpu_bench.json", "gpu_bench.log",
-                                                     "pytest-cuda.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["env.txt", "gpu_bench.json",
+                                                     "gpu_bench.log", "pytest-cuda.log"]
+    env_txt = (out / "env.txt").read_text()
+    assert "torch " in env_txt and "fla for DeltaNet:" in env_txt
 
 
 def test_a_section_past_its_budget_is_stopped_and_its_rows_marked(tmp_path):

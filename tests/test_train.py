@@ -2,6 +2,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,9 @@ device = "cpu"
                 "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("the cat") and len(r.stdout.rstrip("\n")) == len("the cat") + 30
+    # decoding speed apart from the set-up (the prompt's forward, a compile): on stderr
+    assert re.search(r"generated 30 tokens: first token [0-9.]+ s \(the 7-token prompt\); "
+                     r"then 29 tokens in [0-9.]+ s, [0-9.]+ tokens/s", r.stderr), r.stderr
     r2 = run_cli("generate", "--checkpoint", out, "--prompt", "the cat", "--max-new-tokens",
                  "30", "--seed", "3", "--no-cache")
     assert r2.stdout == r.stdout
@@ -166,6 +170,7 @@ device = "cpu"
     r3, r4 = run_cli(*greedy), run_cli(*greedy, "--compile")
     assert r4.returncode == 0 and r4.stdout == r3.stdout, r4.stderr
     assert "decoding eagerly" not in r4.stderr  # the compiled graph ran
+    assert "and compiling the one-token step)" in r4.stderr
     r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
     assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
     # without lr_decay_steps the cosine's horizon moved with max_steps: said, with the fix

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -95,11 +96,13 @@ def cmd_generate(args) -> int:
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
                   eos_token_id=stop, compile=args.compile)
+    clock = _DecodeClock()
     try:
         if args.num_samples == 1:
-            _stream(model, tok, idx, args, kwargs)
+            _stream(model, tok, idx, args, kwargs, clock)
         else:
-            out = model.generate(idx, args.max_new_tokens, **kwargs)
+            out = torch.cat([idx] + [t[:, None] for t in clock.timed(
+                model.generate_stream(idx, args.max_new_tokens, **kwargs))], dim=1)
             for i, row in enumerate(out.tolist()):
                 new = row[len(ids):]
                 if stop is not None and stop in new:  # rows that finished early are padded
@@ -110,6 +113,7 @@ def cmd_generate(args) -> int:
             print()
     except ValueError as e:  # bad sampling arguments or a context the model cannot hold
         raise UsageError(str(e)) from None
+    print(clock.report(len(ids), args.compile and not args.no_cache), file=sys.stderr)
     if args.exit_threshold is not None:
         done, tokens = model.depth.exit_totals
         # compiled one-token steps run inside the graph, where nothing is counted on the host
@@ -123,8 +127,36 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _stream(model, tok, idx, args, kwargs) -> None:
-    stream = model.generate_stream(idx, args.max_new_tokens, **kwargs)  # bad arguments raise here
+class _DecodeClock:
+    """When each new token came: the first (the prompt's forward, and with --compile the
+    compilation) apart from the rest (decoding proper), so that tokens/s says what decoding
+    costs and the set-up is reported on its own."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+
+    def timed(self, stream):
+        for token in stream:
+            self.times.append(time.perf_counter())
+            yield token
+
+    def report(self, prompt_tokens: int, compiled: bool) -> str:
+        if not self.times:
+            return "generated no tokens"
+        first = self.times[0] - self.start
+        setup = f"first token {first:.2f} s (the {prompt_tokens}-token prompt" + (
+            ", and compiling the one-token step" if compiled else "") + ")"
+        if len(self.times) < 2:
+            return f"generated 1 token: {setup}"
+        rest = self.times[-1] - self.times[0]
+        n = len(self.times) - 1
+        return (f"generated {len(self.times)} tokens: {setup}; then {n} tokens in {rest:.2f} s, "
+                f"{n / max(rest, 1e-9):.1f} tokens/s")
+
+
+def _stream(model, tok, idx, args, kwargs, clock: _DecodeClock) -> None:
+    stream = clock.timed(model.generate_stream(idx, args.max_new_tokens, **kwargs))
     ids = idx[0].tolist()
     printed = tok.decode(ids)
     sys.stdout.write(printed)
