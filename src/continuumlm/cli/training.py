@@ -261,19 +261,27 @@ def _start_job(args, out: Path, command: str) -> str:
     return "holder" if rank == 0 else "rank"
 
 
-def cmd_train(args) -> int:
+def _as_job(body, args) -> int:
+    """A train or mqar command as a job: signal handlers from its first moment (a signal
+    during start-up ends it cleanly, with its status), and the run folder's lock and the
+    handlers given back at its end (in-process callers, the Python API and tests, get theirs
+    back; a console process keeps them until it exits)."""
     from ..train import runlock
     from ..train.signals import StopRequested, install_early, uninstall_early
 
-    install_early()  # from the first moment: a signal during start-up ends the command cleanly
+    install_early()
     try:
-        return _train(args)
+        return body(args)
     except StopRequested as e:
         return _stopped_before_training(e.signame)
     finally:
         runlock.release_all()
-        if getattr(args, "in_process", False):  # the Python API, tests: their handlers back
+        if getattr(args, "in_process", False):
             uninstall_early()
+
+
+def cmd_train(args) -> int:
+    return _as_job(_train, args)
 
 
 def _train(args) -> int:
@@ -343,18 +351,7 @@ def _train(args) -> int:
 # ---------------------------------------------------------------------------- mqar
 
 def cmd_mqar(args) -> int:
-    from ..train import runlock
-    from ..train.signals import StopRequested, install_early, uninstall_early
-
-    install_early()  # from the first moment, as for train
-    try:
-        return _mqar(args)
-    except StopRequested as e:
-        return _stopped_before_training(e.signame)
-    finally:
-        runlock.release_all()
-        if getattr(args, "in_process", False):  # the Python API, tests: their handlers back
-            uninstall_early()
+    return _as_job(_mqar, args)
 
 
 def _mqar(args) -> int:

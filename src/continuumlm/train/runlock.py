@@ -1,14 +1,15 @@
 """One job per run folder: an advisory lock (``fcntl.flock`` on ``.run.lock`` in the folder),
 held by the job for its whole life and released by the kernel when the process ends, also
-after a crash or SIGKILL: a stale lock never blocks a resume. A second job in a folder that a
-running job holds stops at once (exit status 2) with a message naming the holder.
+after a crash or SIGKILL: on a local disk a stale lock never blocks a resume. A second job in a
+folder that a running job holds stops at once (exit status 2) with a message naming the holder.
 
-Who holds it: a single process, or the launcher of ``--nproc N`` (its ranks inherit
-``CONTINUUMLM_RUN_LOCK`` and take nothing); under torchrun or SLURM-started ranks, rank 0
-holds it and every other rank checks, before doing anything, that the folder is not held by
-another job (:func:`hold` with ``rank > 0``). flock works on local file systems and on NFS
-(where Linux takes it as a POSIX lock through the lock manager); a shared file system without
-locks makes the lock a no-op there (said once)."""
+Who holds it: a single process, or the one-node launcher of ``--nproc N`` (its ranks inherit
+``CONTINUUMLM_RUN_LOCK``, take nothing, and are stopped when the launcher dies); under torchrun,
+SLURM-started ranks or ``--nnodes`` launchers, rank 0 holds it, and every other rank checks
+before doing anything that no other job holds the folder, then waits until rank 0 has it ready
+(:func:`ready`: rank 0 alone clears what a run that died early left). flock works on local file
+systems and on NFS, where Linux takes it through the lock manager (a crashed node's lock lasts
+until the server's lease ends); on a file system without locks it is a no-op (said once)."""
 
 from __future__ import annotations
 

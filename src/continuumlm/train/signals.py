@@ -61,9 +61,6 @@ class StopSignals:
         if self.requested is None or name in self.requeue:  # a requeue signal outranks others
             self.requested = name
 
-    def requeue_seen(self) -> bool:
-        return bool(self.seen & set(self.requeue))
-
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, *(getattr(signal, n) for n in self.requeue)):
             try:
@@ -109,8 +106,9 @@ _early: StopSignals | None = None
 def install_early() -> StopSignals:
     """The command's handlers from its first moment, for SIGINT, SIGTERM, SIGUSR1 and SIGUSR2
     (the requeue signals a config may name): until the training loop installs its own, a
-    signal raises :class:`StopRequested` where the process stands; after the loop it is only
-    noted. Kept for the life of the process."""
+    signal raises :class:`StopRequested` where the process stands (once; later ones are noted);
+    after the loop it is only noted. A console command keeps them until it exits; an
+    in-process caller gets its own back (:func:`uninstall_early`)."""
     global _early
     _early = StopSignals(requeue=("SIGUSR1", "SIGUSR2"), raise_now=True)
     _early.install()
