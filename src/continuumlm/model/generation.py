@@ -91,11 +91,11 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
                     compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time.
 
-    ``compile=True`` (with the cache) decodes through ``torch.compile`` graphs: after the
-    prompt, the state is frozen to fixed-capacity buffers with the position held in
-    tensors, so one graph serves every token until the buffers are full; they then double,
-    and the next capacity has a graph of its own (per batch size; compiled on first use,
-    kept for later generations). A compiler failure warns once and decodes eagerly.
+    ``compile=True`` (with the cache) decodes with compiled mixer evaluations: after the
+    prompt, the state is frozen to fixed-capacity buffers with the position held in tensors,
+    and one ``torch.compile`` graph of one evaluation serves every evaluation of every token
+    (see :func:`static_decoder`; graphs are compiled on first use and kept for later
+    generations). A compiler failure warns once and decodes eagerly.
     Bad arguments raise here, when the stream is made, not at its first token.
     """
     cfg = model.config
@@ -167,62 +167,68 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
 # ------------------------------------------------------------------ the static one-token step
 
 def static_decoder(model, state: DecodeState, compile: bool = True,
-                    min_capacity: int = 64):
-    """Freeze ``state`` and return the (compiled, unless ``compile`` is False) one-token
-    step ``fn(ids (B, 1), state) -> logits (B, vocab)``.
+                   min_capacity: int = 64):
+    """Freeze ``state`` and return the one-token step ``fn(ids (B, 1), state) -> logits
+    (B, vocab)``, whose mixer evaluations (an ODE block's field evaluations, a discrete
+    stack's layers) run compiled unless ``compile`` is False.
+
+    What is compiled is the unit that repeats: one evaluation, ``module(*args)``. With
+    ``torch.compile``'s handling of modules as inputs, the same graph serves every step and
+    stage of every block (their weights and caches are its inputs), so a model compiles a
+    few small graphs, not one graph holding all of a token's evaluations (64 for 4 blocks of
+    RK4 x 4: minutes of compilation on CPU). The rest of a token (embedding, the solver's
+    stage combinations, the head, early-exit decisions) runs eagerly around it.
 
     Capacities are powers of two (at least ``min_capacity``) that grow with the sequence:
     the state is frozen at the smallest one that holds the next token and refrozen at twice
     the size when it is full. A frozen attention step reads its whole buffer (the mask
-    hides the tail), and on CPU reading the caches of every stage evaluation is a large
-    share of a token's time, so a buffer sized to the final length would make every early
-    token pay for the last; with doubling, each token reads fewer than twice the positions
-    it needs.
-    Each capacity is one static-shape graph (a symbolic-capacity graph was slower to
-    compile and to run on CPU), shared by every generation that reaches it: generations of
-    any length compile at most one graph per power of two. A mixer whose step does not
-    read the buffers' length (DeltaNet) keeps one graph throughout."""
+    hides the tail), so a buffer sized to the final length would make every early token pay
+    for the last; with doubling, each token reads fewer than twice the positions it needs.
+    The first capacity's graph has static shapes; when the buffers grow, dynamo recompiles
+    once with the capacity symbolic, and that graph serves every later size. A compiler
+    failure warns once and that model decodes eagerly from the evaluation that failed."""
     device = model.tok_emb.weight.device
     state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
+    if compile and not model._compile_failed:
+        state.evaluate = _compiled_call(model)
 
-    def grow(st: DecodeState) -> None:
+    def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
         st.check_solve(model.config)  # as hidden_states does, on the host for static steps
         if st.pos >= st.static.capacity:
             st.freeze(2 * st.static.capacity, device)
-
-    if not compile:
-        def eager(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-            grow(st)
+        if st.evaluate is None:
             return model._static_token_logits(ids, st)
-        return eager
-
-    def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        grow(st)
-        if not model._compile_failed:
-            try:
-                # strides are part of the guards: a contiguous (B, 1) every time
-                with _recompile_limit(_RECOMPILE_LIMIT):
-                    return _compiled_token_logits()(model, ids.contiguous(), st)
-            except _compile_errors() as e:
-                # fullgraph: tracing and compiling end before anything runs, so the state
-                # is untouched and the eager step below consumes this token exactly once
-                log.warning("generate(compile=True): torch.compile failed (%s: %s); "
-                            "decoding eagerly.", type(e).__name__,
-                            first_line(e))
-                model._compile_failed = True  # not again for this model
-        return model._static_token_logits(ids, st)
+        with _recompile_limit(_RECOMPILE_LIMIT):
+            return model._static_token_logits(ids, st)
 
     return step
 
 
-def _static_token_logits(model, idx: torch.Tensor, state: DecodeState):
-    return model._static_token_logits(idx, state)
+def _compiled_call(model):
+    """``evaluate(module, *args)``: ``module(*args)`` through the compiled call, or directly
+    once compiling has failed for ``model`` (warned once)."""
+    def evaluate(module, *args):
+        if not model._compile_failed:
+            try:
+                return _compiled_evaluation()(module, *args)
+            except _compile_errors() as e:
+                # fullgraph: tracing and compiling end before anything runs, so the caches
+                # are untouched and the direct call below makes this evaluation exactly once
+                log.warning("generate(compile=True): torch.compile failed (%s: %s); "
+                            "decoding eagerly.", type(e).__name__, first_line(e))
+                model._compile_failed = True  # not again for this model
+        return module(*args)
+    return evaluate
+
+
+def _call(module, *args):
+    return module(*args)
 
 
 _COMPILED = None
-# one compiled function serves every model, batch size and capacity: allow more graphs than
-# dynamo's default of 8 before it refuses to compile another (it then raises, under fullgraph,
-# and that model decodes eagerly)
+# one compiled function serves every model, module type and batch size: allow more graphs
+# than dynamo's default of 8 before it refuses to compile another (it then raises, under
+# fullgraph, and that model decodes eagerly)
 _RECOMPILE_LIMIT = 64
 
 
@@ -254,12 +260,12 @@ def _capacity_for(n: int, minimum: int = 64) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-def _compiled_token_logits():
-    """One compiled function for every model, built on first use (nothing compiled is stored on
-    a model, so copies and pickles of a model are unaffected); dynamo's guards tell models,
-    batch sizes and capacities apart. fullgraph: no graph breaks, so a failure to compile
-    happens before any cache has moved."""
+def _compiled_evaluation():
+    """One compiled ``_call`` for every model, built on first use (nothing compiled is stored
+    on a model, so copies and pickles of a model are unaffected); dynamo's guards tell module
+    types, batch sizes and capacities apart. fullgraph: no graph breaks, so a failure to
+    compile happens before any cache has moved."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(_static_token_logits, dynamic=False, fullgraph=True)
+        _COMPILED = torch.compile(_call, fullgraph=True)
     return _COMPILED
