@@ -73,7 +73,7 @@ def process_s(mixer: str, n: int, compile: bool, cache_dir: str | None = None) -
 
 
 def pays_from(eager_s: float, compiled_s: float, eager_tok_s: float, compiled_tok_s: float,
-              n: int) -> float | None:
+              n: int) -> int | None:
     """New tokens from which a compiled process is faster than an eager one: the extra
     set-up (compiling, loading graphs) over the time saved per token; None when compiled
     decoding is not faster per token."""
@@ -81,7 +81,7 @@ def pays_from(eager_s: float, compiled_s: float, eager_tok_s: float, compiled_to
     if saved <= 0:
         return None
     extra = (compiled_s - n / compiled_tok_s) - (eager_s - n / eager_tok_s)
-    return max(extra, 0.0) / saved
+    return round(max(extra, 0.0) / saved)
 
 
 @torch.no_grad()
@@ -129,20 +129,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    table = markdown_table(rows, [
-        ("mixer", "mixer"), ("recompute_tok_s_512", "recompute tok/s (512 new)"),
-        ("cached_tok_s_512", "cached tok/s (512 new)"), ("cached_tok_s_2048", "cached tok/s (2048 new)"),
-        ("cache_speedup", "cached / recompute (512 new)"),
-        ("compiled_tok_s_512", "compiled cached tok/s (512 new)"),
-        ("compiled_tok_s_2048", "compiled cached tok/s (2048 new)"),
-        ("compiled_speedup", "compiled cached / recompute (512 new)"),
-        ("process_s_eager_512", "whole process, s (512 new; eager)"),
-        ("process_s_compiled_cold_512", "whole process, s (512 new; compiled, cold cache)"),
-        ("process_s_compiled_warm_512", "whole process, s (512 new; compiled, warm cache)"),
-        ("pays_from_cold", "compiling pays from N new tokens (cold cache)"),
-        ("pays_from_warm", "compiling pays from N new tokens (warm cache)"),
-        ("step_ms_at_128", "ms/token at 128"),
-        ("step_ms_at_2048", "ms/token at 2048"), ("step_2048_vs_128", "2048 / 128")])
+    table = make_table(rows)
     print(table)
     write_json("decode_speed", {"command": "python bench/decode_speed.py",
                                 "setup": "4 ODE blocks x RK4 x 4 steps (NFE 64/token), d=128, "
@@ -156,6 +143,23 @@ def main() -> None:
                                          "cache of their own, empty (cold) and then filled "
                                          "(warm)",
                                 "rows": rows, "table": table})
+
+def make_table(rows: list[dict]) -> str:
+    return markdown_table(rows, [
+        ("mixer", "mixer"), ("recompute_tok_s_512", "recompute tok/s (512 new)"),
+        ("cached_tok_s_512", "cached tok/s (512 new)"), ("cached_tok_s_2048", "cached tok/s (2048 new)"),
+        ("cache_speedup", "cached / recompute (512 new)"),
+        ("compiled_tok_s_512", "compiled cached tok/s (512 new)"),
+        ("compiled_tok_s_2048", "compiled cached tok/s (2048 new)"),
+        ("compiled_speedup", "compiled cached / recompute (512 new)"),
+        ("process_s_eager_512", "whole process, s (512 new; eager)"),
+        ("process_s_compiled_cold_512", "whole process, s (512 new; compiled, cold cache)"),
+        ("process_s_compiled_warm_512", "whole process, s (512 new; compiled, warm cache)"),
+        ("pays_from_cold", "compiling pays from N new tokens (cold cache)"),
+        ("pays_from_warm", "compiling pays from N new tokens (warm cache)"),
+        ("step_ms_at_128", "ms/token at 128"),
+        ("step_ms_at_2048", "ms/token at 2048"), ("step_2048_vs_128", "2048 / 128")])
+
 
 if __name__ == "__main__":
     main()

@@ -156,10 +156,18 @@ def decoding(results: dict) -> str | None:
         return None
     speed = {r["mixer"]: r["cache_speedup"] for r in d["rows"]}
     parts = ", ".join(f"{m} {s:.1f}x" for m, s in sorted(speed.items()))
+    compiled = ""
+    rows = sorted(d["rows"], key=lambda r: r["mixer"])
+    if all("compiled_vs_eager" in r and r.get("pays_from_warm") is not None for r in rows):
+        compiled = (" Compiled (one graph per solver step), decoding runs at "
+                    + ", ".join(f"{r['mixer']} {r['compiled_vs_eager']:.1f}x" for r in rows)
+                    + " the eager tokens/s, and compiling pays from "
+                    + ", ".join(f"{r['mixer']} {r['pays_from_warm']}" for r in rows)
+                    + " new tokens with a warm compiler cache.")
     return (f"**Cached decoding through ODE depth is exact** (every fixed-grid solver and mixer; "
             f"one cache per solver stage evaluation, equal to recomputing to 1e-4 in the logits, "
             f"tested), which the Julia seed ruled out; on a 4-block RK4 x 4 model it is "
-            f"{parts} faster than recomputing (greedy, 512 new tokens, 2 CPU cores). "
+            f"{parts} faster than recomputing (greedy, 512 new tokens, 2 CPU cores).{compiled} "
             f"[Decoding]({PAGE}#decoding-cached-vs-recompute)")
 
 
