@@ -10,8 +10,8 @@ Two ways to extend a state:
   read the position from Python integers;
 - the *static* way, one token at a time after :meth:`DecodeState.freeze`: every buffer has a
   fixed capacity and the position lives in tensors (:class:`StaticStep`). Nothing a step reads
-  then changes its shape or a Python value, so one ``torch.compile`` graph of one mixer
-  evaluation serves every evaluation of every token (see ``LanguageModel.generate(...,
+  then depends on the position as a Python value, so one ``torch.compile`` graph of one
+  solver step (or layer) serves every step of every token (see ``LanguageModel.generate(...,
   compile=True)``).
 """
 

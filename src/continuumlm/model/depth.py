@@ -218,8 +218,8 @@ class ODEBlock(nn.Module):
         masks: list = [None] * len(self._dropouts)
         # dropout that draws masks (training): each evaluation restores this forward's masks
         dropouts = [d for d in self._dropouts if d.active()]
-        # a frozen decoding state's evaluations go through its (compiled) call: one graph of
-        # one field evaluation serves every step, stage and block
+        # a frozen decoding state's compiled call: the plain solve below runs each solver
+        # step through it; per-token exit and reversible solvers, each field evaluation
         run = state.evaluate if state is not None else None
 
         def evaluation(fn, t: float, h: torch.Tensor, n: int):
@@ -369,6 +369,7 @@ class ODEBlock(nn.Module):
             h = h_new
         return h, evals
 
+
 def _steps_compiled(solver) -> bool:
     """Whether a frozen state's compiled decoding runs this solver a step at a time: a
     fixed-grid explicit step (the protocol's ``step`` and ``evals_per_step``), not a
@@ -377,7 +378,7 @@ def _steps_compiled(solver) -> bool:
             and hasattr(solver, "step") and isinstance(solver.evals_per_step, int))
 
 
-def _solver_step(solver, field, t: float, h: torch.Tensor, dt: float, caches: tuple):
+def _solver_step(solver, field, t: torch.Tensor, h: torch.Tensor, dt: float, caches: tuple):
     """One solver step whose k-th field evaluation reads and extends ``caches[k]``."""
     stage = iter(caches)
     return solver.step(lambda tt, hh: field(tt, hh, next(stage)), t, h, dt)

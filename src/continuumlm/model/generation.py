@@ -91,9 +91,9 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
                     compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time.
 
-    ``compile=True`` (with the cache) decodes with compiled mixer evaluations: after the
-    prompt, the state is frozen to fixed-capacity buffers with the position held in tensors,
-    and one ``torch.compile`` graph of one evaluation serves every evaluation of every token
+    ``compile=True`` (with the cache) decodes through a compiled unit: after the prompt, the
+    state is frozen to fixed-capacity buffers with the position held in tensors, and one
+    ``torch.compile`` graph of one solver step (or layer) serves every step of every token
     (see :func:`static_decoder`; graphs are compiled on first use and kept for later
     generations). A compiler failure warns once and decodes eagerly.
     Bad arguments raise here, when the stream is made, not at its first token.
@@ -169,24 +169,24 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
 def static_decoder(model, state: DecodeState, compile: bool = True,
                    min_capacity: int = 64):
     """Freeze ``state`` and return the one-token step ``fn(ids (B, 1), state) -> logits
-    (B, vocab)``, whose mixer evaluations (an ODE block's field evaluations, a discrete
-    stack's layers) run compiled unless ``compile`` is False.
+    (B, vocab)``, whose repeating units run compiled unless ``compile`` is False.
 
-    What is compiled is the unit that repeats: one evaluation, ``module(*args)``. With
-    ``torch.compile``'s handling of modules as inputs, the same graph serves every step and
-    stage of every block (their weights and caches are its inputs), so a model compiles a
-    few small graphs, not one graph holding all of a token's evaluations (64 for 4 blocks of
-    RK4 x 4: minutes of compilation on CPU). The rest of a token (embedding, the solver's
-    stage combinations, the head, early-exit decisions) runs eagerly around it.
+    What is compiled is the unit that repeats, ``module(*args)`` through
+    ``DecodeState.evaluate``: an ODE block's solver step (its stage evaluations and the
+    solver's combinations; one field evaluation under per-token exit or with a reversible
+    solver), a discrete stack's layer. Weights and caches are the graph's inputs, so the same
+    graph serves every step of every block; a model compiles one small graph, not one graph
+    holding all of a token's evaluations (64 for 4 blocks of RK4 x 4: minutes of compilation
+    on CPU). The rest of a token (embedding, head, early-exit decisions) runs eagerly.
 
     Capacities are powers of two (at least ``min_capacity``) that grow with the sequence:
     the state is frozen at the smallest one that holds the next token and refrozen at twice
     the size when it is full. A frozen attention step reads its whole buffer (the mask
     hides the tail), so a buffer sized to the final length would make every early token pay
     for the last; with doubling, each token reads fewer than twice the positions it needs.
-    The first capacity's graph has static shapes; when the buffers grow, dynamo recompiles
-    once with the capacity symbolic, and that graph serves every later size. A compiler
-    failure warns once and that model decodes eagerly from the evaluation that failed."""
+    The capacity is symbolic from the first graph on (``StaticStep``, ``SeqCache.freeze``),
+    so growing compiles nothing. A compiler failure warns once and that model decodes
+    eagerly from the unit that failed."""
     device = model.tok_emb.weight.device
     state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
     if compile and not model._compile_failed:
