@@ -609,3 +609,14 @@ def test_a_render_into_other_folders_leaves_the_readme_alone(tmp_path):
         run = subprocess.run([sys.executable, "-c", code], env={**clean, **env},
                              capture_output=True, text=True, cwd=ROOT)
         assert run.stdout.strip() == expected, (env, run.stdout, run.stderr[-500:])
+
+
+def test_decode_speed_says_from_how_many_tokens_compiling_pays():
+    """Whole processes: eager 10 s for 512 tokens at 64 tok/s (2 s of set-up), compiled
+    20 s at 128 tok/s (16 s of set-up): 14 s more set-up over 1/64 - 1/128 s saved per
+    token pays from 1792 tokens; never when compiled decoding is not faster, and at once
+    when the compiled set-up is not longer."""
+    decode_speed = pytest.importorskip("decode_speed")
+    assert decode_speed.pays_from(10.0, 20.0, 64.0, 128.0, 512) == 1792
+    assert decode_speed.pays_from(10.0, 20.0, 128.0, 64.0, 512) is None
+    assert decode_speed.pays_from(10.0, 6.0, 64.0, 128.0, 512) == 0
