@@ -5,6 +5,7 @@ stands in for the nodes: the ranks get the variables srun would give them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -219,22 +220,30 @@ def test_ranks_of_the_holding_job_pass_the_check(tmp_path):
         holder.wait()
 
 
+@contextlib.contextmanager
+def _training_in(cfg: Path, out: Path):
+    """A training job in ``out`` that has written its first metrics (the folder is in use);
+    killed (SIGKILL, as a crashed node) when the block ends."""
+    job = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(out / "metrics.jsonl", timeout=120)
+        yield job
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_a_second_training_job_in_a_busy_folder_exits_2_at_once(tiny_corpus, tmp_path):
     cfg = write_cfg(tmp_path, tiny_corpus, steps=100000, ckpt=1000)
     out = tmp_path / "busy"
-    first = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(out / "metrics.jsonl", timeout=120)
+    with _training_in(cfg, out) as first:
         t0 = time.time()
         r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume",
                             "auto"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and f"pid {first.pid}" in r.stderr, r.stderr
         assert time.time() - t0 < 30
         steps_before = len(losses(out))
-    finally:
-        first.kill()
-        first.wait()
     assert len(losses(out)) >= steps_before  # the first job's records are untouched
     # the holder died (SIGKILL): the requeued job resumes
     r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--resume",
@@ -389,19 +398,13 @@ def test_a_second_job_with_nproc_leaves_a_running_jobs_folder_alone(tiny_corpus,
     nothing of it."""
     cfg = write_cfg(tmp_path, tiny_corpus, steps=100000, ckpt=1000)
     out = tmp_path / "busy"
-    first = subprocess.Popen([CLI, "train", "--config", str(cfg), "--out", str(out)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(out / "metrics.jsonl", timeout=120)
+    with _training_in(cfg, out) as first:
         r = subprocess.run([CLI, "train", "--config", str(cfg), "--out", str(out), "--nproc",
                             "2", "--resume", "auto"], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and "in use by another job" in r.stderr, r.stderr
         assert (out / "config.toml").exists() and (out / "metrics.jsonl").exists()
         assert first.poll() is None  # still training
-    finally:
-        first.kill()
-        first.wait()
 
 
 def test_signals_in_quick_succession_during_start_up_end_the_command_once(tiny_corpus,

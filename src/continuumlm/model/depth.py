@@ -250,10 +250,11 @@ class ODEBlock(nn.Module):
         self.last_token_nfe = None
         self.last_regularizers = {}
         self.step_states = []
-        if run is not None and exit_rule is None and _steps_compiled(self.solver):
+        if run is not None and exit_rule is None and not dropouts and _steps_compiled(self.solver):
             # a frozen, compiled decoding state: a solver step (its stages' evaluations and
             # the solver's combinations) is the compiled unit, one graph for every step of
-            # every block; each step gets its stages' caches in order
+            # every block; each step gets its stages' caches in order (dropout drawing masks
+            # goes through evaluation() below, which restores this forward's masks)
             per_step = int(self.solver.evals_per_step)
             step_dt = (t1 - cfg.ode_t0) / cfg.ode_steps
             for s, t in enumerate(grid(cfg.ode_t0, t1, cfg.ode_steps)):

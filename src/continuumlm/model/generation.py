@@ -263,7 +263,7 @@ def _capacity_for(n: int, minimum: int = 64) -> int:
 def _compiled_evaluation():
     """One compiled ``_call`` for every model, built on first use (nothing compiled is stored
     on a model, so copies and pickles of a model are unaffected); dynamo's guards tell module
-    types, batch sizes and capacities apart. fullgraph: no graph breaks, so a failure to
+    types and batch sizes apart (the capacity is symbolic). fullgraph: no graph breaks, so a failure to
     compile happens before any cache has moved."""
     global _COMPILED
     if _COMPILED is None:
