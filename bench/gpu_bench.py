@@ -71,15 +71,18 @@ class Section:
     """A section's rows in the JSON: planned first (status "pending"), each measurement saved
     as soon as it is taken."""
 
-    def __init__(self, out: Path, name: str, dry: bool):
+    def __init__(self, out: Path, name: str, dry: bool, resume: bool = False):
         self.out, self.name, self.dry = out, name, dry
         self.result = load(out)
+        # resuming: the rows an earlier run finished are kept as they are, not measured again
+        self.kept = ({r["row"]: r for r in self.result.get(name, {}).get("rows", [])
+                      if r["status"] == "done"} if resume else {})
         self.rows: dict[str, dict] = {}
         self.result[name] = {"rows": []}
         self.t0 = time.perf_counter()
 
     def plan(self, key: str, **fields) -> dict:
-        row = {"row": key, "status": "pending", **fields}
+        row = self.kept.get(key) or {"row": key, "status": "pending", **fields}
         self.rows[key] = row
         self.result[self.name]["rows"].append(row)
         return row
@@ -105,6 +108,10 @@ class Section:
                 row[field] = value
         self.save()
         return value
+
+    def done(self, key: str) -> bool:
+        """Whether row ``key`` was finished by an earlier run (kept when resuming)."""
+        return self.rows[key]["status"] == "done"
 
     def finish(self, key: str) -> None:
         row = self.rows[key]
@@ -176,6 +183,8 @@ def kernels(sec: Section, device) -> None:
         sec.plan(f"T{T}", T=T, B=B, H=H, D=D, dtype="bfloat16")
     for T in lengths:
         key = f"T{T}"
+        if sec.done(key):
+            continue
         g = torch.Generator(device=device).manual_seed(0)
 
         def make(*shape, norm=False):
@@ -193,13 +202,15 @@ def kernels(sec: Section, device) -> None:
             return go
 
         reps = dict(repeats=2, warmup=1) if sec.dry else dict(repeats=10, warmup=2)
+        # SDPA and the built-in kernel before fla, whose first call autotunes its Triton kernels
+        # (tens of seconds): a budget spent there still leaves the comparison with SDPA
+        sec.measure(key, "sdpa_ms", lambda: time_ms(fwd_bwd(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), device, **reps))
         sec.measure(key, "chunkwise_torch_ms", lambda: time_ms(fwd_bwd(
             lambda: delta_rule_chunkwise(q, k, v, beta, backend="torch")[0]), device, **reps))
         if usable and device.type == "cuda":
             sec.measure(key, "chunkwise_fla_ms", lambda: time_ms(fwd_bwd(
                 lambda: delta_rule_chunkwise(q, k, v, beta, backend="fla")[0]), device, **reps))
-        sec.measure(key, "sdpa_ms", lambda: time_ms(fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), device, **reps))
         sec.finish(key)
 
 
@@ -240,6 +251,8 @@ def training(sec: Section, device, corpus: str | None, runs: Path) -> None:
         return
     for c, d, k in modes:
         key = f"{c}-{d}{'-compiled' if k else ''}"
+        if sec.done(key):
+            continue
         sets = [f"train.max_steps={steps}", f"train.eval_interval={steps}", "train.eval_iters=2",
                 f"train.checkpoint_interval={steps}", f"train.log_interval={max(1, steps // 15)}",
                 f"train.device={device.type}", f"train.dtype={d}",
@@ -296,6 +309,8 @@ def decoding(sec: Section, device) -> None:
                                       ode_steps=4)).to(device).eval()
         models[mixer] = m
         prompt = torch.randint(0, 65, (1, prompt_len), device=device)
+        if sec.done(f"{mixer}-eager"):
+            continue
         for use_cache in (True, False):
             def tok_s(use_cache=use_cache):
                 with torch.no_grad():
@@ -312,6 +327,8 @@ def decoding(sec: Section, device) -> None:
             row["cached_speedup"] = row["cached_tok_s"] / row["recompute_tok_s"]
         sec.finish(f"{mixer}-eager")
     for mixer in mixers:
+        if sec.done(f"{mixer}-compiled"):
+            continue
         m = models[mixer]
         prompt = torch.randint(0, 65, (1, prompt_len), device=device)
 
@@ -371,6 +388,8 @@ def gpt2(sec: Section, device) -> None:
         return warm_s, (time.perf_counter() - t0) / timed
 
     for name, sets in variants.items():
+        if sec.done(name):
+            continue
         cfg = load_config(None, [*shape, *sets, "model.position=learned", "model.bias=false",
                                  "model.dropout=0", f"train.seq_len={T}",
                                  f"train.batch_size={batch}"])
@@ -467,7 +486,11 @@ def child(args) -> None:
 
         torch.set_num_threads(1)  # a toy size gains nothing from threads, and CI shares cores
         torch.compile = functools.partial(torch.compile, backend="eager")
-    sec = Section(out, args.section, args.dry)
+    if args.budget:  # a section stopped at its budget says where it was (stderr, the log)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(max(args.budget - 5, 1), exit=False)
+    sec = Section(out, args.section, args.dry, resume=args.resume)
     sec.save()
     if args.section == "kernels":
         kernels(sec, device)
@@ -493,6 +516,8 @@ def _close_section(out: Path, name: str, t0: float, budget: float, reason: str |
             row.update(status="skipped", reason=reason or "not reached")
     if reason:
         sec["stopped"] = reason
+    else:
+        sec.pop("stopped", None)  # a resumed section that finished is no longer stopped
     save(out, result)
 
 
@@ -514,6 +539,8 @@ def run_section(args, name: str, budget: float) -> int:
     """The section in a child process (its own process group), stopped at its budget."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", args.out, "--section", name]
     cmd += ["--dry"] if args.dry else []
+    cmd += ["--resume"] if args.resume else []
+    cmd += ["--budget", str(budget)]
     cmd += ["--corpus", args.corpus] if args.corpus else []
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, start_new_session=True)
@@ -560,17 +587,37 @@ def parent(args) -> int:
     start = time.perf_counter()
     device = torch.device("cpu" if args.dry else "cuda")
     name = "cpu (dry run)" if args.dry else torch.cuda.get_device_name()
-    result = {"command": "bash bench/gpu_check.sh", "dry_run": args.dry, "device": name,
-              "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    save(out, result)  # a new run starts a new file
-    try:
-        result["peak_bf16_flops_measured"] = bf16_matmul_peak(device, args.dry)
-    except Exception as e:  # noqa: BLE001
-        result["peak_bf16_flops_error"] = f"{type(e).__name__}: {e}"[:500]
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    this_run = {"command": "bash bench/gpu_check.sh" + (" --resume" if args.resume else ""),
+                "started": started, "device": name, "torch": torch.__version__}
+    result = load(out) if args.resume else {}
+    if args.resume:
+        # only on the same kind of machine: kept rows and new ones must be comparable
+        if result.get("dry_run", args.dry) != args.dry or result.get("device", name) != name:
+            raise SystemExit(f"--resume: {out / RESULT} was measured on {result.get('device')}, "
+                             f"this run is on {name}; resume on the same kind of machine, or "
+                             f"start afresh without --resume")
+        # a section whose rows are all done is not run again
+        args.sections = [s for s in args.sections
+                         if not result.get(s) or any(r["status"] != "done"
+                                                     for r in result[s]["rows"])]
+        result.setdefault("runs", [{**{k: result.get(k) for k in this_run},
+                                    "seconds": result.get("seconds")}])
+        result["runs"].append({**this_run, "sections": args.sections})
+    else:
+        result = {**this_run, "dry_run": args.dry,
+                  "runs": [{**this_run, "sections": args.sections}]}
+    save(out, result)  # a new run starts a new file; a resumed one keeps what was done
+    if "peak_bf16_flops_measured" not in result:
+        try:
+            result["peak_bf16_flops_measured"] = bf16_matmul_peak(device, args.dry)
+        except Exception as e:  # noqa: BLE001
+            result["peak_bf16_flops_error"] = f"{type(e).__name__}: {e}"[:500]
     result["peak_flops_spec"] = None if args.dry else spec_peaks(name)
     save(out, result)
     budgets = DRY_BUDGETS if args.dry else BUDGETS
-    deadline = (DRY_DEADLINE if args.dry else DEADLINE) * args.budget_scale
+    deadline = (args.deadline if args.deadline else
+                (DRY_DEADLINE if args.dry else DEADLINE) * args.budget_scale)
     failed = []
     for section in args.sections:
         left = deadline - (time.perf_counter() - start)
@@ -583,7 +630,8 @@ def parent(args) -> int:
         if run_section(args, section, budget):
             failed.append(section)
     result = load(out)
-    result["seconds"] = round(time.perf_counter() - start, 1)
+    result["runs"][-1]["seconds"] = round(time.perf_counter() - start, 1)
+    result["seconds"] = round(sum(r.get("seconds") or 0 for r in result["runs"]), 1)
     save(out, result)
     statuses = [r["status"] for s in args.sections for r in result[s]["rows"]]
     print(f"gpu_bench: {statuses.count('done')} rows done, {len(statuses)} planned; "
@@ -601,7 +649,14 @@ def main() -> None:
                     default=float(os.environ.get("GPU_CHECK_BUDGET_SCALE", "1")),
                     help="multiply every time budget, the deadline too (default: "
                          "$GPU_CHECK_BUDGET_SCALE or 1)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows an earlier run into --out finished and measure only the "
+                         "rest (sections whose rows are all done are not run)")
+    ap.add_argument("--deadline", type=float,
+                    help="seconds for the whole bench (default: 340, or 180 with --dry, times "
+                         "--budget-scale)")
     ap.add_argument("--section", help=argparse.SUPPRESS)  # the child's own
+    ap.add_argument("--budget", type=float, help=argparse.SUPPRESS)  # the child's own
     args = ap.parse_args()
     if args.corpus:
         args.corpus = str(Path(args.corpus).resolve())

@@ -12,6 +12,10 @@
 #   bash bench/gpu_check.sh             # on the GPU machine; carry .gpu_data and .gpu_wheels
 #   GPU_CHECK_DRY=1 bash bench/gpu_check.sh   # the same plumbing on the CPU at toy size
 #   bash bench/gpu_check.sh --plan      # the time limits it would use, and nothing else
+#   bash bench/gpu_check.sh --resume    # on the GPU machine again: keeps the rows that
+#       bench/results/gpu/gpu_bench.json (or $GPU_CHECK_RESUME_FROM) holds as done and measures
+#       the rest; GPU_CHECK_SECTIONS (their order), GPU_CHECK_DEADLINE (s) and
+#       GPU_CHECK_TESTS_LIMIT (s) fit it to the device time left
 #
 # It runs from src/ on PYTHONPATH with the machine's own packages: a GPU machine without network
 # cannot `pip install -e .` (no setuptools>=77 there, and the dev extra needs lm-eval). The
@@ -23,8 +27,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 FLA_CORE=0.6.0
-TESTS_LIMIT=90   # s, CUDA-marked tests
+TESTS_LIMIT=${GPU_CHECK_TESTS_LIMIT:-90}   # s, CUDA-marked tests
 BENCH_DEADLINE=340  # s, gpu_bench.py's own deadline (its DEADLINE)
+resume=
+if [ "${1:-}" = "--resume" ]; then resume=--resume; shift; fi
 if [ "${1:-}" = "--prepare" ]; then
   src=${CONTINUUMLM_DATA:-../shared/data}/tinyshakespeare.txt
   [ -f "$src" ] || { echo "no $src: set CONTINUUMLM_DATA to the folder holding it" >&2; exit 2; }
@@ -40,6 +46,16 @@ scale=${GPU_CHECK_BUDGET_SCALE:-1}
 # mark its rows); a fractional scale is fine, anything else is refused
 backstop=$($PY -c "import sys; s = float(sys.argv[1]); assert s > 0; print(round(($BENCH_DEADLINE + 30) * s))" "$scale" 2>/dev/null) ||
   { echo "GPU_CHECK_BUDGET_SCALE=$scale is not a positive number (e.g. 1 or 1.5)" >&2; exit 2; }
+deadline_arg=()
+if [ -n "${GPU_CHECK_DEADLINE:-}" ]; then
+  backstop=$($PY -c "import sys; d = float(sys.argv[1]); assert d > 0; print(round(d + 30))" "$GPU_CHECK_DEADLINE" 2>/dev/null) ||
+    { echo "GPU_CHECK_DEADLINE=$GPU_CHECK_DEADLINE is not a positive number of seconds" >&2; exit 2; }
+  deadline_arg=(--deadline "$GPU_CHECK_DEADLINE")
+fi
+[[ "$TESTS_LIMIT" =~ ^[0-9]+$ ]] && [ "$TESTS_LIMIT" -gt 15 ] ||
+  { echo "GPU_CHECK_TESTS_LIMIT=$TESTS_LIMIT is not a whole number of seconds above 15" >&2; exit 2; }
+sections_arg=()
+[ -n "${GPU_CHECK_SECTIONS:-}" ] && read -r -a sections_arg <<< "--sections $GPU_CHECK_SECTIONS"
 worst=$(( TESTS_LIMIT + 10 + backstop + 15 + 30 ))  # + kill grace, + environment and install
 if [ "${1:-}" = "--plan" ]; then
   echo "tests ${TESTS_LIMIT} s, benchmark ${backstop} s at most (scale $scale), whole command ${worst} s at most"
@@ -47,6 +63,11 @@ if [ "${1:-}" = "--plan" ]; then
 fi
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
+if [ -n "$resume" ]; then
+  from=${GPU_CHECK_RESUME_FROM:-bench/results/gpu/gpu_bench.json}
+  [ -f "$from" ] || { echo "--resume: no $from to resume (set GPU_CHECK_RESUME_FROM)" >&2; exit 2; }
+  [ "$(realpath "$from")" = "$(realpath -m "$OUT/gpu_bench.json")" ] || cp "$from" "$OUT/gpu_bench.json"
+fi
 WORK=$(mktemp -d)
 # whatever ends this script (its own end, a signal, the device's time limit), nothing it started
 # keeps the GPU: every child process is stopped, and gpu_bench.py's sections die with it
@@ -102,13 +123,17 @@ else
   dry=
   $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 fi
-# the cuda-marked tests (they skip themselves on machines without a GPU)
-timeout -k 10 "$TESTS_LIMIT" $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 |
+# the cuda-marked tests (they skip themselves on machines without a GPU), each named as it
+# ends (-vv: pyproject adds -q)
+# ends; one still running 15 s before the limit has its stack printed
+timeout -k 10 "$TESTS_LIMIT" $PY -m pytest -vv -m cuda -p no:cacheprovider \
+  -o faulthandler_timeout=$(( TESTS_LIMIT - 15 )) tests 2>&1 |
   tee "$OUT/pytest-cuda.log"
 tests=${PIPESTATUS[0]}
 # a backstop only: gpu_bench keeps its own deadline and, stopped by this timeout, stops its
 # running section and marks what it skipped
-timeout -k 15 "$backstop" $PY bench/gpu_bench.py --out "$OUT" --budget-scale "$scale" $dry 2>&1 |
+timeout -k 15 "$backstop" $PY bench/gpu_bench.py --out "$OUT" --budget-scale "$scale" $dry $resume \
+  "${deadline_arg[@]}" "${sections_arg[@]}" 2>&1 |
   tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 echo "cuda tests exit $tests, benchmark exit $bench"
