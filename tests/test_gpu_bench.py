@@ -257,3 +257,64 @@ def test_a_section_dies_with_a_killed_bench(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the section outlived its parent")
+
+
+def test_a_resumed_bench_keeps_the_done_rows_and_measures_the_rest(tmp_path):
+    """gpu_check.sh --resume (gpu_bench.py --resume): a second command on the GPU completes what
+    the first left, keeping its finished rows as they are; each run is listed."""
+    env = _env(tmp_path)
+    bench = [sys.executable, str(BENCH), "--out", str(tmp_path), "--dry", "--sections", "kernels"]
+    subprocess.run(bench, env=env, check=True, capture_output=True, timeout=120)
+    result, rows = _rows(tmp_path)
+    assert [rows["kernels", k]["status"] for k in ("T64", "T130")] == ["done", "done"]
+    # as a budget would leave it: T64 done (marked, to see it is kept), T130 cut short
+    rows["kernels", "T64"]["sdpa_ms"] = -1.0
+    rows["kernels", "T130"].update(status="skipped", reason="the section's budget ran out")
+    del rows["kernels", "T130"]["chunkwise_torch_ms"]
+    result["kernels"]["stopped"] = "the section's budget ran out"
+    (tmp_path / "gpu_bench.json").write_text(json.dumps(result))
+    p = subprocess.run([*bench, "--resume"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    result, rows = _rows(tmp_path)
+    assert rows["kernels", "T64"]["sdpa_ms"] == -1.0  # kept, not measured again
+    assert rows["kernels", "T130"]["status"] == "done"
+    assert rows["kernels", "T130"]["chunkwise_torch_ms"] > 0
+    assert "stopped" not in result["kernels"]
+    assert [r["command"] for r in result["runs"]] == ["bash bench/gpu_check.sh",
+                                                     "bash bench/gpu_check.sh --resume"]
+    assert result["runs"][1]["sections"] == ["kernels"]
+    # everything done: a resume runs no section
+    p = subprocess.run([*bench, "--resume"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "0 rows done, 0 planned" in p.stdout, p.stdout + p.stderr
+    # records of another machine are not resumed
+    result["device"] = "NVIDIA H200"
+    (tmp_path / "gpu_bench.json").write_text(json.dumps(result))
+    p = subprocess.run([*bench, "--resume"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "measured on NVIDIA H200" in p.stderr
+    # and gpu_check.sh --resume without records to resume says so
+    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--resume"],
+                       env={**env, "GPU_CHECK_RESUME_FROM": str(tmp_path / "none.json"),
+                            "OUT": str(tmp_path / "out")}, capture_output=True, text=True)
+    assert p.returncode == 2 and "no " in p.stderr and "none.json" in p.stderr
+
+
+def test_collecting_the_cuda_tests_compiles_nothing(tmp_path):
+    """gpu_check.sh runs `pytest -m cuda tests`: collecting the suite must not compile (a
+    compile probe in a skipif ran at collection and held a bare GPU machine past the tests'
+    time limit)."""
+    plugin = tmp_path / "count_compiles.py"
+    calls = tmp_path / "calls"
+    plugin.write_text(
+        "import torch\n"
+        "_orig = torch.compile\n"
+        "def _counting(*a, **k):\n"
+        f"    open({str(calls)!r}, 'a').write('compile\\n')\n"
+        "    return _orig(*a, **k)\n"
+        "torch.compile = _counting\n")
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-m", "cuda",
+                        "-p", "no:cacheprovider", "-p", "count_compiles", "tests"], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT / 'src'}"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "selected" in p.stdout
+    assert not calls.exists(), "collecting the tests called torch.compile"

@@ -315,8 +315,11 @@ def _compile_works() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _compile_works(), reason="torch.compile is unavailable here")
 def test_compiled_forward_matches_eager():
+    # probed here, not in a skipif: a probe at collection compiles for every pytest run, even
+    # one that selects nothing of this module (on a bare GPU machine it held collection >60 s)
+    if not _compile_works():
+        pytest.skip("torch.compile is unavailable here")
     m = small_model(num_layers=1, depth="ode", ode_solver="rk4", ode_steps=2)
     x = torch.randint(0, 37, (2, 12))
     with torch.no_grad():
