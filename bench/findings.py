@@ -171,7 +171,28 @@ def decoding(results: dict) -> str | None:
             f"[Decoding]({PAGE}#decoding-cached-vs-recompute)")
 
 
-FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding]
+def gpu(results: dict) -> str | None:
+    """From bench/results/gpu/gpu_bench.json (bench/gpu_check.sh on a GPU machine)."""
+    import gpu_page
+
+    r = gpu_page.load()
+    rows = {x["row"]: x for x in (r or {}).get("gpt2", {}).get("rows", [])}
+    ratio = (r or {}).get("gpt2", {}).get("ode_evaluation_vs_layer")
+    if ratio is None or not all(rows.get(k, {}).get("mfu") for k in ("discrete", "ode_euler")):
+        return None
+    dec = {x["row"]: x for x in r.get("decoding", {}).get("rows", [])}.get("softmax-eager", {})
+    decoding = (f"; cached decoding of the small RK4 x 4 model, 64 field evaluations of small "
+                f"matrices per token, is launch-bound there ({dec['cached_tok_s']:.0f} tokens/s, "
+                f"{dec['cached_tok_s'] / dec['recompute_tok_s']:.2f}x recomputing)"
+                if dec.get("cached_tok_s") and dec.get("recompute_tok_s") else "")
+    return (f"**On one {r['device']} a field evaluation costs what a layer does**: at GPT-2-small's "
+            f"shape (bf16, compiled) one evaluation of the shared ODE block takes {ratio:.2f}x a "
+            f"discrete layer, and the models train at {100 * rows['ode_euler']['mfu']:.1f}% "
+            f"(ODE, Euler x 12) and {100 * rows['discrete']['mfu']:.1f}% (12 layers) MFU"
+            f"{decoding}. [GPU]({PAGE}#{gpu_page.page.anchor(gpu_page.heading(r))})")
+
+
+FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, gpu]
 
 
 def block(results: dict, regularizer_runs: list[dict]) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import conclusions
 import findings
+import gpu_page
 import page
 import tomllib
 from common import (
@@ -790,6 +791,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                         "mixer_step") else said(r, results)
         main += page.fill("results/bench", title=title, conclusion=opening(conclusion),
                           command=r["command"], setup=r["setup"], table=table, notes=notes)
+    gpu = gpu_page.load()
+    if gpu:
+        main += gpu_page.section(gpu)
     if figures:
         main += page.fill("results/figures", figures=[f + "\n" for f in figures])
     return main, extra

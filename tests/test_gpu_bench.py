@@ -318,3 +318,44 @@ def test_collecting_the_cuda_tests_compiles_nothing(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "selected" in p.stdout
     assert not calls.exists(), "collecting the tests called torch.compile"
+
+
+def test_the_gpu_section_says_each_target_from_its_record():
+    """docs/results.md's GPU section: each target met, missed (with its figure) or not measured
+    (with why), and every row that did not finish named; never a number the record lacks."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_page
+
+    def kernel(T, sdpa, torch_ms, fla=None, status="done", **kw):
+        return {"row": f"T{T}", "T": T, "status": status, "sdpa_ms": sdpa,
+                "chunkwise_torch_ms": torch_ms, "chunkwise_fla_ms": fla, **kw}
+
+    r = {"device": "GPU X", "gpt2": {"rows": [
+        {"row": "discrete", "status": "done", "mfu": 0.30, "depth_ms_per_evaluation": 2.0},
+        {"row": "ode_euler", "status": "done", "mfu": 0.31, "depth_ms_per_evaluation": 2.4}],
+        "ode_evaluation_vs_layer": 1.2},
+        "kernels": {"rows": [kernel(1024, 1.0, 3.0), kernel(4096, 9.0, 8.0, fla=2.0),
+                             kernel(16384, 90.0, 30.0)]},
+        "decoding": {"rows": [{"row": "softmax-eager", "mixer": "softmax", "status": "done",
+                               "cached_tok_s": 50.0, "recompute_tok_s": 25.0}]}}
+    t = gpu_page.targets(r)
+    assert "30.0% MFU" in t["mfu"] and "missed" in t["mfu"]
+    assert "1.20x" in t["evaluation"] and "missed" in t["evaluation"]
+    assert "is faster than SDPA from T = 4096" in t["kernels"] and "met" in t["kernels"]
+    assert t["rows"] == "all 6 rows are done"
+    assert "2.00x recompute" in gpu_page.conclusion(r)
+    # slower at one long length: missed; a long length cut short: not measured, with why
+    r["kernels"]["rows"][2]["chunkwise_torch_ms"] = 100.0
+    assert "is not faster" in gpu_page.targets(r)["kernels"]
+    r["kernels"]["rows"][2] = kernel(16384, None, None, status="skipped", reason="budget spent")
+    t = gpu_page.targets(r)
+    assert "not measured yet (budget spent)" in t["kernels"]
+    assert t["rows"] == "5 of 6 rows are done (not: T16384)"
+    table = gpu_page.kernels_table(r)
+    assert "| 4096 | 9 | 8 | 2 |  | 0.22 | done |" in table
+    assert "skipped: budget spent" in table
+    # an interrupted training run shows no loss as if it were the finished figure
+    r["training"] = {"rows": [{"row": "deltanet-bf16-compiled", "config": "deltanet",
+                               "dtype": "bf16", "compile": True, "status": "interrupted",
+                               "val_loss": 4.18}]}
+    assert "4.18" not in gpu_page.training_table(r)

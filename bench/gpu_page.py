@@ -1,0 +1,181 @@
+"""The GPU section of docs/results.md, from bench/results/gpu/gpu_bench.json (written by
+bench/gpu_check.sh on a GPU machine, completed by `bash bench/gpu_check.sh --resume`): the
+GPT-2-small target rows, training tokens/s and MFU by model and precision, DeltaNet's kernels
+against SDPA by length, and cached decoding eager and compiled. A row that did not finish is
+shown with its status and reason, never left out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import page
+from common import RESULTS, markdown_table
+
+GPU_RECORD = RESULTS / "gpu" / "gpu_bench.json"
+MFU_TARGET = 0.35  # GPT-2-small-shaped discrete model, bf16, compiled
+EVALUATION_TARGET = 1.1  # an ODE field evaluation against a discrete layer, at most
+KERNEL_FROM = 4096  # DeltaNet (fla or built-in) faster than SDPA from this length
+
+
+def load(path: Path = GPU_RECORD) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x, digits: int = 3) -> str:
+    return "" if x is None else f"{x:.{digits}g}"
+
+
+def _status(row: dict) -> str:
+    if row["status"] == "done":
+        return "done"
+    why = row.get("reason") or next((v for k, v in row.items() if k.endswith("_error") and v), "")
+    return f"{row['status']}: {why}" if why else row["status"]
+
+
+def _rows(r: dict, section: str) -> list[dict]:
+    return r.get(section, {}).get("rows", [])
+
+
+def gpt2_table(r: dict) -> str:
+    rows = [{"model": {"discrete": "discrete, 12 layers",
+                       "ode_euler": "ODE, one block, Euler x 12"}.get(x["row"], x["row"]),
+             "params": f"{x['parameters'] / 1e6:.1f} M" if x.get("parameters") else "",
+             "nfe": x.get("nfe", ""), "tps": f"{x['tokens_per_s']:,.0f}"
+             if x.get("tokens_per_s") else "", "tflops": _num(x.get("tflops")),
+             "mfu": _pct(x.get("mfu")), "mem": _num(x.get("peak_memory_gib")),
+             "eval": _num(x.get("depth_ms_per_evaluation")), "status": _status(x)}
+            for x in _rows(r, "gpt2")]
+    return markdown_table(rows, [("model", "GPT-2-small shape"), ("params", "parameters"),
+                                 ("nfe", "layers / NFE"), ("tps", "tokens/s"),
+                                 ("tflops", "TFLOP/s"), ("mfu", "MFU"),
+                                 ("mem", "peak GiB"),
+                                 ("eval", "ms per layer / evaluation (fwd+bwd)"),
+                                 ("status", "status")])
+
+
+def training_table(r: dict) -> str:
+    rows = [{"config": x.get("config", x["row"]), "dtype": x.get("dtype", ""),
+             "compiled": "yes" if x.get("compile") else "no",
+             "tps": f"{x['tokens_per_s_median']:,.0f}" if x.get("tokens_per_s_median") else "",
+             "tflops": _num(x.get("tflops")), "mfu": _pct(x.get("mfu")),
+             # an interrupted run's loss is not the 150-step figure the column names
+             "loss": f"{x['val_loss']:.3f}" if x.get("val_loss") is not None
+             and x["status"] == "done" else "",
+             "status": _status(x)} for x in _rows(r, "training")]
+    return markdown_table(rows, [("config", "config (Tiny Shakespeare)"), ("dtype", "precision"),
+                                 ("compiled", "compiled"), ("tps", "tokens/s (median)"),
+                                 ("tflops", "TFLOP/s"), ("mfu", "MFU of that precision's peak"),
+                                 ("loss", "val loss at 150 steps"), ("status", "status")])
+
+
+def kernels_table(r: dict) -> str:
+    rows = []
+    for x in _rows(r, "kernels"):
+        best = min((v for v in (x.get("chunkwise_torch_ms"), x.get("chunkwise_fla_ms")) if v),
+                   default=None)
+        rows.append({"T": x.get("T", x["row"]), "sdpa": _num(x.get("sdpa_ms")),
+                     "torch": _num(x.get("chunkwise_torch_ms")),
+                     "fla": _num(x.get("chunkwise_fla_ms")),
+                     "first": _num(x.get("fla_first_call_s")),
+                     "ratio": f"{best / x['sdpa_ms']:.2f}" if best and x.get("sdpa_ms") else "",
+                     "status": _status(x)})
+    return markdown_table(rows, [("T", "T"), ("sdpa", "SDPA ms"),
+                                 ("torch", "built-in chunkwise ms"), ("fla", "fla ms"),
+                                 ("first", "fla first call s"),
+                                 ("ratio", "best DeltaNet / SDPA"), ("status", "status")])
+
+
+def decoding_table(r: dict) -> str:
+    rows = {}
+    for x in _rows(r, "decoding"):
+        d = rows.setdefault(x.get("mixer", x["row"]), {"mixer": x.get("mixer", x["row"]),
+                                                        "status": []})
+        d.update({k: x[k] for k in ("cached_tok_s", "recompute_tok_s", "compiled_tok_s",
+                                     "compile_first_call_s", "new_tokens") if k in x})
+        d["status"].append(f"{x['row'].split('-')[-1]} {_status(x)}")
+    out = []
+    for d in rows.values():
+        c, rc, comp = d.get("cached_tok_s"), d.get("recompute_tok_s"), d.get("compiled_tok_s")
+        out.append({"mixer": d["mixer"], "new": d.get("new_tokens", ""),
+                    "cached": _num(c), "recompute": _num(rc),
+                    "speedup": f"{c / rc:.2f}x" if c and rc else "",
+                    "compiled": _num(comp), "vs": f"{comp / c:.2f}x" if comp and c else "",
+                    "first": _num(d.get("compile_first_call_s")),
+                    "status": "; ".join(d["status"])})
+    return markdown_table(out, [("mixer", "mixer (RK4 x 4, 4 blocks, d 128)"),
+                                ("new", "new tokens"), ("cached", "eager cached tok/s"),
+                                ("recompute", "recompute tok/s"),
+                                ("speedup", "cached / recompute"),
+                                ("compiled", "compiled tok/s"), ("vs", "compiled / eager"),
+                                ("first", "first compiled call s"), ("status", "status")])
+
+
+def targets(r: dict) -> dict[str, str]:
+    """Each target of the GPU check, said from the record: met, missed (with the figure) or
+    not measured (with why)."""
+    out = {}
+    gpt = {x["row"]: x for x in _rows(r, "gpt2")}
+    mfu = gpt.get("discrete", {}).get("mfu")
+    out["mfu"] = (f"the GPT-2-small-shaped discrete model trains at {_pct(mfu)} MFU (bf16, "
+                  f"compiled; target at least {MFU_TARGET:.0%}: "
+                  f"{'met' if mfu >= MFU_TARGET else 'missed'})" if mfu is not None else
+                  "the GPT-2-small MFU was not measured")
+    ratio = r.get("gpt2", {}).get("ode_evaluation_vs_layer")
+    out["evaluation"] = (f"one evaluation of the ODE block's field costs {ratio:.2f}x a discrete "
+                         f"layer (target at most {EVALUATION_TARGET}x: "
+                         f"{'met' if ratio <= EVALUATION_TARGET else 'missed'})"
+                         if ratio is not None else "the ODE evaluation against a layer was not "
+                                                   "measured")
+    long = [x for x in _rows(r, "kernels") if x.get("T", 0) >= KERNEL_FROM]
+    measured = [x for x in long if x.get("sdpa_ms") and (x.get("chunkwise_torch_ms")
+                                                          or x.get("chunkwise_fla_ms"))]
+    if long and len(measured) == len(long):
+        faster = all(min(v for v in (x.get("chunkwise_torch_ms"), x.get("chunkwise_fla_ms"))
+                         if v) < x["sdpa_ms"] for x in measured)
+        out["kernels"] = (f"DeltaNet's kernel is {'' if faster else 'not '}faster than SDPA "
+                          f"from T = {KERNEL_FROM} (target: {'met' if faster else 'missed'})")
+    else:
+        why = next((x.get("reason") for x in long if x.get("reason")), "not run")
+        out["kernels"] = (f"DeltaNet against SDPA from T = {KERNEL_FROM} is not measured yet "
+                          f"({why})")
+    every = [x for s in ("gpt2", "kernels", "training", "decoding") for x in _rows(r, s)]
+    left = [x["row"] for x in every if x["status"] != "done"]
+    out["rows"] = (f"all {len(every)} rows are done" if not left else
+                   f"{len(every) - len(left)} of {len(every)} rows are done (not: "
+                   f"{', '.join(left)})")
+    return out
+
+
+def conclusion(r: dict) -> str:
+    t = targets(r)
+    dec = {x["row"]: x for x in _rows(r, "decoding")}.get("softmax-eager", {})
+    decoding = (f"; cached decoding of the small benchmark model is launch-bound there: "
+                f"{dec['cached_tok_s']:.0f} tokens/s, {dec['cached_tok_s'] / dec['recompute_tok_s']:.2f}x "
+                f"recompute" if dec.get("cached_tok_s") and dec.get("recompute_tok_s") else "")
+    return (f"On one {r.get('device', 'GPU')}, {t['mfu']}, and {t['evaluation']}; "
+            f"{t['kernels']}{decoding}.")
+
+
+def heading(r: dict) -> str:
+    return page.heading(page.fill("results/gpu.heading", device=r.get("device", "GPU")))
+
+
+def section(r: dict) -> list[str]:
+    runs = r.get("runs") or [{"command": r.get("command"), "started": r.get("started"),
+                              "seconds": r.get("seconds")}]
+    commands = "; ".join(f"`{x['command']}` ({x['started']} UTC, {x['seconds']:.0f} s of "
+                         f"benchmark{', sections ' + ', '.join(x['sections']) if x.get('sections') and x['command'].endswith('--resume') else ''})"
+                         for x in runs)
+    t = targets(r)
+    return page.fill("results/gpu.heading", device=r.get("device", "GPU")) + page.fill(
+        "results/gpu", torch=r.get("torch", ""),
+                     conclusion=conclusion(r), commands=commands,
+                     peak=_num((r.get("peak_bf16_flops_measured") or 0) / 1e12),
+                     gpt2=gpt2_table(r), training=training_table(r),
+                     kernels=kernels_table(r), decoding=decoding_table(r),
+                     rows=t["rows"])
