@@ -258,7 +258,7 @@ def training(sec: Section, device, corpus: str | None, runs: Path) -> None:
     for c, d, k in modes:
         sec.plan(f"{c}-{d}{'-compiled' if k else ''}", config=c, dtype=d, compile=k)
     if corpus is None:
-        for row in sec.rows.values():
+        for row in (r for r in sec.rows.values() if r["status"] != "done"):  # kept rows stay
             row.update(status="skipped", reason="no tinyshakespeare.txt: pass --corpus or set "
                                                  "CONTINUUMLM_DATA (gpu_check.sh looks in "
                                                  ".gpu_data/)")
@@ -501,9 +501,12 @@ def child(args) -> None:
 
         torch.set_num_threads(1)  # a toy size gains nothing from threads, and CI shares cores
         torch.compile = functools.partial(torch.compile, backend="eager")
-    if args.budget:  # a section stopped at its budget says where it was (stderr, the log)
-        import faulthandler
+    # a section stopped at its budget says where it was (stderr, the log): on the parent's
+    # SIGTERM, and 5 s before the budget in case the stop comes as a SIGKILL
+    import faulthandler
 
+    faulthandler.register(signal.SIGTERM, chain=True)
+    if args.budget:
         faulthandler.dump_traceback_later(max(args.budget - 5, 1), exit=False)
     sec = Section(out, args.section, args.dry, resume=args.resume)
     sec.save()
@@ -613,9 +616,10 @@ def parent(args) -> int:
                              f"this run is on {name}; resume on the same kind of machine, or "
                              f"start afresh without --resume")
         # a section whose rows are all done is not run again
+        # (a section with no rows never planned them: stopped before, or at the deadline)
         args.sections = [s for s in args.sections
-                         if not result.get(s) or any(r["status"] != "done"
-                                                     for r in result[s]["rows"])]
+                         if not result.get(s, {}).get("rows")
+                         or any(r["status"] != "done" for r in result[s]["rows"])]
         result.setdefault("runs", [{**{k: result.get(k) for k in this_run},
                                     "seconds": result.get("seconds")}])
         result["runs"].append({**this_run, "sections": args.sections})

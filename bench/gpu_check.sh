@@ -14,8 +14,9 @@
 #   bash bench/gpu_check.sh --plan      # the time limits it would use, and nothing else
 #   bash bench/gpu_check.sh --resume    # on the GPU machine again: keeps the rows that
 #       bench/results/gpu/gpu_bench.json (or $GPU_CHECK_RESUME_FROM) holds as done and measures
-#       the rest; GPU_CHECK_SECTIONS (their order), GPU_CHECK_DEADLINE (s) and
-#       GPU_CHECK_TESTS_LIMIT (s) fit it to the device time left
+#       the rest; GPU_CHECK_SECTIONS (their order), GPU_CHECK_DEADLINE (s, the whole bench's,
+#       in place of 340 x scale; the sections' budgets still scale) and GPU_CHECK_TESTS_LIMIT
+#       (s) fit it to the device time left
 #
 # It runs from src/ on PYTHONPATH with the machine's own packages: a GPU machine without network
 # cannot `pip install -e .` (no setuptools>=77 there, and the dev extra needs lm-eval). The
@@ -55,7 +56,16 @@ fi
 [[ "$TESTS_LIMIT" =~ ^[0-9]+$ ]] && [ "$TESTS_LIMIT" -gt 15 ] ||
   { echo "GPU_CHECK_TESTS_LIMIT=$TESTS_LIMIT is not a whole number of seconds above 15" >&2; exit 2; }
 sections_arg=()
-[ -n "${GPU_CHECK_SECTIONS:-}" ] && read -r -a sections_arg <<< "--sections $GPU_CHECK_SECTIONS"
+if [ -n "${GPU_CHECK_SECTIONS+set}" ]; then  # checked here, before any device time is spent
+  read -r -a names <<< "$GPU_CHECK_SECTIONS"
+  [ "${#names[@]}" -gt 0 ] || { echo "GPU_CHECK_SECTIONS is empty: name sections (gpt2 kernels training decoding)" >&2; exit 2; }
+  for n in "${names[@]}"; do
+    case "$n" in gpt2|kernels|training|decoding) ;; *)
+      echo "GPU_CHECK_SECTIONS: '$n' is not a section; give some of: gpt2 kernels training decoding, separated by spaces" >&2; exit 2;;
+    esac
+  done
+  sections_arg=(--sections "${names[@]}")
+fi
 worst=$(( TESTS_LIMIT + 10 + backstop + 15 + 30 ))  # + kill grace, + environment and install
 if [ "${1:-}" = "--plan" ]; then
   echo "tests ${TESTS_LIMIT} s, benchmark ${backstop} s at most (scale $scale), whole command ${worst} s at most"
@@ -124,10 +134,9 @@ else
   $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 fi
 # the cuda-marked tests (they skip themselves on machines without a GPU), each named as it
-# ends (-vv: pyproject adds -q)
-# ends; one still running 15 s before the limit has its stack printed
-timeout -k 10 "$TESTS_LIMIT" $PY -m pytest -vv -m cuda -p no:cacheprovider \
-  -o faulthandler_timeout=$(( TESTS_LIMIT - 15 )) tests 2>&1 |
+# ends (-vv: pyproject adds -q); at the limit pytest gets SIGABRT, on which its faulthandler
+# prints where it was (collection included), and SIGKILL 10 s later
+timeout -s ABRT -k 10 "$TESTS_LIMIT" $PY -m pytest -vv -m cuda -p no:cacheprovider tests 2>&1 |
   tee "$OUT/pytest-cuda.log"
 tests=${PIPESTATUS[0]}
 # a backstop only: gpu_bench keeps its own deadline and, stopped by this timeout, stops its

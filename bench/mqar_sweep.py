@@ -72,6 +72,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--lrs", default=ZOOLOGY_LRS, help=f"comma-separated (default {ZOOLOGY_LRS})")
+    ap.add_argument("--extra-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="more --set options of the swept rates' runs, after train.lr (a "
+                         "sweep sized to a machine, bench/gpu_mqar_sweep.sh); the config's own "
+                         "rate is its plain record and takes none")
     ap.add_argument("--snapshot", action="store_true",
                     help="record every rate's run as far as it got (bench/mqar_runs.py "
                     "--snapshot) and summarize")
@@ -89,7 +93,8 @@ def main() -> None:
     for lr in rates(base_lr, lrs):
         cmd = [sys.executable, RUNS_SCRIPT, str(config)]
         if lr != base_lr:
-            cmd += ["--set", f"train.lr={lr:g}", "--tag", tag(lr)]
+            cmd += ["--set", f"train.lr={lr:g}",
+                    *sum((["--set", x] for x in args.extra_set), []), "--tag", tag(lr)]
         if args.snapshot:
             cmd.append("--snapshot")
         print(f"learning rate {lr:g}: {' '.join(cmd[1:]).replace(str(ROOT) + '/', '')}",

@@ -183,16 +183,40 @@ def test_mqar_sweep_dry_run_with_its_default_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rate_stopped_before_its_first_evaluation_still_lets_its_row_be_summarized(tmp_path):
+def test_a_row_that_does_not_fit_the_budget_is_named_and_not_run(tmp_path):
+    """The probe measures a start-up longer than the whole budget: the row is not trained to a
+    meaningless end, the calibration says why, and the sweep still ends well."""
     out = tmp_path / "out"
     env = {**_env(tmp_path), "GPU_MQAR_DRY": "1", "OUT": str(out), "ROWS": "softmax_kv64",
            "GPU_MQAR_DRY_STEPS": "100000", "GPU_MQAR_DRY_BUDGET": "3"}
     p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_mqar_sweep.sh")], env=env,
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    sweep = _unpack(out, tmp_path)["mqar-softmax_kv64"]["lr_sweep"]
-    cut = [x for x in sweep if x["record"] is None]
-    assert cut and all(x["accuracy"] is None for x in cut)  # listed, not dropped
+    assert "softmax_kv64:" in p.stdout and "it is not run" in p.stdout
+    import tarfile
+
+    with tarfile.open(out / "gpu_mqar.tar.gz") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    calibration = json.loads((tmp_path / "unpacked" / "logs" / "calibration.json").read_text())
+    row = calibration["rows"]["softmax_kv64"]
+    assert not row["fits"] and "steps in the budget" in row["why"]
+    assert not list((tmp_path / "unpacked" / "results").glob("mqar-softmax_kv64-lr*.json"))
+
+
+def test_a_rate_stopped_before_its_first_evaluation_still_lets_its_row_be_summarized(
+        tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mqar_sweep
+
+    monkeypatch.setattr(mqar_sweep, "RESULTS", tmp_path)
+    record = {"accuracy": 0.9, "steps": 100, "max_steps": 100, "complete": True}
+    (tmp_path / "mqar-x.json").write_text(json.dumps(record))
+    (tmp_path / "mqar-x-lr0.01.json").write_text(json.dumps({**record, "accuracy": 0.95}))
+    assert mqar_sweep.summarize("mqar-x", 3e-3, [1e-4, 1e-2]) is None  # not every rate yet
+    summary = mqar_sweep.summarize("mqar-x", 3e-3, [1e-4, 1e-2], snapshot=True)
+    cut = [x for x in summary["lr_sweep"] if x["record"] is None]
+    assert [x["lr"] for x in cut] == [1e-4] and cut[0]["accuracy"] is None  # listed, not dropped
+    assert summary["lr_best"] == 1e-2
 
 
 def test_gpu_check_plans_inside_nine_minutes_and_takes_a_fractional_scale():
@@ -347,6 +371,10 @@ def test_the_gpu_section_says_each_target_from_its_record():
     # slower at one long length: missed; a long length cut short: not measured, with why
     r["kernels"]["rows"][2]["chunkwise_torch_ms"] = 100.0
     assert "is not faster" in gpu_page.targets(r)["kernels"]
+    # ... unless fla, usable there, was not timed: then it is not settled
+    r["fla"] = True
+    assert "not settled" in gpu_page.targets(r)["kernels"]
+    del r["fla"]
     r["kernels"]["rows"][2] = kernel(16384, None, None, status="skipped", reason="budget spent")
     t = gpu_page.targets(r)
     assert "not measured yet (budget spent)" in t["kernels"]
@@ -359,3 +387,81 @@ def test_the_gpu_section_says_each_target_from_its_record():
                                "dtype": "bf16", "compile": True, "status": "interrupted",
                                "val_loss": 4.18}]}
     assert "4.18" not in gpu_page.training_table(r)
+    # a run stopped by a signal has no seconds; the section still renders
+    r["runs"] = [{"command": "bash bench/gpu_check.sh", "started": "then", "seconds": None}]
+    assert "`bash bench/gpu_check.sh` (then UTC)" in "\n".join(gpu_page.section(r))
+
+
+def test_a_dry_runs_gpu_record_is_not_published(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_page
+
+    (tmp_path / "gpu_bench.json").write_text(json.dumps({"dry_run": True, "device": "cpu"}))
+    assert gpu_page.load(tmp_path / "gpu_bench.json") is None
+    assert gpu_page.load(tmp_path / "none.json") is None
+
+
+def test_mqar_calibration_fits_each_rows_schedule_to_the_budget(tmp_path):
+    """bench/mqar_calibrate.py: a row's step time is its slowest rate's (median of the logged
+    windows after the first), its evaluation time the longest logged, its start-up the longest
+    remainder of a rate that ran the whole probe; the step limit fits the budget with the
+    evaluations and a margin, never above the config's; a rate that logged nothing is named."""
+    import math
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mqar_calibrate as mc
+
+    from continuumlm.config import load_config
+
+    config = ROOT / "configs" / "mqar" / "ode_deltanet_kv64.toml"
+    cfg = load_config(config)
+    t = cfg.train
+    tokens = t.batch_size * cfg.mqar.seq_len  # 64 x 256
+    probe, results = tmp_path / "probe", tmp_path / "probe_results"
+    results.mkdir()
+
+    def rate(lr, s_step, steps, eval_s=0.5, first=10.0, early=False):
+        name = f"mqar-ode_deltanet_kv64-probe-lr{lr}"
+        (probe / name).mkdir(parents=True)
+        lines = [{"step": 5, "tokens_per_s": tokens * 5 / first}]
+        for s in range(10, steps + 1, 5):
+            lines.append({"step": s, "tokens_per_s": tokens / s_step})
+            if s % 50 == 0:
+                lines.append({"step": s, "accuracy": 0.5, "eval_s": eval_s})
+        (probe / name / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        if early:
+            (results / f"{name}.json").write_text("{}")
+
+    rate("0.0001", 0.02, 1000)  # start-up 45 - 20 - 20 x 0.5 = 15 s
+    rate("0.01", 0.05, 500, eval_s=0.8)  # the slowest steps and evaluations: 45 - 25 - 8 = 12
+    rate("0.0022", 0.01, 200, early=True)  # reached the recall at 2 s: its 41 s is no start-up
+    out = mc.calibrate([config], probe, 45, 300, results)
+    row = out["rows"]["ode_deltanet_kv64"]
+    assert row["seconds_per_step"] == pytest.approx(0.05) and row["eval_s"] == 0.8
+    assert row["startup_s"] == pytest.approx(15) and row["fits"]
+    sets = row["sets"]
+    steps, every = sets["train.max_steps"], sets["train.eval_interval"]
+    run_s = 15 + 0.05 * steps + math.ceil(steps / every) * 0.8
+    assert run_s <= 300 and run_s >= 15 + 0.8 * (300 - 15) * mc.MARGIN  # fits, and not wastefully
+    assert math.ceil(steps / every) <= math.ceil(t.max_steps / t.eval_interval)
+    assert sets["train.warmup_steps"] == round(t.warmup_steps * steps / t.max_steps)
+    # a fast machine runs the config's own schedule, never more
+    fast = mc.plan(cfg, 1e-4, 5, 300, 0.01)
+    assert (fast["train.max_steps"], fast["train.eval_interval"]) == (t.max_steps, t.eval_interval)
+    # slow evaluations are made fewer: at most a fifth of the time
+    slow = mc.plan(cfg, 0.01, 0, 300, 5.0)
+    n = math.ceil(slow["train.max_steps"] / slow["train.eval_interval"])
+    assert n * 5.0 <= mc.EVAL_SHARE * 300 * mc.MARGIN + 5.0
+    # a rate that logged no step is named and left out; a row with none does not fit
+    (probe / "mqar-ode_deltanet_kv64-probe-lr0.00046").mkdir()
+    row = mc.calibrate([config], probe, 45, 300, results)["rows"]["ode_deltanet_kv64"]
+    assert row["fits"] and row["no_step_in_probe"] == ["mqar-ode_deltanet_kv64-probe-lr0.00046"]
+    empty = tmp_path / "empty"
+    (empty / "mqar-ode_deltanet_kv64-probe-lr0.01").mkdir(parents=True)
+    row = mc.calibrate([config], empty, 45, 300)["rows"]["ode_deltanet_kv64"]
+    assert not row["fits"] and "PROBE" in row["why"]
+    row = mc.calibrate([config], tmp_path / "nothing", 45, 300)["rows"]["ode_deltanet_kv64"]
+    assert not row["fits"] and "PROBE" in row["why"]
+    # a short config (a toy dry run's 4 steps) fits at its own length
+    toy = load_config(config, ["train.max_steps=4"])
+    assert mc.plan(toy, 0.01, 1, 60, 0.1)["train.max_steps"] == 4

@@ -287,7 +287,7 @@ def test_mixed_pair_counts_config_and_run(tmp_path):
             _mqar_cfg(f"mqar.train_kv_pairs={bad}")
     with pytest.raises(ConfigError, match=r"mqar.seq_len = 32 is too short for 9 key-value"):
         _mqar_cfg("mqar.train_kv_pairs=[4, 9]")
-    train_x, train_y = M._train_set(cfg)
+    train_x, train_y = M.train_set(cfg)
     assert sorted(set((train_y >= 0).sum(1).tolist())) == [2, 4]
     assert ((M._test_set(cfg)[1] >= 0).sum(1) == 4).all()  # held out at num_kv_pairs
     result = M.run_mqar(cfg, tmp_path / "run", quiet=True)
@@ -402,7 +402,7 @@ def test_fresh_recall_scores_the_final_model_on_unseen_sequences(tmp_path):
     fresh = M.fresh_recall(tmp_path / "f")
     assert fresh["step"] == r["steps"] == 8
     x, y = M._test_set(cfg, M.FRESH_OFFSET)
-    held, train = M._test_set(cfg)[0], M._train_set(cfg)[0]
+    held, train = M._test_set(cfg)[0], M.train_set(cfg)[0]
     assert not (x[:, None] == held[None]).all(-1).any()
     assert not (x[:, None] == train[None]).all(-1).any()
     from safetensors.torch import load_model
@@ -575,14 +575,14 @@ def test_a_shared_example_cache_gives_the_same_training_set_built_once(tmp_path,
     cfg = _mqar_cfg()
     plain = M._draw_train_set(cfg)
     monkeypatch.setenv(M.EXAMPLE_CACHE, str(tmp_path / "cache"))
-    built = M._train_set(cfg)
+    built = M.train_set(cfg)
     files = list((tmp_path / "cache").glob("mqar-train-*.pt"))
     assert len(files) == 1
     calls = []
     monkeypatch.setattr(M, "_draw_train_set", lambda c: calls.append(c) or plain)
-    shared = M._train_set(cfg)
+    shared = M.train_set(cfg)
     assert calls == []  # read from the file, not drawn again
     for a, b, c in zip(plain, built, shared):
         assert torch.equal(a, b) and torch.equal(a, c)
-    M._train_set(_mqar_cfg("train.seed=7"))
+    M.train_set(_mqar_cfg("train.seed=7"))
     assert len(list((tmp_path / "cache").glob("mqar-train-*.pt"))) == 2 and len(calls) == 1

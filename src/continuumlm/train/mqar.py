@@ -64,7 +64,7 @@ FRESH_OFFSET = 20_000
 EXAMPLE_CACHE = "CONTINUUMLM_MQAR_CACHE"  # a folder: training sets built once, shared
 
 
-def _train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def train_set(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The training sequences (seeded). With ``$CONTINUUMLM_MQAR_CACHE`` set to a folder, the
     set of one seed and [mqar] section is built once (by the first process to ask, the others
     wait) and memory-mapped by every run that asks again: runs of several learning rates side
@@ -187,7 +187,7 @@ class MQARTask:
                     f"{'--nproc ' + str(ran) if ran > 1 else 'one process'}.")
         self.cfg, self.out = cfg, out
         self.seq_len = cfg.mqar.seq_len  # train.seq_len does not apply: MQAR has its own
-        self.train_x, self.train_y = _train_set(cfg)
+        self.train_x, self.train_y = train_set(cfg)
         self.test_x, self.test_y = _test_set(cfg)
         saved = (state or {}).get("task") or {}
         self.history = [list(h) for h in saved.get("history", [])]

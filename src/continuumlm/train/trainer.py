@@ -567,7 +567,9 @@ class Trainer:
                     last_val, evaluated, reached = ev.score, True, ev.stop
                     improved = ev.score < self.best_val
                     self.best_val = min(self.best_val, ev.score)
-                    self._log({"step": self.step, **ev.fields})
+                    # eval_s: how long the evaluation took (sizing a run to a budget needs it)
+                    self._log({"step": self.step, **ev.fields,
+                               "eval_s": round(time.perf_counter() - paused, 4)})
                     train_part = "" if math.isnan(last_loss) else f"train loss {last_loss:.4f}, "
                     say(f"step {self.step}: {train_part}{ev.text}")
                     self.task.on_evaluation(self, ev)  # the task's state, before it is saved
