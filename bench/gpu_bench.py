@@ -606,7 +606,16 @@ def parent(args) -> int:
     device = torch.device("cpu" if args.dry else "cuda")
     name = "cpu (dry run)" if args.dry else torch.cuda.get_device_name()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    this_run = {"command": "bash bench/gpu_check.sh" + (" --resume" if args.resume else ""),
+    # the command as gpu_check.sh was given it (its settings are environment variables)
+    env = ["GPU_CHECK_DRY=1" if args.dry else "",
+           f"GPU_CHECK_BUDGET_SCALE={args.budget_scale:g}" if args.budget_scale != 1 else "",
+           f"GPU_CHECK_DEADLINE={args.deadline:g}" if args.deadline else "",
+           f"GPU_CHECK_SECTIONS='{' '.join(args.sections)}'"
+           if args.sections != list(BUDGETS) else "",
+           f"GPU_CHECK_TESTS_LIMIT={os.environ['GPU_CHECK_TESTS_LIMIT']}"
+           if os.environ.get("GPU_CHECK_TESTS_LIMIT") else ""]
+    this_run = {"command": " ".join([*filter(None, env), "bash bench/gpu_check.sh"])
+                + (" --resume" if args.resume else ""),
                 "started": started, "device": name, "torch": torch.__version__}
     result = load(out) if args.resume else {}
     if args.resume:

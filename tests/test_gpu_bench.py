@@ -304,8 +304,9 @@ def test_a_resumed_bench_keeps_the_done_rows_and_measures_the_rest(tmp_path):
     assert rows["kernels", "T130"]["status"] == "done"
     assert rows["kernels", "T130"]["chunkwise_torch_ms"] > 0
     assert "stopped" not in result["kernels"]
-    assert [r["command"] for r in result["runs"]] == ["bash bench/gpu_check.sh",
-                                                     "bash bench/gpu_check.sh --resume"]
+    assert [r["command"] for r in result["runs"]] == [
+        "GPU_CHECK_DRY=1 GPU_CHECK_SECTIONS='kernels' bash bench/gpu_check.sh",
+        "GPU_CHECK_DRY=1 GPU_CHECK_SECTIONS='kernels' bash bench/gpu_check.sh --resume"]
     assert result["runs"][1]["sections"] == ["kernels"]
     # everything done: a resume runs no section
     p = subprocess.run([*bench, "--resume"], env=env, capture_output=True, text=True, timeout=120)
