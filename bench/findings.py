@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from page import anchor
+
 START = "<!-- findings: written by python bench/render.py from bench/results/; do not edit -->"
 END = "<!-- /findings -->"
 PAGE = "docs/results.md"
@@ -180,16 +182,15 @@ def gpu(results: dict) -> str | None:
     ratio = (r or {}).get("gpt2", {}).get("ode_evaluation_vs_layer")
     if ratio is None or not all(rows.get(k, {}).get("mfu") for k in ("discrete", "ode_euler")):
         return None
-    dec = {x["row"]: x for x in r.get("decoding", {}).get("rows", [])}.get("softmax-eager", {})
+    dec = gpu_page.eager_decoding(r)
     decoding = (f"; cached decoding of the small RK4 x 4 model, 64 field evaluations of small "
-                f"matrices per token, is launch-bound there ({dec['cached_tok_s']:.0f} tokens/s, "
-                f"{dec['cached_tok_s'] / dec['recompute_tok_s']:.2f}x recomputing)"
-                if dec.get("cached_tok_s") and dec.get("recompute_tok_s") else "")
+                f"matrices per token, is launch-bound there ({dec[0]:.0f} tokens/s, "
+                f"{dec[1]:.2f}x recomputing)" if dec else "")
     return (f"**On one {r['device']} a field evaluation costs what a layer does**: at GPT-2-small's "
             f"shape (bf16, compiled) one evaluation of the shared ODE block takes {ratio:.2f}x a "
             f"discrete layer, and the models train at {100 * rows['ode_euler']['mfu']:.1f}% "
             f"(ODE, Euler x 12) and {100 * rows['discrete']['mfu']:.1f}% (12 layers) MFU"
-            f"{decoding}. [GPU]({PAGE}#{gpu_page.page.anchor(gpu_page.heading(r))})")
+            f"{decoding}. [GPU]({PAGE}#{anchor(gpu_page.heading(r))})")
 
 
 FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, gpu]

@@ -143,17 +143,16 @@ def targets(r: dict) -> dict[str, str]:
                    if v) < x["sdpa_ms"]
 
     # "missed" only once every kernel there is was timed: fla, when usable, may be the faster
+    why = next((x.get("reason") for x in long if x.get("reason")), "not run")
     fla_missing = r.get("fla") is True and any(not x.get("chunkwise_fla_ms") for x in long)
     if long and len(measured) == len(long) and (all(map(faster, measured)) or not fla_missing):
         met = all(map(faster, measured))
         out["kernels"] = (f"DeltaNet's kernel is {'' if met else 'not '}faster than SDPA "
                           f"from T = {KERNEL_FROM} (target: {'met' if met else 'missed'})")
     elif long and len(measured) == len(long):
-        why = next((x.get("reason") for x in long if x.get("reason")), "not run")
         out["kernels"] = (f"DeltaNet against SDPA from T = {KERNEL_FROM} is not settled: the "
                           f"built-in kernel is slower, and fla's kernel was not timed ({why})")
     else:
-        why = next((x.get("reason") for x in long if x.get("reason")), "not run")
         out["kernels"] = (f"DeltaNet against SDPA from T = {KERNEL_FROM} is not measured yet "
                           f"({why})")
     every = [x for s in ("gpt2", "kernels", "training", "decoding") for x in _rows(r, s)]
@@ -164,12 +163,19 @@ def targets(r: dict) -> dict[str, str]:
     return out
 
 
+def eager_decoding(r: dict) -> tuple[float, float] | None:
+    """Softmax attention's eager cached decoding: (tokens/s, against recomputing), or None
+    when either was not measured."""
+    dec = {x["row"]: x for x in _rows(r, "decoding")}.get("softmax-eager", {})
+    c, rc = dec.get("cached_tok_s"), dec.get("recompute_tok_s")
+    return (c, c / rc) if c and rc else None
+
+
 def conclusion(r: dict) -> str:
     t = targets(r)
-    dec = {x["row"]: x for x in _rows(r, "decoding")}.get("softmax-eager", {})
+    dec = eager_decoding(r)
     decoding = (f"; cached decoding of the small benchmark model is launch-bound there: "
-                f"{dec['cached_tok_s']:.0f} tokens/s, {dec['cached_tok_s'] / dec['recompute_tok_s']:.2f}x "
-                f"recompute" if dec.get("cached_tok_s") and dec.get("recompute_tok_s") else "")
+                f"{dec[0]:.0f} tokens/s, {dec[1]:.2f}x recompute" if dec else "")
     return (f"On one {r.get('device', 'GPU')}, {t['mfu']}, and {t['evaluation']}; "
             f"{t['kernels']}{decoding}.")
 
