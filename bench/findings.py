@@ -186,11 +186,14 @@ def gpu(results: dict) -> str | None:
     decoding = (f"; cached decoding of the small RK4 x 4 model, 64 field evaluations of small "
                 f"matrices per token, is launch-bound there ({dec[0]:.0f} tokens/s, "
                 f"{dec[1]:.2f}x recomputing)" if dec else "")
+    long = gpu_page.long_kernels(r)
+    kernels = (f"; over SDPA's time, DeltaNet's fastest chunkwise kernel (forward and backward, "
+               f"bf16) takes {gpu_page.kernel_ratios(long)}" if long else "")
     return (f"**On one {r['device']} a field evaluation costs what a layer does**: at GPT-2-small's "
             f"shape (bf16, compiled) one evaluation of the shared ODE block takes {ratio:.2f}x a "
             f"discrete layer, and the models train at {100 * rows['ode_euler']['mfu']:.1f}% "
             f"(ODE, Euler x 12) and {100 * rows['discrete']['mfu']:.1f}% (12 layers) MFU"
-            f"{decoding}. [GPU]({PAGE}#{anchor(gpu_page.heading(r))})")
+            f"{kernels}{decoding}. [GPU]({PAGE}#{anchor(gpu_page.heading(r))})")
 
 
 FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, gpu]

@@ -612,8 +612,8 @@ def parent(args) -> int:
            f"GPU_CHECK_DEADLINE={args.deadline:g}" if args.deadline else "",
            f"GPU_CHECK_SECTIONS='{' '.join(args.sections)}'"
            if args.sections != list(BUDGETS) else "",
-           f"GPU_CHECK_TESTS_LIMIT={os.environ['GPU_CHECK_TESTS_LIMIT']}"
-           if os.environ.get("GPU_CHECK_TESTS_LIMIT") else ""]
+           *(f"{v}={os.environ[v]}" for v in ("GPU_CHECK_TESTS_LIMIT", "GPU_CHECK_FLA_TESTS_LIMIT")
+             if os.environ.get(v))]
     this_run = {"command": " ".join([*filter(None, env), "bash bench/gpu_check.sh"])
                 + (" --resume" if args.resume else ""),
                 "started": started, "device": name, "torch": torch.__version__}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU check in one command that ends inside 9 minutes whatever happens (about 8 when every
-# section uses its budget): the environment, the CUDA-marked tests (at most 90 s), then
-# bench/gpu_bench.py (340 s: the GPT-2-small target rows first, then DeltaNet kernels, training
-# tokens/s and MFU, decoding), each of its sections in a child process with its own budget.
+# Every GPU check in one command that ends inside 9 1/4 minutes whatever happens (555 s; about
+# 8 1/2 when every section uses its budget): the environment, the CUDA-marked tests (at most
+# 60 s), then bench/gpu_bench.py (340 s: the GPT-2-small target rows first, then DeltaNet
+# kernels, training tokens/s and MFU, decoding), each of its sections in a child process with
+# its own budget, then the fla-marked CUDA tests (at most 60 s).
 # Results go to $OUT (or bench/results/gpu), four files: env.txt, pytest-cuda.log,
 # gpu_bench.json, gpu_bench.log; run folders stay in a temporary folder, so the check can be
 # run again.
@@ -15,8 +16,8 @@
 #   bash bench/gpu_check.sh --resume    # on the GPU machine again: keeps the rows that
 #       bench/results/gpu/gpu_bench.json (or $GPU_CHECK_RESUME_FROM) holds as done and measures
 #       the rest; GPU_CHECK_SECTIONS (their order), GPU_CHECK_DEADLINE (s, the whole bench's,
-#       in place of 340 x scale; the sections' budgets still scale) and GPU_CHECK_TESTS_LIMIT
-#       (s) fit it to the device time left
+#       in place of 340 x scale; the sections' budgets still scale), GPU_CHECK_TESTS_LIMIT
+#       and GPU_CHECK_FLA_TESTS_LIMIT (s) fit it to the device time left
 #
 # It runs from src/ on PYTHONPATH with the machine's own packages: a GPU machine without network
 # cannot `pip install -e .` (no setuptools>=77 there, and the dev extra needs lm-eval). The
@@ -28,7 +29,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 FLA_CORE=0.6.0
-TESTS_LIMIT=${GPU_CHECK_TESTS_LIMIT:-90}   # s, CUDA-marked tests
+TESTS_LIMIT=${GPU_CHECK_TESTS_LIMIT:-60}   # s, CUDA-marked tests but the fla ones
+FLA_TESTS_LIMIT=${GPU_CHECK_FLA_TESTS_LIMIT:-60}  # s, the fla-marked ones, after the benchmark
 BENCH_DEADLINE=340  # s, gpu_bench.py's own deadline (its DEADLINE)
 resume=
 if [ "${1:-}" = "--resume" ]; then resume=--resume; shift; fi
@@ -55,6 +57,8 @@ if [ -n "${GPU_CHECK_DEADLINE:-}" ]; then
 fi
 [[ "$TESTS_LIMIT" =~ ^[0-9]+$ ]] && [ "$TESTS_LIMIT" -gt 15 ] ||
   { echo "GPU_CHECK_TESTS_LIMIT=$TESTS_LIMIT is not a whole number of seconds above 15" >&2; exit 2; }
+[[ "$FLA_TESTS_LIMIT" =~ ^[0-9]+$ ]] && [ "$FLA_TESTS_LIMIT" -gt 15 ] ||
+  { echo "GPU_CHECK_FLA_TESTS_LIMIT=$FLA_TESTS_LIMIT is not a whole number of seconds above 15" >&2; exit 2; }
 sections_arg=()
 if [ -n "${GPU_CHECK_SECTIONS+set}" ]; then  # checked here, before any device time is spent
   read -r -a names <<< "$GPU_CHECK_SECTIONS"
@@ -66,9 +70,10 @@ if [ -n "${GPU_CHECK_SECTIONS+set}" ]; then  # checked here, before any device t
   done
   sections_arg=(--sections "${names[@]}")
 fi
-worst=$(( TESTS_LIMIT + 10 + backstop + 15 + 30 ))  # + kill grace, + environment and install
+# + kill graces, + environment and install
+worst=$(( TESTS_LIMIT + 10 + backstop + 15 + FLA_TESTS_LIMIT + 10 + 30 ))
 if [ "${1:-}" = "--plan" ]; then
-  echo "tests ${TESTS_LIMIT} s, benchmark ${backstop} s at most (scale $scale), whole command ${worst} s at most"
+  echo "tests ${TESTS_LIMIT} s, benchmark ${backstop} s at most (scale $scale), fla tests ${FLA_TESTS_LIMIT} s, whole command ${worst} s at most"
   exit 0
 fi
 OUT=${OUT:-bench/results/gpu}
@@ -135,17 +140,29 @@ else
 fi
 # the cuda-marked tests (they skip themselves on machines without a GPU), each named as it
 # ends (-vv: pyproject adds -q); at the limit pytest gets SIGABRT, on which its faulthandler
-# prints where it was (collection included), and SIGKILL 10 s later
-timeout -s ABRT -k 10 "$TESTS_LIMIT" $PY -m pytest -vv -m cuda -p no:cacheprovider tests 2>&1 |
-  tee "$OUT/pytest-cuda.log"
-tests=${PIPESTATUS[0]}
+# prints where it was (collection included), and SIGKILL 10 s later; a test still running 5 s
+# before the limit dumps its stack from a thread too (faulthandler_timeout), in case SIGABRT
+# is caught by something else. Those marked fla (fla's first call autotunes its Triton
+# kernels for over a minute) run after the benchmark, whose kernels section has compiled them
+# by then, within their own limit.
+cuda_tests() {  # $1: marker expression, $2: limit (s)
+  timeout -s ABRT -k 10 "$2" $PY -m pytest -vv -m "$1" -p no:cacheprovider \
+    -o faulthandler_timeout=$(( $2 - 5 )) tests 2>&1 | tee -a "$OUT/pytest-cuda.log"
+  return "${PIPESTATUS[0]}"
+}
+: > "$OUT/pytest-cuda.log"
+cuda_tests "cuda and not fla" "$TESTS_LIMIT"
+tests=$?
 # a backstop only: gpu_bench keeps its own deadline and, stopped by this timeout, stops its
 # running section and marks what it skipped
 timeout -k 15 "$backstop" $PY bench/gpu_bench.py --out "$OUT" --budget-scale "$scale" $dry $resume \
   "${deadline_arg[@]}" "${sections_arg[@]}" 2>&1 |
   tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}
-echo "cuda tests exit $tests, benchmark exit $bench"
+cuda_tests "cuda and fla" "$FLA_TESTS_LIMIT"
+fla_tests=$?
+echo "cuda tests exit $tests, benchmark exit $bench, fla tests exit $fla_tests"
 # pytest exits 5 when every cuda test was deselected or skipped (the dry run on a CPU)
 [ -n "$dry" ] && [ "$tests" = 5 ] && tests=0
-exit $(( tests || bench ))
+[ -n "$dry" ] && [ "$fla_tests" = 5 ] && fla_tests=0
+exit $(( tests || bench || fla_tests ))

@@ -586,3 +586,30 @@ def test_a_shared_example_cache_gives_the_same_training_set_built_once(tmp_path,
         assert torch.equal(a, b) and torch.equal(a, c)
     M.train_set(_mqar_cfg("train.seed=7"))
     assert len(list((tmp_path / "cache").glob("mqar-train-*.pt"))) == 2 and len(calls) == 1
+
+
+def test_a_saved_run_is_scored_on_this_machines_best_device_in_the_runs_precision(
+        tmp_path, monkeypatch):
+    """recall_by_distance and fresh_recall (bench/mqar_runs.py's snapshots) score on the GPU
+    when there is one, under the autocast train.dtype gives there, not on the CPU: on a GPU
+    machine the CPU took minutes per ODE DeltaNet run."""
+    import continuumlm.train.mqar as M
+    from continuumlm.train import device as D
+
+    r = M.run_mqar(_mqar_cfg("train.dtype=bf16"), tmp_path / "run", quiet=True)
+    asked = []
+
+    def pick(name, *a):
+        asked.append(name)
+        return torch.device("cpu")
+
+    def autocast(device, dtype):
+        asked.append(dtype)
+        return D.autocast_for(device, dtype)
+
+    monkeypatch.setattr(M, "pick_device", pick)
+    monkeypatch.setattr(M, "autocast_for", autocast)
+    assert M.recall_by_distance(tmp_path / "run")["step"] == r["steps"]
+    assert M.fresh_recall(tmp_path / "run")["step"] == r["steps"]
+    assert asked == ["auto", "bf16", "auto", "bf16"]
+
