@@ -120,12 +120,14 @@ def test_compiled_decoding_equals_eager(mixer):
     prompt = torch.randint(0, 37, (2, 5))
     a = m.generate(prompt, 30, greedy=True)
     state = m.init_state(2)
-    steps = [m.step(a[:, :5], state)[0]]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    fn = m._static_decoder(state, min_capacity=16)
-    capacities = set()
-    with torch.no_grad():  # as in generate (grad mode is part of what a graph is valid for)
+    # as in generate: states built, frozen and stepped in inference mode (grad mode and
+    # inference tensors are part of what a graph is valid for)
+    with torch.inference_mode():
+        steps = [m.step(a[:, :5], state)[0]]
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        fn = m._static_decoder(state, min_capacity=16)
+        capacities = set()
         for t in range(5, a.shape[1] - 1):
             steps.append(fn(a[:, t:t + 1], state))
             capacities.add(state.static.capacity)
@@ -137,10 +139,10 @@ def test_compiled_decoding_equals_eager(mixer):
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
     # two states at different capacities, stepped in turn, through the same graph
     states, outs = [m.init_state(2), m.init_state(2)], [[], []]
-    for st, n in zip(states, (5, 20)):
-        m.step(a[:, :n], st)
-    fns = [m._static_decoder(st, min_capacity=16) for st in states]
-    with torch.no_grad():
+    with torch.inference_mode():
+        for st, n in zip(states, (5, 20)):
+            m.step(a[:, :n], st)
+        fns = [m._static_decoder(st, min_capacity=16) for st in states]
         for t in range(8):
             for i, n in enumerate((5, 20)):
                 outs[i].append(fns[i](a[:, n + t:n + t + 1], states[i]))
