@@ -10,8 +10,10 @@ bench/results/mqar-<name>-lr<rate>.json); the config's own rate is its plain rec
 rates compared (added to --lrs when not in it). Rates run one after another.
 Once every rate's record exists (complete, or with ``--snapshot`` as far as it got), the plain
 record gains ``lr_sweep`` (every rate: accuracy, fresh-set accuracy, steps, whether complete,
-its record) and ``lr_best`` (the rate with the highest held-out recall at its last evaluation,
-complete runs before unfinished ones); the results page reports that rate's run.
+its record, whether it is ranked) and ``lr_best`` (the rate with the highest held-out recall at
+its last evaluation, complete runs before unfinished ones, among the rates trained to the
+config's own step limit: a rate run to another limit, a schedule compressed to fit a machine,
+is listed but not ranked); the results page reports that rate's run.
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ def summarize(name: str, base_lr: float, lrs: list[float],
                      "fresh_accuracy": r.get("fresh_accuracy"), "steps": r["steps"],
                      "max_steps": r["max_steps"], "complete": r.get("complete", True),
                      "record": path.name})
-    recorded = [r for r in rows if r["record"] is not None]
-    if not base_path.exists() or not recorded:
+    if not base_path.exists():
         return None
-    best = max(recorded, key=lambda r: (r["complete"], r["accuracy"]))
+    # rates are compared only at the step limit of the config's own rate: a run whose
+    # schedule was compressed to fit a machine's time (bench/gpu_mqar_sweep.sh) ends
+    # "complete" after a fraction of the steps, and says nothing about which rate is best
+    # over the config's schedule. Such rates are listed, marked not ranked.
+    base_steps = json.loads(base_path.read_text())["max_steps"]
+    for r in rows:
+        r["ranked"] = r["record"] is not None and r["max_steps"] == base_steps
+    best = max((r for r in rows if r["ranked"]), key=lambda r: (r["complete"], r["accuracy"]))
     return {**json.loads(base_path.read_text()), "lr_sweep": rows, "lr_best": best["lr"]}
 
 

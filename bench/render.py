@@ -443,8 +443,9 @@ def mqar_records(results: dict[str, dict]) -> list[dict]:
                 raise SystemExit(f"{key}.json names {best['record']} as the record of its best "
                                  f"learning rate, and bench/results/ has no such file: run "
                                  f"`python bench/mqar_sweep.py {r['config']}` again.")
+            ranked = sum(1 for x in r["lr_sweep"] if x.get("ranked", True))
             r = {**shown, "lr_sweep": r["lr_sweep"],
-                 "shown_lr": f"{r['lr_best']:g} (best of {len(r['lr_sweep'])})"}
+                 "shown_lr": f"{r['lr_best']:g} (best of {ranked})"}
         out.append(r)
     return sorted(out, key=lambda r: (r["num_kv_pairs"], r["config"]))
 
@@ -474,7 +475,9 @@ def mqar_sweep_table(results: dict[str, dict]) -> str:
                          "fresh": "" if x.get("fresh_accuracy") is None
                          else f"{100 * x['fresh_accuracy']:.2f}%",
                          "steps": f"{x['steps']} of {x['max_steps']}"
-                         + ("" if x["complete"] else " (unfinished)")})
+                         + ("" if x["complete"] else " (unfinished)")
+                         + ("" if x.get("ranked", True) else
+                            " (another step limit than the config's: not ranked)")})
     return markdown_table(rows, [("config", "config"), ("lr", "learning rate"),
                                  ("acc", "recall (last evaluation)"),
                                  ("fresh", "final model, fresh set"), ("steps", "steps")])

@@ -134,6 +134,18 @@ def test_an_mqar_learning_rate_sweep_reports_its_best_rate(tmp_path, monkeypatch
     assert shown[0]["shown_lr"] == "0.001 (best of 3)"
     table = render.mqar_sweep_table({**records, name: s})
     assert table.count("\n") == 4 and "(unfinished)" in table
+    # a rate run to another step limit (a schedule compressed to fit a GPU's time) is listed,
+    # not ranked, however well it did
+    short = _mqar_record(0.999, overrides=["train.lr=0.0001", "train.max_steps=10"],
+                         tag="lr0.0001", steps=10, max_steps=10)
+    (tmp_path / f"{name}-lr0.0001.json").write_text(json.dumps(short))
+    s = mqar_sweep.summarize(name, 3e-3, [1e-3, 1e-2, 1e-4])
+    assert s["lr_best"] == 1e-3
+    assert [x["ranked"] for x in s["lr_sweep"]] == [False, True, True, True]
+    records[f"{name}-lr0.0001"] = short
+    assert render.mqar_records({**records, name: s})[0]["shown_lr"] == "0.001 (best of 3)"
+    assert "10 of 10 (another step limit than the config's: not ranked)" in \
+        render.mqar_sweep_table({**records, name: s})
 
 
 def test_the_learning_rate_sweep_sets_each_model_at_its_best_rate_against_the_others():
