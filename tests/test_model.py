@@ -249,6 +249,17 @@ def test_interleaved_streams_keep_eval_mode_until_the_last_ends():
     assert m.training
 
 
+def test_streamed_tokens_are_ordinary_tensors_and_inference_mode_ends_between_them():
+    """A stream decodes in inference mode, yet what it yields is an ordinary tensor (a caller
+    may change it in place or feed it to autograd), and between tokens the caller's own code
+    runs outside inference mode."""
+    m = small_model()
+    stream = m.generate_stream(torch.randint(0, 37, (2, 4)), 3, greedy=True)
+    for tok in stream:
+        assert not tok.is_inference() and not torch.is_inference_mode_enabled()
+        tok += 1  # refused for an inference tensor outside inference mode
+
+
 def test_generate_stream_refuses_bad_arguments_when_made():
     """The CLI prints the prompt before the first token: a bad argument must raise before
     anything is printed, i.e. when the stream is created, not at its first next()."""
