@@ -8,9 +8,11 @@ finding whose records are missing is left out (said in the block)."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
+from common import RESULTS
 from page import anchor
 
 START = "<!-- findings: written by python bench/render.py from bench/results/; do not edit -->"
@@ -129,12 +131,33 @@ def mqar(results: dict) -> str | None:
     if not all(rows.values()):
         return None
     acc = {k: 100 * r["accuracy"] for k, r in rows.items()}
+    cal = mqar_gpu_calibration()
+    need = (f"that sweep, every rate of every row below the bar side by side on one "
+            f"{cal['device']}, needs about {sweep_minutes(cal):.0f} minutes at the step times "
+            f"measured there" if cal else "that sweep needs a GPU")
     return (f"**Associative recall at 64 key-value pairs (Zoology's MQAR)**: DeltaNet "
             f"{acc['deltanet_kv64']:.1f}% and softmax {acc['softmax_kv64_mixed']:.1f}% (trained "
             f"on mixed pair counts) pass the 99% bar; the ODE DeltaNet block stops at "
             f"{acc['ode_deltanet_kv64']:.1f}% after 20,000 steps at one learning rate (Zoology "
-            f"reports the best of four; that sweep needs a GPU). "
+            f"reports the best of four; {need}). "
             f"[MQAR]({PAGE}#multi-query-associative-recall-mqar)")
+
+
+MQAR_CALIBRATION = "gpu/mqar_calibration.json"  # under bench/results/
+
+
+def mqar_gpu_calibration() -> dict | None:
+    """bench/gpu_mqar_sweep.sh's calibration on a GPU (its logs/calibration.json, copied to
+    bench/results/gpu/mqar_calibration.json); None without one or for a CPU dry run's."""
+    path = RESULTS / MQAR_CALIBRATION
+    cal = json.loads(path.read_text()) if path.is_file() else None
+    return cal if cal and cal.get("device", "cpu") != "cpu" else None
+
+
+def sweep_minutes(cal: dict) -> float:
+    """Wall minutes for the sweep's runs, all side by side, to finish each config's whole
+    schedule: the slowest row's measured seconds per step times its config's step limit."""
+    return max(r["seconds_per_step"] * r["config_max_steps"] for r in cal["rows"].values()) / 60
 
 
 def regularizers(results: dict, regularizer_runs: list[dict]) -> str | None:

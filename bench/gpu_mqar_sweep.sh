@@ -13,8 +13,10 @@
 # the autocast precision it trained in: bf16 on CUDA, as train.dtype = "auto" does, and its
 # calibrated --set values) and the logs (calibration.json among them) are packed into
 # $OUT/gpu_mqar.tar.gz (default OUT: bench/results/gpu_mqar; one file, as the device tool
-# returns few): `tar -xzf gpu_mqar.tar.gz`, copy results/*.json into bench/results/, run
-# bench/render.py.
+# returns few): `tar -xzf gpu_mqar.tar.gz`, copy results/*.json into bench/results/ and
+# logs/calibration.json to bench/results/gpu/mqar_calibration.json (it names the GPU and the
+# command; README's MQAR finding says from it how long the configs' whole schedules take
+# there), run bench/render.py.
 # The run folders (runs/gpu_mqar/, emptied first) stay on that machine: a rate cut short by the
 # budget is recorded unfinished, not resumed.
 #

@@ -25,6 +25,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from continuumlm.config import load_config
@@ -144,6 +145,15 @@ def main() -> None:
         return
     result = calibrate(args.configs, args.probe_runs, args.probe_seconds, args.budget,
                        args.probe_results)
+    import torch
+
+    # what the record was measured on, and by which command (bench/gpu_mqar_sweep.sh's
+    # settings are environment variables): copied to bench/results/gpu/mqar_calibration.json,
+    # it says on the page how long the config's whole schedule takes there
+    result.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  date=time.strftime("%Y-%m-%d"),
+                  command=" ".join([*(f"{k}={os.environ[k]}" for k in ("BUDGET", "PROBE", "ROWS")
+                                      if os.environ.get(k)), "bash bench/gpu_mqar_sweep.sh"]))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, row in result["rows"].items():

@@ -202,6 +202,9 @@ def test_a_row_that_does_not_fit_the_budget_is_named_and_not_run(tmp_path):
     calibration = json.loads((tmp_path / "unpacked" / "logs" / "calibration.json").read_text())
     row = calibration["rows"]["softmax_kv64"]
     assert not row["fits"] and "steps in the budget" in row["why"]
+    # what it was measured on and by which command (the page reads them from the record)
+    assert calibration["device"] == "cpu"
+    assert calibration["command"] == "ROWS=softmax_kv64 bash bench/gpu_mqar_sweep.sh"
     assert not list((tmp_path / "unpacked" / "results").glob("mqar-softmax_kv64-lr*.json"))
 
 
@@ -495,3 +498,25 @@ def test_the_readme_gpu_finding_names_the_kernels_only_when_all_long_lengths_wer
     assert "T = 1024" not in text  # below the target's lengths
     r["kernels"]["rows"][2]["chunkwise_fla_ms"] = None  # fla usable but not timed there
     assert "SDPA" not in findings.gpu({})
+
+
+def test_the_mqar_finding_says_the_gpu_sweeps_time_from_its_calibration(tmp_path, monkeypatch):
+    """README's MQAR finding: with a GPU calibration record (bench/gpu_mqar_sweep.sh's, copied
+    to bench/results/gpu/), the minutes the sweep's whole schedules take there, from the
+    slowest row's measured step; a CPU dry run's calibration says nothing about a GPU."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import findings
+
+    monkeypatch.setattr(findings, "RESULTS", tmp_path)
+    results = {f"mqar-{k}": {"accuracy": a} for k, a in
+               (("deltanet_kv64", 0.992), ("softmax_kv64_mixed", 0.99),
+                ("ode_deltanet_kv64", 0.947))}
+    assert "that sweep needs a GPU" in findings.mqar(results)
+    (tmp_path / "gpu").mkdir()
+    cal = {"device": "GPU X", "rows": {
+        "a": {"seconds_per_step": 0.2, "config_max_steps": 20000},
+        "b": {"seconds_per_step": 0.3, "config_max_steps": 10000}}}
+    (tmp_path / "gpu" / "mqar_calibration.json").write_text(json.dumps(cal))
+    assert "on one GPU X, needs about 67 minutes" in findings.mqar(results)
+    (tmp_path / "gpu" / "mqar_calibration.json").write_text(json.dumps({**cal, "device": "cpu"}))
+    assert "that sweep needs a GPU" in findings.mqar(results)
