@@ -133,7 +133,7 @@ def targets(r: dict) -> dict[str, str]:
                          f"{'met' if ratio <= EVALUATION_TARGET else 'missed'})"
                          if ratio is not None else "the ODE evaluation against a layer was not "
                                                    "measured")
-    long = [x for x in _rows(r, "kernels") if x.get("T", 0) >= KERNEL_FROM]
+    long = _long_rows(r)
     measured = [x for x in long if x.get("sdpa_ms") and (x.get("chunkwise_torch_ms")
                                                           or x.get("chunkwise_fla_ms"))]
 
@@ -176,10 +176,15 @@ def kernel_ratios(rows: list[dict]) -> str:
     return ", ".join(f"{_best_kernel_ms(x) / x['sdpa_ms']:.2f}x at T = {x['T']}" for x in rows)
 
 
+def _long_rows(r: dict) -> list[dict]:
+    """The kernel rows the target speaks of: T from KERNEL_FROM on."""
+    return [x for x in _rows(r, "kernels") if x.get("T", 0) >= KERNEL_FROM]
+
+
 def long_kernels(r: dict) -> list[dict]:
     """The kernel rows from KERNEL_FROM on, when every one of them has SDPA and every usable
     DeltaNet kernel timed; else []."""
-    long = [x for x in _rows(r, "kernels") if x.get("T", 0) >= KERNEL_FROM]
+    long = _long_rows(r)
     ok = all(x.get("sdpa_ms") and x.get("chunkwise_torch_ms")
              and (x.get("chunkwise_fla_ms") or r.get("fla") is not True) for x in long)
     return long if long and ok else []

@@ -69,11 +69,11 @@ def summarize(name: str, base_lr: float, lrs: list[float],
     # schedule was compressed to fit a machine's time (bench/gpu_mqar_sweep.sh) ends
     # "complete" after a fraction of the steps, and says nothing about which rate is best
     # over the config's schedule. Such rates are listed, marked not ranked.
-    base_steps = json.loads(base_path.read_text())["max_steps"]
+    base = json.loads(base_path.read_text())
     for r in rows:
-        r["ranked"] = r["record"] is not None and r["max_steps"] == base_steps
+        r["ranked"] = r["record"] is not None and r["max_steps"] == base["max_steps"]
     best = max((r for r in rows if r["ranked"]), key=lambda r: (r["complete"], r["accuracy"]))
-    return {**json.loads(base_path.read_text()), "lr_sweep": rows, "lr_best": best["lr"]}
+    return {**base, "lr_sweep": rows, "lr_best": best["lr"]}
 
 
 def main() -> None:

@@ -455,14 +455,15 @@ def _evaluated_model(out: Path) -> tuple[RunConfig, dict, LanguageModel]:
     return cfg, task, model
 
 
-def _score_here(cfg: RunConfig, model: LanguageModel, x: torch.Tensor,
-                y: torch.Tensor) -> torch.Tensor:
-    """``query_hits`` of a saved run's model on this machine's best device (a GPU when there
-    is one: scoring an ODE DeltaNet's held-out set on the CPU of a GPU machine took minutes per
-    run) in the precision ``train.dtype`` gives on it, as the run's own evaluations did."""
+def _score_here(score, cfg: RunConfig, model: LanguageModel, x: torch.Tensor,
+                y: torch.Tensor):
+    """``score(model, x, y)`` (``query_hits`` or ``recall_accuracy``) of a saved run's model on
+    this machine's best device (a GPU when there is one: scoring an ODE DeltaNet's held-out set
+    on the CPU of a GPU machine took minutes per run) in the precision ``train.dtype`` gives
+    on it, as the run's own evaluations did."""
     device = pick_device("auto")
     with autocast_for(device, cfg.train.dtype):
-        return query_hits(model.to(device), x.to(device), y.to(device))
+        return score(model.to(device), x.to(device), y.to(device))
 
 
 def fresh_recall(out: str | Path) -> dict:
@@ -470,8 +471,7 @@ def fresh_recall(out: str | Path) -> dict:
     ``{"step", "accuracy"}``."""
     cfg, task, model = _evaluated_model(Path(out))
     x, y = _test_set(cfg, FRESH_OFFSET)
-    hits = _score_here(cfg, model, x, y)
-    return {"step": task["step"], "accuracy": hits.float().mean().item() if len(hits) else 0.0}
+    return {"step": task["step"], "accuracy": _score_here(recall_accuracy, cfg, model, x, y)}
 
 
 def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
@@ -512,7 +512,7 @@ def recall_by_distance(out: str | Path, edges: tuple[int, ...] = DISTANCE_EDGES)
     ``{"step": step of that evaluation, "buckets": [{"from", "to", "queries", "accuracy"}]}``."""
     cfg, task, model = _evaluated_model(Path(out))
     x, y = _test_set(cfg)
-    hits = _score_here(cfg, model, x, y)
+    hits = _score_here(query_hits, cfg, model, x, y)
     dist = query_distances(x, y, cfg.mqar.num_kv_pairs)
     rows = []
     for i, lo in enumerate(edges):
