@@ -4,9 +4,16 @@
 
 4 ODE blocks (sequential field) integrated with 4 classical RK4 steps each (NFE 64 per
 token), d=128, 4 heads, RoPE, batch 1, prompt 64 tokens; softmax and DeltaNet mixers; greedy
-decoding. Recompute and cached decoding are both timed over 512 new tokens (recompute over 2048
-would take hours; cached decoding is also timed over 2048). Per-token times at positions 128
-and 2048 show whether a step's cost grows with the context.
+decoding. Recompute and cached decoding are both timed over 512 new tokens; cached decoding is
+also timed over 2048. Recomputing 2048 new tokens would take about an hour: its time is the sum
+of one recomputed token's time (a full forward of the sequence so far) over the 2048 lengths,
+timed at 9 evenly spaced lengths and interpolated linearly between them (the same estimate is
+made for 512 tokens and recorded beside the measured one, as a check of the method). Per-token
+times at positions 128 and 2048 show whether a step's cost grows with the context.
+
+The operations per field evaluation are counted by torch.profiler over one cached token: the
+top-level aten operations (those not called by another aten operation), divided by the token's
+field evaluations.
 
 Cached decoding is timed eager (``model.generate``) and compiled (``model.generate(...,
 compile=True)``: one torch.compile graph of one solver step, serving every step of every block
@@ -84,6 +91,50 @@ def pays_from(eager_s: float, compiled_s: float, eager_tok_s: float, compiled_to
     return round(max(extra, 0.0) / saved)
 
 
+@torch.inference_mode()
+def recompute_token_s(m, length: int, repeats: int = 2) -> float:
+    """Seconds to recompute one token after ``length`` tokens: what ``generate(...,
+    use_cache=False)`` does per token (the full forward, the head on the last position)."""
+    ids = torch.randint(0, 65, (1, length))
+    m.lm_head(m.hidden_states(ids)[:, -1])  # warm-up at this length
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        m.lm_head(m.hidden_states(ids)[:, -1])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def recompute_tok_s_sampled(m, prompt_len: int, n: int, samples: int = 9) -> float:
+    """Recompute tokens/s over ``n`` new tokens after a ``prompt_len`` prompt, from one
+    token's recompute time at ``samples`` evenly spaced lengths, linearly interpolated (token
+    i reads prompt_len + i tokens)."""
+    lengths = [prompt_len + round(j * (n - 1) / (samples - 1)) for j in range(samples)]
+    times = [recompute_token_s(m, L) for L in lengths]
+    total = 0.0
+    for (L0, t0), (L1, t1) in zip(zip(lengths, times), zip(lengths[1:], times[1:])):
+        total += (L1 - L0) * (t0 + t1) / 2  # the tokens from L0 up to (not counting) L1
+    total += times[-1]  # the last token's
+    return n / total
+
+
+@torch.inference_mode()
+def ops_per_evaluation(m, prompt) -> float:
+    """Top-level aten operations per field evaluation of one cached token (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = m.init_state(1)
+    m.step(prompt, state)
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    for _ in range(2):
+        m.step(tok, state)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        m.step(tok, state)
+    top = [e for e in prof.events() if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return len(top) / m.depth.last_nfe
+
+
 @torch.no_grad()
 def step_ms_at(m, prompt, position: int, repeats: int = 20) -> float:
     """Mean time of one cached step when the context already holds ``position`` tokens."""
@@ -106,7 +157,10 @@ def main() -> None:
         row = {"mixer": mixer,
                "recompute_tok_s_512": tokens_per_s(m, prompt, 512, False),
                "cached_tok_s_512": tokens_per_s(m, prompt, 512, True),
+               "recompute_tok_s_512_sampled": recompute_tok_s_sampled(m, 64, 512),
+               "recompute_tok_s_2048_sampled": recompute_tok_s_sampled(m, 64, 2048),
                "cached_tok_s_2048": tokens_per_s(m, prompt, 2048, True),
+               "ops_per_evaluation": ops_per_evaluation(m, prompt),
                "step_ms_at_128": step_ms_at(m, prompt, 128),
                "step_ms_at_2048": step_ms_at(m, prompt, 2048)}
         row["compiled_tok_s_512"], row["first_compiled_call_s_512"] = \
@@ -117,6 +171,8 @@ def main() -> None:
         row["process_s_compiled_cold_512"] = process_s(mixer, 512, True, cache_dir)
         row["process_s_compiled_warm_512"] = process_s(mixer, 512, True, cache_dir)
         row["cache_speedup"] = row["cached_tok_s_512"] / row["recompute_tok_s_512"]
+        row["cache_speedup_2048"] = (row["cached_tok_s_2048"]
+                                     / row["recompute_tok_s_2048_sampled"])
         row["compiled_speedup"] = row["compiled_tok_s_512"] / row["recompute_tok_s_512"]
         row["compiled_vs_eager"] = row["compiled_tok_s_512"] / row["cached_tok_s_512"]
         row["warm_process_vs_eager"] = (row["process_s_compiled_warm_512"]
@@ -133,7 +189,9 @@ def main() -> None:
     print(table)
     write_json("decode_speed", {"command": "python bench/decode_speed.py",
                                 "setup": "4 ODE blocks x RK4 x 4 steps (NFE 64/token), d=128, "
-                                         "batch 1, prompt 64, greedy; process peak RSS "
+                                         "batch 1, prompt 64, greedy; recompute at 2048 "
+                                         "new tokens from one token's recompute time at 9 "
+                                         "lengths, interpolated; process peak RSS "
                                          f"{peak_mb:.0f} MB; compiled: torch.compile of one "
                                          "solver step (its 4 field evaluations), one graph "
                                          "for every step, block and capacity (buffers "
@@ -149,6 +207,9 @@ def make_table(rows: list[dict]) -> str:
         ("mixer", "mixer"), ("recompute_tok_s_512", "recompute tok/s (512 new)"),
         ("cached_tok_s_512", "cached tok/s (512 new)"), ("cached_tok_s_2048", "cached tok/s (2048 new)"),
         ("cache_speedup", "cached / recompute (512 new)"),
+        ("recompute_tok_s_2048_sampled", "recompute tok/s (2048 new; sampled)"),
+        ("cache_speedup_2048", "cached / recompute (2048 new; sampled)"),
+        ("ops_per_evaluation", "aten ops per field evaluation"),
         ("compiled_tok_s_512", "compiled cached tok/s (512 new)"),
         ("compiled_tok_s_2048", "compiled cached tok/s (2048 new)"),
         ("compiled_speedup", "compiled cached / recompute (512 new)"),

@@ -18,6 +18,58 @@ def _inputs(B=2, H=3, T=37, Dk=8, Dv=6, dtype=torch.float32, seed=0, grad=False)
     return q, k, v, beta, init
 
 
+def test_one_token_step_is_the_recurrent_rule_at_one_token():
+    """The decoding step (batched products) against the reference token loop, on sizes where
+    Dk != Dv and nothing is a power of two; gradients too (it also serves T = 1 in training)."""
+    from continuumlm.mixers.deltanet import delta_rule_step
+
+    q, k, v, beta, init = _inputs(B=3, H=2, T=1, Dk=5, Dv=7, dtype=torch.float64, grad=True)
+    o_ref, S_ref = delta_rule_recurrent(q, k, v, beta, init)
+    o, S = delta_rule_step(q, k, v, beta, init)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(S, S_ref, rtol=1e-12, atol=1e-12)
+    ref = torch.autograd.grad((o_ref.sum() + S_ref.square().sum()), (q, k, v, beta, init))
+    got = torch.autograd.grad((o.sum() + S.square().sum()), (q, k, v, beta, init))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_decoded_tokens_take_one_stacked_projection_and_equal_the_separate_ones():
+    """Decoding (autograd off) computes q, k, v, the gate and beta in one product; the layer's
+    output equals the one with each projection called as itself, one token at a time, with and
+    without the short convolution and with biases; with autograd on, each projection gets its
+    gradient."""
+    from continuumlm import ModelConfig
+    from continuumlm.mixers import DeltaNetAttention
+    from continuumlm.mixers.deltanet import DeltaNetCache
+    from continuumlm.nn import linear as lin
+
+    for own, bias in (({"short_conv": 0}, False), ({"short_conv": 3, "beta_bias": True}, True)):
+        torch.manual_seed(0)
+        cfg = ModelConfig.from_dict(dict(vocab_size=10, hidden_size=24, num_heads=3,
+                                         num_layers=1, mixer="deltanet", bias=bias,
+                                         deltanet=own))
+        att = DeltaNetAttention(cfg).double().eval()
+        x = torch.randn(2, 9, 24, dtype=torch.float64)
+        calls: list[int] = []
+        with torch.no_grad():
+            cache = DeltaNetCache()
+            stacked = torch.cat([att(x[:, :3], cache)]
+                                + [att(x[:, t:t + 1], cache) for t in range(3, 9)], 1)
+            assert att in lin._STACKED
+            # a hook makes each projection run as itself
+            handle = att.g_proj.register_forward_hook(lambda *a, seen=calls: seen.append(1))
+            cache = DeltaNetCache()
+            separate = torch.cat([att(x[:, :3], cache)]
+                                 + [att(x[:, t:t + 1], cache) for t in range(3, 9)], 1)
+            handle.remove()
+        assert len(calls) == 7
+        torch.testing.assert_close(stacked, separate, rtol=1e-12, atol=1e-12)
+        att(x[:, :1], DeltaNetCache()).sum().backward()
+        assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0
+                   for m in (att.q_proj, att.k_proj, att.v_proj, att.g_proj, att.beta_proj))
+
+
 def test_recurrent_is_the_matrix_delta_rule():
     """Against the textbook form with an explicit identity matrix, one token at a time."""
     q, k, v, beta, init = _inputs(T=5, dtype=torch.float64)

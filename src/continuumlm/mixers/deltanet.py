@@ -18,6 +18,7 @@ The kernels take q, k, v and beta as given: normalization and scaling are the la
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import setting
-from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, twice
+from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, stacked_linear, twice
 from ..registry import register_mixer
 
 
@@ -44,6 +45,16 @@ def delta_rule_recurrent(q, k, v, beta, initial_state=None):
         outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, :, t]))
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, Dv)
     return o, S
+
+
+def delta_rule_step(q, k, v, beta, state):
+    """One token of the delta rule: q, k (B, H, 1, Dk), v (B, H, 1, Dv), beta (B, H, 1) and
+    the state (B, H, Dv, Dk) -> (o (B, H, 1, Dv), the new state). What
+    ``delta_rule_recurrent`` computes for T = 1, as batched products of row vectors instead of
+    its einsums, selections and stacking (decoding runs it once per field evaluation)."""
+    u = (v - k @ state.mT) * beta.unsqueeze(-1)  # beta (v - S k), as a row
+    S = state + u.mT @ k  # an outer product: one rounding per element, as the reference's
+    return q @ S.mT, S
 
 
 # flash-linear-attention: its first release (0.1.0) took head-first (B, H, T, D) tensors by
@@ -397,7 +408,10 @@ class DeltaNetAttention(nn.Module):
         B, T, C = x.shape
         if cache is not None and not self.causal:
             raise ValueError("incremental decoding needs mode = 'decoder'.")
-        proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+        # with autograd off (decoding) one stacked product (nn.stacked_linear)
+        q, k, v, g, b = stacked_linear(self, x, (self.q_proj, self.k_proj, self.v_proj,
+                                                 self.g_proj, self.beta_proj))
+        proj = {"q": q, "k": k, "v": v}
         real = padding.valid[..., None] if padding is not None else None
         if real is not None:  # the row alone has no input there: zeros (its conv history)
             if self.convs is not None:  # the history holds the last inputs by index
@@ -415,7 +429,7 @@ class DeltaNetAttention(nn.Module):
         q = F.normalize(self._heads(proj["q"]), dim=-1)
         k = F.normalize(self._heads(proj["k"]), dim=-1)
         v = self._heads(proj["v"])
-        beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, T)
+        beta = torch.sigmoid(b).transpose(1, 2)  # (B, H, T)
         if real is not None:  # a pad leaves the state as it is
             beta = beta.masked_fill(~real.transpose(1, 2), 0.0)
         if self.causal:
@@ -428,20 +442,29 @@ class DeltaNetAttention(nn.Module):
             o_rev, _ = self._kernel(q.flip(2), k.flip(2), v.flip(2), beta.flip(2))
             o = o + o_rev.flip(2)
         o = self.norm(o).transpose(1, 2).reshape(B, T, C)
-        o = o * F.silu(self.g_proj(x))
+        o = o * F.silu(g)
         return self.dropout(self.o_proj(o))
 
     def _kernel(self, q, k, v, beta, initial_state=None):
+        out_dtype = q.dtype
         # decoding steps: the token loop is cheapest; it is also plain autograd, differentiable
         # twice (the chunkwise kernel's backward is hand-written, once-differentiable)
         if q.shape[2] <= 2 or twice.needed():
             # in at least float32, like the chunkwise kernel: the state is an accumulator. With
-            # autocast off too, or its einsums run in bf16 (cached decoding then drifts from
+            # autocast off too, or its products run in bf16 (cached decoding then drifts from
             # the full forward: 4.5e-3 relative after 300 tokens)
-            work = torch.promote_types(q.dtype, torch.float32)
-            init = initial_state.to(work) if initial_state is not None else None
-            with torch.autocast(q.device.type, enabled=False):
-                o, S = delta_rule_recurrent(q.to(work), k.to(work), v.to(work), beta.to(work),
-                                            init)
-            return o.to(q.dtype), S
+            # (dtype checks in Python: each no-op .to() is still a dispatched operation, and
+            # decoding runs this once per field evaluation)
+            work = q.dtype if q.dtype == torch.float64 else torch.float32
+            q, k, v, beta = (t if t.dtype == work else t.to(work) for t in (q, k, v, beta))
+            init = initial_state
+            if init is not None and init.dtype != work:
+                init = init.to(work)
+            with (torch.autocast(q.device.type, enabled=False)
+                  if torch.is_autocast_enabled(q.device.type) else contextlib.nullcontext()):
+                if q.shape[2] == 1 and init is not None:  # a decoded token
+                    o, S = delta_rule_step(q, k, v, beta, init)
+                else:
+                    o, S = delta_rule_recurrent(q, k, v, beta, init)
+            return (o if o.dtype == out_dtype else o.to(out_dtype)), S
         return delta_rule_chunkwise(q, k, v, beta, self.chunk_size, initial_state)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as _module
 
 
 class BitLinear(nn.Linear):
@@ -28,6 +32,68 @@ class BitLinear(nn.Linear):
         xq = (x * scale).round().clamp(-128, 127) / scale
         x = x + (xq - x).detach()
         return F.linear(x, w, self.bias)
+
+
+# owner module -> (the weights and biases stacked from, their versions and addresses, their
+# data, (stacked weight, stacked bias, sizes));
+# weakly keyed so that a model's stacked copies go with it and never enter its state or pickle
+_STACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stacked_linear(owner: nn.Module, x: torch.Tensor,
+                   linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(x) for m in linears)``, as one matrix product when nothing is lost by it.
+
+    Several projections of the same input (a mixer's q, k, v, gate, ...) cost one dispatch and
+    one read of the input each; with autograd off (decoding) they are computed as one
+    ``F.linear`` with their weights stacked, a copy kept for ``owner`` and rebuilt when any
+    weight or bias is replaced or changed in place (its version counter moves). Each module is
+    called as itself instead when gradients are recorded, under ``torch.compile`` (which
+    builds its own graph), or when one of them is not a plain ``nn.Linear`` with no hooks
+    (BitLinear, a PEFT adapter, a user's hook) or holds an inference tensor (no version
+    counter to see changes by)."""
+    stacked = _stacked_weights(owner, linears) if _stackable(linears) else None
+    if stacked is None:
+        return tuple(m(x) for m in linears)
+    weight, bias, sizes = stacked
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+
+def _stackable(linears: Sequence[nn.Module]) -> bool:
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+               and not m.weight.is_inference()
+               and (m.bias is None or not m.bias.is_inference()) for m in linears)
+
+
+def _stacked_weights(owner: nn.Module, linears: Sequence[nn.Module]):
+    tensors = [t for m in linears for t in (m.weight, m.bias)]
+    # a tensor's data can be swapped without a version change (module.to(dtype) sets .data):
+    # its address is part of the key, and the data stacked from is held (kept[2]) so that no
+    # later data can take over its address while the copy is kept
+    versions = [(t._version, t.data_ptr(), t.dtype, t.device) if t is not None else None
+                for t in tensors]
+    kept = _STACKED.get(owner)
+    if (kept is not None and len(kept[0]) == len(tensors)
+            and all(a is b for a, b in zip(kept[0], tensors)) and kept[1] == versions):
+        return kept[3]
+    weights = [m.weight for m in linears]
+    if len({(w.dtype, w.device) for w in weights}) > 1:
+        return None  # mixed dtypes or devices: each product as itself
+    # a normal tensor even when first built inside inference mode: it is kept across calls
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat(weights)
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat([m.bias if m.bias is not None
+                              else m.weight.new_zeros(m.out_features) for m in linears])
+        held = [t.detach() for t in tensors if t is not None]
+    stacked = (weight, bias, [m.out_features for m in linears])
+    _STACKED[owner] = (tensors, versions, held, stacked)
+    return stacked
 
 
 def ternary_weights(model: nn.Module) -> dict[str, torch.Tensor]:

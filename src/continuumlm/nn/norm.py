@@ -12,10 +12,18 @@ class Float32RMSNorm(nn.RMSNorm):
     float32 like LayerNorm's, otherwise it takes the input's dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.float() if self.weight is not None else None
-        with torch.autocast(x.device.type, enabled=False):
-            y = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, weight, self.eps)
-        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+        weight = self.weight
+        if weight is not None and weight.dtype != torch.float32:
+            weight = weight.float()
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return torch.nn.functional.rms_norm(x.float(), self.normalized_shape, weight,
+                                                    self.eps)
+        # no autocast: float32 in and out, without the no-op conversions (each one a
+        # dispatched operation, and a decoded DeltaNet token runs this once per evaluation)
+        xf = x if x.dtype == torch.float32 else x.float()
+        y = torch.nn.functional.rms_norm(xf, self.normalized_shape, weight, self.eps)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class DynamicTanh(nn.Module):

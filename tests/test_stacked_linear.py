@@ -1,0 +1,114 @@
+"""nn.stacked_linear: several projections of one input as one product when autograd is off,
+always equal to calling each projection, and never stale after a weight changes."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn as nn
+
+from continuumlm.nn import BitLinear, stacked_linear
+from continuumlm.nn import linear as lin
+
+
+def _owner(bias=(True, False, True), sizes=(5, 7, 3), d=6, seed=0):
+    torch.manual_seed(seed)
+    owner = nn.Module()
+    owner.projs = nn.ModuleList(nn.Linear(d, n, bias=b) for n, b in zip(sizes, bias))
+    return owner
+
+
+def _each(owner, x):
+    return tuple(m(x) for m in owner.projs)
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_stacked_equals_each_projection_and_is_kept_per_owner():
+    owner = _owner()
+    x = torch.randn(2, 3, 6)
+    with torch.no_grad():
+        got = stacked_linear(owner, x, owner.projs)
+        _assert_same(got, _each(owner, x))
+        kept = lin._STACKED[owner][3][0]
+        assert kept.shape == (15, 6)
+        stacked_linear(owner, x, owner.projs)
+        assert lin._STACKED[owner][3][0] is kept  # reused, not rebuilt
+    assert not any("STACKED" in k for k in owner.state_dict())
+
+
+def test_a_changed_weight_is_never_read_stale():
+    owner = _owner()
+    x = torch.randn(1, 1, 6)
+    with torch.no_grad():
+        stacked_linear(owner, x, owner.projs)
+        owner.projs[1].weight.add_(1.0)  # in place: the version moves
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+        owner.projs[2].bias = nn.Parameter(torch.randn(3))  # replaced
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+        owner.projs[0].weight.data = torch.randn(5, 6)  # data swapped, version unchanged
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+        owner.double()  # module.to() swaps .data too
+        xd = x.double()
+        got = stacked_linear(owner, xd, owner.projs)
+        assert all(t.dtype == torch.float64 for t in got)
+        _assert_same(got, _each(owner, xd))
+
+
+def test_with_autograd_on_each_projection_gets_its_gradient():
+    owner = _owner()
+    x = torch.randn(2, 1, 6)
+    sum(t.sum() for t in stacked_linear(owner, x, owner.projs)).backward()
+    assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in owner.projs)
+    assert owner not in lin._STACKED
+
+
+def test_what_a_stack_would_change_is_called_as_itself():
+    """BitLinear (its own forward), a module hook, a global hook and inference-tensor weights:
+    each projection runs as itself (the hook fires), and the outputs are still right."""
+    x = torch.randn(1, 1, 6)
+    owner = _owner()
+    owner.projs[1] = BitLinear(6, 7)
+    with torch.no_grad():
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+    assert owner not in lin._STACKED
+
+    owner = _owner()
+    seen = []
+    handle = owner.projs[2].register_forward_hook(lambda *a: seen.append("module"))
+    with torch.no_grad():
+        stacked_linear(owner, x, owner.projs)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: seen.append("global"))
+    try:
+        with torch.no_grad():
+            stacked_linear(owner, x, owner.projs)
+    finally:
+        handle.remove()
+    assert seen == ["module"] + ["global"] * 3
+    assert owner not in lin._STACKED
+
+    with torch.inference_mode():
+        owner = _owner()  # weights made in inference mode have no version counter
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+    assert owner not in lin._STACKED
+
+
+def test_the_stacked_copy_goes_with_its_owner_and_outlives_inference_mode():
+    owner = _owner()
+    x = torch.randn(1, 1, 6)
+    with torch.inference_mode():
+        stacked_linear(owner, x, owner.projs)
+    assert not lin._STACKED[owner][3][0].is_inference()
+    with torch.no_grad():  # built in inference mode, used outside it
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+    n = len(lin._STACKED)
+    del owner
+    gc.collect()
+    assert len(lin._STACKED) == n - 1
