@@ -186,7 +186,7 @@ def decoding(results: dict) -> str | None:
                if "cache_speedup_2048" in r}
     if at_2048 and len(at_2048) == len(speed):
         parts += (", " + ", ".join(f"{m} {s:.0f}x" for m, s in sorted(at_2048.items()))
-                  + " at 2048 (recomputing timed at 9 of the lengths)")
+                  + " at 2048 (recomputing estimated from 9 timed lengths)")
     compiled = ""
     rows = sorted(d["rows"], key=lambda r: r["mixer"])
     if all("compiled_vs_eager" in r and r.get("pays_from_warm") is not None for r in rows):

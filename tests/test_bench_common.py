@@ -632,3 +632,19 @@ def test_decode_speed_says_from_how_many_tokens_compiling_pays():
     assert decode_speed.pays_from(10.0, 20.0, 64.0, 128.0, 512) == 1792
     assert decode_speed.pays_from(10.0, 20.0, 128.0, 64.0, 512) is None
     assert decode_speed.pays_from(10.0, 6.0, 64.0, 128.0, 512) == 0
+
+
+def test_decode_speed_sums_recompute_times_over_every_length(monkeypatch):
+    """The sampled recompute rate sums one token's time over every length the loop reads
+    (prompt_len .. prompt_len + n - 1): exact for a time linear in the length (the
+    interpolation's case), and within 1% for a purely quadratic one (attention's share; the
+    chords of a convex curve lie above it, so the time is overstated, by 0.7% here)."""
+    decode_speed = pytest.importorskip("decode_speed")
+    for cost, rel in ((lambda L: 0.01 + 2e-4 * L, 1e-9), (lambda L: 0.01 + 1e-7 * L * L, 1e-2)):
+        seen = []
+        monkeypatch.setattr(decode_speed, "recompute_token_s",
+                            lambda m, L, cost=cost, seen=seen: seen.append(L) or cost(L))
+        rate = decode_speed.recompute_tok_s_sampled(None, 64, 2048)
+        exact = 2048 / sum(cost(L) for L in range(64, 64 + 2048))
+        assert rate == pytest.approx(exact, rel=rel)
+        assert seen[0] == 64 and seen[-1] == 64 + 2047 and len(seen) == 9

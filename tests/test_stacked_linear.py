@@ -100,6 +100,20 @@ def test_what_a_stack_would_change_is_called_as_itself():
     assert owner not in lin._STACKED
 
 
+def test_wide_projections_are_not_copied(monkeypatch):
+    """Past STACK_MAX_ELEMENTS the copy would cost memory for little: each as itself."""
+    owner = _owner()
+    x = torch.randn(1, 1, 6)
+    monkeypatch.setattr(lin, "STACK_MAX_ELEMENTS", 15 * 6 - 1)
+    with torch.no_grad():
+        _assert_same(stacked_linear(owner, x, owner.projs), _each(owner, x))
+    assert owner not in lin._STACKED
+    monkeypatch.setattr(lin, "STACK_MAX_ELEMENTS", 15 * 6)
+    with torch.no_grad():
+        stacked_linear(owner, x, owner.projs)
+    assert owner in lin._STACKED
+
+
 def test_the_stacked_copy_goes_with_its_owner_and_outlives_inference_mode():
     owner = _owner()
     x = torch.randn(1, 1, 6)

@@ -408,9 +408,12 @@ class DeltaNetAttention(nn.Module):
         B, T, C = x.shape
         if cache is not None and not self.causal:
             raise ValueError("incremental decoding needs mode = 'decoder'.")
-        # with autograd off (decoding) one stacked product (nn.stacked_linear)
-        q, k, v, g, b = stacked_linear(self, x, (self.q_proj, self.k_proj, self.v_proj,
-                                                 self.g_proj, self.beta_proj))
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.beta_proj)
+        # a decoded token (autograd off): one stacked product (nn.stacked_linear); a longer
+        # input keeps the projections apart (their products are long enough, and no copy of
+        # the weights is kept for a model that is only evaluated, sharded or not)
+        q, k, v, g, b = (stacked_linear(self, x, projs) if T == 1 and cache is not None
+                         else (m(x) for m in projs))
         proj = {"q": q, "k": k, "v": v}
         real = padding.valid[..., None] if padding is not None else None
         if real is not None:  # the row alone has no input there: zeros (its conv history)

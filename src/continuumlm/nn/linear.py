@@ -51,7 +51,7 @@ def stacked_linear(owner: nn.Module, x: torch.Tensor,
     called as itself instead when gradients are recorded, under ``torch.compile`` (which
     builds its own graph), or when one of them is not a plain ``nn.Linear`` with no hooks
     (BitLinear, a PEFT adapter, a user's hook) or holds an inference tensor (no version
-    counter to see changes by)."""
+    counter to see changes by), and when their weights together exceed ``STACK_MAX_ELEMENTS``."""
     stacked = _stacked_weights(owner, linears) if _stackable(linears) else None
     if stacked is None:
         return tuple(m(x) for m in linears)
@@ -59,14 +59,25 @@ def stacked_linear(owner: nn.Module, x: torch.Tensor,
     return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
+# Stack only projections this small (elements of all their weights together: 16 MB in
+# float32). Past it a product is long enough that its own dispatch is a small share of its time,
+# while the stacked copy would add real memory (a wide model's attention weights, twice).
+STACK_MAX_ELEMENTS = 1 << 22
+
+
 def _stackable(linears: Sequence[nn.Module]) -> bool:
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
-    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
-               and not m.weight.is_inference()
-               and (m.bias is None or not m.bias.is_inference()) for m in linears)
+    if not all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+               for m in linears):
+        return False
+    # plain tensors only: not inference tensors (no version counter), not a subclass such as
+    # FSDP2's DTensor (sharded; its local data changes under it)
+    return (sum(m.weight.numel() for m in linears) <= STACK_MAX_ELEMENTS
+            and all(type(t.data) is torch.Tensor and not t.is_inference()
+                    for m in linears for t in (m.weight, m.bias) if t is not None))
 
 
 def _stacked_weights(owner: nn.Module, linears: Sequence[nn.Module]):
