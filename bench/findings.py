@@ -184,9 +184,11 @@ def decoding(results: dict) -> str | None:
     parts += " faster than recomputing at 512 new tokens"
     at_2048 = {r["mixer"]: r["cache_speedup_2048"] for r in d["rows"]
                if "cache_speedup_2048" in r}
+    how = "greedy, 2 CPU cores"
     if at_2048 and len(at_2048) == len(speed):
         parts += (", " + ", ".join(f"{m} {s:.0f}x" for m, s in sorted(at_2048.items()))
-                  + " at 2048 (recomputing estimated from 9 timed lengths)")
+                  + " at 2048")
+        how += "; recomputing 2048 tokens estimated from 9 timed lengths"
     compiled = ""
     rows = sorted(d["rows"], key=lambda r: r["mixer"])
     if all("compiled_vs_eager" in r and r.get("pays_from_warm") is not None for r in rows):
@@ -198,7 +200,7 @@ def decoding(results: dict) -> str | None:
     return (f"**Cached decoding through ODE depth is exact** (every fixed-grid solver and mixer; "
             f"one cache per solver stage evaluation, equal to recomputing to 1e-4 in the logits, "
             f"tested), which the Julia seed ruled out; on a 4-block RK4 x 4 model it is "
-            f"{parts} (greedy, 2 CPU cores).{compiled} "
+            f"{parts} ({how}).{compiled} "
             f"[Decoding]({PAGE}#decoding-cached-vs-recompute)")
 
 

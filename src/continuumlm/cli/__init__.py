@@ -181,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="decode through one torch.compile graph of a solver step (a layer "
                         "of a discrete model), serving every step, block and buffer size: "
-                        "1.7-4.6x the eager tokens/s on a 2-core CPU after about 15-25 s of "
-                        "compiling (about 5 s of tracing with a warm compiler cache), so it "
-                        "pays for long generations")
+                        "1.8-3.6x the eager tokens/s on a 2-core CPU after about 10-20 s of "
+                        "compiling (about 4 s of imports and tracing with a warm compiler "
+                        "cache), so it pays for long generations")
     g.add_argument("--device", default="cpu")
     _exit_arguments(g)
     return p
