@@ -13,7 +13,9 @@ field for a solver) and each model must be
   (for every fixed-grid solver; adaptive solvers couple positions through step-size control);
 - decodable with its caches: greedy generation with the cache equals generation by
   recomputing, and prefill + one step per token gives the logits of one full forward, both
-  eagerly and on the frozen one-token path that ``generate(compile=True)`` compiles;
+  eagerly and on the frozen one-token path that ``generate(compile=True)`` compiles; that
+  path, recorded once and replayed as a CUDA graph is (emulated on the CPU), gives its
+  logits bit for bit;
 - padded (when its mixers declare ``supports_padding``): a row padded on the left or right
   gives, at its real tokens, the logits of the row alone, in a full forward and in cached
   decoding; a mixer without padding support refuses a padded batch by name;
@@ -89,7 +91,41 @@ def check_cached_decoding(model: LanguageModel, prompt: torch.Tensor, n_new: int
         torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol,
                                    msg=lambda m: f"frozen one-token decoding != full forward: "
                                                  f"{m}")
+        check_graph_replay(model, a[:, :P], a[:, P:], torch.stack(steps, 1))
     return a
+
+
+def check_graph_replay(model: LanguageModel, prompt: torch.Tensor, tokens: torch.Tensor,
+                       expected: torch.Tensor) -> None:
+    """The frozen one-token step, recorded once per buffer capacity and replayed for the
+    tokens after (what ``generate(cuda_graph=True)`` does with CUDA graphs; emulated on the
+    CPU by :mod:`continuumlm.replay`), gives the unrecorded step's logits ``expected`` bit
+    for bit: the step reads no Python value that changes between tokens and reads no device
+    value on the host."""
+    from .replay import CaptureError, EmulatedGraphRecorder
+
+    state = model.init_state(prompt.shape[0])
+    rec = EmulatedGraphRecorder()
+    with torch.no_grad():
+        steps = [model.step(prompt, state)[0]]
+        fn = model._static_decoder(state, compile=False, min_capacity=1, graphs=rec)
+        try:
+            for t in range(tokens.shape[1] - 1):
+                steps.append(fn(tokens[:, t:t + 1], state))
+                state.advance()
+        except CaptureError as e:
+            raise AssertionError(f"the frozen one-token step cannot be recorded as a graph: "
+                                 f"{e}; keep device values on the device (no .item(), bool() "
+                                 f"or int() of a tensor in a frozen step)") from None
+    got = torch.stack(steps, 1)
+    if not torch.equal(got, expected):
+        bad = int((got != expected).flatten(2).any(-1).any(0).nonzero()[0])
+        raise AssertionError(
+            f"graph-replayed decoding differs from the frozen step from token {bad} on (max "
+            f"|diff| {float((got - expected).abs().max()):.3g}): the step reads a Python "
+            f"value that changes between tokens (a position kept as an int, a count on the "
+            f"module), which a recorded graph keeps at its value when it was recorded; keep "
+            f"it in a tensor updated in place (StaticStep.pos)")
 
 
 def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:

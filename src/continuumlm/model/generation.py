@@ -88,7 +88,8 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
                     greedy: bool = False, use_cache: bool = True,
                     generator: torch.Generator | None = None,
                     eos_token_id: int | None = None,
-                    compile: bool = False) -> Iterator[torch.Tensor]:
+                    compile: bool = False,
+                    cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time.
 
     ``compile=True`` (with the cache) decodes through a compiled unit: after the prompt, the
@@ -96,6 +97,13 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     ``torch.compile`` graph of one solver step (or layer) serves every step of every token
     (see :func:`static_decoder`; graphs are compiled on first use and kept for later
     generations). A compiler failure warns once and decodes eagerly.
+
+    ``cuda_graph`` (CUDA, with the cache): decode the frozen state by replaying one recorded
+    CUDA graph of a whole token step per buffer capacity (:class:`TokenGraphs`), compiled
+    units or eager. ``None`` (the default) does so when ``compile`` is on and the prompt is on
+    a CUDA device, unless the model decodes with per-token exit (whose decisions are read on
+    the host every step); ``True`` asks for it (refused on another device or with per-token
+    exit), ``False`` never.
     Bad arguments raise here, when the stream is made, not at its first token.
     """
     cfg = model.config
@@ -116,8 +124,39 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
             f"prompt ({idx.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
             f"max_seq_len = {cfg.max_seq_len} of this model's learned positions; ask for at most "
             f"{max(cfg.max_seq_len - idx.shape[1] + 1, 0)} new tokens or use a RoPE model.")
+    if cuda_graph and not use_cache:
+        raise ValueError("cuda_graph=True replays the cached one-token step; it needs the "
+                         "cache (use_cache=True; no --no-cache).")
+    graphs = _graph_recorder(model, idx.device, cuda_graph, compile) if use_cache else None
     return _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
-                              use_cache, generator, eos_token_id, compile)
+                         use_cache, generator, eos_token_id, compile, graphs)
+
+
+def _graph_recorder(model, device: torch.device, cuda_graph: bool | None,
+                    compile: bool) -> GraphRecorder | None:
+    """The recorder for ``generate(cuda_graph=...)``, or None (see :func:`generate_stream`)."""
+    if cuda_graph is False or (cuda_graph is None and not compile):
+        return None
+    why = None
+    if device.type != "cuda":
+        why = (f"CUDA graphs record CUDA work and the prompt is on {device}; move the model "
+               f"and prompt to a CUDA device, or leave cuda_graph off")
+    elif not getattr(model.depth, "exact_cache", True):
+        why = (f"an adaptive solver ({model.config.ode_solver}) is decoded by recomputing the "
+               f"context, with no one-token step to record; use a fixed-grid solver")
+    elif getattr(model.depth, "exit", None) is not None:
+        why = ("per-token exit decides on the host at every solver step, which a recorded "
+               "graph cannot; call model.set_exit(None) or leave cuda_graph off")
+    elif any(t.is_inference() for t in model.parameters()):
+        why = ("the model's weights are inference tensors (made under torch.inference_mode), "
+               "whose changes cannot be told from their version counters; load or build the "
+               "model outside inference mode, or leave cuda_graph off")
+    if why is None:
+        return GraphRecorder(device)
+    if cuda_graph:
+        raise ValueError(f"cuda_graph=True: {why}.")
+    log.debug("generate: no CUDA-graph replay (%s)", why)
+    return None
 
 
 # inference mode, not only no_grad: no version counters or view tracking on the dozens of
@@ -125,7 +164,7 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
 # caches are the stream's own, and what it yields is made an ordinary tensor (_plain)
 @torch.inference_mode()
 def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy, use_cache,
-                  generator, eos_token_id, compile) -> Iterator[torch.Tensor]:
+                  generator, eos_token_id, compile, graphs) -> Iterator[torch.Tensor]:
     cfg = model.config
     if use_cache and not getattr(model.depth, "exact_cache", True):
         log.debug("generate: %s solves cannot be cached exactly; recomputing the whole "
@@ -142,8 +181,8 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
         state = model.init_state(idx.shape[0]) if use_cache else None
         logits = model.step(idx, state)[0] if use_cache else None
         token_fn = None
-        if use_cache and compile and max_new_tokens > 1:
-            token_fn = static_decoder(model, state)
+        if use_cache and (compile or graphs is not None) and max_new_tokens > 1:
+            token_fn = static_decoder(model, state, compile, graphs=graphs)
         for i in range(max_new_tokens):
             if not use_cache:
                 logits = model.lm_head(model.hidden_states(seq)[:, -1])
@@ -177,7 +216,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ the static one-token step
 
 def static_decoder(model, state: DecodeState, compile: bool = True,
-                   min_capacity: int = 64):
+                   min_capacity: int = 64, graphs: GraphRecorder | None = None):
     """Freeze ``state`` and return the one-token step ``fn(ids (B, 1), state) -> logits
     (B, vocab)``, whose repeating units run compiled unless ``compile`` is False.
 
@@ -196,22 +235,99 @@ def static_decoder(model, state: DecodeState, compile: bool = True,
     for the last; with doubling, each token reads fewer than twice the positions it needs.
     The capacity is symbolic from the first graph on (``StaticStep``, ``SeqCache.freeze``),
     so growing compiles nothing. A compiler failure warns once and that model decodes
-    eagerly from the unit that failed."""
+    eagerly from the unit that failed.
+
+    ``graphs`` (a :class:`GraphRecorder`; CUDA): the whole token step, compiled units and
+    eager glue alike, is recorded once per capacity and replayed for every later token
+    (:class:`TokenGraphs`)."""
     device = model.tok_emb.weight.device
     state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
     if compile and not model._compile_failed:
         state.evaluate = _compiled_call(model)
 
-    def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        st.check_solve(model.config)  # as hidden_states does, on the host for static steps
-        if st.pos >= st.static.capacity:
-            st.freeze(2 * st.static.capacity, device)
+    def run(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
         if st.evaluate is None:
             return model._static_token_logits(ids, st)
         with _recompile_limit(_RECOMPILE_LIMIT):
             return model._static_token_logits(ids, st)
 
+    replay = TokenGraphs(model, graphs, run) if graphs is not None else None
+
+    def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        st.check_solve(model.config)  # as hidden_states does, on the host for static steps
+        if st.pos >= st.static.capacity:
+            st.freeze(2 * st.static.capacity, device)
+        return replay(ids, st) if replay is not None else run(ids, st)
+
     return step
+
+
+# ------------------------------------------------------------------ graph replay (CUDA)
+
+class GraphRecorder:
+    """Records a function's device work once and replays it (CUDA graphs): ``warmup(fn)``
+    runs ``fn`` for real on a side stream, as capture needs before it (lazy library
+    initialization, compilation); ``record(fn) -> (replay, out)`` captures ``fn`` without
+    running it, and each ``replay()`` then runs its recorded work, leaving the results in
+    ``out``'s memory. Tests use an emulation with this interface on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def warmup(self, fn):
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return out
+
+    def record(self, fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph.replay, out
+
+
+class TokenGraphs:
+    """A frozen state's token step ``run(ids, state)`` replayed from a recorded graph.
+
+    A frozen state keeps every buffer at a fixed address and its position in tensors, and
+    the step reads no Python value that changes between tokens (the property the compiled
+    unit already needs), so the device work of one token, recorded once, is the work of
+    every later token at that capacity. The first token at a capacity runs for real (the
+    recorder's warm-up), the next is recorded and replayed, the rest replayed: on CUDA, one
+    graph launch per token instead of a kernel launch per operation (hundreds per field
+    evaluation's worth of Python and dispatch). A refreeze (new buffers), another batch shape,
+    or a weight changed or replaced between tokens (its address or version counter) records
+    again. What the step returns is copied out of the graph's memory, which the next replay
+    overwrites."""
+
+    def __init__(self, model, recorder: GraphRecorder, run) -> None:
+        self.model, self.recorder, self.run = model, recorder, run
+        self.recorded = None  # (key, replay, ids buffer, logits in the graph's memory)
+        self.warmed = None    # the key last run as a warm-up
+
+    def _key(self, ids: torch.Tensor, st: DecodeState):
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        # the StaticStep itself (compared by identity): a refreeze makes a new one
+        return (st.static, tuple(ids.shape), ids.dtype,
+                tuple((t.data_ptr(), t._version) for t in tensors))
+
+    def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        key = self._key(ids, st)
+        if self.recorded is None or self.recorded[0] != key:
+            self.recorded = None  # the old graph's memory goes before a new one is recorded
+            if self.warmed != key:
+                self.warmed = key
+                return self.recorder.warmup(lambda: self.run(ids, st))
+            buffer = ids.clone()
+            replay, out = self.recorder.record(lambda: self.run(buffer, st))
+            self.recorded = (key, replay, buffer, out)
+        _, replay, buffer, out = self.recorded
+        buffer.copy_(ids)
+        replay()
+        return out.clone()
 
 
 def _compiled_call(model):

@@ -295,22 +295,25 @@ class LanguageModel(nn.Module):
                         top_k: int | None = None, top_p: float | None = None,
                         greedy: bool = False, use_cache: bool = True,
                         generator: torch.Generator | None = None,
-                        eos_token_id: int | None = None,
-                        compile: bool = False) -> Iterator[torch.Tensor]:
+                        eos_token_id: int | None = None, compile: bool = False,
+                        cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
         """Yield the next token ids (B,) one step at a time (see
         :func:`continuumlm.model.generation.generate_stream`)."""
         return generation.generate_stream(self, idx, max_new_tokens, temperature, top_k, top_p,
-                                          greedy, use_cache, generator, eos_token_id, compile)
+                                          greedy, use_cache, generator, eos_token_id, compile,
+                                          cuda_graph)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
                  use_cache: bool = True, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None, compile: bool = False) -> torch.Tensor:
+                 eos_token_id: int | None = None, compile: bool = False,
+                 cuda_graph: bool | None = None) -> torch.Tensor:
         """Return (B, T + new) token ids: the prompt followed by sampled tokens (fewer than
-        max_new_tokens only when every row produced ``eos_token_id``). ``compile``: see
-        :meth:`generate_stream`."""
+        max_new_tokens only when every row produced ``eos_token_id``). ``compile`` and
+        ``cuda_graph``: see :meth:`generate_stream`."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
-                                        use_cache, generator, eos_token_id, compile))
+                                        use_cache, generator, eos_token_id, compile,
+                                        cuda_graph))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     @torch.no_grad()
@@ -325,10 +328,10 @@ class LanguageModel(nn.Module):
         return self.lm_head(self.norm_f(x)[:, -1])
 
     def _static_decoder(self, state: DecodeState, compile: bool = True,
-                        min_capacity: int = 64):
+                        min_capacity: int = 64, graphs=None):
         """Freeze ``state`` for one-token steps (see
         :func:`continuumlm.model.generation.static_decoder`)."""
-        return generation.static_decoder(self, state, compile, min_capacity)
+        return generation.static_decoder(self, state, compile, min_capacity, graphs)
 
     # ------------------------------------------------------------------ persistence
 

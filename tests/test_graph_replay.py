@@ -1,0 +1,242 @@
+"""Graph replay of the frozen one-token step (``generate(cuda_graph=...)``).
+
+On the CPU the recording is emulated (continuumlm.replay: the record of aten operations
+that a CUDA graph would hold, Python values baked in at capture, host reads refused), which
+shows that the step a CUDA graph records is the step of every later token; the CUDA-marked
+test records real CUDA graphs (bench/gpu_check.sh runs it)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import small_model
+from continuumlm.mixers.softmax import SoftmaxAttention
+from continuumlm.model import generation
+from continuumlm.registry import FIELDS, MIXERS, SOLVERS
+from continuumlm.replay import CaptureError, EmulatedGraphRecorder
+from continuumlm.testing import check_cached_decoding
+
+# --------------------------------------------------------------- the emulation can fail
+
+
+def test_the_emulated_replay_runs_device_work_and_refuses_host_reads():
+    W = torch.randn(3, 3, dtype=torch.float64)
+    state, x = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+
+    def step():
+        y = W @ (state + x)
+        state.copy_(y.tanh())
+        return (y * 2).to(torch.float32)  # a conversion: new memory, refreshed by a replay
+
+    rec = EmulatedGraphRecorder()
+    replay, out = rec.record(step)
+    assert torch.equal(state, torch.zeros(3, dtype=torch.float64)), "capture ran a write"
+    ref = torch.zeros(3, dtype=torch.float64)
+    for i in range(3):
+        x.fill_(i)  # an input refreshed in place, as the token buffer is
+        replay()
+        y = W @ (ref + i)
+        ref = y.tanh()
+        assert torch.equal(out, (y * 2).float()) and torch.equal(state, ref)
+
+    with pytest.raises(CaptureError, match="read on the host"):
+        rec.record(lambda: state * 2 if bool(state.sum() > 0) else state)
+
+
+def test_the_emulated_replay_bakes_python_values_in_as_a_cuda_graph_does():
+    """A step that reads a Python counter (as a position kept as an int would be) is recorded
+    with the counter's value at capture: its replays differ from running it, which is what
+    the decoding tests below would catch."""
+    buf = torch.zeros(4)
+    counter = itertools.count()
+
+    def step():
+        i = next(counter)
+        buf[i] = 1.0  # a Python index: baked in
+        return buf.clone()
+
+    replay, out = EmulatedGraphRecorder().record(step)
+    replay()
+    replay()
+    assert torch.equal(out, torch.tensor([1.0, 0, 0, 0])), "the emulation did not bake i = 0"
+
+
+# --------------------------------------------------------------- the frozen step replayed
+
+
+def _decode(model, prompt, n, graphs, min_capacity=1):
+    """Greedy tokens and logits through the frozen one-token step (eager units)."""
+    with torch.inference_mode():
+        state = model.init_state(prompt.shape[0])
+        logits = model.step(prompt, state)[0]
+        fn = model._static_decoder(state, compile=False, min_capacity=min_capacity,
+                                   graphs=graphs)
+        tokens, all_logits = [logits.argmax(-1)], [logits]
+        for _ in range(n - 1):
+            logits = fn(tokens[-1][:, None], state)
+            state.advance()
+            tokens.append(logits.argmax(-1))
+            all_logits.append(logits)
+    return torch.stack(tokens, 1), torch.stack(all_logits, 1)
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+@pytest.mark.parametrize("depth", ["ode", "discrete"])
+def test_replayed_token_steps_equal_the_frozen_step_exactly(mixer, depth):
+    """Every registered mixer, ODE (RK4, per-stage caches) and discrete: the replayed graph
+    gives the frozen step's logits bit for bit, across refreezes to larger buffers (capacity
+    8 -> 16 -> 32 -> 64 from a 5-token prompt: one recording per capacity), with a batch of 2
+    and greedy tokens equal to eager cached generation."""
+    model = small_model(mixer=mixer, depth=depth, ode_solver="rk4", ode_steps=2)
+    prompt = torch.randint(0, 37, (2, 5))
+    n = 40
+    tokens, logits = _decode(model, prompt, n, EmulatedGraphRecorder())
+    ref_tokens, ref_logits = _decode(model, prompt, n, None)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(torch.cat([prompt, tokens], 1), model.generate(prompt, n, greedy=True))
+
+
+# the solvers decoded with caches (an adaptive solve is recomputed: nothing to record)
+FIXED_GRID = [n for n in sorted(SOLVERS)
+              if small_model(depth="ode", ode_solver=n).depth.exact_cache]
+
+
+@pytest.mark.parametrize("field", sorted(FIELDS))
+@pytest.mark.parametrize("solver", FIXED_GRID)
+def test_every_field_and_fixed_grid_solver_replays_exactly(field, solver):
+    """Solver steps of every kind (explicit tableaus, the gated step, the reversible solver's
+    own loop) and every field replay to the frozen step's logits bit for bit."""
+    model = small_model(mixer="softmax", depth="ode", field=field, ode_solver=solver,
+                        ode_steps=2)
+    prompt = torch.randint(0, 37, (2, 5))
+    _, logits = _decode(model, prompt, 14, EmulatedGraphRecorder())
+    _, ref = _decode(model, prompt, 14, None)
+    assert torch.equal(logits, ref)
+
+
+def test_one_recording_per_capacity_and_a_warm_up_before_each():
+    model = small_model(mixer="softmax", depth="ode", ode_solver="euler", ode_steps=2)
+    rec = EmulatedGraphRecorder()
+    _decode(model, torch.randint(0, 37, (1, 5)), 40, rec)
+    # 39 frozen steps at positions 5..43: capacities 8 (3 tokens), 16, 32, 64 (12 tokens)
+    assert (rec.warmups, rec.records) == (4, 4)
+    assert rec.replays == 39 - rec.warmups
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """generate()'s recorder replaced by the emulation, whatever the device."""
+    rec = EmulatedGraphRecorder()
+    monkeypatch.setattr(generation, "_graph_recorder",
+                        lambda model, device, cuda_graph, compile: rec if cuda_graph else None)
+    return rec
+
+
+def test_generate_with_graph_replay_equals_eager_generation(emulated):
+    model = small_model(mixer="deltanet", depth="ode", ode_solver="rk4", ode_steps=2)
+    prompt = torch.randint(0, 37, (2, 7))
+    out = model.generate(prompt, 30, greedy=True, cuda_graph=True)
+    assert torch.equal(out, model.generate(prompt, 30, greedy=True))
+    assert emulated.records == 1 and emulated.replays == 28  # capacity 64; 29 frozen steps
+
+
+def test_a_weight_changed_between_tokens_is_recorded_again(emulated):
+    """A stream yields between tokens, so a caller may change the weights there: the next
+    token sees the new weights (recorded again), as the eager stream's does."""
+    prompt = torch.randint(0, 37, (1, 6))
+
+    def run(cuda_graph):
+        model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+        out = []
+        for i, t in enumerate(model.generate_stream(prompt, 16, greedy=True,
+                                                    cuda_graph=cuda_graph)):
+            out.append(t)
+            if i == 8:
+                with torch.no_grad():
+                    model.lm_head.weight.mul_(-1.0)  # in place: same address, new version
+        return torch.stack(out, 1)
+
+    before = emulated.records
+    assert torch.equal(run(True), run(False))
+    assert emulated.records - before == 2
+
+
+def test_cuda_graph_is_refused_where_it_cannot_run():
+    model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+    prompt = torch.randint(0, 37, (1, 4))
+    with pytest.raises(ValueError, match="CUDA graphs record CUDA work.*on cpu"):
+        model.generate(prompt, 3, cuda_graph=True)
+    with pytest.raises(ValueError, match="needs the cache"):
+        model.generate(prompt, 3, cuda_graph=True, use_cache=False)
+    # off unless asked for or compiling on CUDA: the CPU decodes as before
+    assert torch.equal(model.generate(prompt, 5, greedy=True, cuda_graph=None),
+                       model.generate(prompt, 5, greedy=True, cuda_graph=False))
+
+
+@pytest.mark.parametrize("case", ["exit", "adaptive", "inference"])
+def test_cuda_graph_names_what_a_recording_cannot_hold(case):
+    """What the recorder refuses, named, on a CUDA device's checks (the device is given
+    as CUDA; nothing is run on it)."""
+    solver = "dopri5" if case == "adaptive" else "rk4"
+    model = small_model(mixer="softmax", depth="ode", ode_solver=solver, ode_steps=2)
+    if case == "exit":
+        model.set_exit(0.1)
+    if case == "inference":
+        with torch.inference_mode():
+            model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+    why = {"exit": "per-token exit", "adaptive": "adaptive solver",
+           "inference": "inference tensors"}[case]
+    with pytest.raises(ValueError, match=why):
+        generation._graph_recorder(model, torch.device("cuda"), True, False)
+    # asked for implicitly (compile on CUDA): decoded without graphs instead
+    assert generation._graph_recorder(model, torch.device("cuda"), None, True) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile):
+    """Real CUDA graphs, eager and compiled units: the same greedy tokens as eager cached
+    decoding, and logits through a refreeze equal the frozen step's unreplayed ones."""
+    torch.manual_seed(0)
+    model = small_model(mixer=mixer, depth="ode", ode_solver="rk4", ode_steps=2).cuda()
+    prompt = torch.randint(0, 37, (2, 5), device="cuda")
+    ref = model.generate(prompt, 40, greedy=True)
+    out = model.generate(prompt, 40, greedy=True, compile=compile, cuda_graph=True)
+    assert torch.equal(out, ref)
+    if not compile:
+        rec = generation.GraphRecorder(torch.device("cuda"))
+        _, logits = _decode(model, prompt, 40, rec)
+        _, ref_logits = _decode(model, prompt, 40, None)
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+
+
+class _CountingAttention(SoftmaxAttention):
+    """A frozen step that reads the cache's Python length: correct when run, wrong when
+    replayed (the count stays at its recorded value)."""
+
+    def _static_step(self, qkv, cache):
+        return super()._static_step(qkv, cache) + 1e-3 * cache.length
+
+
+class _PeekingAttention(SoftmaxAttention):
+    """A frozen step that reads a device value on the host."""
+
+    def _static_step(self, qkv, cache):
+        y = super()._static_step(qkv, cache)
+        return y if bool(cache.static.pos.item() >= 0) else -y
+
+
+@pytest.mark.parametrize("mixer, why", [(_CountingAttention, "reads a Python value"),
+                                        (_PeekingAttention, "cannot be recorded")])
+def test_the_plugin_check_refuses_a_step_a_graph_cannot_replay(monkeypatch, mixer, why):
+    """continuumlm.testing's decoding check (what check_component runs on a plugin) holds a
+    mixer's frozen step to graph replay, naming what breaks it."""
+    monkeypatch.setitem(MIXERS._entries, "odd", mixer)
+    model = small_model(mixer="odd", depth="ode", ode_solver="rk4", ode_steps=2)
+    with pytest.raises(AssertionError, match=why):
+        check_cached_decoding(model, torch.randint(0, 37, (1, 5)), 12)
