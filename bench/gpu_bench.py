@@ -1,6 +1,7 @@
 """GPU benchmarks, in order of value: DeltaNet kernels (ours, fla's when installed, SDPA) in
 bf16; training tokens/s and MFU of discrete vs ODE models in fp32, bf16 and compiled; cached
-decoding, eager and compiled; a GPT-2-small-sized discrete model (12 x 768, context 1024) and
+decoding, eager, compiled, and replayed from a recorded CUDA graph of the token step (eager
+and compiled units); a GPT-2-small-sized discrete model (12 x 768, context 1024) and
 its ODE counterpart (one shared block, Euler x 12: the same compute per token) in bf16,
 compiled.
 
@@ -18,7 +19,8 @@ package's corpus search: $CONTINUUMLM_DATA, the user cache); the GPT-2 rows time
 step on random token ids (throughput only; their loss means nothing).
 
 --dry runs on the CPU with toy sizes and dynamo's eager backend for the compiled rows (no
-inductor code generation), to prove the plumbing without a GPU; its figures mean nothing.
+inductor code generation), and the CPU emulation of CUDA-graph capture for the graph-replay
+rows, to prove the plumbing without a GPU; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -313,6 +315,14 @@ def decoding(sec: Section, device) -> None:
         sec.plan(f"{mixer}-eager", mixer=mixer, new_tokens=new, prompt=prompt_len)
     for mixer in mixers:
         sec.plan(f"{mixer}-compiled", mixer=mixer, new_tokens=new, prompt=prompt_len)
+    # then graph replay of the whole token step (generate(cuda_graph=True)): eager units first
+    # (no compile, so cheap), then compiled units. The dry run records through the CPU
+    # emulation of graph capture (continuumlm.replay), which sees aten operations only, so it
+    # has no compiled-unit rows
+    graphed = [(mixer, compile) for compile in ((False,) if sec.dry else (False, True))
+               for mixer in mixers]
+    for mixer, compile in graphed:
+        sec.plan(_graph_row(mixer, compile), mixer=mixer, new_tokens=new, prompt=prompt_len)
     models = {}
     # eager rows of both mixers first, then the compiled ones (each builds several graphs)
     for mixer in mixers:
@@ -350,16 +360,53 @@ def decoding(sec: Section, device) -> None:
         def compiled():
             with torch.no_grad():
                 t0 = time.perf_counter()
-                m.generate(prompt, new, greedy=True, compile=True)
+                m.generate(prompt, new, greedy=True, compile=True, cuda_graph=False)
                 sync(device)
                 first = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                m.generate(prompt, new, greedy=True, compile=True)
+                m.generate(prompt, new, greedy=True, compile=True, cuda_graph=False)
                 sync(device)
             return {"compile_first_call_s": first,
                     "compiled_tok_s": new / (time.perf_counter() - t0)}
         sec.measure(f"{mixer}-compiled", "compiled", compiled)
         sec.finish(f"{mixer}-compiled")
+    refs = {}  # eager greedy tokens per mixer, for the graphed rows to equal
+    for mixer, compile in graphed:
+        key = _graph_row(mixer, compile)
+        if sec.done(key):
+            continue
+        m = models[mixer]
+        torch.manual_seed(1)
+        prompt = torch.randint(0, 65, (1, prompt_len), device=device)
+
+        def replayed(mixer=mixer, compile=compile):
+            with torch.no_grad():
+                if mixer not in refs:
+                    refs[mixer] = m.generate(prompt, new, greedy=True)
+                ref = refs[mixer]
+                t0 = time.perf_counter()
+                first_out = m.generate(prompt, new, greedy=True, compile=compile,
+                                       cuda_graph=True)
+                sync(device)
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                m.generate(prompt, new, greedy=True, compile=compile, cuda_graph=True)
+                sync(device)
+                tok_s = new / (time.perf_counter() - t0)
+            return {"first_call_s": first, "graph_tok_s": tok_s,
+                    # the same greedy tokens as eager cached decoding (eager units: the same
+                    # kernels, so bit for bit; compiled ones may round differently)
+                    "greedy_equal_to_eager": bool(torch.equal(first_out, ref))}
+        sec.measure(key, "graph", replayed)
+        row = sec.rows[key]
+        eager = sec.rows.get(f"{mixer}-eager", {}).get("cached_tok_s")
+        if row.get("graph_tok_s") and eager:
+            row["graph_vs_eager"] = row["graph_tok_s"] / eager
+        sec.finish(key)
+
+
+def _graph_row(mixer: str, compile: bool) -> str:
+    return f"{mixer}-{'compiled-' if compile else ''}graphed"
 
 
 def gpt2(sec: Section, device) -> None:
@@ -501,6 +548,12 @@ def child(args) -> None:
 
         torch.set_num_threads(1)  # a toy size gains nothing from threads, and CI shares cores
         torch.compile = functools.partial(torch.compile, backend="eager")
+        # CUDA graphs record CUDA work: on the CPU, the emulation of capture and replay
+        from continuumlm.model import generation
+        from continuumlm.replay import EmulatedGraphRecorder
+
+        generation._graph_recorder = (lambda model, device, cuda_graph, compile:
+                                      EmulatedGraphRecorder() if cuda_graph else None)
     # a section stopped at its budget says where it was (stderr, the log): on the parent's
     # SIGTERM, and 5 s before the budget in case the stop comes as a SIGKILL
     import faulthandler

@@ -97,24 +97,40 @@ def decoding_table(r: dict) -> str:
     for x in _rows(r, "decoding"):
         d = rows.setdefault(x.get("mixer", x["row"]), {"mixer": x.get("mixer", x["row"]),
                                                         "status": []})
+        kind = x["row"][len(d["mixer"]) + 1:] if x["row"].startswith(d["mixer"] + "-") \
+            else x["row"]
         d.update({k: x[k] for k in ("cached_tok_s", "recompute_tok_s", "compiled_tok_s",
                                      "compile_first_call_s", "new_tokens") if k in x})
-        d["status"].append(f"{x['row'].split('-')[-1]} {_status(x)}")
+        if kind in ("graphed", "compiled-graphed") and "graph_tok_s" in x:
+            # graph replay of the token step, of eager or of compiled units
+            d[kind] = x["graph_tok_s"]
+            d.setdefault("equal", []).append(
+                f"{kind}: {'yes' if x.get('greedy_equal_to_eager') else 'no'}")
+        d["status"].append(f"{kind} {_status(x)}")
     out = []
     for d in rows.values():
         c, rc, comp = d.get("cached_tok_s"), d.get("recompute_tok_s"), d.get("compiled_tok_s")
+        g, cg = d.get("graphed"), d.get("compiled-graphed")
         out.append({"mixer": d["mixer"], "new": d.get("new_tokens", ""),
                     "cached": _num(c), "recompute": _num(rc),
                     "speedup": f"{c / rc:.2f}x" if c and rc else "",
                     "compiled": _num(comp), "vs": f"{comp / c:.2f}x" if comp and c else "",
                     "first": _num(d.get("compile_first_call_s")),
+                    "graphed": _num(g), "cgraphed": _num(cg),
+                    "gvs": f"{max(g or 0, cg or 0) / c:.1f}x" if (g or cg) and c else "",
+                    "equal": "; ".join(d.get("equal", [])),
                     "status": "; ".join(d["status"])})
     return markdown_table(out, [("mixer", "mixer (RK4 x 4, 4 blocks, d 128)"),
                                 ("new", "new tokens"), ("cached", "eager cached tok/s"),
                                 ("recompute", "recompute tok/s"),
                                 ("speedup", "cached / recompute"),
                                 ("compiled", "compiled tok/s"), ("vs", "compiled / eager"),
-                                ("first", "first compiled call s"), ("status", "status")])
+                                ("first", "first compiled call s"),
+                                ("graphed", "graph replay tok/s (eager units)"),
+                                ("cgraphed", "graph replay tok/s (compiled units)"),
+                                ("gvs", "best graph replay / eager"),
+                                ("equal", "greedy tokens equal eager's"),
+                                ("status", "status")])
 
 
 def targets(r: dict) -> dict[str, str]:

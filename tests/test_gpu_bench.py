@@ -43,7 +43,7 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         result, rows = _rows(out)
         assert result["dry_run"] is True
-        assert len(rows) == 2 + 9 + 4 + 2, sorted(rows)
+        assert len(rows) == 2 + 9 + 6 + 2, sorted(rows)
         assert all(r["status"] == "done" for r in rows.values()), rows
         assert rows["kernels", "T130"]["sdpa_ms"] > 0
         baby = rows["training", "transformer_baby-bf16-compiled"]
@@ -51,6 +51,8 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert baby["mfu"] > 0 and baby["mfu_peak"] == "measured bf16 matmul"
         assert rows["decoding", "deltanet-compiled"]["compiled_tok_s"] > 0
         assert rows["decoding", "softmax-eager"]["cached_speedup"] > 0
+        graphed = rows["decoding", "deltanet-graphed"]
+        assert graphed["graph_tok_s"] > 0 and graphed["greedy_equal_to_eager"] is True
         assert rows["gpt2", "ode_euler"]["depth_ms_per_evaluation"] > 0
         assert result["gpt2"]["ode_evaluation_vs_layer"] > 0
     # nothing large under OUT: the JSON and the logs, no run folders or checkpoints
@@ -520,3 +522,23 @@ def test_the_mqar_finding_says_the_gpu_sweeps_time_from_its_calibration(tmp_path
     assert "on one GPU X, needs about 67 minutes" in findings.mqar(results)
     (tmp_path / "gpu" / "mqar_calibration.json").write_text(json.dumps({**cal, "device": "cpu"}))
     assert "that sweep needs a GPU" in findings.mqar(results)
+
+
+def test_the_decoding_table_shows_graph_replay_apart_from_eager_and_compiled():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_page
+
+    rows = [{"row": "softmax-eager", "mixer": "softmax", "status": "done", "new_tokens": 256,
+             "cached_tok_s": 50.0, "recompute_tok_s": 25.0},
+            {"row": "softmax-compiled", "mixer": "softmax", "status": "done",
+             "compiled_tok_s": 60.0, "compile_first_call_s": 20.0},
+            {"row": "softmax-graphed", "mixer": "softmax", "status": "done",
+             "graph_tok_s": 500.0, "greedy_equal_to_eager": True},
+            {"row": "softmax-compiled-graphed", "mixer": "softmax", "status": "error",
+             "graph_error": "RuntimeError: x"}]
+    table = gpu_page.decoding_table({"decoding": {"rows": rows}})
+    line = next(t for t in table.splitlines() if t.startswith("| softmax"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[8:11] == ["500", "", "10.0x"], cells
+    assert cells[11] == "graphed: yes"
+    assert "compiled-graphed error" in cells[12] and "eager done" in cells[12]

@@ -171,6 +171,9 @@ device = "cpu"
     assert r4.returncode == 0 and r4.stdout == r3.stdout, r4.stderr
     assert "decoding eagerly" not in r4.stderr  # the compiled graph ran
     assert "and compiling the one-token step)" in r4.stderr
+    # graph replay records CUDA work: asked for on the CPU, refused by name (exit status 2)
+    r5 = run_cli(*greedy, "--cuda-graph", "on")
+    assert r5.returncode == 2 and "CUDA graphs record CUDA work" in r5.stderr, r5.stderr
     r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
     assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
     # without lr_decay_steps the cosine's horizon moved with max_steps: said, with the fix

@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "1.8-3.6x the eager tokens/s on a 2-core CPU after about 10-20 s of "
                         "compiling (about 4 s of imports and tracing with a warm compiler "
                         "cache), so it pays for long generations")
+    g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                   help="on a CUDA device, decode by replaying one recorded CUDA graph of a "
+                        "whole token step per buffer size (recorded at the second token "
+                        "after the prompt and at each doubling): auto (the default) with "
+                        "--compile; on also without it; off never")
     g.add_argument("--device", default="cpu")
     _exit_arguments(g)
     return p

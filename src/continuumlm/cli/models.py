@@ -95,7 +95,8 @@ def cmd_generate(args) -> int:
     stop = tok.eos_id if tok.kind == "bpe" else None
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
-                  eos_token_id=stop, compile=args.compile)
+                  eos_token_id=stop, compile=args.compile,
+                  cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
     clock = _DecodeClock()
     try:
         if args.num_samples == 1:
