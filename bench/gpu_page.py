@@ -120,17 +120,16 @@ def decoding_table(r: dict) -> str:
                     "gvs": f"{max(g or 0, cg or 0) / c:.1f}x" if (g or cg) and c else "",
                     "equal": "; ".join(d.get("equal", [])),
                     "status": "; ".join(d["status"])})
-    return markdown_table(out, [("mixer", "mixer (RK4 x 4, 4 blocks, d 128)"),
-                                ("new", "new tokens"), ("cached", "eager cached tok/s"),
-                                ("recompute", "recompute tok/s"),
-                                ("speedup", "cached / recompute"),
-                                ("compiled", "compiled tok/s"), ("vs", "compiled / eager"),
-                                ("first", "first compiled call s"),
-                                ("graphed", "graph replay tok/s (eager units)"),
-                                ("cgraphed", "graph replay tok/s (compiled units)"),
-                                ("gvs", "best graph replay / eager"),
-                                ("equal", "greedy tokens equal eager's"),
-                                ("status", "status")])
+    columns = [("mixer", "mixer (RK4 x 4, 4 blocks, d 128)"), ("new", "new tokens"),
+               ("cached", "eager cached tok/s"), ("recompute", "recompute tok/s"),
+               ("speedup", "cached / recompute"), ("compiled", "compiled tok/s"),
+               ("vs", "compiled / eager"), ("first", "first compiled call s")]
+    if any("graphed" in x["row"] for x in _rows(r, "decoding")):  # a record from before has none
+        columns += [("graphed", "graph replay tok/s (eager units)"),
+                    ("cgraphed", "graph replay tok/s (compiled units)"),
+                    ("gvs", "best graph replay / eager"),
+                    ("equal", "greedy tokens equal eager's")]
+    return markdown_table(out, columns + [("status", "status")])
 
 
 def targets(r: dict) -> dict[str, str]:
