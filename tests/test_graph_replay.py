@@ -240,3 +240,35 @@ def test_the_plugin_check_refuses_a_step_a_graph_cannot_replay(monkeypatch, mixe
     model = small_model(mixer="odd", depth="ode", ode_solver="rk4", ode_steps=2)
     with pytest.raises(AssertionError, match=why):
         check_cached_decoding(model, torch.randint(0, 37, (1, 5)), 12)
+
+
+class _RefusingRecorder(EmulatedGraphRecorder):
+    """A recorder that cannot record (GraphRecorder's contract when CUDA refuses: it has
+    warned and returns None)."""
+
+    def record(self, fn):
+        self.records += 1
+        return None
+
+
+def test_a_recorder_that_refuses_leaves_the_step_to_run_directly():
+    model = small_model(mixer="deltanet", depth="ode", ode_solver="rk4", ode_steps=2)
+    prompt = torch.randint(0, 37, (2, 5))
+    rec = _RefusingRecorder()
+    _, logits = _decode(model, prompt, 30, rec)
+    _, ref = _decode(model, prompt, 30, None)
+    assert torch.equal(logits, ref)
+    assert (rec.warmups, rec.records, rec.replays) == (1, 1, 0)  # asked once, not again
+
+
+@pytest.mark.cuda
+def test_cuda_refusing_a_recording_warns_and_the_device_stays_usable(caplog):
+    """A step that reads a device value on the host cannot be captured: GraphRecorder warns
+    and returns None, and CUDA keeps working (what TokenGraphs' fallback relies on)."""
+    x = torch.ones(4, device="cuda")
+    rec = generation.GraphRecorder(torch.device("cuda"))
+    rec.warmup(lambda: x * 2)
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        assert rec.record(lambda: x * 2 if bool(x.sum() > 0) else x) is None
+    assert "could not record" in caplog.text
+    assert float((x * 3).sum()) == 12.0

@@ -102,8 +102,9 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     CUDA graph of a whole token step per buffer capacity (:class:`TokenGraphs`), compiled
     units or eager. ``None`` (the default) does so when ``compile`` is on and the prompt is on
     a CUDA device, unless the model decodes with per-token exit (whose decisions are read on
-    the host every step); ``True`` asks for it (refused on another device or with per-token
-    exit), ``False`` never.
+    the host every step), an adaptive solver or inference-tensor weights; ``True`` asks for it
+    (refused, naming why, in those cases and on another device), ``False`` never. If CUDA
+    refuses to record the step, generation warns once and decodes without replay.
     Bad arguments raise here, when the stream is made, not at its first token.
     """
     cfg = model.config
@@ -283,9 +284,17 @@ class GraphRecorder:
         return out
 
     def record(self, fn):
+        """(replay, out), or None after warning when CUDA refuses to record ``fn`` (nothing of
+        it ran: the caller runs the step itself and records no more)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+        try:
+            with torch.cuda.graph(graph):
+                out = fn()
+        except RuntimeError as e:  # CUDA's errors, torch.AcceleratorError among them
+            log.warning("generate(cuda_graph): CUDA could not record the token step as a "
+                        "graph (%s: %s); decoding without graph replay.", type(e).__name__,
+                        first_line(e))
+            return None
         return graph.replay, out
 
 
@@ -305,8 +314,9 @@ class TokenGraphs:
 
     def __init__(self, model, recorder: GraphRecorder, run) -> None:
         self.model, self.recorder, self.run = model, recorder, run
-        self.recorded = None  # (key, replay, ids buffer, logits in the graph's memory)
+        self.recorded = None  # (key, replay, logits in the graph's memory, ids buffer)
         self.warmed = None    # the key last run as a warm-up
+        self.failed = False   # the recorder refused (and warned): run the step directly
 
     def _key(self, ids: torch.Tensor, st: DecodeState):
         tensors = list(self.model.parameters()) + list(self.model.buffers())
@@ -315,6 +325,8 @@ class TokenGraphs:
                 tuple((t.data_ptr(), t._version) for t in tensors))
 
     def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        if self.failed:
+            return self.run(ids, st)
         key = self._key(ids, st)
         if self.recorded is None or self.recorded[0] != key:
             self.recorded = None  # the old graph's memory goes before a new one is recorded
@@ -322,9 +334,12 @@ class TokenGraphs:
                 self.warmed = key
                 return self.recorder.warmup(lambda: self.run(ids, st))
             buffer = ids.clone()
-            replay, out = self.recorder.record(lambda: self.run(buffer, st))
-            self.recorded = (key, replay, buffer, out)
-        _, replay, buffer, out = self.recorded
+            recorded = self.recorder.record(lambda: self.run(buffer, st))
+            if recorded is None:
+                self.failed = True
+                return self.run(ids, st)
+            self.recorded = (key, *recorded, buffer)
+        _, replay, out, buffer = self.recorded
         buffer.copy_(ids)
         replay()
         return out.clone()
