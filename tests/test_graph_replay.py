@@ -272,3 +272,15 @@ def test_cuda_refusing_a_recording_warns_and_the_device_stays_usable(caplog):
         assert rec.record(lambda: x * 2 if bool(x.sum() > 0) else x) is None
     assert "could not record" in caplog.text
     assert float((x * 3).sum()) == 12.0
+
+
+def test_a_prompt_longer_than_the_rope_tables_replays(emulated):
+    """A prompt past max_seq_len grows the RoPE tables inside the stream's inference mode:
+    buffers without a version counter, which the recording's key reads by address."""
+    model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2,
+                        max_seq_len=16)
+    prompt = torch.randint(0, 37, (1, 40))
+    out = model.generate(prompt, 12, greedy=True, cuda_graph=True)
+    assert torch.equal(out, model.generate(prompt, 12, greedy=True))
+    assert any(b.is_inference() for b in model.buffers())
+    assert emulated.replays == 12 - 2  # warm-up, record, then replays only

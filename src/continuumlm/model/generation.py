@@ -320,9 +320,13 @@ class TokenGraphs:
 
     def _key(self, ids: torch.Tensor, st: DecodeState):
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        # the StaticStep itself (compared by identity): a refreeze makes a new one
+        # the StaticStep itself (compared by identity): a refreeze makes a new one. A buffer
+        # made under inference mode (a RoPE table grown by a long prompt) has no version
+        # counter; the model replaces such tables rather than changing them, which the
+        # address shows (weights of that kind are refused in _graph_recorder)
         return (st.static, tuple(ids.shape), ids.dtype,
-                tuple((t.data_ptr(), t._version) for t in tensors))
+                tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                      for t in tensors))
 
     def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
         if self.failed:
