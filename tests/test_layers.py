@@ -23,6 +23,7 @@ LAYERS = [
     {"model"},                  # depth, the language model, generation, decoding state
     {"eval"},
     {"train"},
+    {"replay"},                 # CPU emulation of CUDA-graph capture (torch only)
     {"testing", "experiments", "cli", "__init__", "__main__", "hf"},  # entry points, adapters
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}

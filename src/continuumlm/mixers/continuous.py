@@ -216,22 +216,24 @@ class ContinuousAttention(nn.Module):
         x = (2 * s.clamp(0.0, 1.0) - 1).clamp(-1.0, 1.0)
         return torch.cos(f * torch.arccos(x)[..., None])  # T_f(x) = cos(f arccos x)
 
-    def quadrature(self, q_pos: torch.Tensor, n_keys: int):
+    def quadrature(self, q_pos: torch.Tensor, n_keys: int, panels: int | None = None):
         """Node probabilities p (H, Tq, Q) and the interpolation of each node between tokens
         lo and hi (Tq, Q) with weight alpha on hi, for queries at absolute positions q_pos.
 
         At least float32, whatever the model's dtype or autocast (float64 stays float64): bf16
         holds integers exactly only up to 256, so positions, nodes and the kernel would lose
-        their place in a long context. Callers cast p to the values' dtype."""
+        their place in a long context. Callers cast p to the values' dtype. ``panels``
+        (composite): the panel count to lay out, at least the furthest query's (see
+        _panels)."""
         with torch.autocast(q_pos.device.type, enabled=False):
-            return self._quadrature(q_pos, n_keys)
+            return self._quadrature(q_pos, n_keys, panels)
 
-    def _quadrature(self, q_pos: torch.Tensor, n_keys: int):
+    def _quadrature(self, q_pos: torch.Tensor, n_keys: int, panels: int | None = None):
         dt = torch.promote_types(self.coef.dtype, torch.float32)
         s = q_pos.to(dt) / self.scale                                   # (Tq,)
         upper = s if self.causal else torch.full_like(s, (n_keys - 1) / self.scale)
         if self.quadrature_kind == "composite":
-            t, log_w = self._panels(upper, dt)
+            t, log_w = self._panels(upper, dt, panels)
         else:
             t = upper[:, None] * self.nodes.to(dt)[None, :]             # (Tq, Q) nodes in [0, upper]
             log_w = self.log_w.to(dt)
@@ -247,13 +249,21 @@ class ContinuousAttention(nn.Module):
         hi = torch.minimum(lo + 1, bound[:, None].long())
         return p, lo, hi, alpha
 
-    def _panels(self, upper: torch.Tensor, dt):
+    def _panels(self, upper: torch.Tensor, dt, panels: int | None = None):
         """Composite Gauss-Legendre nodes on [0, upper] in panels of ``panel`` tokens: (Tq, M*Q)
         nodes and log-weights (-inf on the panels a query does not reach); the panel count M
-        is that of the furthest query, so nodes grow with the context."""
+        is that of the furthest query, so nodes grow with the context. A frozen decoding step
+        gives M (``panels``, from its buffer's capacity) instead: the furthest query's count
+        is a device value, whose read on the host would tie the step's shape to the position
+        (a recompile per panel under torch.compile, no CUDA-graph replay). Panels past a
+        query's reach have zero width and weigh nothing (log-weight -inf), so a larger M
+        gives the same mixture."""
         width = self.panel / self.scale                                 # a panel, in s
-        count = torch.clamp(torch.ceil(upper / width), min=1)            # panels per query
-        m = int(count.max())
+        if panels is None:
+            count = torch.clamp(torch.ceil(upper / width), min=1)        # panels per query
+            m = int(count.max())
+        else:
+            m = panels
         k = torch.arange(m, device=upper.device, dtype=dt)               # (M,)
         start = k[None, :] * width                                        # (Tq, M)
         end = torch.minimum(start + width, upper[:, None])
@@ -507,7 +517,12 @@ class ContinuousAttention(nn.Module):
             # only tokens <= pos, so the unwritten tail of the buffer is never touched
             (v,) = cache.write(v)
             q_pos = cache.static.pos
+            # composite quadrature: enough panels for any position the buffer holds (one
+            # more than its last position needs, for a count that float rounding lifts)
+            # (integer arithmetic: the capacity is symbolic in a compiled step)
+            panels = -(-(v.shape[2] - 1) // self.panel) + 1
         else:
+            panels = None
             if cache is not None:
                 (v,) = cache.append(v)
             q_pos = torch.arange(offset, offset + T, device=x.device)
@@ -517,7 +532,8 @@ class ContinuousAttention(nn.Module):
             # beats the dense (T x n_keys) mixing matrix for decoding and long contexts
             outs = []
             for i in range(0, T, self.query_chunk):
-                p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], n_keys)
+                p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], n_keys,
+                                                   panels)
                 w_lo, w_hi = (p * (1 - alpha)).to(v.dtype), (p * alpha).to(v.dtype)
                 outs.append(torch.einsum("hiq,bhiqd->bhid", w_lo, v[:, :, lo])
                             + torch.einsum("hiq,bhiqd->bhid", w_hi, v[:, :, hi]))
