@@ -22,11 +22,13 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
-def data_dir() -> Path:
+def data_dir(monkeypatch) -> Path:
     env = os.environ.get("CONTINUUMLM_DATA")
     d = Path(env) if env else SHARED_DATA
     if not (d / "tinyshakespeare.txt").is_file():
         pytest.skip("corpora not available; set CONTINUUMLM_DATA")
+    # what the test runs (a config naming a corpus) finds them where this fixture did
+    monkeypatch.setenv("CONTINUUMLM_DATA", str(d))
     return d
 
 
