@@ -200,7 +200,7 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     def broken(*a, **k):
         raise torch._dynamo.exc.TorchDynamoException("no compiler here")
 
-    monkeypatch.setattr(generation, "_compiled_evaluation", lambda: broken)
+    monkeypatch.setattr(generation, "_compiled_evaluation", lambda device_type: broken)
     with caplog.at_level("WARNING", logger="continuumlm"):
         out = m.generate(prompt, 12, greedy=True, compile=True)
         again = m.generate(prompt, 12, greedy=True, compile=True)

@@ -244,7 +244,7 @@ def static_decoder(model, state: DecodeState, compile: bool = True,
     device = model.tok_emb.weight.device
     state.freeze(_capacity_for(state.pos + 1, min_capacity), device)
     if compile and not model._compile_failed:
-        state.evaluate = _compiled_call(model)
+        state.evaluate = _compiled_call(model, device.type)
 
     def run(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
         if st.evaluate is None:
@@ -349,13 +349,13 @@ class TokenGraphs:
         return out.clone()
 
 
-def _compiled_call(model):
-    """``evaluate(module, *args)``: ``module(*args)`` through the compiled call, or directly
-    once compiling has failed for ``model`` (warned once)."""
+def _compiled_call(model, device_type: str = "cpu"):
+    """``evaluate(module, *args)``: ``module(*args)`` through the compiled call for
+    ``device_type``, or directly once compiling has failed for ``model`` (warned once)."""
     def evaluate(module, *args):
         if not model._compile_failed:
             try:
-                return _compiled_evaluation()(module, *args)
+                return _compiled_evaluation(device_type)(module, *args)
             except _compile_errors() as e:
                 # fullgraph: tracing and compiling end before anything runs, so the caches
                 # are untouched and the direct call below makes this evaluation exactly once
@@ -370,7 +370,15 @@ def _call(module, *args):
     return module(*args)
 
 
-_COMPILED = None
+_COMPILED: dict = {}  # device type -> the compiled _call
+# inductor's options per device type. CPU: a C++ wrapper around the generated kernels instead
+# of a Python one. A solver step's graph is a few dozen small kernels and matrix products, and
+# the Python wrapper's glue around them (a hundred tensor views, allocations and size checks
+# per call) cost about as much as the kernels themselves: with the C++ wrapper a 4-block
+# RK4 x 4 model decodes 1.2x (softmax) to 1.5x (DeltaNet) the tokens/s, for a few seconds more
+# of compiling (bench/decode_speed.py). On CUDA, graph replay (TokenGraphs) removes the host's
+# share altogether, and the Python wrapper stays.
+_INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True}}
 # one compiled function serves every model, module type and batch size: allow more graphs
 # than dynamo's default of 8 before it refuses to compile another (it then raises, under
 # fullgraph, and that model decodes eagerly)
@@ -405,12 +413,13 @@ def _capacity_for(n: int, minimum: int = 64) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-def _compiled_evaluation():
-    """One compiled ``_call`` for every model, built on first use (nothing compiled is stored
-    on a model, so copies and pickles of a model are unaffected); dynamo's guards tell module
-    types and batch sizes apart (the capacity is symbolic). fullgraph: no graph breaks, so a failure to
-    compile happens before any cache has moved."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_call, fullgraph=True)
-    return _COMPILED
+def _compiled_evaluation(device_type: str = "cpu"):
+    """One compiled ``_call`` per device type for every model, built on first use (nothing
+    compiled is stored on a model, so copies and pickles of a model are unaffected); dynamo's
+    guards tell module types and batch sizes apart (the capacity is symbolic). fullgraph: no
+    graph breaks, so a failure to compile happens before any cache has moved."""
+    fn = _COMPILED.get(device_type)
+    if fn is None:
+        fn = _COMPILED[device_type] = torch.compile(
+            _call, fullgraph=True, options=_INDUCTOR_OPTIONS.get(device_type))
+    return fn
