@@ -44,6 +44,8 @@ def test_the_emulated_replay_runs_device_work_and_refuses_host_reads():
 
     with pytest.raises(CaptureError, match="read on the host"):
         rec.record(lambda: state * 2 if bool(state.sum() > 0) else state)
+    with pytest.raises(CaptureError, match="aten.equal"):
+        rec.record(lambda: state * 2 if torch.equal(state, x) else state)
 
 
 def test_the_emulated_replay_bakes_python_values_in_as_a_cuda_graph_does():

@@ -20,7 +20,9 @@ while capturing. This recorder does the same with aten operations on the CPU
   made at capture; a view is not run again (it already aliases the memory it views; an
   operation that may return a view, such as ``to`` or ``reshape``, counts as one only where
   it did);
-- ``aten._local_scalar_dense`` (every host read of a tensor value) raises while capturing.
+- ``aten._local_scalar_dense`` (every ``.item()``, ``bool(t)``, ``int(t)``) and any operation
+  that returns a Python number (``torch.equal``) raise while capturing: host reads of device
+  values.
 
 A function that decodes correctly through this replay reads nothing from Python that changes
 between tokens, and leaves its work to the tensors a replay refreshes. Written here: torch
@@ -33,6 +35,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+# what an operation of tensors returns to the host when it reads their values (``torch.equal``'s
+# bool; a dtype is an int in a schema too, but promote_types takes no tensor)
+_HOST_VALUES = {"bool", "int", "float", "Scalar", "complex"}
 
 
 class CaptureError(RuntimeError):
@@ -69,7 +75,9 @@ class _Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default or (
+                any(str(r.type) in _HOST_VALUES for r in func._schema.returns)
+                and any(isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0])):
             raise CaptureError(f"a tensor value was read on the host while capturing "
                                f"({func}): operation not permitted when stream is capturing")
         written = _written(func, args, kwargs)
