@@ -19,8 +19,9 @@ field evaluations.
 
 Cached decoding is timed eager (``model.generate``) and compiled (``model.generate(...,
 compile=True)``: one torch.compile graph of one solver step, serving every step of every block
-at every capacity). Compiled tokens/s time a second generation of the same length (the graph
-already built). What a user pays is timed as whole processes (Python start, imports, model
+at every capacity, with inductor's C++ wrapper around its kernels; and once more with the
+default Python wrapper, for comparison). Compiled tokens/s time a second generation of the
+same length (the graph already built). What a user pays is timed as whole processes (Python start, imports, model
 build, 512 new tokens): eager; compiled with an empty compiler cache of its own (cold); and
 compiled again with the cache that cold process filled (warm: a second run of ``continuumlm
 generate --compile``). From those, the number of new tokens from which compiling pays.
@@ -63,6 +64,23 @@ def compiled_tokens_per_s(m, prompt, n) -> tuple[float, float]:
     m.generate(prompt, n, greedy=True, compile=True)
     first = time.perf_counter() - t0
     return tokens_per_s(m, prompt, n, True, compile=True), first
+
+
+def python_wrapper_tokens_per_s(m, prompt, n) -> float:
+    """Compiled tokens/s with inductor's default Python wrapper around the kernels instead of
+    the C++ one that compiled decoding uses on CPU (the comparison behind that choice)."""
+    from continuumlm.model import generation
+
+    options = dict(generation._INDUCTOR_OPTIONS)
+    generation._INDUCTOR_OPTIONS.pop("cpu", None)
+    generation._COMPILED.clear()
+    torch._dynamo.reset()
+    try:
+        return compiled_tokens_per_s(m, prompt, n)[0]
+    finally:
+        generation._INDUCTOR_OPTIONS.update(options)
+        generation._COMPILED.clear()
+        torch._dynamo.reset()
 
 
 def process_s(mixer: str, n: int, compile: bool, cache_dir: str | None = None) -> float:
@@ -170,6 +188,9 @@ def main() -> None:
         row["compiled_tok_s_512"], row["first_compiled_call_s_512"] = \
             compiled_tokens_per_s(m, prompt, 512)
         row["compiled_tok_s_2048"], _ = compiled_tokens_per_s(m, prompt, 2048)
+        row["compiled_tok_s_512_python_wrapper"] = python_wrapper_tokens_per_s(m, prompt, 512)
+        row["cpp_vs_python_wrapper"] = (row["compiled_tok_s_512"]
+                                        / row["compiled_tok_s_512_python_wrapper"])
         cache_dir = tempfile.mkdtemp(prefix=f"decode_speed_{mixer}_inductor_")
         row["process_s_eager_512"] = process_s(mixer, 512, False)
         row["process_s_compiled_cold_512"] = process_s(mixer, 512, True, cache_dir)
@@ -201,7 +222,9 @@ def main() -> None:
                                          "/ sampled rate at 512; process peak RSS "
                                          f"{peak_mb:.0f} MB; compiled: torch.compile of one "
                                          "solver step (its 4 field evaluations), one graph "
-                                         "for every step, block and capacity (buffers "
+                                         "for every step, block and capacity, inductor's "
+                                         "C++ wrapper (and, for comparison, the Python "
+                                         "one) (buffers "
                                          "doubling from 128 as the sequence grows); whole "
                                          "processes: Python start, imports, model build and "
                                          "512 new tokens, the compiled ones with a compiler "
@@ -219,6 +242,8 @@ def make_table(rows: list[dict]) -> str:
         ("ops_per_evaluation", "aten ops per field evaluation"),
         ("compiled_tok_s_512", "compiled cached tok/s (512 new)"),
         ("compiled_tok_s_2048", "compiled cached tok/s (2048 new)"),
+        ("compiled_tok_s_512_python_wrapper",
+         "compiled cached tok/s, Python wrapper (512 new)"),
         ("compiled_speedup", "compiled cached / recompute (512 new)"),
         ("process_s_eager_512", "whole process, s (512 new; eager)"),
         ("process_s_compiled_cold_512", "whole process, s (512 new; compiled, cold cache)"),

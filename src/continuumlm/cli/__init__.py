@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="decode through one torch.compile graph of a solver step (a layer "
                         "of a discrete model), serving every step, block and buffer size: "
-                        "1.8-3.6x the eager tokens/s on a 2-core CPU after about 10-20 s of "
+                        "1.9-4.0x the eager tokens/s on a 2-core CPU after about 10-15 s of "
                         "compiling (about 4 s of imports and tracing with a warm compiler "
                         "cache), so it pays for long generations")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
