@@ -203,7 +203,8 @@ def test_cuda_graph_names_what_a_recording_cannot_hold(case):
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile):
     """Real CUDA graphs, eager and compiled units: the same greedy tokens as eager cached
-    decoding, and logits through a refreeze equal the frozen step's unreplayed ones."""
+    decoding, and logits through refreezes equal to the frozen step's unreplayed ones (to
+    round-off)."""
     torch.manual_seed(0)
     model = small_model(mixer=mixer, depth="ode", ode_solver="rk4", ode_steps=2).cuda()
     prompt = torch.randint(0, 37, (2, 5), device="cuda")
@@ -214,7 +215,9 @@ def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile
         rec = generation.GraphRecorder(torch.device("cuda"))
         _, logits = _decode(model, prompt, 40, rec)
         _, ref_logits = _decode(model, prompt, 40, None)
-        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+        # the same operations; a library may pick another kernel inside a capture (cuBLAS
+        # keeps a workspace per stream), so round-off is allowed, nothing more
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
 
 
 class _CountingAttention(SoftmaxAttention):
