@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import first_line
+from ..nn import tensor_state
 from .cache import DecodeState
 
 log = logging.getLogger("continuumlm")
@@ -323,10 +324,9 @@ class TokenGraphs:
         # the StaticStep itself (compared by identity): a refreeze makes a new one. A buffer
         # made under inference mode (a RoPE table grown by a long prompt) has no version
         # counter; the model replaces such tables rather than changing them, which the
-        # address shows (weights of that kind are refused in _graph_recorder)
-        return (st.static, tuple(ids.shape), ids.dtype,
-                tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
-                      for t in tensors))
+        # address shows (weights of that kind are refused in _graph_recorder). A graph reads
+        # by address, dtype and shape, which the key holds too
+        return (st.static, tuple(ids.shape), ids.dtype, tuple(map(tensor_state, tensors)))
 
     def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
         if self.failed:

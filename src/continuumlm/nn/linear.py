@@ -80,13 +80,20 @@ def _stackable(linears: Sequence[nn.Module]) -> bool:
                     for m in linears for t in (m.weight, m.bias) if t is not None))
 
 
+def tensor_state(t: torch.Tensor) -> tuple:
+    """What tells a tensor's contents apart from before without reading them: its version
+    counter (-1 for an inference tensor, which has none), address, dtype, device and shape.
+    A tensor's data can be swapped without a version change (``module.to(dtype)`` sets
+    ``.data``), hence the address and the rest."""
+    return (-1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device,
+            tuple(t.shape))
+
+
 def _stacked_weights(owner: nn.Module, linears: Sequence[nn.Module]):
     tensors = [t for m in linears for t in (m.weight, m.bias)]
-    # a tensor's data can be swapped without a version change (module.to(dtype) sets .data):
-    # its address is part of the key, and the data stacked from is held (kept[2]) so that no
-    # later data can take over its address while the copy is kept
-    versions = [(t._version, t.data_ptr(), t.dtype, t.device) if t is not None else None
-                for t in tensors]
+    # the data stacked from is held (kept[2]) so that no later data can take over its address
+    # while the copy is kept
+    versions = [tensor_state(t) if t is not None else None for t in tensors]
     kept = _STACKED.get(owner)
     if (kept is not None and len(kept[0]) == len(tensors)
             and all(a is b for a, b in zip(kept[0], tensors)) and kept[1] == versions):
