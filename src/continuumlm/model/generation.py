@@ -373,10 +373,10 @@ def _call(module, *args):
 _COMPILED: dict = {}  # device type -> the compiled _call
 # inductor's options per device type. CPU: a C++ wrapper around the generated kernels instead
 # of a Python one. A solver step's graph is a few dozen small kernels and matrix products, and
-# the Python wrapper's glue around them (a hundred tensor views, allocations and size checks
-# per call) cost about as much as the kernels themselves: with the C++ wrapper a 4-block
-# RK4 x 4 model decodes 1.2x (softmax) to 1.5x (DeltaNet) the tokens/s, for a few seconds more
-# of compiling (bench/decode_speed.py). On CUDA, graph replay (TokenGraphs) removes the host's
+# the Python wrapper's glue around them (tensor views, allocations and size checks around
+# every kernel) is a sizeable share of each call: with the C++ wrapper a 4-block
+# RK4 x 4 model decodes 1.24x (softmax) and 1.39x (DeltaNet) the tokens/s
+# (bench/decode_speed.py's record). On CUDA, graph replay (TokenGraphs) removes the host's
 # share altogether, and the Python wrapper stays.
 _INDUCTOR_OPTIONS = {"cpu": {"cpp_wrapper": True}}
 # one compiled function serves every model, module type and batch size: allow more graphs
