@@ -69,13 +69,13 @@ def test_the_emulated_replay_bakes_python_values_in_as_a_cuda_graph_does():
 # --------------------------------------------------------------- the frozen step replayed
 
 
-def _decode(model, prompt, n, graphs, min_capacity=1):
-    """Greedy tokens and logits through the frozen one-token step (eager units)."""
+def _decode(model, prompt, n, graphs):
+    """Greedy tokens and logits through the frozen one-token step (eager units, capacities
+    from the smallest up)."""
     with torch.inference_mode():
         state = model.init_state(prompt.shape[0])
         logits = model.step(prompt, state)[0]
-        fn = model._static_decoder(state, compile=False, min_capacity=min_capacity,
-                                   graphs=graphs)
+        fn = model._static_decoder(state, compile=False, min_capacity=1, graphs=graphs)
         tokens, all_logits = [logits.argmax(-1)], [logits]
         for _ in range(n - 1):
             logits = fn(tokens[-1][:, None], state)

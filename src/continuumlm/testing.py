@@ -79,21 +79,31 @@ def check_cached_decoding(model: LanguageModel, prompt: torch.Tensor, n_new: int
     if getattr(model.depth, "exact_cache", True):
         # the static one-token path that generate(compile=True) compiles, run eagerly here;
         # with the smallest first capacity, so that the buffers are refrozen larger on the way
-        state = model.init_state(prompt.shape[0])
-        steps = [model.step(a[:, :P], state)[0]]
-        fn = model._static_decoder(state, compile=False, min_capacity=1)
-        first = state.static.capacity
-        with torch.no_grad():
-            for t in range(P, a.shape[1] - 1):
-                steps.append(fn(a[:, t:t + 1], state))
-                state.advance()
-        assert first == 1 << P.bit_length() and state.static.capacity >= a.shape[1] - 1
-        torch.testing.assert_close(torch.stack(steps, 1), full[:, P - 1:], rtol=0, atol=atol,
+        frozen, (first, last) = _frozen_logits(model, a[:, :P], a[:, P:])
+        assert first == 1 << P.bit_length() and last >= a.shape[1] - 1
+        torch.testing.assert_close(frozen, full[:, P - 1:], rtol=0, atol=atol,
                                    msg=lambda m: f"frozen one-token decoding != full forward: "
                                                  f"{m}")
         if getattr(model.depth, "exit", None) is None:  # exit decides on the host: no graphs
-            check_graph_replay(model, a[:, :P], a[:, P:], torch.stack(steps, 1))
+            check_graph_replay(model, a[:, :P], a[:, P:], frozen)
     return a
+
+
+def _frozen_logits(model: LanguageModel, prompt: torch.Tensor, tokens: torch.Tensor,
+                   graphs=None) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The prompt's last logits and then each of ``tokens`` (but the last) through the frozen
+    one-token step, eager units, from the smallest first capacity (so that the buffers are
+    refrozen larger on the way), recorded and replayed by ``graphs`` if given; with the
+    first and last capacities."""
+    state = model.init_state(prompt.shape[0])
+    with torch.no_grad():
+        steps = [model.step(prompt, state)[0]]
+        fn = model._static_decoder(state, compile=False, min_capacity=1, graphs=graphs)
+        first = state.static.capacity
+        for t in range(tokens.shape[1] - 1):
+            steps.append(fn(tokens[:, t:t + 1], state))
+            state.advance()
+    return torch.stack(steps, 1), (first, state.static.capacity)
 
 
 def check_graph_replay(model: LanguageModel, prompt: torch.Tensor, tokens: torch.Tensor,
@@ -105,20 +115,12 @@ def check_graph_replay(model: LanguageModel, prompt: torch.Tensor, tokens: torch
     value on the host."""
     from .replay import CaptureError, EmulatedGraphRecorder
 
-    state = model.init_state(prompt.shape[0])
-    rec = EmulatedGraphRecorder()
-    with torch.no_grad():
-        steps = [model.step(prompt, state)[0]]
-        fn = model._static_decoder(state, compile=False, min_capacity=1, graphs=rec)
-        try:
-            for t in range(tokens.shape[1] - 1):
-                steps.append(fn(tokens[:, t:t + 1], state))
-                state.advance()
-        except CaptureError as e:
-            raise AssertionError(f"the frozen one-token step cannot be recorded as a graph: "
-                                 f"{e}; keep device values on the device (no .item(), bool() "
-                                 f"or int() of a tensor in a frozen step)") from None
-    got = torch.stack(steps, 1)
+    try:
+        got, _ = _frozen_logits(model, prompt, tokens, EmulatedGraphRecorder())
+    except CaptureError as e:
+        raise AssertionError(f"the frozen one-token step cannot be recorded as a graph: "
+                             f"{e}; keep device values on the device (no .item(), bool() "
+                             f"or int() of a tensor in a frozen step)") from None
     if not torch.equal(got, expected):
         bad = int((got != expected).flatten(2).any(-1).any(0).nonzero()[0])
         raise AssertionError(
