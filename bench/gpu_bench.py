@@ -26,6 +26,7 @@ rows, to prove the plumbing without a GPU; its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -380,7 +381,7 @@ def decoding(sec: Section, device) -> None:
         prompt = torch.randint(0, 65, (1, prompt_len), device=device)
 
         def replayed(mixer=mixer, compile=compile):
-            with torch.no_grad():
+            with torch.no_grad(), _recorders() as made:
                 if mixer not in refs:
                     refs[mixer] = m.generate(prompt, new, greedy=True)
                 ref = refs[mixer]
@@ -389,20 +390,46 @@ def decoding(sec: Section, device) -> None:
                                        cuda_graph=True)
                 sync(device)
                 first = time.perf_counter() - t0
+                made.clear()
                 t0 = time.perf_counter()
                 m.generate(prompt, new, greedy=True, compile=compile, cuda_graph=True)
                 sync(device)
                 tok_s = new / (time.perf_counter() - t0)
+            (rec,) = made or [None]
             return {"first_call_s": first, "graph_tok_s": tok_s,
                     # the same greedy tokens as eager cached decoding (eager units: the same
                     # kernels, so bit for bit; compiled ones may round differently)
-                    "greedy_equal_to_eager": bool(torch.equal(first_out, ref))}
+                    "greedy_equal_to_eager": bool(torch.equal(first_out, ref)),
+                    # what the timed call replayed of its frozen steps (the first token comes
+                    # from the prompt's pass): all but the warm-ups unless CUDA refused a
+                    # recording (warned in the log), and whether compiling failed
+                    "frozen_steps": new - 1, "graph_replays": rec.replays if rec else 0,
+                    "compile_failed": bool(m._compile_failed)}
         sec.measure(key, "graph", replayed)
         row = sec.rows[key]
         eager = sec.rows.get(f"{mixer}-eager", {}).get("cached_tok_s")
         if row.get("graph_tok_s") and eager:
             row["graph_vs_eager"] = row["graph_tok_s"] / eager
         sec.finish(key)
+
+
+@contextlib.contextmanager
+def _recorders():
+    """The graph recorders generate() makes meanwhile, in a list."""
+    from continuumlm.model import generation
+
+    made, make = [], generation._graph_recorder
+
+    def counted(*args):
+        rec = make(*args)
+        if rec is not None:
+            made.append(rec)
+        return rec
+    generation._graph_recorder = counted
+    try:
+        yield made
+    finally:
+        generation._graph_recorder = make
 
 
 def _graph_row(mixer: str, compile: bool) -> str:

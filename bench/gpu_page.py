@@ -104,8 +104,12 @@ def decoding_table(r: dict) -> str:
         if kind in ("graphed", "compiled-graphed") and "graph_tok_s" in x:
             # graph replay of the token step, of eager or of compiled units
             d[kind] = x["graph_tok_s"]
-            d.setdefault("equal", []).append(
-                f"{kind}: {'yes' if x.get('greedy_equal_to_eager') else 'no'}")
+            said = f"{kind}: {'yes' if x.get('greedy_equal_to_eager') else 'no'}"
+            if "graph_replays" in x:  # how much of the timed call was replay
+                said += f", {x['graph_replays']}/{x['frozen_steps']} steps replayed"
+            if x.get("compile_failed"):
+                said += ", compiling failed (eager units)"
+            d.setdefault("equal", []).append(said)
         d["status"].append(f"{kind} {_status(x)}")
     out = []
     for d in rows.values():
@@ -128,7 +132,7 @@ def decoding_table(r: dict) -> str:
         columns += [("graphed", "graph replay tok/s (eager units)"),
                     ("cgraphed", "graph replay tok/s (compiled units)"),
                     ("gvs", "best graph replay / eager"),
-                    ("equal", "greedy tokens equal eager's")]
+                    ("equal", "greedy tokens equal eager's; frozen steps replayed")]
     return markdown_table(out, columns + [("status", "status")])
 
 

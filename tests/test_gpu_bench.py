@@ -53,6 +53,9 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert rows["decoding", "softmax-eager"]["cached_speedup"] > 0
         graphed = rows["decoding", "deltanet-graphed"]
         assert graphed["graph_tok_s"] > 0 and graphed["greedy_equal_to_eager"] is True
+        # every frozen step of the timed call replayed but the warm-up (one capacity)
+        assert graphed["graph_replays"] == graphed["frozen_steps"] - 1 > 0
+        assert graphed["compile_failed"] is False
         assert rows["gpt2", "ode_euler"]["depth_ms_per_evaluation"] > 0
         assert result["gpt2"]["ode_evaluation_vs_layer"] > 0
     # nothing large under OUT: the JSON and the logs, no run folders or checkpoints
@@ -533,12 +536,19 @@ def test_the_decoding_table_shows_graph_replay_apart_from_eager_and_compiled():
             {"row": "softmax-compiled", "mixer": "softmax", "status": "done",
              "compiled_tok_s": 60.0, "compile_first_call_s": 20.0},
             {"row": "softmax-graphed", "mixer": "softmax", "status": "done",
-             "graph_tok_s": 500.0, "greedy_equal_to_eager": True},
+             "graph_tok_s": 500.0, "greedy_equal_to_eager": True, "frozen_steps": 255,
+             "graph_replays": 254, "compile_failed": False},
             {"row": "softmax-compiled-graphed", "mixer": "softmax", "status": "error",
-             "graph_error": "RuntimeError: x"}]
+             "graph_error": "RuntimeError: x"},
+            {"row": "deltanet-compiled-graphed", "mixer": "deltanet", "status": "done",
+             "graph_tok_s": 400.0, "greedy_equal_to_eager": True, "frozen_steps": 255,
+             "graph_replays": 0, "compile_failed": True}]
     table = gpu_page.decoding_table({"decoding": {"rows": rows}})
     line = next(t for t in table.splitlines() if t.startswith("| softmax"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[8:11] == ["500", "", "10.0x"], cells
-    assert cells[11] == "graphed: yes"
+    assert cells[11] == "graphed: yes, 254/255 steps replayed"
+    line = next(t for t in table.splitlines() if t.startswith("| deltanet"))
+    assert ("compiled-graphed: yes, 0/255 steps replayed, compiling failed (eager units)"
+            in line)
     assert "compiled-graphed error" in cells[12] and "eager done" in cells[12]

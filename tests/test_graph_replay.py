@@ -7,7 +7,11 @@ test records real CUDA graphs (bench/gpu_check.sh runs it)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -167,6 +171,103 @@ def test_a_weight_changed_between_tokens_is_recorded_again(emulated):
     assert emulated.records - before == 2
 
 
+def test_a_stream_switched_to_per_token_exit_or_training_runs_its_steps_directly():
+    """Per-token exit (decided on the host) or training mode (dropout draws masks) set between
+    tokens is not what the graph recorded: those tokens run the step itself, as they do
+    without graphs, and replay resumes when the switch is undone."""
+    prompt = torch.randint(0, 37, (1, 6))
+
+    def run(graphs):
+        model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+        with torch.inference_mode():
+            state = model.init_state(1)
+            logits = model.step(prompt, state)[0]
+            fn = model._static_decoder(state, compile=False, graphs=graphs)
+            out, replays = [], []
+            for i in range(20):
+                logits = fn(logits.argmax(-1)[:, None], state)
+                state.advance()
+                out.append(logits)
+                replays.append(graphs.replays if graphs else 0)
+                if i == 6:
+                    model.set_exit(1e9)  # every token stops after its first solver step
+                if i == 10:
+                    model.set_exit(None)
+                    model.train()
+                if i == 14:
+                    model.eval()
+        return torch.stack(out, 1), replays
+
+    ref, _ = run(None)
+    out, replays = run(EmulatedGraphRecorder())
+    assert torch.equal(out, ref)
+    steps = [b - a for a, b in zip(replays, replays[1:])]  # replays per later token
+    assert steps[1:6] == [1] * 5 and steps[6:14] == [0] * 8 and steps[14:] == [1] * 5
+
+
+class _FakeCudaGraphs:
+    """torch.cuda's stream and graph calls as GraphRecorder uses them, with their order of
+    effects: torch.cuda.graph sets its capture stream current on entry and, on exit, ends the
+    capture (where CUDA reports an invalidated capture) before it restores the stream."""
+
+    def __init__(self):
+        self.current, self.captures, self.replays = "default", 0, 0
+        fake = self
+
+        class graph:
+            def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+                self.stream, self.mode = stream, capture_error_mode
+
+            def __enter__(self):
+                fake.captures += 1
+                self.before, fake.current = fake.current, self.stream
+
+            def __exit__(self, *exc):
+                if exc[0] is not None:  # an invalidated capture: cudaStreamEndCapture fails
+                    raise torch.AcceleratorError("operation not permitted when stream is "
+                                                 "capturing")
+                fake.current = self.before
+
+        class CUDAGraph:
+            def replay(self):
+                fake.replays += 1
+
+        self.graph, self.CUDAGraph = graph, CUDAGraph
+
+    def install(self, monkeypatch):
+        for name in ("graph", "CUDAGraph"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "capture")
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda s: setattr(self, "current", s))
+        monkeypatch.setattr(generation, "_CAPTURE_FAILED", None)
+
+
+def test_a_refused_recording_restores_the_stream_and_turns_graphs_off(monkeypatch, caplog):
+    fake = _FakeCudaGraphs()
+    fake.install(monkeypatch)
+    x = torch.ones(3)
+    rec = generation.GraphRecorder(torch.device("cuda", 0))
+    replay, out = rec.record(lambda: x * 2)
+    replay()
+    assert (rec.records, rec.replays, fake.replays, fake.current) == (1, 1, 1, "default")
+
+    def host_read():
+        raise torch.AcceleratorError("operation not permitted when stream is capturing")
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        assert rec.record(host_read) is None
+    assert fake.current == "default", "the capture stream was left current"
+    assert "no more graphs in this process" in caplog.text
+    # nothing is tried again in this process, by this recorder or a new generate()
+    assert rec.record(lambda: x * 2) is None and fake.captures == 2
+    model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        assert generation._graph_recorder(model, torch.device("cuda", 0), True, False) is None
+    assert "refused an earlier recording" in caplog.text
+
+
 def test_cuda_graph_is_refused_where_it_cannot_run():
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
     prompt = torch.randint(0, 37, (1, 4))
@@ -201,20 +302,34 @@ def test_cuda_graph_names_what_a_recording_cannot_hold(case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
 @pytest.mark.parametrize("compile", [False, True])
-def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile):
-    """Real CUDA graphs, eager and compiled units: the same greedy tokens as eager cached
+def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile, monkeypatch,
+                                                                   caplog):
+    """Real CUDA graphs, eager and compiled units: every frozen step after the warm-up is a
+    replay (no refusal, no compiler failure), with the same greedy tokens as eager cached
     decoding, and logits through refreezes equal to the frozen step's unreplayed ones (to
     round-off)."""
     torch.manual_seed(0)
     model = small_model(mixer=mixer, depth="ode", ode_solver="rk4", ode_steps=2).cuda()
     prompt = torch.randint(0, 37, (2, 5), device="cuda")
     ref = model.generate(prompt, 40, greedy=True)
-    out = model.generate(prompt, 40, greedy=True, compile=compile, cuda_graph=True)
+    made = []
+
+    class Counted(generation.GraphRecorder):
+        def __init__(self, device):
+            super().__init__(device)
+            made.append(self)
+    monkeypatch.setattr(generation, "GraphRecorder", Counted)
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        out = model.generate(prompt, 40, greedy=True, compile=compile, cuda_graph=True)
+    assert not caplog.text and not model._compile_failed, caplog.text
     assert torch.equal(out, ref)
+    (rec,) = made  # 39 frozen steps at capacity 64: one warm-up, one recording, replays
+    assert (rec.warmups, rec.records, rec.replays) == (1, 1, 38)
     if not compile:
         rec = generation.GraphRecorder(torch.device("cuda"))
         _, logits = _decode(model, prompt, 40, rec)
         _, ref_logits = _decode(model, prompt, 40, None)
+        assert rec.records == 4 and rec.replays == 39 - 4  # capacities 8, 16, 32, 64
         # the same operations; a library may pick another kernel inside a capture (cuBLAS
         # keeps a workspace per stream), so round-off is allowed, nothing more
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
@@ -266,17 +381,33 @@ def test_a_recorder_that_refuses_leaves_the_step_to_run_directly():
     assert (rec.warmups, rec.records, rec.replays) == (1, 1, 0)  # asked once, not again
 
 
-@pytest.mark.cuda
-def test_cuda_refusing_a_recording_warns_and_the_device_stays_usable(caplog):
-    """A step that reads a device value on the host cannot be captured: GraphRecorder warns
-    and returns None, and CUDA keeps working (what TokenGraphs' fallback relies on)."""
+_REFUSAL = textwrap.dedent("""
+    import logging, torch
+    from continuumlm.model import generation
+    logging.basicConfig()
     x = torch.ones(4, device="cuda")
-    rec = generation.GraphRecorder(torch.device("cuda"))
+    rec = generation.GraphRecorder(torch.device("cuda", 0))
+    before = torch.cuda.current_stream()
     rec.warmup(lambda: x * 2)
-    with caplog.at_level("WARNING", logger="continuumlm"):
-        assert rec.record(lambda: x * 2 if bool(x.sum() > 0) else x) is None
-    assert "could not record" in caplog.text
+    assert rec.record(lambda: x * 2 if bool(x.sum() > 0) else x) is None
+    assert torch.cuda.current_stream() == before, "the capture stream was left current"
+    assert rec.record(lambda: x * 2) is None  # graphs stay off in this process
     assert float((x * 3).sum()) == 12.0
+    torch.cuda.synchronize()
+    print("usable")
+""")
+
+
+@pytest.mark.cuda
+def test_cuda_refusing_a_recording_warns_and_the_device_stays_usable():
+    """A step that reads a device value on the host cannot be captured: GraphRecorder warns,
+    returns None, restores the stream and records no more, and CUDA keeps working (what
+    TokenGraphs' fallback relies on). In a process of its own: a failed capture can leave
+    CUDA's allocator state behind (see generation._CAPTURE_FAILED) for later tests."""
+    r = subprocess.run([sys.executable, "-c", _REFUSAL], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "usable", r.stderr[-3000:]
+    assert "could not record" in r.stderr and "no more graphs" in r.stderr
 
 
 def test_a_prompt_longer_than_the_rope_tables_replays(emulated):

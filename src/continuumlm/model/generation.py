@@ -153,6 +153,11 @@ def _graph_recorder(model, device: torch.device, cuda_graph: bool | None,
         why = ("the model's weights are inference tensors (made under torch.inference_mode), "
                "whose changes cannot be told from their version counters; load or build the "
                "model outside inference mode, or leave cuda_graph off")
+    elif _CAPTURE_FAILED is not None:  # warned when it happened; again only when asked for
+        log.log(logging.WARNING if cuda_graph else logging.DEBUG,
+                "generate(cuda_graph): not recording; CUDA refused an earlier recording in "
+                "this process (%s), after which graphs stay off.", _CAPTURE_FAILED)
+        return None
     if why is None:
         return GraphRecorder(device)
     if cuda_graph:
@@ -271,32 +276,66 @@ class GraphRecorder:
     runs ``fn`` for real on a side stream, as capture needs before it (lazy library
     initialization, compilation); ``record(fn) -> (replay, out)`` captures ``fn`` without
     running it, and each ``replay()`` then runs its recorded work, leaving the results in
-    ``out``'s memory. Tests use an emulation with this interface on the CPU."""
+    ``out``'s memory. ``warmups``, ``records`` and ``replays`` count what it did. Everything
+    runs on ``device`` whichever CUDA device is current. Tests use an emulation with this
+    interface on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.warmups = self.records = self.replays = 0
+        self._stream = None  # the capture stream, made on ``device`` at the first record
 
     def warmup(self, fn):
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            out = fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.warmups += 1
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = fn()
+            torch.cuda.current_stream().wait_stream(side)
         return out
 
     def record(self, fn):
         """(replay, out), or None after warning when CUDA refuses to record ``fn`` (nothing of
-        it ran: the caller runs the step itself and records no more)."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                out = fn()
-        except RuntimeError as e:  # CUDA's errors, torch.AcceleratorError among them
-            log.warning("generate(cuda_graph): CUDA could not record the token step as a "
-                        "graph (%s: %s); decoding without graph replay.", type(e).__name__,
-                        first_line(e))
+        it ran: the caller runs the step itself and records no more). After one refusal no
+        recording is tried again in this process (see ``_CAPTURE_FAILED``)."""
+        global _CAPTURE_FAILED
+        if _CAPTURE_FAILED is not None:
             return None
-        return graph.replay, out
+        with torch.cuda.device(self.device):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            before = torch.cuda.current_stream()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: a CUDA call another thread makes meanwhile (a data loader's
+                # pinned-memory copies) does not spoil this capture
+                with torch.cuda.graph(graph, stream=self._stream,
+                                      capture_error_mode="thread_local"):
+                    out = fn()
+            except RuntimeError as e:  # CUDA's errors, torch.AcceleratorError among them
+                _CAPTURE_FAILED = f"{type(e).__name__}: {first_line(e)}"
+                log.warning("generate(cuda_graph): CUDA could not record the token step as a "
+                            "graph (%s); decoding without graph replay, and recording no "
+                            "more graphs in this process.", _CAPTURE_FAILED)
+                return None
+            finally:
+                # torch.cuda.graph leaves its capture stream current when ending a capture
+                # fails (it ends the capture before it restores the stream)
+                torch.cuda.set_stream(before)
+        self.records += 1
+
+        def replay() -> None:
+            self.replays += 1
+            graph.replay()
+        return replay, out
+
+
+# why CUDA refused a recording in this process, or None. A failed capture can leave CUDA's
+# caching allocator believing the capture still runs (releases without pytorch#180395: a later
+# torch.cuda.empty_cache(), which every capture starts with, then fails an internal assert) and
+# its memory pool reserved; so after one refusal, graphs stay off
+_CAPTURE_FAILED: str | None = None
 
 
 class TokenGraphs:
@@ -329,7 +368,10 @@ class TokenGraphs:
         return (st.static, tuple(ids.shape), ids.dtype, tuple(map(tensor_state, tensors)))
 
     def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        if self.failed:
+        if (self.failed or self.model.training
+                or getattr(self.model.depth, "exit", None) is not None):
+            # refused; or switched, between tokens, to training (dropout draws masks) or to
+            # per-token exit (decided on the host): neither is what the graph recorded
             return self.run(ids, st)
         key = self._key(ids, st)
         if self.recorded is None or self.recorded[0] != key:
