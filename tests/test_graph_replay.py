@@ -8,6 +8,7 @@ test records real CUDA graphs (bench/gpu_check.sh runs it)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import subprocess
 import sys
@@ -150,56 +151,71 @@ def test_generate_with_graph_replay_equals_eager_generation(emulated):
     assert emulated.records == 1 and emulated.replays == 28  # capacity 64; 29 frozen steps
 
 
-def test_a_weight_changed_between_tokens_is_recorded_again(emulated):
+def _decode_changing(graphs, changes: dict, n: int = 20):
+    """Logits of ``n`` frozen steps of a small model, ``changes[i](model)`` applied between
+    step ``i`` and the next (outside inference mode, as a caller between tokens would), and
+    the recorder's replay count after each step."""
+    model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+    prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        state = model.init_state(1)
+        logits = model.step(prompt, state)[0]
+        fn = model._static_decoder(state, compile=False, graphs=graphs)
+    out, replays = [], []
+    for i in range(n):
+        with torch.inference_mode():
+            logits = fn(logits.argmax(-1)[:, None], state)
+            state.advance()
+        out.append(logits)
+        replays.append(graphs.replays if graphs else 0)
+        if i in changes:
+            changes[i](model)
+    return torch.stack(out, 1), replays
+
+
+def test_a_weight_changed_between_tokens_is_recorded_again():
     """A stream yields between tokens, so a caller may change the weights there: the next
-    token sees the new weights (recorded again), as the eager stream's does."""
-    prompt = torch.randint(0, 37, (1, 6))
+    token sees the new weights (recorded again), as it does without graphs."""
+    noise = torch.randn(37, 32, generator=torch.Generator().manual_seed(1))
 
-    def run(cuda_graph):
-        model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
-        out = []
-        for i, t in enumerate(model.generate_stream(prompt, 16, greedy=True,
-                                                    cuda_graph=cuda_graph)):
-            out.append(t)
-            if i == 8:
-                with torch.no_grad():
-                    model.lm_head.weight.mul_(-1.0)  # in place: same address, new version
-        return torch.stack(out, 1)
+    @torch.no_grad()
+    def in_place(model):  # same address, new version
+        model.lm_head.weight.add_(noise)
 
-    before = emulated.records
-    assert torch.equal(run(True), run(False))
-    assert emulated.records - before == 2
+    def replaced(model):  # a new parameter in the old one's place
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() - 2 * noise)
+
+    @torch.no_grad()
+    def new_module(model):  # a submodule replaced: other weights at other addresses
+        norm = copy.deepcopy(model.norm_f)
+        norm.weight.copy_(noise[0])
+        model.norm_f = norm
+
+    changes = {4: in_place, 8: replaced, 12: new_module}
+    ref, _ = _decode_changing(None, changes)
+    rec = EmulatedGraphRecorder()
+    out, _ = _decode_changing(rec, changes)
+    assert torch.equal(out, ref)
+    assert rec.records == 4
+
+
+def test_the_recording_key_reads_every_parameter_and_buffer():
+    model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+    walked = {id(t) for t in generation._tensors_of(model)}
+    assert walked == {id(t) for t in [*model.parameters(), *model.buffers()]}
 
 
 def test_a_stream_switched_to_per_token_exit_or_training_runs_its_steps_directly():
     """Per-token exit (decided on the host) or training mode (dropout draws masks) set between
     tokens is not what the graph recorded: those tokens run the step itself, as they do
     without graphs, and replay resumes when the switch is undone."""
-    prompt = torch.randint(0, 37, (1, 6))
-
-    def run(graphs):
-        model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
-        with torch.inference_mode():
-            state = model.init_state(1)
-            logits = model.step(prompt, state)[0]
-            fn = model._static_decoder(state, compile=False, graphs=graphs)
-            out, replays = [], []
-            for i in range(20):
-                logits = fn(logits.argmax(-1)[:, None], state)
-                state.advance()
-                out.append(logits)
-                replays.append(graphs.replays if graphs else 0)
-                if i == 6:
-                    model.set_exit(1e9)  # every token stops after its first solver step
-                if i == 10:
-                    model.set_exit(None)
-                    model.train()
-                if i == 14:
-                    model.eval()
-        return torch.stack(out, 1), replays
-
-    ref, _ = run(None)
-    out, replays = run(EmulatedGraphRecorder())
+    def train(model):
+        model.set_exit(None)
+        model.train()
+    changes = {6: lambda model: model.set_exit(1e9),  # every token stops after one step
+               10: train, 14: lambda model: model.eval()}
+    ref, _ = _decode_changing(None, changes)
+    out, replays = _decode_changing(EmulatedGraphRecorder(), changes)
     assert torch.equal(out, ref)
     steps = [b - a for a, b in zip(replays, replays[1:])]  # replays per later token
     assert steps[1:6] == [1] * 5 and steps[6:14] == [0] * 8 and steps[14:] == [1] * 5
