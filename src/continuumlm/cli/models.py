@@ -125,9 +125,11 @@ def cmd_generate(args) -> int:
 
 
 class _DecodeClock:
-    """When each new token came: the first (the prompt's forward, and with --compile the
-    compilation) apart from the rest (decoding proper), so that tokens/s says what decoding
-    costs and the set-up is reported on its own."""
+    """When each new token came: the set-up apart from the rest (decoding proper), so that
+    tokens/s says what decoding costs and the set-up is reported on its own. The set-up is
+    the first token (the prompt's forward) and, with --compile, the second: the first token
+    is sampled from the prompt's logits, and the one-token step that makes the next is
+    compiled at its first call."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -141,13 +143,17 @@ class _DecodeClock:
     def report(self, prompt_tokens: int, compiled: bool) -> str:
         if not self.times:
             return "generated no tokens"
-        first = self.times[0] - self.start
-        setup = f"first token {first:.2f} s (the {prompt_tokens}-token prompt" + (
-            ", and compiling the one-token step" if compiled else "") + ")"
-        if len(self.times) < 2:
-            return f"generated 1 token: {setup}"
-        rest = self.times[-1] - self.times[0]
-        n = len(self.times) - 1
+        stamps = [self.start, *self.times]
+        setup = f"first token {stamps[1] - stamps[0]:.2f} s (the {prompt_tokens}-token prompt)"
+        k = 1  # tokens of set-up
+        if compiled and len(self.times) >= 2:
+            setup += (f", second {stamps[2] - stamps[1]:.2f} s (the one-token step's first "
+                      f"call, which compiles it)")
+            k = 2
+        if len(self.times) <= k:
+            return f"generated {len(self.times)} token{'s' * (k > 1)}: {setup}"
+        rest = self.times[-1] - self.times[k - 1]
+        n = len(self.times) - k
         return (f"generated {len(self.times)} tokens: {setup}; then {n} tokens in {rest:.2f} s, "
                 f"{n / max(rest, 1e-9):.1f} tokens/s")
 
