@@ -188,6 +188,23 @@ def test_compiled_decoding_of_other_depths(case):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
 
 
+def test_compile_where_there_is_no_cached_step_is_refused_or_said(caplog):
+    """compile=True compiles the cached one-token step: with use_cache=False it contradicts
+    the call (refused); an adaptive solver decodes by recomputing, with nothing compiled
+    (warned, decoded eagerly, nothing traced)."""
+    m = small_model()
+    prompt = torch.randint(0, 37, (1, 4))
+    with pytest.raises(ValueError, match="drop one of them"):
+        m.generate(prompt, 3, compile=True, use_cache=False)
+    m = small_model(depth="ode", ode_solver="dopri5")
+    torch._dynamo.utils.counters.clear()
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        out = m.generate(prompt, 4, greedy=True, compile=True)
+    assert "recomputing the whole context for every token, eagerly" in caplog.text
+    assert torch.equal(out, m.generate(prompt, 4, greedy=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
 def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     import copy
 

@@ -177,6 +177,8 @@ device = "cpu"
     # graph replay records CUDA work: asked for on the CPU, refused by name (exit status 2)
     r5 = run_cli(*greedy, "--cuda-graph", "on")
     assert r5.returncode == 2 and "CUDA graphs record CUDA work" in r5.stderr, r5.stderr
+    r6 = run_cli(*greedy, "--compile", "--no-cache")  # nothing cached to compile
+    assert r6.returncode == 2 and "drop one of them" in r6.stderr, r6.stderr
     r = run_cli("train", "--out", str(out), "--resume", "--set", "train.max_steps=25")
     assert r.returncode == 0 and "done: step 25" in r.stdout, r.stderr
     # without lr_decay_steps the cosine's horizon moved with max_steps: said, with the fix

@@ -97,7 +97,9 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     state is frozen to fixed-capacity buffers with the position held in tensors, and one
     ``torch.compile`` graph of one solver step (or layer) serves every step of every token
     (see :func:`static_decoder`; graphs are compiled on first use and kept for later
-    generations). A compiler failure warns once and decodes eagerly.
+    generations). A compiler failure warns once and decodes eagerly. It is refused with
+    ``use_cache=False``, and warned of and ignored for an adaptive solver, which decodes by
+    recomputing the context.
 
     ``cuda_graph`` (CUDA, with the cache): decode the frozen state by replaying one recorded
     CUDA graph of a whole token step per buffer capacity (:class:`TokenGraphs`), compiled
@@ -129,6 +131,9 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     if cuda_graph and not use_cache:
         raise ValueError("cuda_graph=True replays the cached one-token step; it needs the "
                          "cache (use_cache=True; no --no-cache).")
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached one-token step, and use_cache=False "
+                         "(--no-cache) recomputes the whole context instead: drop one of them.")
     graphs = _graph_recorder(model, idx.device, cuda_graph, compile) if use_cache else None
     return _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                          use_cache, generator, eos_token_id, compile, graphs)
@@ -174,8 +179,11 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                   generator, eos_token_id, compile, graphs) -> Iterator[torch.Tensor]:
     cfg = model.config
     if use_cache and not getattr(model.depth, "exact_cache", True):
-        log.debug("generate: %s solves cannot be cached exactly; recomputing the whole "
-                  "context for every token", cfg.ode_solver)
+        # asked to compile, told why nothing is: there is no one-token step to compile
+        log.log(logging.WARNING if compile else logging.DEBUG,
+                "generate: %s solves cannot be cached exactly; recomputing the whole context "
+                "for every token%s", cfg.ode_solver,
+                ", eagerly (compile=True compiles the cached one-token step)" if compile else "")
         use_cache = False
     # streams may interleave: the model leaves eval mode only when the last one ends
     if model._open_streams == 0:
