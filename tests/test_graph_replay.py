@@ -74,19 +74,27 @@ def test_the_emulated_replay_bakes_python_values_in_as_a_cuda_graph_does():
 # --------------------------------------------------------------- the frozen step replayed
 
 
-def _decode(model, prompt, n, graphs):
+def _decode(model, prompt, n, graphs, changes=None, min_capacity=1, replays=None):
     """Greedy tokens and logits through the frozen one-token step (eager units, capacities
-    from the smallest up)."""
+    from ``min_capacity`` up). ``changes[i](model)`` runs after frozen step ``i``, outside
+    inference mode, as a caller's code between tokens would; the recorder's replay count
+    after each step is appended to ``replays``."""
     with torch.inference_mode():
         state = model.init_state(prompt.shape[0])
         logits = model.step(prompt, state)[0]
-        fn = model._static_decoder(state, compile=False, min_capacity=1, graphs=graphs)
-        tokens, all_logits = [logits.argmax(-1)], [logits]
-        for _ in range(n - 1):
+        fn = model._static_decoder(state, compile=False, min_capacity=min_capacity,
+                                   graphs=graphs)
+    tokens, all_logits = [logits.argmax(-1)], [logits]
+    for i in range(n - 1):
+        with torch.inference_mode():
             logits = fn(tokens[-1][:, None], state)
             state.advance()
-            tokens.append(logits.argmax(-1))
-            all_logits.append(logits)
+        tokens.append(logits.argmax(-1))
+        all_logits.append(logits)
+        if replays is not None:
+            replays.append(graphs.replays)
+        if changes and i in changes:
+            changes[i](model)
     return torch.stack(tokens, 1), torch.stack(all_logits, 1)
 
 
@@ -151,26 +159,12 @@ def test_generate_with_graph_replay_equals_eager_generation(emulated):
     assert emulated.records == 1 and emulated.replays == 28  # capacity 64; 29 frozen steps
 
 
-def _decode_changing(graphs, changes: dict, n: int = 20):
-    """Logits of ``n`` frozen steps of a small model, ``changes[i](model)`` applied between
-    step ``i`` and the next (outside inference mode, as a caller between tokens would), and
-    the recorder's replay count after each step."""
+def _decode_changing(graphs, changes: dict, replays=None):
+    """Logits of 20 frozen steps of a small model at one capacity, ``changes`` applied
+    between them (see _decode)."""
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
     prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        state = model.init_state(1)
-        logits = model.step(prompt, state)[0]
-        fn = model._static_decoder(state, compile=False, graphs=graphs)
-    out, replays = [], []
-    for i in range(n):
-        with torch.inference_mode():
-            logits = fn(logits.argmax(-1)[:, None], state)
-            state.advance()
-        out.append(logits)
-        replays.append(graphs.replays if graphs else 0)
-        if i in changes:
-            changes[i](model)
-    return torch.stack(out, 1), replays
+    return _decode(model, prompt, 21, graphs, changes, min_capacity=64, replays=replays)[1]
 
 
 def test_a_weight_changed_between_tokens_is_recorded_again():
@@ -192,71 +186,91 @@ def test_a_weight_changed_between_tokens_is_recorded_again():
         model.norm_f = norm
 
     changes = {4: in_place, 8: replaced, 12: new_module}
-    ref, _ = _decode_changing(None, changes)
+    ref = _decode_changing(None, changes)
     rec = EmulatedGraphRecorder()
-    out, _ = _decode_changing(rec, changes)
-    assert torch.equal(out, ref)
+    assert torch.equal(_decode_changing(rec, changes), ref)
     assert rec.records == 4
 
 
 def test_the_recording_key_reads_every_parameter_and_buffer():
+    """The walk behind the recording's key sees what parameters() and buffers() see, once per
+    module (one registered twice, or in a cycle, is walked once), and training mode in any
+    submodule."""
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
-    walked = {id(t) for t in generation._tensors_of(model)}
-    assert walked == {id(t) for t in [*model.parameters(), *model.buffers()]}
+    model.depth.alias = model.depth.blocks[0]  # registered twice
+    model.depth.blocks[0].back = model.depth  # a cycle
+    tensors, training = generation._walk(model)
+    assert {id(t) for t in tensors} == {id(t) for t in [*model.parameters(), *model.buffers()]}
+    tied = model.lm_head.weight is model.tok_emb.weight  # a tensor of two modules, twice
+    assert len(tensors) == len([*model.parameters(), *model.buffers()]) + tied
+    assert training is False
+    model.depth.blocks[0].field.mixer.train()
+    assert generation._walk(model)[1] is True
 
 
 def test_a_stream_switched_to_per_token_exit_or_training_runs_its_steps_directly():
-    """Per-token exit (decided on the host) or training mode (dropout draws masks) set between
-    tokens is not what the graph recorded: those tokens run the step itself, as they do
-    without graphs, and replay resumes when the switch is undone."""
+    """Per-token exit (decided on the host) or training mode (dropout draws masks; here one
+    submodule's) set between tokens is not what the graph recorded: those tokens run the step
+    itself, as they do without graphs, and replay resumes when the switch is undone."""
     def train(model):
         model.set_exit(None)
-        model.train()
+        model.depth.blocks[0].field.train()
     changes = {6: lambda model: model.set_exit(1e9),  # every token stops after one step
                10: train, 14: lambda model: model.eval()}
-    ref, _ = _decode_changing(None, changes)
-    out, replays = _decode_changing(EmulatedGraphRecorder(), changes)
-    assert torch.equal(out, ref)
+    ref = _decode_changing(None, changes)
+    replays = []
+    assert torch.equal(_decode_changing(EmulatedGraphRecorder(), changes, replays), ref)
     steps = [b - a for a, b in zip(replays, replays[1:])]  # replays per later token
     assert steps[1:6] == [1] * 5 and steps[6:14] == [0] * 8 and steps[14:] == [1] * 5
 
 
 class _FakeCudaGraphs:
-    """torch.cuda's stream and graph calls as GraphRecorder uses them, with their order of
-    effects: torch.cuda.graph sets its capture stream current on entry and, on exit, ends the
-    capture (where CUDA reports an invalidated capture) before it restores the stream."""
+    """torch.cuda's stream and graph calls as GraphRecorder uses them, with their signatures
+    and order of effects: torch.cuda.graph sets its capture stream current on entry and, on
+    exit, ends the capture before it restores the stream; ending a capture that an error
+    invalidated fails with an error of its own. What the calls were given is kept."""
 
     def __init__(self):
         self.current, self.captures, self.replays = "default", 0, 0
+        self.devices, self.graphs = [], []
         fake = self
 
         class graph:
-            def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
-                self.stream, self.mode = stream, capture_error_mode
+            def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
+                         enable_annotations=False, check_input_liveness=False):
+                self.stream = stream if stream is not None else "torch's capture stream"
+                fake.graphs.append({"stream": stream, "mode": capture_error_mode})
 
             def __enter__(self):
                 fake.captures += 1
                 self.before, fake.current = fake.current, self.stream
 
             def __exit__(self, *exc):
-                if exc[0] is not None:  # an invalidated capture: cudaStreamEndCapture fails
-                    raise torch.AcceleratorError("operation not permitted when stream is "
-                                                 "capturing")
+                if exc[0] is not None:  # the capture was invalidated: ending it fails
+                    raise torch.AcceleratorError("operation failed due to a previous error "
+                                                 "during capture")
                 fake.current = self.before
 
         class CUDAGraph:
             def replay(self):
                 fake.replays += 1
 
-        self.graph, self.CUDAGraph = graph, CUDAGraph
+        def device(device):
+            fake.devices.append(device)
+            return contextlib.nullcontext()
+
+        def set_stream(stream):
+            if stream is not None:
+                fake.current = stream
+
+        self.graph, self.CUDAGraph, self.device, self.set_stream = (graph, CUDAGraph, device,
+                                                                      set_stream)
 
     def install(self, monkeypatch):
-        for name in ("graph", "CUDAGraph"):
+        for name in ("graph", "CUDAGraph", "device", "set_stream"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
-        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "capture")
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0, **kw: "ours")
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
-        monkeypatch.setattr(torch.cuda, "set_stream", lambda s: setattr(self, "current", s))
         monkeypatch.setattr(generation, "_CAPTURE_FAILED", None)
 
 
@@ -264,23 +278,30 @@ def test_a_refused_recording_restores_the_stream_and_turns_graphs_off(monkeypatc
     fake = _FakeCudaGraphs()
     fake.install(monkeypatch)
     x = torch.ones(3)
-    rec = generation.GraphRecorder(torch.device("cuda", 0))
+    cuda0 = torch.device("cuda", 0)
+    rec = generation.GraphRecorder(cuda0)
     replay, out = rec.record(lambda: x * 2)
     replay()
-    assert (rec.records, rec.replays, fake.replays, fake.current) == (1, 1, 1, "default")
+    assert (rec.records, rec.replays, fake.replays) == (1, 1, 1)
+    # on the recorder's device and capture stream, whatever is current; thread-local capture
+    assert fake.devices == [cuda0] and fake.graphs == [{"stream": "ours",
+                                                       "mode": "thread_local"}]
 
     def host_read():
         raise torch.AcceleratorError("operation not permitted when stream is capturing")
     with caplog.at_level("WARNING", logger="continuumlm"):
         assert rec.record(host_read) is None
     assert fake.current == "default", "the capture stream was left current"
+    # the cause named, not the failure to end the capture that it brought about
+    assert "not permitted when stream is capturing" in caplog.text
+    assert "previous error" not in caplog.text
     assert "no more graphs in this process" in caplog.text
     # nothing is tried again in this process, by this recorder or a new generate()
     assert rec.record(lambda: x * 2) is None and fake.captures == 2
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
     caplog.clear()
     with caplog.at_level("WARNING", logger="continuumlm"):
-        assert generation._graph_recorder(model, torch.device("cuda", 0), True, False) is None
+        assert generation._graph_recorder(model, cuda0, True, False) is None
     assert "refused an earlier recording" in caplog.text
 
 

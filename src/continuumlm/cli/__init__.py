@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of a discrete model), serving every step, block and buffer size: "
                         "1.9-4.0x the eager tokens/s on a 2-core CPU after about 10-15 s of "
                         "compiling (about 4 s of imports and tracing with a warm compiler "
-                        "cache), so it pays for long generations")
+                        "cache), so it pays for long generations; needs the cache (not with "
+                        "--no-cache)")
     g.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="on a CUDA device, decode by replaying one recorded CUDA graph of a "
                         "whole token step per buffer size (recorded at the second token "

@@ -114,7 +114,9 @@ def cmd_generate(args) -> int:
             print()
     except ValueError as e:  # bad sampling arguments or a context the model cannot hold
         raise UsageError(str(e)) from None
-    print(clock.report(len(ids), args.compile and not args.no_cache), file=sys.stderr)
+    # compiled: the second token's step compiles (an adaptive solver recomputes instead)
+    compiled = args.compile and getattr(model.depth, "exact_cache", True)
+    print(clock.report(len(ids), compiled), file=sys.stderr)
     if args.exit_threshold is not None:
         done, tokens = model.depth.exit_totals
         print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
@@ -151,7 +153,7 @@ class _DecodeClock:
                       f"call, which compiles it)")
             k = 2
         if len(self.times) <= k:
-            return f"generated {len(self.times)} token{'s' * (k > 1)}: {setup}"
+            return f"generated {len(self.times)} token{'s' * (len(self.times) != 1)}: {setup}"
         rest = self.times[-1] - self.times[k - 1]
         n = len(self.times) - k
         return (f"generated {len(self.times)} tokens: {setup}; then {n} tokens in {rest:.2f} s, "

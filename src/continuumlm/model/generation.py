@@ -107,8 +107,9 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     a CUDA device, unless the model decodes with per-token exit (whose decisions are read on
     the host every step), an adaptive solver or inference-tensor weights; ``True`` asks for it
     (refused, naming why, in those cases and on another device), ``False`` never. If CUDA
-    refuses to record the step, generation warns once and decodes without replay.
-    Bad arguments raise here, when the stream is made, not at its first token.
+    refuses to record the step, generation warns and decodes without replay, and no graph is
+    recorded again in that process (later generations decode without; one that asks for
+    graphs is warned). Bad arguments raise here, when the stream is made, not at its first token.
     """
     cfg = model.config
     if cfg.mode != "decoder":
@@ -285,7 +286,7 @@ class GraphRecorder:
     initialization, compilation); ``record(fn) -> (replay, out)`` captures ``fn`` without
     running it, and each ``replay()`` then runs its recorded work, leaving the results in
     ``out``'s memory. ``warmups``, ``records`` and ``replays`` count what it did. Everything
-    runs on ``device`` whichever CUDA device is current. Tests use an emulation with this
+    runs on ``device`` (the prompt's), whichever CUDA device is current. Tests use an emulation with this
     interface on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
@@ -304,9 +305,9 @@ class GraphRecorder:
         return out
 
     def record(self, fn):
-        """(replay, out), or None after warning when CUDA refuses to record ``fn`` (nothing of
-        it ran: the caller runs the step itself and records no more). After one refusal no
-        recording is tried again in this process (see ``_CAPTURE_FAILED``)."""
+        """(replay, out); or None, after a warning, when CUDA refuses to record ``fn`` (nothing
+        of it ran: the caller runs the step itself and records no more). After one refusal
+        none is tried again in this process (see ``_CAPTURE_FAILED``): None at once."""
         global _CAPTURE_FAILED
         if _CAPTURE_FAILED is not None:
             return None
@@ -322,7 +323,10 @@ class GraphRecorder:
                                       capture_error_mode="thread_local"):
                     out = fn()
             except RuntimeError as e:  # CUDA's errors, torch.AcceleratorError among them
-                _CAPTURE_FAILED = f"{type(e).__name__}: {first_line(e)}"
+                # an error inside the capture makes ending it fail too, and that error, which
+                # only says the capture is invalid, replaces the first: name the first
+                cause = e.__context__ if isinstance(e.__context__, Exception) else e
+                _CAPTURE_FAILED = f"{type(cause).__name__}: {first_line(cause)}"
                 log.warning("generate(cuda_graph): CUDA could not record the token step as a "
                             "graph (%s); decoding without graph replay, and recording no "
                             "more graphs in this process.", _CAPTURE_FAILED)
@@ -366,8 +370,7 @@ class TokenGraphs:
         self.warmed = None    # the key last run as a warm-up
         self.failed = False   # the recorder refused (and warned): run the step directly
 
-    def _key(self, ids: torch.Tensor, st: DecodeState):
-        tensors = _tensors_of(self.model)
+    def _key(self, ids: torch.Tensor, st: DecodeState, tensors: list[torch.Tensor]):
         # the StaticStep itself (compared by identity): a refreeze makes a new one. A buffer
         # made under inference mode (a RoPE table grown by a long prompt) has no version
         # counter; the model replaces such tables rather than changing them, which the
@@ -376,12 +379,12 @@ class TokenGraphs:
         return (st.static, tuple(ids.shape), ids.dtype, tuple(map(tensor_state, tensors)))
 
     def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        if (self.failed or self.model.training
-                or getattr(self.model.depth, "exit", None) is not None):
-            # refused; or switched, between tokens, to training (dropout draws masks) or to
-            # per-token exit (decided on the host): neither is what the graph recorded
+        if self.failed or getattr(self.model.depth, "exit", None) is not None:
+            return self.run(ids, st)  # refused; or per-token exit (decided on the host)
+        tensors, training = _walk(self.model)
+        if training:  # a module switched to training between tokens: dropout draws masks
             return self.run(ids, st)
-        key = self._key(ids, st)
+        key = self._key(ids, st, tensors)
         if self.recorded is None or self.recorded[0] != key:
             self.recorded = None  # the old graph's memory goes before a new one is recorded
             if self.warmed != key:
@@ -399,18 +402,23 @@ class TokenGraphs:
         return out.clone()
 
 
-def _tensors_of(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``module`` and its submodules (a shared one may come
-    twice): what ``parameters()`` and ``buffers()`` give, read from the modules' own tables
-    in a third of their time (their generators keep a memo and names), since this runs for
-    every replayed token."""
-    out, todo = [], [module]
+def _walk(module: torch.nn.Module) -> tuple[list[torch.Tensor], bool]:
+    """Every parameter and buffer of ``module`` and its submodules (what ``parameters()`` and
+    ``buffers()`` give, in a fixed order; a tensor two modules share comes twice), and whether
+    any of the modules is in training mode: read from the modules' own tables in about a
+    third of the time of those generators (which keep names), since this runs for every
+    replayed token."""
+    out, seen, todo, training = [], set(), [module], False
     while todo:
         m = todo.pop()
+        if id(m) in seen:  # a module registered twice, or a cycle
+            continue
+        seen.add(id(m))
+        training = training or m.training
         out += [t for t in m._parameters.values() if t is not None]
         out += [t for t in m._buffers.values() if t is not None]
-        todo += [c for c in m._modules.values() if c is not None]
-    return out
+        todo += [c for c in reversed(m._modules.values()) if c is not None]
+    return out, training
 
 
 def _compiled_call(model, device_type: str = "cpu"):
