@@ -109,7 +109,8 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     (refused, naming why, in those cases and on another device), ``False`` never. If CUDA
     refuses to record the step, generation warns and decodes without replay, and no graph is
     recorded again in that process (later generations decode without; one that asks for
-    graphs is warned). Bad arguments raise here, when the stream is made, not at its first token.
+    graphs is warned). Bad arguments raise here, when the stream is made, not at its first
+    token.
     """
     cfg = model.config
     if cfg.mode != "decoder":
@@ -286,8 +287,8 @@ class GraphRecorder:
     initialization, compilation); ``record(fn) -> (replay, out)`` captures ``fn`` without
     running it, and each ``replay()`` then runs its recorded work, leaving the results in
     ``out``'s memory. ``warmups``, ``records`` and ``replays`` count what it did. Everything
-    runs on ``device`` (the prompt's), whichever CUDA device is current. Tests use an emulation with this
-    interface on the CPU."""
+    runs on ``device`` (the prompt's), whichever CUDA device is current. Tests use an
+    emulation with this interface on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -405,9 +406,8 @@ class TokenGraphs:
 def _walk(module: torch.nn.Module) -> tuple[list[torch.Tensor], bool]:
     """Every parameter and buffer of ``module`` and its submodules (what ``parameters()`` and
     ``buffers()`` give, in a fixed order; a tensor two modules share comes twice), and whether
-    any of the modules is in training mode: read from the modules' own tables in about a
-    third of the time of those generators (which keep names), since this runs for every
-    replayed token."""
+    any of the modules is in training mode: read from the modules' own tables, faster than
+    those generators (which build names), since this runs for every replayed token."""
     out, seen, todo, training = [], set(), [module], False
     while todo:
         m = todo.pop()
