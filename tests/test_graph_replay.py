@@ -21,8 +21,8 @@ from conftest import small_model
 from continuumlm.mixers.softmax import SoftmaxAttention
 from continuumlm.model import generation
 from continuumlm.registry import FIELDS, MIXERS, SOLVERS
-from continuumlm.replay import CaptureError, EmulatedGraphRecorder
-from continuumlm.testing import check_cached_decoding
+from continuumlm.replay import CaptureError, EmulatedGraph, EmulatedGraphRecorder
+from continuumlm.testing import _frozen_logits, check_cached_decoding
 
 # --------------------------------------------------------------- the emulation can fail
 
@@ -224,36 +224,55 @@ def test_a_stream_switched_to_per_token_exit_or_training_runs_its_steps_directly
     assert steps[1:6] == [1] * 5 and steps[6:14] == [0] * 8 and steps[14:] == [1] * 5
 
 
+class _FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, stream):
+        pass
+
+    def __repr__(self):
+        return self.name
+
+
 class _FakeCudaGraphs:
     """torch.cuda's stream and graph calls as GraphRecorder uses them, with their signatures
-    and order of effects: torch.cuda.graph sets its capture stream current on entry and, on
-    exit, ends the capture before it restores the stream; ending a capture that an error
-    invalidated fails with an error of its own. What the calls were given is kept."""
+    and order of effects, capturing through the CPU emulation: torch.cuda.graph sets its
+    capture stream current on entry and, on exit, ends the capture before it restores the
+    stream; ending a capture that an error invalidated fails with an error of its own. What
+    the calls were given is kept."""
 
     def __init__(self):
-        self.current, self.captures, self.replays = "default", 0, 0
+        self.current, self.replays = _FakeStream("default"), 0
         self.devices, self.graphs = [], []
         fake = self
+
+        class CUDAGraph:
+            def __init__(self):
+                self.emulated = EmulatedGraph()
+
+            def replay(self):
+                fake.replays += 1
+                self.emulated.replay()
 
         class graph:
             def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global",
                          enable_annotations=False, check_input_liveness=False):
-                self.stream = stream if stream is not None else "torch's capture stream"
+                self.cuda_graph = cuda_graph
+                self.stream = stream if stream is not None else _FakeStream("torch's")
                 fake.graphs.append({"stream": stream, "mode": capture_error_mode})
 
             def __enter__(self):
-                fake.captures += 1
                 self.before, fake.current = fake.current, self.stream
+                self.capturing = self.cuda_graph.emulated.capture()
+                self.capturing.__enter__()
 
             def __exit__(self, *exc):
+                self.capturing.__exit__(*exc)
                 if exc[0] is not None:  # the capture was invalidated: ending it fails
                     raise torch.AcceleratorError("operation failed due to a previous error "
                                                  "during capture")
                 fake.current = self.before
-
-        class CUDAGraph:
-            def replay(self):
-                fake.replays += 1
 
         def device(device):
             fake.devices.append(device)
@@ -263,15 +282,34 @@ class _FakeCudaGraphs:
             if stream is not None:
                 fake.current = stream
 
-        self.graph, self.CUDAGraph, self.device, self.set_stream = (graph, CUDAGraph, device,
-                                                                      set_stream)
+        def stream(stream):
+            return contextlib.nullcontext()
+
+        self.CUDAGraph, self.graph, self.device, self.set_stream, self.stream = (
+            CUDAGraph, graph, device, set_stream, stream)
 
     def install(self, monkeypatch):
-        for name in ("graph", "CUDAGraph", "device", "set_stream"):
+        for name in ("graph", "CUDAGraph", "device", "set_stream", "stream"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
-        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0, **kw: "ours")
+        monkeypatch.setattr(torch.cuda, "Stream",
+                            lambda device=None, priority=0, **kw: _FakeStream("ours"))
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
         monkeypatch.setattr(generation, "_CAPTURE_FAILED", None)
+
+
+def test_graph_recorder_decodes_exactly_through_emulated_cuda_graphs(monkeypatch):
+    """GraphRecorder itself (warm-up on a side stream, capture on its own stream, replay),
+    with torch.cuda's calls capturing through the CPU emulation: the replayed logits equal the
+    frozen step's bit for bit across refreezes, one recording per capacity."""
+    fake = _FakeCudaGraphs()
+    fake.install(monkeypatch)
+    model = small_model(mixer="deltanet", depth="ode", ode_solver="rk4", ode_steps=2)
+    prompt, tokens = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 40))
+    rec = generation.GraphRecorder(torch.device("cuda", 0))
+    logits, _ = _frozen_logits(model, prompt, tokens, rec)  # a new token at every step
+    assert torch.equal(logits, _frozen_logits(model, prompt, tokens)[0])
+    assert (rec.warmups, rec.records, rec.replays, fake.replays) == (4, 4, 35, 35)
+    assert repr(fake.current) == "default"
 
 
 def test_a_refused_recording_restores_the_stream_and_turns_graphs_off(monkeypatch, caplog):
@@ -282,22 +320,20 @@ def test_a_refused_recording_restores_the_stream_and_turns_graphs_off(monkeypatc
     rec = generation.GraphRecorder(cuda0)
     replay, out = rec.record(lambda: x * 2)
     replay()
-    assert (rec.records, rec.replays, fake.replays) == (1, 1, 1)
+    assert (rec.records, rec.replays, fake.replays) == (1, 1, 1) and torch.equal(out, x * 2)
     # on the recorder's device and capture stream, whatever is current; thread-local capture
-    assert fake.devices == [cuda0] and fake.graphs == [{"stream": "ours",
-                                                       "mode": "thread_local"}]
+    assert fake.devices == [cuda0] and len(fake.graphs) == 1
+    assert repr(fake.graphs[0]["stream"]) == "ours" and fake.graphs[0]["mode"] == "thread_local"
 
-    def host_read():
-        raise torch.AcceleratorError("operation not permitted when stream is capturing")
-    with caplog.at_level("WARNING", logger="continuumlm"):
-        assert rec.record(host_read) is None
-    assert fake.current == "default", "the capture stream was left current"
+    with caplog.at_level("WARNING", logger="continuumlm"):  # a host read while capturing
+        assert rec.record(lambda: x * 2 if bool(x.sum() > 0) else x) is None
+    assert repr(fake.current) == "default", "the capture stream was left current"
     # the cause named, not the failure to end the capture that it brought about
     assert "not permitted when stream is capturing" in caplog.text
     assert "previous error" not in caplog.text
     assert "no more graphs in this process" in caplog.text
     # nothing is tried again in this process, by this recorder or a new generate()
-    assert rec.record(lambda: x * 2) is None and fake.captures == 2
+    assert rec.record(lambda: x * 2) is None and len(fake.graphs) == 2
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
     caplog.clear()
     with caplog.at_level("WARNING", logger="continuumlm"):

@@ -32,6 +32,8 @@ kernels) are invisible to it, so it checks eager steps; compiled ones are checke
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -95,6 +97,32 @@ class _Capture(TorchDispatchMode):
         return out
 
 
+class EmulatedGraph:
+    """One capture and its replays, as a ``torch.cuda.CUDAGraph`` is: ``with
+    graph.capture(): ...`` records what runs inside (under the rules above), and
+    ``replay()`` runs the record."""
+
+    def __init__(self) -> None:
+        self.ops: list | None = None
+
+    @contextlib.contextmanager
+    def capture(self):
+        capture = _Capture()
+        with capture:
+            yield
+        self.ops = capture.ops
+
+    def replay(self) -> None:
+        for kind, func, args, kwargs, made in self.ops:
+            if kind == "view":
+                continue
+            result = func(*args, **kwargs)
+            if kind == "new":
+                for dst, src in zip(tree_flatten(made)[0], tree_flatten(result)[0]):
+                    if isinstance(dst, torch.Tensor):
+                        dst.copy_(src)
+
+
 class EmulatedGraphRecorder:
     """``GraphRecorder`` on the CPU: see the module's docstring. ``records`` and ``replays``
     count what it did."""
@@ -109,22 +137,13 @@ class EmulatedGraphRecorder:
         return fn()
 
     def record(self, fn):
-        capture = _Capture()
-        with capture:
+        graph = EmulatedGraph()
+        with graph.capture():
             out = fn()
         self.records += 1
-        ops = capture.ops
 
         def replay() -> None:
             self.replays += 1
-            for kind, func, args, kwargs, made in ops:
-                if kind == "view":
-                    continue
-                result = func(*args, **kwargs)
-                if kind == "new":
-                    for dst, src in zip(tree_flatten(made)[0], tree_flatten(result)[0]):
-                        if isinstance(dst, torch.Tensor):
-                            dst.copy_(src)
+            graph.replay()
 
         return replay, out
-
