@@ -104,7 +104,8 @@ def test_replayed_token_steps_equal_the_frozen_step_exactly(mixer, depth):
     """Every registered mixer, ODE (RK4, per-stage caches) and discrete: the replayed graph
     gives the frozen step's logits bit for bit, across refreezes to larger buffers (capacity
     8 -> 16 -> 32 -> 64 from a 5-token prompt: one recording per capacity), with a batch of 2
-    and greedy tokens equal to eager cached generation."""
+    and greedy tokens equal to eager cached generation; fed a new token at every step too
+    (greedy tokens of a small model repeat, which would hide a replay of a stale input)."""
     model = small_model(mixer=mixer, depth=depth, ode_solver="rk4", ode_steps=2)
     prompt = torch.randint(0, 37, (2, 5))
     n = 40
@@ -113,6 +114,9 @@ def test_replayed_token_steps_equal_the_frozen_step_exactly(mixer, depth):
     assert torch.equal(logits, ref_logits)
     assert torch.equal(tokens, ref_tokens)
     assert torch.equal(torch.cat([prompt, tokens], 1), model.generate(prompt, n, greedy=True))
+    forced = torch.randint(0, 37, (2, n))
+    assert torch.equal(_frozen_logits(model, prompt, forced, EmulatedGraphRecorder())[0],
+                       _frozen_logits(model, prompt, forced)[0])
 
 
 # the solvers decoded with caches (an adaptive solve is recomputed: nothing to record)
@@ -127,10 +131,9 @@ def test_every_field_and_fixed_grid_solver_replays_exactly(field, solver):
     own loop) and every field replay to the frozen step's logits bit for bit."""
     model = small_model(mixer="softmax", depth="ode", field=field, ode_solver=solver,
                         ode_steps=2)
-    prompt = torch.randint(0, 37, (2, 5))
-    _, logits = _decode(model, prompt, 14, EmulatedGraphRecorder())
-    _, ref = _decode(model, prompt, 14, None)
-    assert torch.equal(logits, ref)
+    prompt, tokens = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 14))
+    logits, _ = _frozen_logits(model, prompt, tokens, EmulatedGraphRecorder())
+    assert torch.equal(logits, _frozen_logits(model, prompt, tokens)[0])
 
 
 def test_one_recording_per_capacity_and_a_warm_up_before_each():
