@@ -15,8 +15,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Install torch only when none is importable, so a user's own (e.g. CUDA) build is kept.
+# TORCH_INDEX: a package index to take it from (PyTorch's CPU wheel index, on a machine
+# without a GPU: the CUDA build that the default index may give is several GB).
+TORCH_INDEX ?=
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch

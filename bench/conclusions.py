@@ -386,3 +386,26 @@ def hf_harness(r: dict, results: dict) -> str | None:
     return (f"lm-evaluation-harness, loading the exported checkpoints through transformers, "
             f"scores every depth within {100 * worst:.2f}% of our own evaluation "
             f"({len(ratios)} checkpoint and solve pairs).")
+
+
+def threads(r: dict, results: dict) -> str | None:
+    v = r.get("verdicts") or []
+    if not v:
+        return None
+    met = [x for x in v if x["met"]]
+    worst_quiet = min(x["quiet_auto_vs_default"] for x in v)
+    missed = [x for x in v if not x["met"]]
+    share = ""
+    if missed:
+        kept = [x["loaded_vs_quiet_auto"] / x["fair_share_ceiling"] for x in missed]
+        ceilings = ", ".join(f"{x['work']} {x['fair_share_ceiling']:.2f}x" for x in missed)
+        share = (f" The {len(missed)} missed keep {min(kept):.2f}-{max(kept):.2f} of what a "
+                 f"fair share of the cores allows at all (2/3 of a core at one thread's quiet "
+                 f"speed: {ceilings} of the quiet figure).")
+    return (f"Beside two busy processes, `--threads auto` keeps "
+            f"{min(x['loaded_vs_quiet_auto'] for x in v):.2f}-"
+            f"{max(x['loaded_vs_quiet_auto'] for x in v):.2f}x of its quiet tokens/s where "
+            f"torch's default count keeps {min(x['loaded_vs_quiet_default'] for x in v):.2f}-"
+            f"{max(x['loaded_vs_quiet_default'] for x in v):.2f}x; {len(met)} of {len(v)} rows "
+            f"meet their targets (0.4x training, 0.5x decoding), and on a quiet machine auto "
+            f"runs at {worst_quiet:.2f}x or more of the default.{share}")

@@ -227,7 +227,24 @@ def gpu(results: dict) -> str | None:
             f"{kernels}{decoding}. [GPU]({PAGE}#{anchor(gpu_page.heading(r))})")
 
 
-FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, gpu]
+def threads(results: dict) -> str | None:
+    r = results.get("threads")
+    rows = {x["work"]: x for x in (r or {}).get("rows", [])
+            if x["work"] == "demo_train" and x["load"] == "loaded"} if r else {}
+    by = {(x["work"], x["load"], x["policy"]): x["tokens_per_s"] for x in (r or {}).get("rows", [])}
+    if not rows or not all(("demo_train", "loaded", p) in by for p in ("default", "auto")):
+        return None
+    quiet = by.get(("demo_train", "quiet", "auto"))
+    return (f"**On a machine shared with other jobs, torch's thread per core is the bottleneck**: "
+            f"beside two busy processes on 2 cores, the demo trained at "
+            f"{by[('demo_train', 'loaded', 'default')]:,.0f} tokens/s with torch's default "
+            f"and {by[('demo_train', 'loaded', 'auto')]:,.0f} with ContinuumLM's thread policy "
+            f"(`--threads auto`, the default; {quiet:,.0f} on the quiet machine), which takes "
+            f"the cores other processes leave idle. [Threads]"
+            f"({PAGE}#threads-on-a-quiet-and-a-shared-machine)")
+
+
+FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, threads, gpu]
 
 
 def block(results: dict, regularizer_runs: list[dict]) -> list[str]:

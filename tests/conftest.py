@@ -10,6 +10,14 @@ import torch
 from continuumlm import LanguageModel, ModelConfig
 from continuumlm.testing import check_cached_decoding
 
+# The suite's models are small: one intra-op thread is about as fast as two on a quiet
+# machine, and on one shared with other jobs two threads spin at torch's barriers (make test
+# ran 8x slower; bench/threads.py --suite). The environment variable reaches the commands the
+# tests start in processes of their own. $CONTINUUMLM_TEST_THREADS sets another count.
+TEST_THREADS = int(os.environ.get("CONTINUUMLM_TEST_THREADS", "1"))
+os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
+torch.set_num_threads(TEST_THREADS)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 

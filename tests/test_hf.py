@@ -299,6 +299,7 @@ def test_harness_command_agrees_with_eval(tiny_corpus, tmp_path, monkeypatch):
     import json
 
     from conftest import run_cli
+    from continuumlm.hf.harness import harness_windows
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     out = exported_run(tiny_corpus, tmp_path)  # trains tmp_path/run
@@ -309,6 +310,13 @@ def test_harness_command_agrees_with_eval(tiny_corpus, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     kept = json.loads(r.stdout)
     assert kept["tokens"] > 100 and abs(kept["bits_per_byte_ratio"] - 1) < 0.01
+    # one progress report for the task (lines away from a terminal), not a bar per window,
+    # and no warning about the document being longer than the context (windows cut it)
+    windows = len(harness_windows(kept["tokens"], 32))
+    assert r.stderr.count("windows scored") <= 10
+    assert f"lm-eval continuumlm_val: {windows} of {windows} windows scored" in r.stderr
+    # (lm-eval's one bar over the task's documents is left: 1 of 1, drawn twice)
+    assert "indexing errors" not in r.stderr and r.stderr.count("it/s]") <= 2, r.stderr[-3000:]
     # exact: our model on the harness's own windows (the split is several windows long)
     assert abs(kept["harness_windows_ratio"] - 1) < 1e-5, kept
     r = run_cli("harness", "--checkpoint", tmp_path / "run", "--json", "--context", "32",
@@ -477,3 +485,23 @@ def test_harness_scores_a_word_vocabulary_with_unk(tiny_corpus, tmp_path, monkey
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert abs(res["bits_per_byte_ratio"] - 1) < 0.01
+
+
+def test_a_character_model_exports_without_an_end_of_text_token(tiny_corpus, tmp_path):
+    """A character vocabulary defines no end-of-text token: the exported model generates to
+    max_new_tokens through newlines (it stopped at the first one), reads a text after a
+    newline (its bos, the harness's prefix) and pads with it."""
+    out = exported_run(tiny_corpus, tmp_path, tokenizer="char")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    newline = tok.convert_tokens_to_ids("\n")
+    assert tok.eos_token is None and hf.config.eos_token_id is None
+    assert hf.generation_config.eos_token_id is None
+    assert hf.config.bos_token_id == newline == tok.pad_token_id == tok.bos_token_id
+    assert tok("ab")["input_ids"] == tok.convert_tokens_to_ids(["a", "b"])  # no bos added
+    prompt = tok("the cat", return_tensors="pt")
+    new = hf.generate(**prompt, max_new_tokens=40, do_sample=False)[0, prompt.input_ids.shape[1]:]
+    assert len(new) == 40
+    # the user who wants a line at a time names the newline
+    line = hf.generate(**prompt, max_new_tokens=40, do_sample=False, eos_token_id=newline)
+    assert line.shape[1] <= prompt.input_ids.shape[1] + 40

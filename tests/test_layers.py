@@ -15,7 +15,7 @@ ROOT = Path(continuumlm.__file__).parent
 # bottom to top; a part may import from its own layer and the layers below it
 LAYERS = [
     {"errors"},
-    {"registry"},               # the component registries (no torch)
+    {"registry", "threads"},    # the component registries, the thread policy (no torch import)
     {"config"},
     {"nn", "data"},             # small modules; corpora and tokenizers
     {"mixers"},                 # token mixers and their caches

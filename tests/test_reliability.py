@@ -564,7 +564,8 @@ def test_experiment_command_lists():
     assert commands("bench", quick=True) == []  # machine-wide timings have no smoke size
     assert commands("bench", quick=False, done={"ode_cost", "mfu"}) == [
         [f"{b}.py"] for b in ("ode_memory", "deltanet_kernels", "mixer_step", "decode_speed",
-                              "scale", "keep_freed_memory", "data_scale", "hf_generate",
+                              "scale", "keep_freed_memory", "threads", "data_scale",
+                              "hf_generate",
                               "adaptive_grads", "seminorm_run")]
     repo = Path(__file__).resolve().parents[1]
     for name in ORDER:  # every config and script named exists

@@ -119,9 +119,11 @@ def test_cli_samples_that_end_early_print_end_of_text_once(monkeypatch, capsys):
     assert second.strip() == "the" + "cat" * 8
 
 
-def test_cli_stream_prints_a_last_incomplete_character(monkeypatch, capsys):
+@pytest.mark.parametrize("samples", ["1", "2"])
+def test_cli_holds_back_a_last_incomplete_character(monkeypatch, capsys, samples):
     """The streaming printer waits for the rest of a multi-byte character; when generation
-    stops inside one, what came is still printed (as the replacement character)."""
+    stops inside one, its bytes are held back (said on stderr), never printed as U+FFFD; the
+    same for --num-samples' rows. Complete, the character prints."""
     from continuumlm.cli import main
 
     def logits_at(call, rows, tok):  # the euro sign's three byte-level tokens, in order
@@ -133,5 +135,14 @@ def test_cli_stream_prints_a_last_incomplete_character(monkeypatch, capsys):
     euro = tok.encode("€")
     assert len(euro) == 3  # stop after two
     assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "2",
-                 "--greedy"]) == 0
-    assert capsys.readouterr().out == tok.decode(tok.encode("the") + euro[:2]) + "\n"
+                 "--greedy", "--num-samples", samples]) == 0
+    out, err = capsys.readouterr()
+    assert "\ufffd" not in out and out.split("\n---\n")[0].rstrip("\n") == "the"
+    assert "the last 2 tokens stopped inside a multi-byte character" in err
+    import continuumlm.train as train
+
+    train.load_model_and_tokenizer()[0].lm_head.calls = 0  # the script from its start
+    assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "3",
+                 "--greedy", "--num-samples", samples]) == 0
+    out, err = capsys.readouterr()
+    assert out.split("\n---\n")[0].rstrip("\n") == "the€" and "stopped inside" not in err

@@ -183,12 +183,12 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
           for n in ("softmax_kv64", "ode_deltanet_kv64", "ode_deltanet_kv64_mixed")],
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
-              "steps, decoding, 1 vs 2 processes and compile, kept freed memory on CPU, MFU, "
-              "corpora at scale, HF generate", [
+              "steps, decoding, 1 vs 2 processes and compile, kept freed memory on CPU, threads "
+              "quiet and loaded, MFU, corpora at scale, HF generate", [
         *[Step(f"{b}.py", quick=False, output=b) for b in (
             "ode_cost", "ode_memory", "deltanet_kernels", "mixer_step", "decode_speed", "scale",
-            "keep_freed_memory", "mfu", "data_scale", "hf_generate", "adaptive_grads",
-            "seminorm_run")],
+            "keep_freed_memory", "threads", "mfu", "data_scale", "hf_generate",
+            "adaptive_grads", "seminorm_run")],
     ]),
 }
 ORDER = ["shakespeare", "elasticity", "regularizers", "cat_protocol", "ptb", "ptb_std", "mqar",

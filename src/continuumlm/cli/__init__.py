@@ -17,6 +17,7 @@ from .common import (
     _int_list,
     _positive_int,
     _seed,
+    _threads,
 )
 from .data import cmd_inspect, cmd_prepare
 from .experiment import cmd_experiment
@@ -35,8 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "registers can be named in a config (repeatable; a trained run "
                              "remembers its plugins)")
 
+    threads = argparse.ArgumentParser(add_help=False)
+    threads.add_argument("--threads", type=_threads, metavar="{auto,N}",
+                         help="torch's intra-op threads: auto (the default) takes the cores "
+                              "that other processes leave idle, looked at again every few "
+                              "seconds; N fixes the count. OMP_NUM_THREADS is kept under auto. "
+                              "For train and mqar the same as --set train.threads=N")
+
     # no abbreviated options: the launcher strips its own (--nproc, --nnodes, ...) by name
-    t = sub.add_parser("train", parents=[plugin], allow_abbrev=False,
+    t = sub.add_parser("train", parents=[plugin, threads], allow_abbrev=False,
                        help="train a model from a TOML config")
     t.add_argument("--config", help="TOML file with [model], [data] and [train] sections")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -116,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "read (needs transformers: pip install 'continuumlm[hf]')")
     x.add_argument("--out", help="the folder --format hf writes (new or empty)")
 
-    e = sub.add_parser("eval", parents=[plugin], help="cross-entropy, perplexity and bits/char of a checkpoint")
+    e = sub.add_parser("eval", parents=[plugin, threads], help="cross-entropy, perplexity and bits/char of a checkpoint")
     e.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     e.add_argument("--which", choices=("best", "last"), default="best",
                    help="checkpoint of a run folder to use (default: best)")
@@ -132,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     _exit_arguments(e)
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    h = sub.add_parser("harness", parents=[plugin], help="score a checkpoint with "
+    h = sub.add_parser("harness", parents=[plugin, threads], help="score a checkpoint with "
                        "lm-evaluation-harness (a rolling-loglikelihood task over its own split) "
                        "beside continuumlm eval")
     h.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
@@ -149,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the task YAML into DIR (new) and print the lm_eval command that scores them")
     h.add_argument("--json", action="store_true")
 
-    q = sub.add_parser("mqar", parents=[plugin], allow_abbrev=False,
+    q = sub.add_parser("mqar", parents=[plugin, threads], allow_abbrev=False,
                        help="train and score multi-query associative recall")
     q.add_argument("--config", required=True, help="TOML file with [model], [mqar], [train]")
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -166,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--explain", action="store_true", help="print every setting of the config "
                    "with its value, type, default and documentation (component tables too)")
 
-    g = sub.add_parser("generate", parents=[plugin], help="sample text from a checkpoint")
+    g = sub.add_parser("generate", parents=[plugin, threads], help="sample text from a checkpoint")
     g.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder")
     g.add_argument("--which", choices=("best", "last"), default="best")
     g.add_argument("--prompt", default="", help="text to continue")
@@ -213,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     args.in_process = in_process
+    if getattr(args, "threads", None) is not None and args.command in ("train", "mqar"):
+        args.set = [*args.set, f"train.threads={args.threads}"]
     try:
         if args.plugin:
             from ..registry import export_plugins, load_plugins

@@ -30,6 +30,23 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _threads(text: str) -> int | str:
+    from ..threads import parse_threads
+
+    try:
+        return parse_threads(text, "--threads")
+    except ContinuumLMError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def thread_policy(args, work: str):
+    """The command's ThreadPolicy (--threads, default auto), made when the command starts so
+    that its first look at the machine spans loading the model."""
+    from ..threads import ThreadPolicy
+
+    return ThreadPolicy(args.threads or "auto", work)
+
+
 def _threshold(text: str) -> float:
     try:
         v = float(text)

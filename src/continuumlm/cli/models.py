@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .common import UsageError, _apply_exit
+from .common import UsageError, _apply_exit, thread_policy
 
 # ---------------------------------------------------------------------------- eval
 
@@ -18,6 +18,7 @@ def cmd_eval(args) -> int:
     from ..train import load_model_and_tokenizer, pick_device
     from ..train.checkpoint import STATE_FILE, load_run_config, load_trainer_state
 
+    threads = thread_policy(args, "evaluation")
     device = pick_device(args.device, "--device")
     model, tok, ckpt = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
     run = load_run_config(ckpt)
@@ -38,6 +39,7 @@ def cmd_eval(args) -> int:
         raise UsageError(f"--split {args.split}: this corpus has the splits "
                          f"{', '.join(s for s in data.splits if s != 'train')}.")
     contexts = args.context_lengths or [run.train.seq_len]
+    chosen = threads.apply()
     rows = evaluate_contexts(model, data.splits[args.split], contexts, tok.kind == "char", device,
                              max_windows=args.max_windows)
     if args.json:
@@ -45,6 +47,10 @@ def cmd_eval(args) -> int:
         print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "depth": cfg.depth,
                           "ode_solver": cfg.ode_solver if cfg.depth == "ode" else None,
                           "ode_steps": cfg.ode_steps if cfg.depth == "ode" else None,
+                          "trained_with": ({"ode_solver": run.model.ode_solver,
+                                            "ode_steps": run.model.ode_steps}
+                                           if cfg.depth == "ode" else None),
+                          "threads": chosen.threads,
                           "nfe": model.last_nfe,
                           "exit": ({"threshold": args.exit_threshold,
                                     "criterion": args.exit_criterion}
@@ -52,6 +58,7 @@ def cmd_eval(args) -> int:
                           "results": rows}, indent=2))
         return 0
     print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
+    print(f"{_depth_text(model, run.model)}; {chosen}")
     exiting = args.exit_threshold is not None
     print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}"
           + (f" {'NFE/token':>10}" if exiting else ""))
@@ -68,6 +75,25 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _depth_text(model, trained) -> str:
+    """How the evaluated model integrates its depth: solver, steps and field evaluations per
+    token, and the trained solve where --ode-solver/--ode-steps changed it."""
+    cfg = model.config
+    if cfg.depth != "ode":
+        return f"{cfg.num_layers} discrete layer{'s' * (cfg.num_layers != 1)}"
+    blocks = f"{cfg.num_layers} block{'s' * (cfg.num_layers != 1)}"
+    if getattr(model.depth.blocks[0].solver, "fixed_grid", True):
+        text = (f"ODE depth: {cfg.ode_solver} x {cfg.ode_steps} steps, {_full_nfe(model)} field "
+                f"evaluations per token ({blocks})")
+    else:
+        text = (f"ODE depth: {cfg.ode_solver}, adaptive (rtol {cfg.ode_rtol:g}, atol "
+                f"{cfg.ode_atol:g}), {model.last_nfe} field evaluations in the last batch "
+                f"({blocks})")
+    if (cfg.ode_solver, cfg.ode_steps) != (trained.ode_solver, trained.ode_steps):
+        text += f"; trained with {trained.ode_solver} x {trained.ode_steps}"
+    return text
+
+
 def _full_nfe(model) -> int:
     cfg = model.config
     return cfg.num_layers * cfg.ode_steps * int(model.depth.blocks[0].solver.evals_per_step)
@@ -80,6 +106,7 @@ def cmd_generate(args) -> int:
 
     from ..train import load_model_and_tokenizer, pick_device
 
+    threads = thread_policy(args, "decoding")
     device = pick_device(args.device, "--device")
     model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
     _apply_exit(model, args)
@@ -95,7 +122,7 @@ def cmd_generate(args) -> int:
     stop = tok.eos_id if tok.kind == "bpe" else None
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
-                  eos_token_id=stop, compile=args.compile,
+                  eos_token_id=stop, compile=args.compile, threads=threads,
                   cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
     clock = _DecodeClock()
     try:
@@ -104,19 +131,24 @@ def cmd_generate(args) -> int:
         else:
             out = torch.cat([idx] + [t[:, None] for t in clock.timed(
                 model.generate_stream(idx, args.max_new_tokens, **kwargs))], dim=1)
+            held = 0
             for i, row in enumerate(out.tolist()):
                 new = row[len(ids):]
                 if stop is not None and stop in new:  # rows that finished early are padded
                     new = new[:new.index(stop) + 1]  # with end-of-text: print it once
                 if i:
                     print("\n---")
-                print(tok.decode(ids + new), end="")
+                text, cut = _whole_characters(tok, ids + new)
+                held = max(held, cut)
+                print(text, end="")
             print()
+            _say_held(held)
     except ValueError as e:  # bad sampling arguments or a context the model cannot hold
         raise UsageError(str(e)) from None
     # compiled: the second token's step compiles (an adaptive solver recomputes instead)
     compiled = args.compile and getattr(model.depth, "exact_cache", True)
-    print(clock.report(len(ids), compiled), file=sys.stderr)
+    print(f"{clock.report(len(ids), compiled)}; {threads.choice}"
+          + (f", changed {threads.changes} times" if threads.changes else ""), file=sys.stderr)
     if args.exit_threshold is not None:
         done, tokens = model.depth.exit_totals
         print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
@@ -173,11 +205,32 @@ def _stream(model, tok, idx, args, kwargs, clock: _DecodeClock) -> None:
         sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
         sys.stdout.flush()
         printed = text
-    text = tok.decode(ids)
-    if text != printed:  # generation stopped inside a multi-byte character: show what came
+    text, held = _whole_characters(tok, ids)
+    if text != printed:
         sys.stdout.write(text[len(printed):] if text.startswith(printed) else "\n" + text)
     sys.stdout.write("\n")
     sys.stdout.flush()
+    _say_held(held)
+
+
+def _whole_characters(tok, ids: list[int]) -> tuple[str, int]:
+    """The text of ``ids`` without a last character whose bytes have not all come (byte-level
+    BPE splits a character's bytes over tokens; decoding them alone gives U+FFFD), and how many
+    tokens were held back for it. Bytes that no later byte could complete stay as U+FFFD."""
+    text = tok.decode(ids)
+    for k in range(1, min(4, len(ids))):  # a UTF-8 character has at most 4 bytes
+        if not text.endswith("\ufffd"):
+            return text, k - 1
+        shorter = tok.decode(ids[:-k])
+        if not shorter.endswith("\ufffd"):
+            return shorter, k
+    return text, 0
+
+
+def _say_held(held: int) -> None:
+    if held:
+        print(f"(the last {held} token{'s' * (held != 1)} stopped inside a multi-byte "
+              f"character, not printed; ask for more tokens to complete it)", file=sys.stderr)
 
 
 
@@ -226,6 +279,7 @@ def _export_hf(args) -> int:
 
 
 def cmd_harness(args) -> int:
+    threads = thread_policy(args, "scoring")
     try:
         import lm_eval  # noqa: F401
         import transformers  # noqa: F401
@@ -236,6 +290,7 @@ def cmd_harness(args) -> int:
 
     if args.keep and Path(args.keep).exists():
         raise UsageError(f"--keep {args.keep} exists; name a new folder.")
+    print(f"threads: {threads.apply()}", file=sys.stderr)
     try:
         r = run_harness(args.checkpoint, args.which, args.split, args.context, args.ode_solver,
                         args.ode_steps, args.max_tokens, args.device, args.keep)

@@ -316,6 +316,13 @@ class TrainConfig:
     ODE solvers' time variables stay fp32."""
     compile: bool = False
     """Compile the model with torch.compile (falls back to eager with one warning if it fails)."""
+    threads: int | str = "auto"
+    """Intra-op threads of the training process: "auto" takes the cores that other processes
+    leave idle, looked at again every few seconds (continuumlm.threads: on a machine shared
+    with other jobs, threads spinning at torch's barriers make small models 15-50x slower),
+    or a fixed count. OMP_NUM_THREADS or a torch.set_num_threads call is kept under "auto";
+    --threads N sets this key. Float rounding of reductions depends on the count, so a run that
+    must repeat bit for bit names one."""
     keep_freed_memory: bool = True
     """CPU runs on Linux (glibc): keep freed memory in the process instead of handing every
     large block (above 32 MB: the logits, their gradients) back to the system at once, which
@@ -398,6 +405,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _validate(self, "train")
+        from ..threads import parse_threads
+
+        self.threads = parse_threads(self.threads, "train.threads")
         for name in ("ode_steps_choices", "ode_solver_choices"):
             v = getattr(self, name)
             if v is not None and not v:

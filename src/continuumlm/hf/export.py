@@ -38,18 +38,34 @@ def hf_tokenizer(tok):
 
 
 def end_of_text(tok) -> tuple[str | None, int | None]:
-    """The token that ends (and, for the harness's rolling windows, starts) a text: BPE's
-    <|endoftext|>, the word vocabulary's <eos>, a char vocabulary's newline."""
+    """The token that ends a text, which generation stops at: BPE's <|endoftext|>, the word
+    vocabulary's <eos>. A character vocabulary has none (its corpus defines no such token; a
+    newline ends a line, not a text, so generation does not stop at one)."""
     if isinstance(tok, BPETokenizer):
         return (tok.EOS, tok.eos_id) if tok.eos_id is not None else (None, None)
     if isinstance(tok, WordTokenizer):
         return tok.EOS, tok.eos_id
+    return None, None
+
+
+def text_start(tok) -> tuple[str | None, int | None]:
+    """The token a text is read after (the model's bos, the harness's prefix of its rolling
+    windows): the end-of-text token, else a character vocabulary's newline (its texts are
+    lines)."""
+    eos = end_of_text(tok)
+    if eos[1] is not None or not isinstance(tok, CharTokenizer):
+        return eos
     return ("\n", tok.stoi["\n"]) if "\n" in tok.stoi else (None, None)
 
 
 def special_tokens(tok) -> dict:
     eos, _ = end_of_text(tok)
+    start, _ = text_start(tok)
     out = {"eos_token": eos} if eos is not None else {}
+    if eos is None and start is not None:
+        # the token lm-evaluation-harness reads a text after (its prefix: bos, else eos);
+        # never added to an encoding
+        out.update(bos_token=start, add_bos_token=False)
     if isinstance(tok, WordTokenizer) or getattr(tok, "unk_id", None) is not None:
         out["unk_token"] = tok.UNK
     return out
@@ -102,17 +118,19 @@ def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
     check_round_trip(tok, converted, probe)
     specials = special_tokens(tok)
     _, eos = end_of_text(tok)
+    _, bos = text_start(tok)
     hf = ContinuumLMForCausalLM(ContinuumLMConfig.from_model_config(
-        model.config, eos_token_id=eos, bos_token_id=eos, auto_map=AUTO_MAP), model=model)
-    hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=eos,
-                                            pad_token_id=eos if eos is not None else 0)
+        model.config, eos_token_id=eos, bos_token_id=bos, auto_map=AUTO_MAP), model=model)
+    pad_id = next((i for i in (eos, bos) if i is not None), 0)
+    hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=bos,
+                                            pad_token_id=pad_id)
     hf.save_pretrained(out)
     for name, code in REMOTE_CODE.items():
         (out / name).write_text(code)
     converted.save(str(out / "tokenizer.json"))
     # batches are padded with the end-of-text token (the model masks pads, so which id fills
     # them does not matter), on the left, where generation appends after the real tokens
-    pad = specials.get("eos_token") or specials.get("unk_token")
+    pad = specials.get("eos_token") or specials.get("bos_token") or specials.get("unk_token")
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
            **({"pad_token": pad} if pad is not None else {}), "padding_side": "left",
            "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False}

@@ -48,7 +48,8 @@ metadata:
 
 
 def lm_eval_command(folder: Path, name: str, context: int, solver: dict) -> str:
-    """The lm-eval command line that scores the exported model on the written task."""
+    """The lm-eval command line that scores the exported model on the written task
+    (``solver``: further model arguments, the solver options and the prefix token)."""
     extra = "".join(f",{k}={v}" for k, v in solver.items())
     return (f"lm_eval --model hf --model_args pretrained={folder / 'model'},"
             f"trust_remote_code=True,max_length={context},dtype=float32{extra} --tasks {name} "
@@ -102,6 +103,63 @@ def harness_windows_nll(model, ids: list[int], context: int, prefix: int,
     return total
 
 
+class _WindowProgress:
+    """One progress report for the task's windows: a bar at a terminal, else a line at every
+    tenth of them (a log, CI)."""
+
+    def __init__(self, total: int, name: str):
+        import sys
+
+        from tqdm import tqdm
+
+        self.total, self.name, self.done, self.said = total, name, 0, 0
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=f"lm-eval {name}", unit="window", disable=not self.tty)
+
+    def update(self, n: int) -> None:
+        import sys
+
+        self.done += n
+        self.bar.update(n)
+        tenth = self.done * 10 // max(self.total, 1)
+        if not self.tty and tenth > self.said:
+            self.said = tenth
+            print(f"lm-eval {self.name}: {self.done:,} of {self.total:,} windows scored",
+                  file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def _harness_model(args: dict, device: str, progress: _WindowProgress):
+    """What lm-eval's ``--model hf`` makes of ``args`` (its own HFLM, built the way
+    simple_evaluate builds it, batch size 1), with its progress reported once for the task:
+    HFLM opens a progress bar for every batch of rolling windows (about 2,000 for a
+    Shakespeare split), which lm-eval has no option to turn off. The tokenizer's warning that
+    the document is longer than the model's context is silenced too: the rolling windows cut
+    the document to the context on purpose."""
+    from lm_eval.models.huggingface import HFLM
+
+    class ScoredOnce(HFLM):
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+                                  override_bs: int | None = None):
+            out = super()._loglikelihood_tokens(requests, disable_tqdm=True,
+                                                override_bs=override_bs)
+            progress.update(len(requests))
+            return out
+
+    lm = ScoredOnce.create_from_arg_obj(args, {"batch_size": 1, "device": device})
+    # transformers warns once per tokenizer, and marks it warned in this table
+    lm.tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return lm
+
+
 def run_harness(checkpoint, which: str = "best", split: str = "val", context: int | None = None,
                 ode_solver: str | None = None, ode_steps: int | None = None,
                 max_tokens: int | None = None, device: str = "cpu",
@@ -116,7 +174,7 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
     from ..eval.perplexity import context_support, evaluate_contexts
     from ..train import load_model_and_tokenizer
     from ..train.checkpoint import load_run_config
-    from .export import end_of_text, export_hf, hf_tokenizer
+    from .export import export_hf, hf_tokenizer, text_start
 
     # on the device our own evaluation below runs on
     model, tok, ckpt = load_model_and_tokenizer(checkpoint, which, map_location=device)
@@ -165,14 +223,17 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
         name = f"continuumlm_{split}"
         (tmp / "tasks").mkdir()
         (tmp / "tasks" / f"{name}.yaml").write_text(TASK.format(name=name, data=data_file))
-        command = lm_eval_command(tmp, name, context, solver)
+        _, prefix = text_start(tok)  # HFLM's prefix: the exported bos token, named
+        given = {**solver, **({"prefix_token_id": prefix} if prefix is not None else {})}
+        command = lm_eval_command(tmp, name, context, given)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         args = {"pretrained": str(tmp / "model"), "trust_remote_code": True,
-                "max_length": context, "dtype": "float32", **solver}
-        out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=[name], batch_size=1,
-                                      device=device, task_manager=TaskManager(
-                                          include_path=str(tmp / "tasks")), log_samples=False)
+                "max_length": context, "dtype": "float32", **given}
+        with _WindowProgress(len(harness_windows(len(ids), context)), name) as progress:
+            lm = _harness_model(args, device, progress)
+            out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=TaskManager(
+                include_path=str(tmp / "tasks")), log_samples=False)
         harness = {k.split(",")[0]: v for k, v in out["results"][name].items()
                    if k.split(",")[0] in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
     [row] = evaluate_contexts(model, torch.tensor(ids), [context], tok.kind == "char",
@@ -180,7 +241,6 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
     nfe = model.last_nfe  # before the exact check's forwards (an adaptive solve varies)
     n_bytes = len(text.encode("utf-8"))
     ours_bpb = row["loss"] * row["tokens"] / math.log(2) / n_bytes
-    _, prefix = end_of_text(tok)  # HFLM's prefix: the exported bos (= eos) token
     exact_bpb = harness_windows_nll(model, ids, context, prefix, torch.device(device)) / (
         math.log(2) * n_bytes)
     return {"checkpoint": str(ckpt), "split": split, "context": context, "tokens": len(ids),

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import first_line
 from ..nn import tensor_state
+from ..threads import ThreadPolicy
 from .cache import DecodeState
 
 log = logging.getLogger("continuumlm")
@@ -90,8 +91,15 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
                     generator: torch.Generator | None = None,
                     eos_token_id: int | None = None,
                     compile: bool = False,
-                    cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
+                    cuda_graph: bool | None = None,
+                    threads: ThreadPolicy | int | str | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time.
+
+    ``threads``: torch's intra-op threads while the stream runs (see
+    :mod:`continuumlm.threads`): ``None`` (the default) leaves the count as it is, ``"auto"``
+    takes the cores other processes leave idle (looked at again every few seconds), a number
+    that many; the count found is put back when the stream ends. A :class:`ThreadPolicy` is
+    applied as it is (the command line's, made before the model was loaded).
 
     ``compile=True`` (with the cache) decodes through a compiled unit: after the prompt, the
     state is frozen to fixed-capacity buffers with the position held in tensors, and one
@@ -137,8 +145,10 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
         raise ValueError("compile=True compiles the cached one-token step, and use_cache=False "
                          "(--no-cache) recomputes the whole context instead: drop one of them.")
     graphs = _graph_recorder(model, idx.device, cuda_graph, compile) if use_cache else None
+    if threads is not None and not isinstance(threads, ThreadPolicy):
+        threads = ThreadPolicy(threads, "decoding")  # a bad count raises here
     return _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
-                         use_cache, generator, eos_token_id, compile, graphs)
+                         use_cache, generator, eos_token_id, compile, graphs, threads)
 
 
 def _graph_recorder(model, device: torch.device, cuda_graph: bool | None,
@@ -178,8 +188,11 @@ def _graph_recorder(model, device: torch.device, cuda_graph: bool | None,
 # caches are the stream's own, and what it yields is made an ordinary tensor (_plain)
 @torch.inference_mode()
 def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy, use_cache,
-                  generator, eos_token_id, compile, graphs) -> Iterator[torch.Tensor]:
+                  generator, eos_token_id, compile, graphs,
+                  threads: ThreadPolicy | None = None) -> Iterator[torch.Tensor]:
     cfg = model.config
+    if threads is not None:
+        threads.apply()
     if use_cache and not getattr(model.depth, "exact_cache", True):
         # asked to compile, told why nothing is: there is no one-token step to compile
         log.log(logging.WARNING if compile else logging.DEBUG,
@@ -210,6 +223,8 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
             yield _plain(nxt)
             if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                 break
+            if threads is not None:
+                threads.poll()
             if token_fn is not None:
                 logits = token_fn(nxt[:, None], state)
                 state.advance()
@@ -221,6 +236,8 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
         model._open_streams -= 1
         if model._open_streams == 0:
             model.train(model._mode_before_streams)
+        if threads is not None:
+            threads.restore()
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

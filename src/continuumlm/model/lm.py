@@ -296,24 +296,25 @@ class LanguageModel(nn.Module):
                         greedy: bool = False, use_cache: bool = True,
                         generator: torch.Generator | None = None,
                         eos_token_id: int | None = None, compile: bool = False,
-                        cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
+                        cuda_graph: bool | None = None,
+                        threads=None) -> Iterator[torch.Tensor]:
         """Yield the next token ids (B,) one step at a time (see
         :func:`continuumlm.model.generation.generate_stream`)."""
         return generation.generate_stream(self, idx, max_new_tokens, temperature, top_k, top_p,
                                           greedy, use_cache, generator, eos_token_id, compile,
-                                          cuda_graph)
+                                          cuda_graph, threads)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
                  use_cache: bool = True, generator: torch.Generator | None = None,
                  eos_token_id: int | None = None, compile: bool = False,
-                 cuda_graph: bool | None = None) -> torch.Tensor:
+                 cuda_graph: bool | None = None, threads=None) -> torch.Tensor:
         """Return (B, T + new) token ids: the prompt followed by sampled tokens (fewer than
-        max_new_tokens only when every row produced ``eos_token_id``). ``compile`` and
-        ``cuda_graph``: see :meth:`generate_stream`."""
+        max_new_tokens only when every row produced ``eos_token_id``). ``compile``,
+        ``cuda_graph`` and ``threads``: see :meth:`generate_stream`."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
                                         use_cache, generator, eos_token_id, compile,
-                                        cuda_graph))
+                                        cuda_graph, threads))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ from ..errors import (
 )
 from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError, solver_errors
+from ..threads import ThreadPolicy
 from . import distributed as D
 from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
@@ -72,6 +73,8 @@ class Trainer:
                  quiet: bool = False, task=language_modeling):
         self.out = Path(out_dir)
         self.quiet = quiet
+        # made first, so that its first look at the machine spans the set-up below
+        self.threads = ThreadPolicy(cfg.train.threads, "training")
         state, self.resumed_from = open_run_folder(cfg, self.out, resume, task.name)
         cfg.check_trainable()
         self.cfg = cfg
@@ -544,11 +547,14 @@ class Trainer:
                 f"{'nccl' if self.device.type == 'cuda' else 'gloo'}); effective batch = "
                 f"batch_size {t.batch_size} x grad_accum {t.grad_accum} x world_size {world} = "
                 f"{t.batch_size * t.grad_accum * world} sequences")
+        threads = self.threads.apply()
         if self.step == 0:
-            say(f"training {self.model.num_parameters():,} parameters on {self.device.type}; "
-                f"{tokens_per_step} tokens per step; run folder {self.out}")
+            say(f"training {self.model.num_parameters():,} parameters on {self.device.type}, "
+                f"{threads}; {tokens_per_step} tokens per step; run folder {self.out}")
         else:
-            say(f"resuming at step {self.step} from {self.resumed_from}")
+            say(f"resuming at step {self.step} from {self.resumed_from}; {threads}")
+        # away from a terminal (a log file, CI) a line at a steady interval stands in for the bar
+        progress = None if tty or quiet else _ProgressLines(t.max_steps, self.step)
         last_val = last_loss = math.nan
         window_start, window_steps = time.perf_counter(), 0
         train_time, steps_run = 0.0, 0
@@ -601,6 +607,7 @@ class Trainer:
                 last_loss = loss
                 window_steps += 1
                 bar.update(1)
+                self.threads.poll()
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
                     elapsed = time.perf_counter() - window_start
                     tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
@@ -609,8 +616,10 @@ class Trainer:
                                      "penalty": self.last_penalty, **self.last_step_nfe,
                                      **self._solve_fields()})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
-                                    tok_s=f"{tps:.0f}")
+                                    tok_s=f"{tps:.0f}", threads=self.threads.choice.threads)
                     window_start, window_steps = time.perf_counter(), 0
+                    if progress is not None:
+                        progress.update(self.step, loss, tps, self.threads.choice.threads)
             if self.checkpointer.saved_at != self.step:  # the last step, or where a signal stopped
                 self.save()
             if interrupted:
@@ -631,7 +640,38 @@ class Trainer:
                 "compiled": bool(t.compile) and self.compile_error is None,
                 "compile_error": self.compile_error,
                 "tokens_per_s": tokens_per_step * steps_run / train_time if train_time else math.nan,
-                "stopped_early": reached and self.step < t.max_steps}
+                "stopped_early": reached and self.step < t.max_steps,
+                "threads": self.threads.choice.threads if self.threads.choice else None}
         if self.main:
             self.task.on_end(self, summary)
         return summary
+
+
+class _ProgressLines:
+    """Progress as a line every ``every_s`` seconds (step, loss, tokens/s, threads, time left),
+    for output that is not a terminal, where the progress bar is off. Fed at each logged step,
+    so a line's figures are those of the latest log interval."""
+
+    def __init__(self, max_steps: int, step: int, every_s: float = 10.0):
+        self.max_steps, self.every_s = max_steps, every_s
+        self.start, self.first_step = time.perf_counter(), step
+        self.last = self.start
+
+    def update(self, step: int, loss: float, tokens_per_s: float, threads: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s and step < self.max_steps:
+            return
+        self.last = now
+        done = step - self.first_step
+        left = (now - self.start) / max(done, 1) * (self.max_steps - step)
+        print(f"step {step}/{self.max_steps}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
+              f"{threads} thread{'s' * (threads != 1)}, {_duration(left)} left", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
