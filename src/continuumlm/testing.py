@@ -16,6 +16,9 @@ field for a solver) and each model must be
   eagerly and on the frozen one-token path that ``generate(compile=True)`` compiles; that
   path, recorded once and replayed as a CUDA graph is (emulated on the CPU), gives its
   logits bit for bit (without per-token exit, whose decisions are made on the host);
+- rewindable: a decoding state cut back to an earlier length (inside a block of tokens
+  consumed in one pass, or before it) and decoded on gives what a state of that length gives
+  (float64, to 1e-12): what assisted and speculative decoding need;
 - padded (when its mixers declare ``supports_padding``): a row padded on the left or right
   gives, at its real tokens, the logits of the row alone, in a full forward and in cached
   decoding; a mixer without padding support refuses a padded batch by name;
@@ -136,6 +139,45 @@ def check_graph_replay(model: LanguageModel, prompt: torch.Tensor, tokens: torch
             f"it in a tensor updated in place (StaticStep.pos)")
 
 
+def check_rewind(model: LanguageModel, prompt_len: int = 5, n_new: int = 4, block: int = 4,
+                 atol: float = 1e-12) -> None:
+    """A decoding state cut back to an earlier length and extended again gives what a state
+    that only ever consumed that length gives, in float64 to ``atol``. After a prompt, one
+    token per step and then a ``block`` of tokens in one extension (the pass that verifies
+    drafted tokens), the state is cut back inside the block, to its start, to a one-token
+    step's and to the prompt's end, each time decoding on one token per step to the end."""
+    model = copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(2)
+    B, V = 2, model.config.vocab_size
+    block_at = prompt_len + n_new
+    seq = torch.randint(0, V, (B, block_at + block + 2), generator=g)
+
+    def logits(ids, state):
+        return model.lm_head(model.hidden_states(ids, state))[:, -1]
+
+    def on_from(m: int, state) -> torch.Tensor:
+        """The logits of every later token, fed one per step to ``state`` of ``m`` tokens."""
+        return torch.stack([logits(seq[:, t:t + 1], state)
+                            for t in range(m, seq.shape[1])], 1)
+
+    with torch.no_grad():
+        state = model.init_state(B, rewind=seq.shape[1] - prompt_len)
+        logits(seq[:, :prompt_len], state)
+        for t in range(prompt_len, block_at):
+            logits(seq[:, t:t + 1], state)
+        logits(seq[:, block_at:block_at + block], state)  # the block, in one pass
+        for m in sorted({block_at + block - 1, block_at + 1, block_at, block_at - 1,
+                         prompt_len}, reverse=True):
+            state.crop(m)
+            assert state.pos == m, f"cut back to {m} tokens, the state holds {state.pos}"
+            alone = model.init_state(B)
+            logits(seq[:, :m], alone)
+            torch.testing.assert_close(
+                on_from(m, state), on_from(m, alone), rtol=0, atol=atol,
+                msg=lambda msg, m=m: f"decoding on after cutting back to {m} tokens != "
+                                     f"decoding on from a state of {m} tokens: {msg}")
+
+
 def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:
     """For a model whose mixers support padding (``supports_padding``): a row padded on the
     left or on the right gives, at its real tokens, the logits of the same sequence alone, in
@@ -232,6 +274,7 @@ def _check_model(kw: dict, fixed_grid: bool = True) -> None:
         check_causal(model)
         check_cached_decoding(model, torch.randint(0, SMALL["vocab_size"], (2, 5)), 12)
         if model.config.mode == "decoder":
+            check_rewind(model)
             check_padding(model)
     else:  # adaptive: decoding recomputes the context; causality holds only approximately
         a = model.generate(torch.randint(0, SMALL["vocab_size"], (1, 4)), 3, greedy=True)

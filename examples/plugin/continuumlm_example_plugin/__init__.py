@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import continuumlm
 from continuumlm.config import setting
+from continuumlm.mixers.cache import RewindLog
 from continuumlm.ode.solvers import FixedGridSolver, Tableau
 
 __all__ = ["CausalConvMixer", "ConvCache", "RALSTON"]
@@ -33,6 +34,9 @@ class ConvCache:
         self.history: torch.Tensor | None = None
         self.length = 0
         self.static = None
+        # cutting back (assisted and speculative decoding): the history each of the latest
+        # extensions started from and the inputs it consumed (DecodeState(rewind=N) asks)
+        self.log = RewindLog()
 
     def freeze(self, step) -> None:
         if self.history is None:
@@ -45,10 +49,31 @@ class ConvCache:
         if self.history is not None:
             self.history = self.history.index_select(0, index)
 
-    def update(self, history: torch.Tensor, T: int) -> None:
+    def keep_rewind(self, tokens: int) -> None:
+        self.log = RewindLog(tokens)
+
+    def rewind_floor(self) -> int:
+        return self.log.floor(self.length)
+
+    def crop(self, length: int) -> None:
+        if self.static is not None:
+            raise ValueError("a frozen (static) decoding cache cannot be cut back.")
+        if length == self.length:
+            return
+        history, inputs = self.log.cut(length)
+        x = inputs["x"]
+        if history is None:  # the extension started the sequence
+            history = x.new_zeros(x.shape[0], self.history.shape[1], x.shape[2])
+        self.history = torch.cat([history, x], dim=1)[:, x.shape[1]:].clone()
+        self.length = length
+
+    def update(self, history: torch.Tensor, T: int, x: torch.Tensor) -> None:
+        """After an extension by ``x`` (B, T, C): the last inputs are ``history``."""
         if self.static is not None:
             self.history.copy_(history)
         else:
+            if self.log.tokens:
+                self.log.add(self.length, T, self.history, {"x": (x, 1)})
             self.history, self.length = history.clone(), self.length + T
 
 
@@ -86,7 +111,7 @@ class CausalConvMixer(nn.Module):
         xx = torch.cat([history, x], dim=1)  # (B, K - 1 + T, C)
         y = sum(xx[:, j:j + T] * self.weight[:, j] for j in range(K))
         if cache is not None:
-            cache.update(xx[:, xx.shape[1] - (K - 1):], T)
+            cache.update(xx[:, xx.shape[1] - (K - 1):], T, x)
         return self.out(torch.sigmoid(self.gate(x)) * y)
 
 

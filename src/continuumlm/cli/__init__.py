@@ -13,6 +13,7 @@ import time
 from ..errors import ContinuumLMError
 from .common import (
     UsageError,
+    _draft_tokens,
     _exit_arguments,
     _int_list,
     _positive_int,
@@ -199,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "after the prompt and at each doubling): auto (the default) with "
                         "--compile; on also without it; off never")
     g.add_argument("--device", default="cpu")
+    g.add_argument("--draft-solver", metavar="SOLVER", help="self-speculative decoding (ODE "
+                   "models, --greedy, one sample): the same weights integrated with this "
+                   "fixed-grid solver draft tokens that the model's own solve verifies in one "
+                   "pass; the same tokens as without it (default euler when --draft-steps or "
+                   "--draft-tokens is given)")
+    g.add_argument("--draft-steps", type=_positive_int, help="... with this many steps "
+                   "(default 1)")
+    g.add_argument("--draft-tokens", type=_draft_tokens, metavar="{N,auto}",
+                   help="... proposing N tokens per verification, or auto: adapted to how "
+                        "many were kept (default 4)")
     _exit_arguments(g)
     return p
 

@@ -39,6 +39,12 @@ def _threads(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _draft_tokens(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _positive_int(text)
+
+
 def thread_policy(args, work: str):
     """The command's ThreadPolicy (--threads, default auto), made when the command starts so
     that its first look at the machine spans loading the model."""

@@ -120,17 +120,23 @@ def cmd_generate(args) -> int:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop = tok.eos_id if tok.kind == "bpe" else None
+    draft = None
+    if args.draft_solver or args.draft_steps or args.draft_tokens:
+        from ..model import Draft
+
+        draft = Draft(args.draft_solver or "euler", args.draft_steps or 1,
+                      args.draft_tokens or 4)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
-                  eos_token_id=stop, compile=args.compile, threads=threads,
+                  eos_token_id=stop, compile=args.compile, threads=threads, draft=draft,
                   cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
     clock = _DecodeClock()
     try:
+        stream = model.generate_stream(idx, args.max_new_tokens, **kwargs)
         if args.num_samples == 1:
-            _stream(model, tok, idx, args, kwargs, clock)
+            _stream(tok, idx, stream, clock)
         else:
-            out = torch.cat([idx] + [t[:, None] for t in clock.timed(
-                model.generate_stream(idx, args.max_new_tokens, **kwargs))], dim=1)
+            out = torch.cat([idx] + [t[:, None] for t in clock.timed(stream)], dim=1)
             held = 0
             for i, row in enumerate(out.tolist()):
                 new = row[len(ids):]
@@ -149,6 +155,10 @@ def cmd_generate(args) -> int:
     compiled = args.compile and getattr(model.depth, "exact_cache", True)
     print(f"{clock.report(len(ids), compiled)}; {threads.choice}"
           + (f", changed {threads.changes} times" if threads.changes else ""), file=sys.stderr)
+    if draft is not None:
+        print(f"{stream.stats.report()} (draft {draft.solver} x {draft.steps}, model "
+              f"{model.config.ode_solver} x {model.config.ode_steps}: {_full_nfe(model)} per "
+              f"token without drafting)", file=sys.stderr)
     if args.exit_threshold is not None:
         done, tokens = model.depth.exit_totals
         print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
@@ -192,8 +202,8 @@ class _DecodeClock:
                 f"{n / max(rest, 1e-9):.1f} tokens/s")
 
 
-def _stream(model, tok, idx, args, kwargs, clock: _DecodeClock) -> None:
-    stream = clock.timed(model.generate_stream(idx, args.max_new_tokens, **kwargs))
+def _stream(tok, idx, stream, clock: _DecodeClock) -> None:
+    stream = clock.timed(stream)
     ids = idx[0].tolist()
     printed = tok.decode(ids)
     sys.stdout.write(printed)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -38,8 +39,11 @@ class ContinuumLMCache(Cache):
     mixer keeps its own state (keys and values, a DeltaNet recurrent state, a continuous
     attention's value history), which is what keeps cached ODE decoding exact. Every one of
     them is batch-first, so beam search's reordering and expansion are an index on the batch
-    dimension. Cropping (assisted and prompt-lookup decoding) is refused: a recurrent state
-    cannot be rewound."""
+    dimension. Cropping (assisted and prompt-lookup decoding drop the drafted tokens that were
+    not accepted) cuts every cache back (:meth:`DecodeState.crop`); the model makes its states
+    able to cut back ``REWIND`` tokens (a DeltaNet state keeps what those need)."""
+
+    REWIND = 256  # transformers drafts num_assistant_tokens (20 by default) at a time
 
     def __init__(self, state: DecodeState):
         super().__init__(layers=[])
@@ -63,7 +67,7 @@ class ContinuumLMCache(Cache):
         return False
 
     def reset(self) -> None:
-        self.state = DecodeState(self.state.batch_size)
+        self.state = DecodeState(self.state.batch_size, self.state.rewind)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.state.reorder(beam_idx)
@@ -75,11 +79,12 @@ class ContinuumLMCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.state.reorder(torch.as_tensor(indices, dtype=torch.long))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "ContinuumLMCache cannot be cropped (assisted or prompt-lookup decoding): a "
-            "DeltaNet state or an ODE block's per-stage caches cannot be rewound to an earlier "
-            "token. Use greedy search, sampling or beam search.")
+    def crop(self, length: int) -> None:
+        """Remove ``-length`` tokens (zero or negative, transformers from 5.24), or keep the
+        first ``length`` (positive, the earlier releases' meaning)."""
+        n = self.state.pos
+        keep = n + length if length <= 0 else min(length, n)
+        self.state.crop(max(keep, 0))
 
 
 class CheckpointedTransformerBlock(TransformerBlock, GradientCheckpointingLayer):
@@ -179,6 +184,20 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the forward builds a ContinuumLMCache; a DynamicCache cannot serve it
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' preparation, and for assisted and prompt-lookup decoding (which need
+        the cache before the first forward; batch 1) the model's own ContinuumLMCache."""
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args,
+                                                    **kwargs)
+        bound = inspect.signature(super()._prepare_cache_for_generation).bind_partial(
+            generation_config, model_kwargs, *args, **kwargs).arguments
+        mode = getattr(bound.get("generation_mode"), "value", bound.get("generation_mode"))
+        if (mode == "assisted_generation" and model_kwargs.get(CACHE_FIELD) is None
+                and generation_config.use_cache is not False and bound.get("batch_size")):
+            model_kwargs[CACHE_FIELD] = ContinuumLMCache(
+                self.model.init_state(bound["batch_size"], ContinuumLMCache.REWIND))
+        return out
+
     def get_input_embeddings(self):
         return self.model.tok_emb
 
@@ -204,22 +223,23 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
             self.model.config = dataclasses.replace(self.model.config, vocab_size=n)
             self.config.vocab_size = n
 
-    ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
-                "use_mtp")
+    # drafts made by the model's own first layers, or by multi-token heads: not this model's
+    # structure (ContinuumLM's own self-speculation drafts through a coarser solve instead)
+    UNSUPPORTED_DRAFTS = ("assistant_early_exit", "use_mtp")
 
     def generate(self, *args, **kwargs):
-        """transformers' ``generate``, with assisted and prompt-lookup decoding refused up
-        front (they rewind the decoding state after rejected draft tokens, and a recurrent
-        state or an ODE block's per-stage caches cannot be rewound)."""
+        """transformers' ``generate``. Assisted decoding (``assistant_model=``, a smaller
+        model sharing the tokenizer) and prompt-lookup decoding (``prompt_lookup_num_tokens=``)
+        cut the decoding state back after rejected drafts (:meth:`ContinuumLMCache.crop`);
+        early-exit and multi-token-prediction drafts are refused by name."""
         configs = [kwargs, kwargs.get("generation_config"), self.generation_config]
-        for name in self.ASSISTED:
+        for name in self.UNSUPPORTED_DRAFTS:
             if any(getattr(c, name, None) if not isinstance(c, dict) else c.get(name)
                    for c in configs if c is not None):
                 raise NotImplementedError(
-                    f"{name}: assisted and prompt-lookup decoding are not supported: they "
-                    f"rewind the decoding state after rejected draft tokens, and a DeltaNet "
-                    f"state or an ODE block's per-stage caches cannot be rewound. Use greedy "
-                    f"search, sampling or beam search.")
+                    f"{name}: drafting with the model's first layers or with extra prediction "
+                    f"heads needs a structure ContinuumLM's models do not have; use "
+                    f"assistant_model= (a smaller model) or prompt_lookup_num_tokens=.")
         return super().generate(*args, **kwargs)
 
     def forward(self, input_ids: torch.LongTensor | None = None,
@@ -261,7 +281,7 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                                  f"model makes one.")
         batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if cache is None and use_cache:
-            cache = ContinuumLMCache(self.model.init_state(batch))
+            cache = ContinuumLMCache(self.model.init_state(batch, ContinuumLMCache.REWIND))
         state = cache.state if cache is not None else None
         record = [] if output_hidden_states else None
         h = self.model.hidden_states(input_ids, state, attention_mask=attention_mask,

@@ -4,6 +4,11 @@ A cache belongs to one mixer evaluation; the model's :class:`~continuumlm.model.
 keys them by where the evaluation sits in the network. These types sit below the model so that
 a mixer (built-in or a plugin's) picks its cache without importing the model.
 
+Cutting back (``crop(length)``: assisted and speculative decoding drop the drafted tokens that
+were not accepted): a cache that grows with the sequence (:class:`SeqCache`) is cut back to any
+earlier length by its length alone; a cache of fixed size (a recurrent state) keeps a
+:class:`RewindLog` of its latest extensions and rebuilds its state from there.
+
 Two ways to extend a cache:
 
 - the ordinary (eager) way, any number of tokens at a time: storage grows on demand and mixers
@@ -42,6 +47,68 @@ class StaticStep:
         self.pos += 1
         if new_pos < self.capacity:
             self.mask.index_fill_(1, self.pos, True)
+
+
+_NOT_KEPT = object()  # an entry of a RewindLog whose start state is rebuilt when needed
+
+
+class RewindLog:
+    """What a cache of fixed size (a recurrent state, a convolution's history) needs to be cut
+    back by up to ``tokens`` of its latest tokens: the inputs each extension consumed, and the
+    state it started from for one extension in every ``stride`` tokens (references to tensors
+    made anyway, no copies; 0 tokens: nothing is kept, and the cache cannot be cut back). A
+    cut rebuilds the state from the latest kept state at or before it over the inputs since
+    (at most ``stride`` tokens and a block). The state is the cache's own object; an input is
+    a (tensor, time dimension) pair, so that the log can cut and join them. An extension
+    longer than ``tokens`` (a long prompt) is not kept: the cache can be cut back to where it
+    ended, not inside it."""
+
+    def __init__(self, tokens: int = 0, stride: int = 16) -> None:
+        self.tokens, self.stride = tokens, stride
+        # contiguous extensions [start, T, state or _NOT_KEPT, inputs]; the first has a state
+        self.entries: list[list] = []
+
+    def add(self, start: int, T: int, state, inputs: dict) -> None:
+        if T > self.tokens:
+            self.entries.clear()
+            return
+        kept = [e[0] for e in self.entries if e[2] is not _NOT_KEPT]
+        if kept and start - kept[-1] < self.stride:
+            state = _NOT_KEPT
+        self.entries.append([start, T, state, inputs])
+        # drop the oldest stretch (a kept state and the entries that lean on it) while what
+        # is left still reaches ``tokens`` back
+        while True:
+            nxt = next((i for i, e in enumerate(self.entries) if i and e[2] is not _NOT_KEPT),
+                       None)
+            if nxt is None or start + T - self.entries[nxt][0] < self.tokens:
+                break
+            del self.entries[:nxt]
+
+    def floor(self, length: int) -> int:
+        """The earliest length the cache, now at ``length``, can be cut back to."""
+        return self.entries[0][0] if self.entries else length
+
+    def cut(self, length: int) -> tuple[object, dict]:
+        """Forget everything after ``length`` (at least :meth:`floor`): returns the latest kept
+        state at or before ``length`` and the inputs from there to ``length`` (joined along
+        time), from which the cache rebuilds its state."""
+        if not self.entries or length < self.entries[0][0]:
+            raise ValueError(f"cannot cut back to {length} tokens: this cache keeps what its "
+                             f"last {self.tokens} tokens need (earliest "
+                             f"{self.floor(length)}).")
+        j = max(i for i, e in enumerate(self.entries) if e[0] <= length)
+        b = max(i for i in range(j + 1) if self.entries[i][2] is not _NOT_KEPT)
+        start, _, state, inputs = self.entries[j]
+        n = length - start
+        head = {k: (x.narrow(d, 0, n), d) for k, (x, d) in inputs.items()}
+        parts = [e[3] for e in self.entries[b:j]] + [head]
+        joined = {k: torch.cat([p[k][0] for p in parts], dim=d) for k, (_, d) in head.items()}
+        base = self.entries[b][2]
+        del self.entries[j:]
+        if n:
+            self.entries.append([start, n, state, head])
+        return base, joined
 
 
 class SeqCache:
@@ -85,6 +152,17 @@ class SeqCache:
         expansion, an index on the batch dimension."""
         if self.buffers is not None:
             self.buffers = [b.index_select(0, index.to(b.device)) for b in self.buffers]
+
+    def rewind_floor(self) -> int:
+        return 0  # every token's entries are kept
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens (later ones are overwritten by the next append)."""
+        if self.static is not None:
+            raise ValueError("a frozen (static) decoding cache cannot be cut back.")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot cut a cache of {self.length} tokens back to {length}.")
+        self.length = length
 
     def freeze(self, step: StaticStep) -> None:
         if self.buffers is None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..config import setting
 from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, stacked_linear, twice
 from ..registry import register_mixer
+from .cache import RewindLog
 
 
 def delta_rule_recurrent(q, k, v, beta, initial_state=None):
@@ -45,6 +46,16 @@ def delta_rule_recurrent(q, k, v, beta, initial_state=None):
         outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, :, t]))
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, Dv)
     return o, S
+
+
+def delta_rule_state(k, v, beta, initial_state=None):
+    """The state after the tokens (k, v, beta) from ``initial_state`` (None: zeros), by the
+    token recurrence in at least float32, as decoding runs it (cutting a cache back rebuilds
+    its state with this)."""
+    work = k.dtype if k.dtype == torch.float64 else torch.float32
+    k, v, beta = k.to(work), v.to(work), beta.to(work)
+    init = initial_state.to(work) if initial_state is not None else None
+    return delta_rule_recurrent(k, k, v, beta, init)[1]
 
 
 def delta_rule_step(q, k, v, beta, state):
@@ -279,13 +290,50 @@ def delta_rule_chunkwise(q, k, v, beta, chunk_size: int = 64, initial_state=None
 
 class DeltaNetCache:
     """Decoding state of one DeltaNet evaluation: the matrix state S and the short-convolution
-    history. Its size does not grow with the number of tokens."""
+    history. Its size does not grow with the number of tokens.
+
+    Cutting back (:meth:`crop`): with ``keep_rewind(tokens)`` (``init_state(rewind=N)``), the
+    state and history each of the latest extensions started from, and the keys, values, write
+    strengths and convolution inputs it consumed, are kept for its last ``tokens`` tokens; the
+    state at an earlier length is rebuilt from there by the token recurrence."""
 
     def __init__(self) -> None:
         self.state: torch.Tensor | None = None
         self.conv: dict[str, torch.Tensor] = {}
         self.length = 0
         self.static = None
+        self.log = RewindLog()
+
+    def keep_rewind(self, tokens: int) -> None:
+        self.log = RewindLog(tokens)
+
+    def start(self):
+        """The state an extension starts from (for :meth:`record`), taken before it changes."""
+        return (self.state, dict(self.conv)) if self.log.tokens and self.static is None else None
+
+    def record(self, T: int, start, inputs: dict) -> None:
+        """An extension of ``T`` tokens from ``start`` consumed ``inputs`` (for crop)."""
+        if start is not None:
+            self.log.add(self.length, T, start, inputs)
+
+    def rewind_floor(self) -> int:
+        return self.log.floor(self.length)
+
+    def crop(self, length: int) -> None:
+        """Cut back to the first ``length`` tokens (at least :meth:`rewind_floor`)."""
+        if self.static is not None:
+            raise ValueError("a frozen (static) decoding cache cannot be cut back.")
+        if length == self.length:
+            return
+        (state, conv), inputs = self.log.cut(length)
+        if inputs["k"].shape[2]:
+            state = delta_rule_state(inputs["k"], inputs["v"], inputs["beta"], state)
+        for name in [n for n in inputs if n.startswith("conv_")]:
+            x, hist = inputs[name], conv.get(name[5:])
+            if hist is None:  # the extension started the sequence: zeros before it
+                hist = x.new_zeros(x.shape[0], self.conv[name[5:]].shape[1], x.shape[2])
+            conv[name[5:]] = torch.cat([hist, x], dim=1)[:, x.shape[1]:].clone()
+        self.state, self.conv, self.length = state, conv, length
 
     def freeze(self, step) -> None:
         """Static one-token steps update the state and history in place (fixed shapes)."""
@@ -420,6 +468,9 @@ class DeltaNetAttention(nn.Module):
             if self.convs is not None:  # the history holds the last inputs by index
                 padding.require_one_stretch("DeltaNet's short convolution")
             proj = {name: p.masked_fill(~real, 0.0) for name, p in proj.items()}
+        conv_inputs = ({f"conv_{n}": (p, 1) for n, p in proj.items()}
+                       if self.convs is not None else {})
+        start = cache.start() if cache is not None else None
         if self.convs is not None:
             for name, conv in self.convs.items():
                 hist = cache.conv.get(name) if cache is not None else None
@@ -437,6 +488,9 @@ class DeltaNetAttention(nn.Module):
             beta = beta.masked_fill(~real.transpose(1, 2), 0.0)
         if self.causal:
             init = cache.state if cache is not None else None
+            if cache is not None:
+                cache.record(T, start, {"k": (k, 2), "v": (v, 2), "beta": (beta, 2),
+                                        **conv_inputs})
             o, state = self._kernel(q, k, v, beta, init)
             if cache is not None:
                 cache.update(state, T)

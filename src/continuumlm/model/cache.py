@@ -4,6 +4,8 @@ A :class:`DecodeState` holds one cache object per mixer evaluation, keyed by whe
 evaluation sits in the network (for a discrete stack, the layer index). The mixer owns the
 contents of its cache; the depth module only hands the right cache to the right evaluation.
 
+A state can be cut back to an earlier length (:meth:`DecodeState.crop`) and extended again.
+
 Two ways to extend a state:
 
 - the ordinary (eager) way, any number of tokens at a time: caches grow on demand and mixers
@@ -31,10 +33,14 @@ class DecodeState:
     """Everything a model needs to extend a sequence by more tokens.
 
     ``pos`` is the number of tokens consumed so far (the absolute position of the next one).
+    ``rewind``: how many of the latest tokens :meth:`crop` must be able to cut back (caches
+    that grow with the sequence can always be cut back; a cache of fixed size, a DeltaNet
+    state, keeps what its last ``rewind`` tokens need: 0, the default, keeps nothing).
     """
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, rewind: int = 0) -> None:
         self.batch_size = batch_size
+        self.rewind = rewind
         self.pos = 0
         self.solve: tuple[str, int] | None = None  # (ode_solver, ode_steps) that built the caches
         self.static: StaticStep | None = None
@@ -81,8 +87,44 @@ class DecodeState:
             if self.static is not None:
                 raise RuntimeError(f"a frozen decoding state has no cache for {key!r}; it "
                                    f"was frozen before that evaluation ever ran.")
-            self._caches[key] = factory()
+            c = factory()
+            if self.rewind and hasattr(c, "keep_rewind"):
+                c.keep_rewind(self.rewind)
+            self._caches[key] = c
         return self._caches[key]
+
+    def crop(self, length: int) -> None:
+        """Cut the state back to its first ``length`` tokens, as if the later ones had never
+        been consumed: what assisted and speculative decoding do with drafted tokens that were
+        not accepted. Every cache is cut back, or none (a length some cache cannot reach is
+        refused before any is changed). Not for a frozen state."""
+        if self.static is not None:
+            raise ValueError("a frozen (static) decoding state cannot be cut back; decode "
+                             "eagerly (without compile or CUDA graphs) to draft and rewind.")
+        if isinstance(length, bool) or not 0 <= length <= self.pos:
+            raise ValueError(f"cannot cut a decoding state of {self.pos} tokens back to "
+                             f"{length!r}; give a length from 0 to {self.pos}.")
+        if length == self.pos:
+            return
+        for key, c in self._caches.items():
+            if not hasattr(c, "crop"):
+                raise NotImplementedError(
+                    f"the decoding cache {type(c).__name__} (of {key!r}) has no crop(length), "
+                    f"so it cannot be cut back (assisted or speculative decoding); give the "
+                    f"cache type a crop method (continuumlm.mixers.cache.RewindLog keeps what "
+                    f"a cache of fixed size needs).")
+        floor = max((c.rewind_floor() for c in self._caches.values()
+                     if hasattr(c, "rewind_floor")), default=0)
+        if length < floor:
+            raise ValueError(
+                f"this decoding state can be cut back to {floor} tokens at the earliest, not "
+                f"{length}: its recurrent caches keep what their last {self.rewind} tokens "
+                f"need; make it with init_state(batch, rewind=N) for a larger N.")
+        for c in self._caches.values():
+            c.crop(length)
+        if self.keys is not None:
+            self.keys = self.keys[:, :length]
+        self.pos = length
 
     def freeze(self, capacity: int, device: torch.device) -> None:
         """Switch to static one-token steps with room for ``capacity`` tokens in all."""

@@ -20,6 +20,7 @@ from ..errors import first_line
 from ..nn import tensor_state
 from ..threads import ThreadPolicy
 from .cache import DecodeState
+from .speculative import Draft, DraftStats, SpeculativeStream, check_draft, speculative_tokens
 
 log = logging.getLogger("continuumlm")
 
@@ -92,8 +93,15 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
                     eos_token_id: int | None = None,
                     compile: bool = False,
                     cuda_graph: bool | None = None,
-                    threads: ThreadPolicy | int | str | None = None) -> Iterator[torch.Tensor]:
+                    threads: ThreadPolicy | int | str | None = None,
+                    draft: Draft | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time.
+
+    ``draft`` (a :class:`~continuumlm.model.speculative.Draft`; ODE models, greedy, batch 1):
+    self-speculative decoding through depth, the same weights integrated with the draft's
+    coarser solve proposing tokens that the model's own solve verifies in one pass; the same
+    tokens as without it. The stream then has ``stats`` (a ``DraftStats``: acceptance, field
+    evaluations per token).
 
     ``threads``: torch's intra-op threads while the stream runs (see
     :mod:`continuumlm.threads`): ``None`` (the default) leaves the count as it is, ``"auto"``
@@ -144,9 +152,20 @@ def generate_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: 
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached one-token step, and use_cache=False "
                          "(--no-cache) recomputes the whole context instead: drop one of them.")
-    graphs = _graph_recorder(model, idx.device, cuda_graph, compile) if use_cache else None
     if threads is not None and not isinstance(threads, ThreadPolicy):
         threads = ThreadPolicy(threads, "decoding")  # a bad count raises here
+    if draft is not None:
+        if not use_cache:
+            raise ValueError("draft= verifies the drafted tokens through the cache; drop "
+                             "use_cache=False (--no-cache).")
+        if compile or cuda_graph:
+            raise ValueError("draft= decodes eagerly in this version; drop compile=True / "
+                             "cuda_graph=True (--compile, --cuda-graph on).")
+        check_draft(model, draft, idx, greedy)
+        stats = DraftStats()
+        return SpeculativeStream(_speculative(model, idx, max_new_tokens, draft, eos_token_id,
+                                              stats, threads), stats)
+    graphs = _graph_recorder(model, idx.device, cuda_graph, compile) if use_cache else None
     return _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                          use_cache, generator, eos_token_id, compile, graphs, threads)
 
@@ -191,8 +210,6 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                   generator, eos_token_id, compile, graphs,
                   threads: ThreadPolicy | None = None) -> Iterator[torch.Tensor]:
     cfg = model.config
-    if threads is not None:
-        threads.apply()
     if use_cache and not getattr(model.depth, "exact_cache", True):
         # asked to compile, told why nothing is: there is no one-token step to compile
         log.log(logging.WARNING if compile else logging.DEBUG,
@@ -200,12 +217,7 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                 "for every token%s", cfg.ode_solver,
                 ", eagerly (compile=True compiles the cached one-token step)" if compile else "")
         use_cache = False
-    # streams may interleave: the model leaves eval mode only when the last one ends
-    if model._open_streams == 0:
-        model._mode_before_streams = model.training
-    model._open_streams += 1
-    model.eval()
-    try:
+    with _streaming(model, threads):
         seq = idx
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         state = model.init_state(idx.shape[0]) if use_cache else None
@@ -232,6 +244,26 @@ def _token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                 logits = model.step(nxt[:, None], state)[0]
             else:
                 seq = torch.cat([seq, nxt[:, None]], dim=1)
+
+
+def _speculative(model, idx, max_new_tokens, draft, eos_token_id, stats, threads):
+    with _streaming(model, threads):
+        for t in speculative_tokens(model, idx, max_new_tokens, draft, eos_token_id, stats):
+            yield _plain(t)
+
+
+@contextlib.contextmanager
+def _streaming(model, threads: ThreadPolicy | None):
+    """A stream's hold on the model: eval mode (streams may interleave: the model leaves it
+    only when the last one ends) and the stream's thread count, both put back at its end."""
+    if threads is not None:
+        threads.apply()
+    if model._open_streams == 0:
+        model._mode_before_streams = model.training
+    model._open_streams += 1
+    model.eval()
+    try:
+        yield
     finally:
         model._open_streams -= 1
         if model._open_streams == 0:

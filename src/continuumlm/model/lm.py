@@ -272,9 +272,10 @@ class LanguageModel(nn.Module):
 
     # ------------------------------------------------------------------ decoding
 
-    def init_state(self, batch_size: int) -> DecodeState:
-        """An empty decoding state; feed tokens with :meth:`step`."""
-        return DecodeState(batch_size)
+    def init_state(self, batch_size: int, rewind: int = 0) -> DecodeState:
+        """An empty decoding state; feed tokens with :meth:`step`. ``rewind``: the state can
+        be cut back (``state.crop(length)``) by at least this many of its latest tokens."""
+        return DecodeState(batch_size, rewind)
 
     @torch.no_grad()
     def step(self, idx: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, DecodeState]:
@@ -297,24 +298,25 @@ class LanguageModel(nn.Module):
                         generator: torch.Generator | None = None,
                         eos_token_id: int | None = None, compile: bool = False,
                         cuda_graph: bool | None = None,
-                        threads=None) -> Iterator[torch.Tensor]:
+                        threads=None, draft=None) -> Iterator[torch.Tensor]:
         """Yield the next token ids (B,) one step at a time (see
         :func:`continuumlm.model.generation.generate_stream`)."""
         return generation.generate_stream(self, idx, max_new_tokens, temperature, top_k, top_p,
                                           greedy, use_cache, generator, eos_token_id, compile,
-                                          cuda_graph, threads)
+                                          cuda_graph, threads, draft)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
                  use_cache: bool = True, generator: torch.Generator | None = None,
                  eos_token_id: int | None = None, compile: bool = False,
-                 cuda_graph: bool | None = None, threads=None) -> torch.Tensor:
+                 cuda_graph: bool | None = None, threads=None, draft=None) -> torch.Tensor:
         """Return (B, T + new) token ids: the prompt followed by sampled tokens (fewer than
         max_new_tokens only when every row produced ``eos_token_id``). ``compile``,
-        ``cuda_graph`` and ``threads``: see :meth:`generate_stream`."""
+        ``cuda_graph``, ``threads`` and ``draft`` (self-speculative decoding): see
+        :meth:`generate_stream`."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
                                         use_cache, generator, eos_token_id, compile,
-                                        cuda_graph, threads))
+                                        cuda_graph, threads, draft))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     @torch.no_grad()

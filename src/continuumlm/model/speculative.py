@@ -1,0 +1,209 @@
+"""Self-speculative decoding through depth: the model's own weights integrated with a coarser
+solve draft a few tokens, the model's own solve verifies them in one pass, and both decoding
+states are cut back to what was kept.
+
+    model.generate(idx, 200, greedy=True, draft=Draft("euler", 1, tokens=4))
+
+A round, batch 1, greedy: the draft state (the draft solve, caches of its own) catches up with
+the tokens the model's state holds and the pending token, then proposes ``k`` tokens one at a
+time; the model's state consumes the pending token and the ``k`` drafts in one ``k + 1``-token
+pass (an extension of its caches, as a prompt's), whose logits give the model's own greedy
+token after each; the longest prefix of drafts equal to those is kept, plus the model's token
+after it, and both states are cut back (``DecodeState.crop``) to what was kept. Every kept
+token is the model's own greedy choice after the kept tokens before it, so the tokens are
+those of plain greedy decoding (up to logits that tie within float rounding, which a pass over
+``k + 1`` tokens may sum in another order than ``k + 1`` one-token steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+AUTO = "auto"
+MAX_AUTO_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Draft:
+    """How to draft: the same weights integrated with ``solver`` x ``steps`` (any fixed-grid
+    solver), ``tokens`` proposals per verification (a number, or ``"auto"``: start at 4, one
+    more after a round that kept every draft, one fewer after a round that kept under half,
+    between 1 and 16)."""
+
+    solver: str = "euler"
+    steps: int = 1
+    tokens: int | str = 4
+
+    def __post_init__(self) -> None:
+        if self.tokens != AUTO and (isinstance(self.tokens, bool) or not isinstance(
+                self.tokens, int) or self.tokens < 1):
+            raise ValueError(f"Draft(tokens={self.tokens!r}): give a positive number of drafted "
+                             f"tokens per verification, or 'auto'.")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"Draft(steps={self.steps!r}): give a positive number of steps.")
+
+
+@dataclass
+class DraftStats:
+    """What a speculative stream did: verification passes, drafted and kept tokens, field
+    evaluations (draft and verify together) and the time it ran."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    nfe: int = 0
+    seconds: float = 0.0
+    kept_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    def report(self) -> str:
+        per = self.tokens / self.rounds if self.rounds else float("nan")
+        return (f"speculative: {self.acceptance:.0%} of {self.drafted} drafted tokens kept, "
+                f"{per:.2f} tokens per verification, "
+                f"{self.nfe / max(self.tokens, 1):.1f} field evaluations per token")
+
+
+class _Solves:
+    """The model's blocks integrated with its own solve or the draft's, switched by swapping
+    each block's solver and config (both built once; ``set_solver`` checks the draft's)."""
+
+    def __init__(self, model, solver: str, steps: int):
+        self.model = model
+        self.full = self._now()
+        try:
+            model.set_solver(solver, steps)
+            self.draft = self._now()
+        finally:
+            self._put(self.full)
+        if not getattr(self.draft[1][0][0], "fixed_grid", True):
+            raise ValueError(f"draft solver {solver!r} is adaptive: a draft needs a fixed-grid "
+                             f"solver (euler, midpoint, rk4, ...).")
+
+    def _now(self):
+        m = self.model
+        return (m.config, [(b.solver, b.cfg) for b in m.depth.blocks], m.depth.exact_cache)
+
+    def _put(self, solve) -> None:
+        config, blocks, exact = solve
+        for b, (solver, cfg) in zip(self.model.depth.blocks, blocks):
+            b.solver, b.cfg = solver, cfg
+        self.model.config, self.model.depth.exact_cache = config, exact
+
+    @contextlib.contextmanager
+    def drafting(self):
+        self._put(self.draft)
+        try:
+            yield
+        finally:
+            self._put(self.full)
+
+
+def check_draft(model, draft: Draft, idx: torch.Tensor, greedy: bool) -> None:
+    """Refuse, by name, what self-speculative decoding does not do."""
+    cfg = model.config
+    if cfg.depth != "ode":
+        raise ValueError("draft=: a discrete model has no solve to integrate more coarsely; "
+                         "self-speculative decoding needs depth = 'ode'.")
+    if not getattr(model.depth, "exact_cache", True):
+        raise ValueError(f"draft=: the model's own solver ({cfg.ode_solver}) is adaptive and "
+                         f"decodes by recomputing; self-speculative decoding verifies through "
+                         f"the cache and needs a fixed-grid solver.")
+    if getattr(model.depth, "exit", None) is not None:
+        raise ValueError("draft=: per-token exit decides each token's depth on the fly; call "
+                         "model.set_exit(None) to draft.")
+    if idx.shape[0] != 1:
+        raise ValueError(f"draft=: one sequence at a time (batch 1; got {idx.shape[0]}): rows "
+                         f"keep different numbers of drafts, which this version does not pad.")
+    if not greedy:
+        raise ValueError("draft=: greedy decoding only (greedy=True, --greedy) in this version; "
+                         "sampling is not yet drafted.")
+
+
+class SpeculativeStream:
+    """The tokens of :func:`speculative_tokens` as an iterator, with its :class:`DraftStats`
+    (``stats``) for the caller to report."""
+
+    def __init__(self, tokens: Iterator[torch.Tensor], stats: DraftStats):
+        self._tokens, self.stats = tokens, stats
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return next(self._tokens)
+
+
+@torch.inference_mode()
+def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft,
+                       eos_token_id: int | None, stats: DraftStats) -> Iterator[torch.Tensor]:
+    """Yield the next token (1,) at a time, as plain greedy decoding would (see the module's
+    text); ``stats`` is filled as it goes. The model is in eval mode (the caller's stream
+    sees to it)."""
+    solves = _Solves(model, draft.solver, draft.steps)
+    k = 4 if draft.tokens == AUTO else draft.tokens
+    start = time.perf_counter()
+    window = (MAX_AUTO_TOKENS if draft.tokens == AUTO else k) + 2
+    main = model.init_state(1, rewind=window)
+    side = model.init_state(1, rewind=window)
+    limit = model.config.max_seq_len if model.config.position == "learned" else None
+    device = idx.device
+
+    def logits(ids: list[int], state) -> torch.Tensor:
+        out = model.lm_head(model.hidden_states(torch.tensor([ids], device=device), state))
+        stats.nfe += model.last_nfe
+        return out[0]
+
+    seq = idx[0].tolist()  # every token so far: the prompt and what was yielded
+    last = int(logits(seq, main)[-1].argmax())  # the latest token, which no state holds yet
+    seq.append(last)
+    made = 1
+    stats.tokens = made
+    yield torch.tensor([last], device=device)
+    while made < max_new_tokens and last != eos_token_id:
+        k_now = min(k, max_new_tokens - made - 1)
+        if limit is not None:  # learned positions: the verifying pass must fit
+            k_now = min(k_now, limit - main.pos - 1)
+        drafts: list[int] = []
+        if k_now > 0:
+            with solves.drafting():
+                nxt = int(logits(seq[side.pos:], side)[-1].argmax())  # catch up, draft one
+                drafts.append(nxt)
+                while len(drafts) < k_now:
+                    nxt = int(logits([nxt], side)[-1].argmax())
+                    drafts.append(nxt)
+        before = main.pos
+        own = logits([last, *drafts], main).argmax(-1).tolist()  # the model's after each
+        n = 0
+        while n < len(drafts) and drafts[n] == own[n]:
+            n += 1
+        main.crop(before + 1 + n)  # the latest token and the kept drafts
+        if side.pos > before + 1 + n:
+            side.crop(before + 1 + n)
+        stats.rounds += 1
+        stats.drafted += len(drafts)
+        stats.accepted += n
+        stats.kept_per_round.append(n + 1)
+        for t in [*drafts[:n], own[n]]:
+            seq.append(t)
+            made += 1
+            last = t
+            yield torch.tensor([t], device=device)
+            if t == eos_token_id or made >= max_new_tokens:
+                break
+        if draft.tokens == AUTO and drafts:
+            if n == len(drafts):
+                k = min(k + 1, MAX_AUTO_TOKENS)
+            elif 2 * n < len(drafts):
+                k = max(k - 1, 1)
+        stats.tokens = made
+        stats.seconds = time.perf_counter() - start
+    stats.seconds = time.perf_counter() - start

@@ -1,0 +1,138 @@
+"""Cutting a decoding state back (DecodeState.crop): the log a recurrent cache keeps, the
+refusals, and exactness over long stretches (the per-component invariant is
+continuumlm.testing.check_rewind, run on every registered component in test_components.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from continuumlm.mixers.cache import RewindLog, SeqCache
+from continuumlm.testing import check_rewind, small_model
+
+
+def _log_of(values: list[int], tokens: int, stride: int, sizes: list[int]) -> RewindLog:
+    """A log over extensions of ``sizes`` tokens of the sequence ``values``; each entry's
+    state is the list of values before it."""
+    log, at = RewindLog(tokens, stride), 0
+    for n in sizes:
+        x = torch.tensor(values[at:at + n])[None]
+        log.add(at, n, values[:at], {"x": (x, 1)})
+        at += n
+    return log
+
+
+@pytest.mark.parametrize("sizes", [[1] * 40, [3, 1, 5, 1, 1, 7, 2, 1, 1, 4], [2] * 17])
+@pytest.mark.parametrize("stride", [1, 4, 16])
+def test_rewind_log_rebuilds_every_reachable_length(sizes, stride):
+    values = list(range(100, 100 + sum(sizes)))
+    n = sum(sizes)
+    log = _log_of(values, 12, stride, sizes)
+    floor = log.floor(n)
+    assert floor <= n - 12 or floor == 0  # reaches at least 12 tokens back
+    for m in range(n, floor - 1, -1):
+        trial = _log_of(values, 12, stride, sizes)
+        state, inputs = trial.cut(m)
+        assert state + inputs["x"][0].tolist() == values[:m]  # kept state + replayed inputs
+    if floor:
+        with pytest.raises(ValueError, match="keeps what its last 12 tokens need"):
+            _log_of(values, 12, stride, sizes).cut(floor - 1)
+
+
+def test_rewind_log_cut_then_extend_again():
+    values = list(range(30))
+    log = _log_of(values, 20, 4, [1] * 30)
+    state, inputs = log.cut(22)
+    assert state + inputs["x"][0].tolist() == values[:22]
+    other = list(range(200, 210))
+    for i, v in enumerate(other):  # a different continuation
+        log.add(22 + i, 1, values[:22] + other[:i], {"x": (torch.tensor([[v]]), 1)})
+    state, inputs = log.cut(25)
+    assert state + inputs["x"][0].tolist() == values[:22] + other[:3]
+
+
+def test_a_long_extension_is_not_kept():
+    log = RewindLog(8)
+    log.add(0, 50, "start", {"x": (torch.zeros(1, 50), 1)})
+    assert log.floor(50) == 50 and not log.entries
+    with pytest.raises(ValueError):
+        log.cut(49)
+
+
+@pytest.mark.parametrize("mixer", ["deltanet", "softmax", "continuous"])
+def test_cut_back_across_many_strides_is_exact(mixer):
+    """40 tokens one per step (more than a stride of kept states), cut back 33: rebuilt from a
+    kept state over the inputs since, as a state fed those tokens gives."""
+    components = {"deltanet": {"short_conv": 4}} if mixer == "deltanet" else {}
+    model = small_model(mixer=mixer, depth="ode", ode_solver="rk4", ode_steps=2,
+                        components=components).double()
+    seq = torch.randint(0, 37, (1, 45), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        state = model.init_state(1, rewind=40)
+        model.step(seq[:, :3], state)
+        for t in range(3, 43):
+            model.step(seq[:, t:t + 1], state)
+        state.crop(10)
+        alone = model.init_state(1)
+        model.step(seq[:, :10], alone)
+        for t in range(10, 14):
+            a, _ = model.step(seq[:, t:t + 1], state)
+            b, _ = model.step(seq[:, t:t + 1], alone)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_crop_refusals_say_why():
+    model = small_model(mixer="deltanet")
+    seq = torch.randint(0, 37, (1, 12))
+    with torch.no_grad():
+        state = model.init_state(1, rewind=2)
+        model.step(seq[:, :6], state)
+        for t in range(6, 12):
+            model.step(seq[:, t:t + 1], state)
+        # the prompt (6 tokens, longer than 2) is not kept: back to its end at the earliest
+        with pytest.raises(ValueError, match="cut back to 6 tokens at the earliest.*rewind=N"):
+            state.crop(5)
+        assert state.pos == 12  # refused before any cache changed
+        with pytest.raises(ValueError, match="from 0 to 12"):
+            state.crop(13)
+        state.crop(10)
+        assert state.pos == 10
+        plain = model.init_state(1)  # rewind 0: nothing kept
+        model.step(seq[:, :4], plain)
+        model.step(seq[:, 4:5], plain)
+        with pytest.raises(ValueError, match="at the earliest"):
+            plain.crop(4)
+
+    class NoCrop:
+        length = 0
+    state = model.init_state(1)
+    state._caches[("layer", 0)] = NoCrop()
+    state.pos = 3
+    with pytest.raises(NotImplementedError, match="NoCrop .* has no crop"):
+        state.crop(1)
+
+
+def test_a_frozen_state_is_not_cut_back():
+    model = small_model()
+    state = model.init_state(1, rewind=4)
+    with torch.no_grad():
+        model.step(torch.tensor([[1, 2, 3]]), state)
+        model._static_decoder(state, compile=False)
+    with pytest.raises(ValueError, match="frozen"):
+        state.crop(2)
+    cache = SeqCache()
+    cache.append(torch.zeros(1, 1, 3, 2))
+    with pytest.raises(ValueError, match="back to 4"):
+        cache.crop(4)
+
+
+def test_check_rewind_catches_a_cache_that_forgets(monkeypatch):
+    """The invariant's check fails a cache whose crop only moves its length."""
+    from continuumlm.mixers.deltanet import DeltaNetCache
+
+    def careless(self, length):
+        self.length = length
+
+    monkeypatch.setattr(DeltaNetCache, "crop", careless)
+    with pytest.raises(AssertionError, match="cutting back"):
+        check_rewind(small_model(mixer="deltanet"))
