@@ -2,7 +2,7 @@
 thread, and the thread policy (``--threads auto``, continuumlm.threads).
 
     python bench/threads.py            # writes bench/results/threads.json
-    python bench/threads.py --suite    # ... and times the test suite (adds to the same JSON)
+    python bench/threads.py --suite --demo --only   # times only the test suite and make demo
 
 Every figure is a process of its own, as a user runs it (a quiet figure the median of three
 such processes). "Loaded" runs beside two busy
@@ -145,20 +145,37 @@ def run_suite(paths: list[str], test_threads: int | None) -> dict:
     if test_threads is not None:
         env["CONTINUUMLM_TEST_THREADS"] = str(test_threads)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *paths],
                        capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
-    summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
-    return {"wall_s": round(wall, 1), "summary": summary, "status": r.returncode}
+    counts = re.findall(r"\d+ (?:passed|failed|skipped|deselected|errors?)", r.stdout)
+    return {"wall_s": round(wall, 1), "counts": ", ".join(counts), "status": r.returncode}
+
+
+def run_demo() -> dict:
+    """``make demo`` as a user runs it (installed already): train, eval, generate."""
+    t0 = time.perf_counter()
+    r = subprocess.run(["make", "demo"], capture_output=True, text=True, env=child_env(),
+                       cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"make demo failed:\n{r.stderr[-2000:]}")
+    done = re.search(r"([\d.]+) tokens/s, ([\d.]+) s training", r.stdout)
+    return {"wall_s": round(wall, 1), "train_tokens_per_s": float(done.group(1)),
+            "summary": f"training {float(done.group(2)):.0f} s at {float(done.group(1)):,.0f} "
+                       f"tokens/s"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs=2, metavar=("WORK", "POLICY"))
     ap.add_argument("--suite", action="store_true", help="also time the test suite")
-    ap.add_argument("--only", nargs="+", help="these rows only (names as in the JSON)")
+    ap.add_argument("--only", nargs="*", help="these rows only (names as in the JSON; none: "
+                    "no rows, with --suite or --demo)")
     ap.add_argument("--loads", nargs="+", default=["quiet", "loaded"],
                     choices=("quiet", "loaded"), help="measure under these loads only")
+    ap.add_argument("--demo", action="store_true", help="also time make demo, quiet and "
+                    "loaded")
     ap.add_argument("--table-only", action="store_true", help="measure nothing: write the "
                     "table again from the recorded figures")
     ap.add_argument("--repeats", type=int, default=3, help="processes per quiet figure (its "
@@ -172,7 +189,7 @@ def main() -> None:
     path = RESULTS / "threads.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     rows = {(r["work"], r["load"], r["policy"]): r for r in old.get("rows", [])}
-    works = [] if args.table_only else args.only or [*TRAIN, *DECODE]
+    works = [] if args.table_only else args.only if args.only is not None else [*TRAIN, *DECODE]
     with tempfile.TemporaryDirectory(prefix="threads_bench_") as runs_dir:
         for work in works:
             for load in args.loads:
@@ -199,13 +216,18 @@ def main() -> None:
                           flush=True)
                 suite[f"full_{load}"] = run_suite([], None)
                 print(f"suite {load}: {suite[f'full_{load}']}", flush=True)
+    if args.demo and not args.table_only:
+        for load in ("quiet", "loaded"):
+            with Load(2 if load == "loaded" else 0):
+                suite[f"demo_{load}"] = run_demo()
+            print(f"make demo {load}: {suite[f'demo_{load}']}", flush=True)
     raw = sorted(rows.values(), key=lambda r: ([*TRAIN, *DECODE].index(r["work"]),
                                                r["load"] != "quiet", POLICIES.index(r["policy"])))
     table, verdicts = summary(raw)
     write_json("threads", {"default_threads": default, "load": "2 busy Python processes",
                            "rows": raw, "verdicts": verdicts, "suite": suite,
                            "suite_part": SUITE_PART, "target": TARGET,
-                           "command": "python bench/threads.py --suite",
+                           "command": "python bench/threads.py --suite --demo",
                            "setup": SETUP, "table": table + suite_table(suite)})
     print(table)
 
@@ -267,17 +289,21 @@ def suite_table(suite: dict) -> str:
     if not suite:
         return ""
     rows = []
-    for key, what in (("full_quiet", "make test (pytest), quiet"),
+    for key, what in (("demo_quiet", "make demo, quiet"), ("demo_loaded", "make demo, loaded"),
+                      ("full_quiet", "make test (pytest), quiet"),
                       ("full_loaded", "make test (pytest), loaded"),
                       ("part_quiet_2", "model + mixer tests at 2 threads (as before), quiet"),
                       ("part_quiet_1", "model + mixer tests at 1 thread (conftest.py), quiet"),
                       ("part_loaded_2", "model + mixer tests at 2 threads (as before), loaded"),
                       ("part_loaded_1", "model + mixer tests at 1 thread (conftest.py), loaded")):
         if key in suite:
-            rows.append(f"| {what} | {suite[key]['wall_s'] / 60:.1f} min | "
-                        f"{suite[key]['summary']} |")
-    return ("\n\nThe test suite, wall time:\n\n| run | wall | pytest |\n| --- | --- | --- |\n"
-            + "\n".join(rows))
+            x = suite[key]
+            result = (x["summary"] if key.startswith("demo") else
+                      ("passed" if x["status"] == 0 else f"failed (exit status {x['status']})")
+                      + (f": {x['counts']}" if x.get("counts") else ""))
+            rows.append(f"| {what} | {x['wall_s'] / 60:.1f} min | {result} |")
+    return ("\n\nThe test suite and the demo, wall time:\n\n| run | wall | result |\n"
+            "| --- | --- | --- |\n" + "\n".join(rows))
 
 if __name__ == "__main__":
     main()

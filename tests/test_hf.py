@@ -575,3 +575,24 @@ def test_a_character_model_exports_without_an_end_of_text_token(tiny_corpus, tmp
     # the user who wants a line at a time names the newline
     line = hf.generate(**prompt, max_new_tokens=40, do_sample=False, eos_token_id=newline)
     assert line.shape[1] <= prompt.input_ids.shape[1] + 40
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
+def test_as_draft_assists_with_a_coarser_solve_of_the_same_weights(mixer, tmp_path):
+    """model.as_draft(): the same fields integrated by Euler x 1, sharing every weight, as
+    transformers' assistant: greedy search's sequences, scores and logits, and the model's
+    own solve untouched."""
+    kw = {"components": {"deltanet": {"short_conv": 3}}} if mixer == "deltanet" else {}
+    hf = saved(build(mixer, "ode", "rk4", **kw), tmp_path)
+    draft = hf.as_draft("euler", 1)
+    assert (draft.model.config.ode_solver, draft.model.config.ode_steps) == ("euler", 1)
+    assert (hf.model.config.ode_solver, hf.model.config.ode_steps) == ("rk4", 2)
+    assert all(a is b for a, b in zip(draft.parameters(), hf.parameters()))
+    prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
+    greedy = _greedy_outputs(hf, prompt)
+    _same_outputs(_greedy_outputs(hf, prompt, assistant_model=draft), greedy)
+    assert hf.model.depth.blocks[0].solver is not draft.model.depth.blocks[0].solver
+    with pytest.raises(ValueError, match="discrete model has no solve"):
+        saved(build("softmax", "discrete", None), tmp_path / "d").as_draft()
+    with pytest.raises(ValueError, match="adaptive"):
+        hf.as_draft("dopri5")

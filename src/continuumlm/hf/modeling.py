@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -226,6 +227,36 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     # drafts made by the model's own first layers, or by multi-token heads: not this model's
     # structure (ContinuumLM's own self-speculation drafts through a coarser solve instead)
     UNSUPPORTED_DRAFTS = ("assistant_early_exit", "use_mtp")
+
+    def as_draft(self, solver: str = "euler", steps: int = 1) -> ContinuumLMForCausalLM:
+        """This model with its ODE blocks integrated by ``solver`` x ``steps``, sharing every
+        weight: an assistant for transformers' assisted decoding that drafts through a coarser
+        solve of the same fields (``generate(..., assistant_model=model.as_draft())``). Only
+        the blocks' solvers and configs are its own; the model is left as it is."""
+        lm = self.model
+        if lm.config.depth != "ode":
+            raise ValueError("as_draft: a discrete model has no solve to integrate more "
+                             "coarsely; draft with a smaller model (assistant_model=) instead.")
+        draft = copy.copy(lm)  # the same parameters and buffers; own module tables below
+        draft._modules = dict(lm._modules)
+        depth = copy.copy(lm.depth)
+        depth._modules = dict(lm.depth._modules)
+        blocks = nn.ModuleList()
+        for b in lm.depth.blocks:
+            nb = copy.copy(b)
+            nb._modules = dict(b._modules)
+            blocks.append(nb)
+        depth.blocks = blocks
+        draft.depth = depth
+        draft.set_solver(solver, steps, ode_grad="direct")
+        if not getattr(draft.depth.blocks[0].solver, "fixed_grid", True):
+            raise ValueError(f"as_draft: {solver!r} is an adaptive solver; a draft needs a "
+                             f"fixed-grid solver (euler, midpoint, rk4, ...).")
+        config = copy.deepcopy(self.config)
+        config.ode_solver, config.ode_steps, config.ode_grad = solver, steps, "direct"
+        out = type(self)(config, model=draft)
+        out.generation_config = copy.deepcopy(self.generation_config)
+        return out.eval()
 
     def generate(self, *args, **kwargs):
         """transformers' ``generate``. Assisted decoding (``assistant_model=``, a smaller

@@ -20,6 +20,8 @@ Two ways to extend a cache:
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -65,25 +67,28 @@ class RewindLog:
 
     def __init__(self, tokens: int = 0, stride: int = 16) -> None:
         self.tokens, self.stride = tokens, stride
-        # contiguous extensions [start, T, state or _NOT_KEPT, inputs]; the first has a state
-        self.entries: list[list] = []
+        # contiguous extensions [start, T, state or _NOT_KEPT, inputs]; the first has a state.
+        # Adding is O(1) (a decoded token adds one entry per cache): the starts of the entries
+        # that keep a state are tracked apart, and old entries leave from the left.
+        self.entries: deque[list] = deque()
+        self._kept: deque[int] = deque()
 
     def add(self, start: int, T: int, state, inputs: dict) -> None:
         if T > self.tokens:
             self.entries.clear()
+            self._kept.clear()
             return
-        kept = [e[0] for e in self.entries if e[2] is not _NOT_KEPT]
-        if kept and start - kept[-1] < self.stride:
+        if self._kept and start - self._kept[-1] < self.stride:
             state = _NOT_KEPT
+        else:
+            self._kept.append(start)
         self.entries.append([start, T, state, inputs])
         # drop the oldest stretch (a kept state and the entries that lean on it) while what
         # is left still reaches ``tokens`` back
-        while True:
-            nxt = next((i for i, e in enumerate(self.entries) if i and e[2] is not _NOT_KEPT),
-                       None)
-            if nxt is None or start + T - self.entries[nxt][0] < self.tokens:
-                break
-            del self.entries[:nxt]
+        while len(self._kept) > 1 and start + T - self._kept[1] >= self.tokens:
+            self._kept.popleft()
+            while self.entries[0][0] < self._kept[0]:
+                self.entries.popleft()
 
     def floor(self, length: int) -> int:
         """The earliest length the cache, now at ``length``, can be cut back to."""
@@ -97,17 +102,19 @@ class RewindLog:
             raise ValueError(f"cannot cut back to {length} tokens: this cache keeps what its "
                              f"last {self.tokens} tokens need (earliest "
                              f"{self.floor(length)}).")
-        j = max(i for i, e in enumerate(self.entries) if e[0] <= length)
-        b = max(i for i in range(j + 1) if self.entries[i][2] is not _NOT_KEPT)
-        start, _, state, inputs = self.entries[j]
+        entries = list(self.entries)
+        j = max(i for i, e in enumerate(entries) if e[0] <= length)
+        b = max(i for i in range(j + 1) if entries[i][2] is not _NOT_KEPT)
+        start, _, state, inputs = entries[j]
         n = length - start
         head = {k: (x.narrow(d, 0, n), d) for k, (x, d) in inputs.items()}
-        parts = [e[3] for e in self.entries[b:j]] + [head]
+        parts = [e[3] for e in entries[b:j]] + [head]
         joined = {k: torch.cat([p[k][0] for p in parts], dim=d) for k, (_, d) in head.items()}
-        base = self.entries[b][2]
-        del self.entries[j:]
+        base = entries[b][2]
+        self.entries = deque(entries[:j])
         if n:
             self.entries.append([start, n, state, head])
+        self._kept = deque(e[0] for e in self.entries if e[2] is not _NOT_KEPT)
         return base, joined
 
 
