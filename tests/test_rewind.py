@@ -136,3 +136,19 @@ def test_check_rewind_catches_a_cache_that_forgets(monkeypatch):
     monkeypatch.setattr(DeltaNetCache, "crop", careless)
     with pytest.raises(AssertionError, match="cutting back"):
         check_rewind(small_model(mixer="deltanet"))
+
+
+def test_reordered_rows_are_not_cut_back_into_the_old_order():
+    """After beam search reorders the rows, a recurrent cache forgets its log (its entries hold
+    the old rows): it can be cut back to where the reorder happened, not before."""
+    model = small_model(mixer="deltanet")
+    seq = torch.randint(0, 37, (2, 8))
+    with torch.no_grad():
+        state = model.init_state(2, rewind=8)
+        model.step(seq[:, :4], state)
+        for t in range(4, 8):
+            model.step(seq[:, t:t + 1], state)
+        state.reorder(torch.tensor([1, 0]))
+        with pytest.raises(ValueError, match="at the earliest"):
+            state.crop(6)
+        state.crop(8)  # where it is: nothing to do

@@ -48,6 +48,7 @@ class ConvCache:
         """Keep the batch rows ``index`` in that order (beam search reorders its beams)."""
         if self.history is not None:
             self.history = self.history.index_select(0, index)
+        self.log = RewindLog(self.log.tokens)  # its rows are the old ones: cut back no further
 
     def keep_rewind(self, tokens: int) -> None:
         self.log = RewindLog(tokens)

@@ -347,6 +347,7 @@ class DeltaNetCache:
         if self.state is not None:
             self.state = self.state.index_select(0, index.to(self.state.device))
         self.conv = {n: h.index_select(0, index.to(h.device)) for n, h in self.conv.items()}
+        self.log = RewindLog(self.log.tokens)  # its rows are the old ones: cut back no further
 
     def update(self, state: torch.Tensor, T: int) -> None:
         if self.static is not None:
