@@ -26,7 +26,6 @@ rows, to prove the plumbing without a GPU; its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -318,7 +317,7 @@ def decoding(sec: Section, device) -> None:
         sec.plan(f"{mixer}-compiled", mixer=mixer, new_tokens=new, prompt=prompt_len)
     # then graph replay of the whole token step (generate(cuda_graph=True)): eager units first
     # (no compile, so cheap), then compiled units. The dry run records through the CPU
-    # emulation of graph capture (continuumlm.replay), which sees aten operations only, so it
+    # emulation of graph capture (continuumlm.decoding.replay), which sees aten operations only, so it
     # has no compiled-unit rows
     graphed = [(mixer, compile) for compile in ((False,) if sec.dry else (False, True))
                for mixer in mixers]
@@ -381,21 +380,25 @@ def decoding(sec: Section, device) -> None:
         prompt = torch.randint(0, 65, (1, prompt_len), device=device)
 
         def replayed(mixer=mixer, compile=compile):
-            with torch.no_grad(), _recorders() as made:
+            from continuumlm.decoding import Decoder
+
+            # one decoder for both calls: the timed one reuses its compiled evaluator and
+            # recorder (what a kept Decoder does)
+            decoder = Decoder(m, compile=compile, cuda_graph=True)
+            with torch.no_grad():
                 if mixer not in refs:
                     refs[mixer] = m.generate(prompt, new, greedy=True)
                 ref = refs[mixer]
                 t0 = time.perf_counter()
-                first_out = m.generate(prompt, new, greedy=True, compile=compile,
-                                       cuda_graph=True)
+                first_out = decoder.generate(prompt, new, greedy=True)
                 sync(device)
                 first = time.perf_counter() - t0
-                made.clear()
+                (rec,) = decoder.recorders.values() or [None]
+                before = rec.replays if rec else 0
                 t0 = time.perf_counter()
-                m.generate(prompt, new, greedy=True, compile=compile, cuda_graph=True)
+                decoder.generate(prompt, new, greedy=True)
                 sync(device)
                 tok_s = new / (time.perf_counter() - t0)
-            (rec,) = made or [None]
             return {"first_call_s": first, "graph_tok_s": tok_s,
                     # the same greedy tokens as eager cached decoding (eager units: the same
                     # kernels, so bit for bit; compiled ones may round differently)
@@ -403,33 +406,15 @@ def decoding(sec: Section, device) -> None:
                     # what the timed call replayed of its frozen steps (the first token comes
                     # from the prompt's pass): all but the warm-ups unless CUDA refused a
                     # recording (warned in the log), and whether compiling failed
-                    "frozen_steps": new - 1, "graph_replays": rec.replays if rec else 0,
-                    "compile_failed": bool(m._compile_failed)}
+                    "frozen_steps": new - 1,
+                    "graph_replays": rec.replays - before if rec else 0,
+                    "compile_failed": decoder.compile_refused is not None}
         sec.measure(key, "graph", replayed)
         row = sec.rows[key]
         eager = sec.rows.get(f"{mixer}-eager", {}).get("cached_tok_s")
         if row.get("graph_tok_s") and eager:
             row["graph_vs_eager"] = row["graph_tok_s"] / eager
         sec.finish(key)
-
-
-@contextlib.contextmanager
-def _recorders():
-    """The graph recorders generate() makes meanwhile, in a list."""
-    from continuumlm.model import generation
-
-    made, make = [], generation._graph_recorder
-
-    def counted(*args):
-        rec = make(*args)
-        if rec is not None:
-            made.append(rec)
-        return rec
-    generation._graph_recorder = counted
-    try:
-        yield made
-    finally:
-        generation._graph_recorder = make
 
 
 def _graph_row(mixer: str, compile: bool) -> str:
@@ -576,11 +561,12 @@ def child(args) -> None:
         torch.set_num_threads(1)  # a toy size gains nothing from threads, and CI shares cores
         torch.compile = functools.partial(torch.compile, backend="eager")
         # CUDA graphs record CUDA work: on the CPU, the emulation of capture and replay
-        from continuumlm.model import generation
-        from continuumlm.replay import EmulatedGraphRecorder
+        from continuumlm.decoding import Decoder, EmulatedGraphRecorder
 
-        generation._graph_recorder = (lambda model, device, cuda_graph, compile:
-                                      EmulatedGraphRecorder() if cuda_graph else None)
+        def emulated(self, device):
+            return (self.recorders.setdefault(device, EmulatedGraphRecorder())
+                    if self.cuda_graph else None)
+        Decoder._recorder = emulated
     # a section stopped at its budget says where it was (stderr, the log): on the parent's
     # SIGTERM, and 5 s before the budget in case the stop comes as a SIGKILL
     import faulthandler

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from conftest import small_model
+from continuumlm.decoding import Decoder, frozen_decoder
+from continuumlm.decoding import decoder as decoder_module
+from continuumlm.decoding import replay as replay_module
 from continuumlm.mixers.softmax import SoftmaxAttention
-from continuumlm.model import generation
 from continuumlm.registry import FIELDS, MIXERS, SOLVERS
 from continuumlm.replay import CaptureError, EmulatedGraph, EmulatedGraphRecorder
 from continuumlm.testing import _frozen_logits, check_cached_decoding
@@ -82,8 +84,7 @@ def _decode(model, prompt, n, graphs, changes=None, min_capacity=1, replays=None
     with torch.inference_mode():
         state = model.init_state(prompt.shape[0])
         logits = model.step(prompt, state)[0]
-        fn = model._static_decoder(state, compile=False, min_capacity=min_capacity,
-                                   graphs=graphs)
+        fn = frozen_decoder(model, state, None, min_capacity=min_capacity, recorder=graphs)
     tokens, all_logits = [logits.argmax(-1)], [logits]
     for i in range(n - 1):
         with torch.inference_mode():
@@ -149,8 +150,8 @@ def test_one_recording_per_capacity_and_a_warm_up_before_each():
 def emulated(monkeypatch):
     """generate()'s recorder replaced by the emulation, whatever the device."""
     rec = EmulatedGraphRecorder()
-    monkeypatch.setattr(generation, "_graph_recorder",
-                        lambda model, device, cuda_graph, compile: rec if cuda_graph else None)
+    monkeypatch.setattr(Decoder, "_recorder",
+                        lambda self, device: rec if self.cuda_graph else None)
     return rec
 
 
@@ -202,13 +203,13 @@ def test_the_recording_key_reads_every_parameter_and_buffer():
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
     model.depth.alias = model.depth.blocks[0]  # registered twice
     model.depth.blocks[0].back = model.depth  # a cycle
-    tensors, training = generation._walk(model)
+    tensors, training = replay_module._walk(model)
     assert {id(t) for t in tensors} == {id(t) for t in [*model.parameters(), *model.buffers()]}
     tied = model.lm_head.weight is model.tok_emb.weight  # a tensor of two modules, twice
     assert len(tensors) == len([*model.parameters(), *model.buffers()]) + tied
     assert training is False
     model.depth.blocks[0].field.mixer.train()
-    assert generation._walk(model)[1] is True
+    assert replay_module._walk(model)[1] is True
 
 
 def test_a_stream_switched_to_per_token_exit_or_training_runs_its_steps_directly():
@@ -297,7 +298,6 @@ class _FakeCudaGraphs:
         monkeypatch.setattr(torch.cuda, "Stream",
                             lambda device=None, priority=0, **kw: _FakeStream("ours"))
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
-        monkeypatch.setattr(generation, "_CAPTURE_FAILED", None)
 
 
 def test_graph_recorder_decodes_exactly_through_emulated_cuda_graphs(monkeypatch):
@@ -308,7 +308,7 @@ def test_graph_recorder_decodes_exactly_through_emulated_cuda_graphs(monkeypatch
     fake.install(monkeypatch)
     model = small_model(mixer="deltanet", depth="ode", ode_solver="rk4", ode_steps=2)
     prompt, tokens = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 40))
-    rec = generation.GraphRecorder(torch.device("cuda", 0))
+    rec = replay_module.GraphRecorder(torch.device("cuda", 0))
     logits, _ = _frozen_logits(model, prompt, tokens, rec)  # a new token at every step
     assert torch.equal(logits, _frozen_logits(model, prompt, tokens)[0])
     assert (rec.warmups, rec.records, rec.replays, fake.replays) == (4, 4, 35, 35)
@@ -320,7 +320,7 @@ def test_a_refused_recording_restores_the_stream_and_turns_graphs_off(monkeypatc
     fake.install(monkeypatch)
     x = torch.ones(3)
     cuda0 = torch.device("cuda", 0)
-    rec = generation.GraphRecorder(cuda0)
+    rec = replay_module.GraphRecorder(cuda0)
     replay, out = rec.record(lambda: x * 2)
     replay()
     assert (rec.records, rec.replays, fake.replays) == (1, 1, 1) and torch.equal(out, x * 2)
@@ -334,14 +334,18 @@ def test_a_refused_recording_restores_the_stream_and_turns_graphs_off(monkeypatc
     # the cause named, not the failure to end the capture that it brought about
     assert "not permitted when stream is capturing" in caplog.text
     assert "previous error" not in caplog.text
-    assert "no more graphs in this process" in caplog.text
-    # nothing is tried again in this process, by this recorder or a new generate()
+    assert "this decoder records no more graphs" in caplog.text
+    assert rec.refused.startswith("CaptureError")
+    # nothing is tried again by this recorder, nor by the decoder that holds it
     assert rec.record(lambda: x * 2) is None and len(fake.graphs) == 2
     model = small_model(mixer="softmax", depth="ode", ode_solver="rk4", ode_steps=2)
+    decoder = Decoder(model, cuda_graph=True)
+    decoder.recorders[cuda0] = rec
     caplog.clear()
     with caplog.at_level("WARNING", logger="continuumlm"):
-        assert generation._graph_recorder(model, cuda0, True, False) is None
+        assert decoder._recorder(cuda0) is None
     assert "refused an earlier recording" in caplog.text
+    assert decoder.capture_refused == rec.refused
 
 
 def test_cuda_graph_is_refused_where_it_cannot_run():
@@ -370,9 +374,9 @@ def test_cuda_graph_names_what_a_recording_cannot_hold(case):
     why = {"exit": "per-token exit", "adaptive": "adaptive solver",
            "inference": "inference tensors"}[case]
     with pytest.raises(ValueError, match=why):
-        generation._graph_recorder(model, torch.device("cuda"), True, False)
+        Decoder(model, cuda_graph=True)._recorder(torch.device("cuda"))
     # asked for implicitly (compile on CUDA): decoded without graphs instead
-    assert generation._graph_recorder(model, torch.device("cuda"), None, True) is None
+    assert Decoder(model, compile=True)._recorder(torch.device("cuda")) is None
 
 
 @pytest.mark.cuda
@@ -390,20 +394,21 @@ def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile
     ref = model.generate(prompt, 40, greedy=True)
     made = []
 
-    class Counted(generation.GraphRecorder):
+    class Counted(replay_module.GraphRecorder):
         def __init__(self, device):
             super().__init__(device)
             made.append(self)
-    monkeypatch.setattr(generation, "GraphRecorder", Counted)
+    monkeypatch.setattr(decoder_module, "GraphRecorder", Counted)
+    decoder = Decoder(model, compile=compile, cuda_graph=True)
     with caplog.at_level("WARNING", logger="continuumlm"):
-        out = model.generate(prompt, 40, greedy=True, compile=compile, cuda_graph=True)
+        out = decoder.generate(prompt, 40, greedy=True)
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("continuumlm")]
-    assert not ours and not model._compile_failed, ours
+    assert not ours and decoder.compile_refused is None, ours
     assert torch.equal(out, ref)
     (rec,) = made  # 39 frozen steps at capacity 64: one warm-up, one recording, replays
     assert (rec.warmups, rec.records, rec.replays) == (1, 1, 38)
     if not compile:
-        rec = generation.GraphRecorder(torch.device("cuda"))
+        rec = replay_module.GraphRecorder(torch.device("cuda"))
         _, logits = _decode(model, prompt, 40, rec)
         _, ref_logits = _decode(model, prompt, 40, None)
         assert rec.records == 4 and rec.replays == 39 - 4  # capacities 8, 16, 32, 64
@@ -460,15 +465,15 @@ def test_a_recorder_that_refuses_leaves_the_step_to_run_directly():
 
 _REFUSAL = textwrap.dedent("""
     import logging, torch
-    from continuumlm.model import generation
+    from continuumlm.decoding import GraphRecorder
     logging.basicConfig()
     x = torch.ones(4, device="cuda")
-    rec = generation.GraphRecorder(torch.device("cuda", 0))
+    rec = GraphRecorder(torch.device("cuda", 0))
     before = torch.cuda.current_stream()
     rec.warmup(lambda: x * 2)
     assert rec.record(lambda: x * 2 if bool(x.sum() > 0) else x) is None
     assert torch.cuda.current_stream() == before, "the capture stream was left current"
-    assert rec.record(lambda: x * 2) is None  # graphs stay off in this process
+    assert rec.record(lambda: x * 2) is None  # this recorder records no more
     assert float((x * 3).sum()) == 12.0
     torch.cuda.synchronize()
     print("usable")
@@ -480,11 +485,11 @@ def test_cuda_refusing_a_recording_warns_and_the_device_stays_usable():
     """A step that reads a device value on the host cannot be captured: GraphRecorder warns,
     returns None, restores the stream and records no more, and CUDA keeps working (what
     TokenGraphs' fallback relies on). In a process of its own: a failed capture can leave
-    CUDA's allocator state behind (see generation._CAPTURE_FAILED) for later tests."""
+    CUDA's allocator state behind (see decoding.replay_module.GraphRecorder) for later tests."""
     r = subprocess.run([sys.executable, "-c", _REFUSAL], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "usable", r.stderr[-3000:]
-    assert "could not record" in r.stderr and "no more graphs" in r.stderr
+    assert "could not record" in r.stderr and "records no more graphs" in r.stderr
 
 
 def test_a_prompt_longer_than_the_rope_tables_replays(emulated):

@@ -20,10 +20,11 @@ LAYERS = [
     {"nn", "data"},             # small modules; corpora and tokenizers
     {"mixers"},                 # token mixers and their caches
     {"ode"},                    # fields, solvers, gradient modes
-    {"model"},                  # depth, the language model, generation, decoding state
+    {"model"},                  # depth, the language model, its decoding state
+    {"decoding"},               # generation: sampling, token streams, frozen steps, replay
     {"eval"},
     {"train"},
-    {"replay"},                 # CPU emulation of CUDA-graph capture (torch only)
+    {"replay"},                 # the CPU emulation's old import path (decoding.replay)
     {"testing", "experiments", "cli", "__init__", "__main__", "hf"},  # entry points, adapters
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}

@@ -5,6 +5,7 @@ import torch
 
 from conftest import assert_cached_decoding_exact, small_config, small_model
 from continuumlm import CheckpointError, LanguageModel
+from continuumlm.decoding import Compiled, Decoder, frozen_decoder
 from continuumlm.model.cache import KVCache
 
 VARIANTS = [
@@ -126,7 +127,8 @@ def test_compiled_decoding_equals_eager(mixer):
         steps = [m.step(a[:, :5], state)[0]]
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        fn = m._static_decoder(state, min_capacity=16)
+        ev = Compiled()
+        fn = frozen_decoder(m, state, ev, min_capacity=16)
         capacities = set()
         for t in range(5, a.shape[1] - 1):
             steps.append(fn(a[:, t:t + 1], state))
@@ -134,7 +136,7 @@ def test_compiled_decoding_equals_eager(mixer):
             state.advance()
     assert capacities == {16, 32, 64}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert not m._compile_failed
+    assert ev.refused is None
     full, _ = m(a[:, :-1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-4)
     # two states at different capacities, stepped in turn, through the same graph
@@ -142,7 +144,7 @@ def test_compiled_decoding_equals_eager(mixer):
     with torch.inference_mode():
         for st, n in zip(states, (5, 20)):
             m.step(a[:, :n], st)
-        fns = [m._static_decoder(st, min_capacity=16) for st in states]
+        fns = [frozen_decoder(m, st, Compiled(), min_capacity=16) for st in states]
         for t in range(8):
             for i, n in enumerate((5, 20)):
                 outs[i].append(fns[i](a[:, n + t:n + t + 1], states[i]))
@@ -180,9 +182,10 @@ def test_compiled_decoding_of_other_depths(case):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     counted = m.depth.exit_totals[1] if case == "exit" else 0
-    out = m.generate(prompt, 40, greedy=True, compile=True)
+    decoder = Decoder(m, compile=True)
+    out = decoder.generate(prompt, 40, greedy=True)
     assert torch.equal(out, ref)
-    assert not m._compile_failed
+    assert decoder.compile_refused is None
     if case == "exit":  # the compiled steps' tokens are counted too: prompt + 39 steps
         assert m.depth.exit_totals[1] - counted == 5 + 39
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
@@ -206,9 +209,10 @@ def test_compile_where_there_is_no_cached_step_is_refused_or_said(caplog):
 
 
 def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
+    """A compiler failure is recorded on the decoder that met it, warned of once, and that
+    decoder decodes eagerly from then on; a new decoder (each model.generate call) tries
+    again. Nothing is recorded on the model or in the process."""
     import copy
-
-    from continuumlm.model import generation
 
     m = small_model()
     prompt = torch.randint(0, 37, (1, 4))
@@ -217,12 +221,17 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     def broken(*a, **k):
         raise torch._dynamo.exc.TorchDynamoException("no compiler here")
 
-    monkeypatch.setattr(generation, "_compiled_evaluation", lambda device_type: broken)
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: broken)
+    decoder = Decoder(m, compile=True)
     with caplog.at_level("WARNING", logger="continuumlm"):
-        out = m.generate(prompt, 12, greedy=True, compile=True)
-        again = m.generate(prompt, 12, greedy=True, compile=True)
+        out = decoder.generate(prompt, 12, greedy=True)
+        again = decoder.generate(prompt, 12, greedy=True)
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert len(caplog.records) == 1 and "no compiler here" in caplog.records[0].message
+    assert "no compiler here" in decoder.compile_refused
+    with caplog.at_level("WARNING", logger="continuumlm"):
+        assert torch.equal(m.generate(prompt, 12, greedy=True, compile=True), ref)
+    assert len(caplog.records) == 2  # a new decoder: tried, and said, again
     copy.deepcopy(m)  # nothing compiled is stored on the model
 
 
@@ -230,25 +239,26 @@ def test_running_out_of_graphs_decodes_eagerly(monkeypatch, caplog):
     """Dynamo refuses to compile past its graph limit (under fullgraph, by raising): that model
     warns once and decodes eagerly, with the same tokens. A second batch size needs a graph
     of its own, the second under a limit of one."""
-    from continuumlm.model import generation
+    from continuumlm.decoding import frozen
 
     m = small_model()
     one, two = torch.randint(0, 37, (1, 4)), torch.randint(0, 37, (2, 4))
     refs = [m.generate(p, 20, greedy=True) for p in (one, two)]
-    monkeypatch.setattr(generation, "_RECOMPILE_LIMIT", 0)
+    monkeypatch.setattr(frozen, "RECOMPILE_LIMIT", 0)
+    decoder = Decoder(m, compile=True)
     torch._dynamo.reset()  # no graphs of earlier tests count against the limit
     try:  # (not monkeypatch: undoing it on torch's config module hides the setting)
         with torch._dynamo.config.patch(recompile_limit=1), \
                 caplog.at_level("WARNING", logger="continuumlm"):
-            outs = [m.generate(one, 20, greedy=True, compile=True)]
-            assert not m._compile_failed  # the first batch size compiled
-            outs.append(m.generate(two, 20, greedy=True, compile=True))
+            outs = [decoder.generate(one, 20, greedy=True)]
+            assert decoder.compile_refused is None  # the first batch size compiled
+            outs.append(decoder.generate(two, 20, greedy=True))
     finally:
         torch._dynamo.reset()  # later tests start from no graphs whatever happened here
     assert torch.equal(outs[0], refs[0]) and torch.equal(outs[1], refs[1])
     ours = [r for r in caplog.records if r.name == "continuumlm"]
     assert len(ours) == 1 and "RecompileLimit" in ours[0].getMessage()
-    assert m._compile_failed
+    assert "RecompileLimit" in decoder.compile_refused
 
 
 def test_interleaved_streams_keep_eval_mode_until_the_last_ends():
@@ -287,14 +297,14 @@ def test_generate_stream_refuses_bad_arguments_when_made():
             m.generate_stream(prompt, 3, **bad)
     with pytest.raises(ValueError, match="at least one token"):
         m.generate_stream(prompt[:, :0], 3)
-    assert not m._open_streams
+    assert m.__dict__.get("_stream_hold", [0])[0] == 0  # no stream holds the model
 
 
 def test_frozen_state_refuses_step():
     m = small_model()
     state = m.init_state(1)
     m.step(torch.zeros(1, 3, dtype=torch.long), state)
-    m._static_decoder(state, compile=False)
+    frozen_decoder(m, state)
     with pytest.raises(ValueError, match="frozen"):
         m.step(torch.zeros(1, 1, dtype=torch.long), state)
 
@@ -569,12 +579,10 @@ def test_decoding_refuses_what_would_go_wrong_silently():
 def test_a_compiled_generation_refuses_a_solver_changed_between_tokens():
     """The one-token static steps check the state's solver on the host too (they returned
     logits 3e-3 off after set_solver between yields)."""
-    from continuumlm.model.generation import static_decoder
-
     m = small_model(depth="ode", ode_solver="euler", ode_steps=4, num_layers=1)
     state = m.init_state(1)
     m.step(torch.randint(0, 37, (1, 5)), state)
-    token = static_decoder(m, state, compile=False)  # the compiled step's host side, eagerly
+    token = frozen_decoder(m, state)  # the compiled step's host side, eagerly
     token(torch.randint(0, 37, (1, 1)), state)
     m.set_solver(ode_steps=2, ode_grad="direct")
     with pytest.raises(ValueError, match="start a new state"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from continuumlm.decoding import frozen_decoder
 from continuumlm.mixers.cache import RewindLog, SeqCache
 from continuumlm.testing import check_rewind, small_model
 
@@ -117,7 +118,7 @@ def test_a_frozen_state_is_not_cut_back():
     state = model.init_state(1, rewind=4)
     with torch.no_grad():
         model.step(torch.tensor([[1, 2, 3]]), state)
-        model._static_decoder(state, compile=False)
+        frozen_decoder(model, state)
     with pytest.raises(ValueError, match="frozen"):
         state.crop(2)
     cache = SeqCache()

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from continuumlm.model.generation import filter_logits, sample_next
+from continuumlm.decoding import filter_logits, sample_next
 
 PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
 

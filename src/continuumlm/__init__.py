@@ -13,7 +13,8 @@ from .errors import CheckpointError, ConfigError, ContinuumLMError, DataError
 from .registry import load_plugins, register_field, register_mixer, register_solver
 
 if TYPE_CHECKING:
-    from .model import Draft, LanguageModel
+    from .decoding import Decoder, Draft
+    from .model import LanguageModel
 
 __version__ = "0.1.0"
 
@@ -22,14 +23,19 @@ def __getattr__(name: str):
     # The model brings torch (seconds to import): it loads on first use, so that the command
     # line's --help and usage errors answer at once (PEP 562; not an import-cycle workaround:
     # nothing below the package root imports it).
-    if name in ("LanguageModel", "Draft"):
+    if name == "LanguageModel":
         from . import model
 
-        return getattr(model, name)
+        return model.LanguageModel
+    if name in ("Decoder", "Draft"):
+        from . import decoding
+
+        return getattr(decoding, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "CheckpointError", "ConfigError", "ContinuumLMError", "DataConfig", "DataError", "Draft",
+    "CheckpointError", "ConfigError", "ContinuumLMError", "DataConfig", "DataError", "Decoder",
+    "Draft",
     "LanguageModel", "ModelConfig", "RunConfig", "TrainConfig", "load_config", "load_plugins",
     "register_field", "register_mixer", "register_solver", "__version__",
 ]

@@ -141,6 +141,10 @@ MIXERS = Registry("mixer", "model.mixer", ("continuumlm.mixers",))
 FIELDS = Registry("field", "model.field", ("continuumlm.ode.fields",))
 SOLVERS = Registry("solver", "model.ode_solver", ("continuumlm.ode",))
 DEPTHS = Registry("depth", "model.depth", ("continuumlm.model.depth",), public=False)
+# what LanguageModel.generate runs ("default": continuumlm.decoding.Decoder): the decoder
+# sits above the model and reads it through its decoding interface, so the model names it
+# here rather than importing it
+DECODERS = Registry("decoder", "decoder", ("continuumlm.decoding",), public=False)
 REGISTRIES = {"mixer": MIXERS, "field": FIELDS, "solver": SOLVERS, "depth": DEPTHS}
 
 

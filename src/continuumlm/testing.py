@@ -36,6 +36,8 @@ import copy
 import torch
 
 from .config import ModelConfig
+from .decoding.frozen import frozen_decoder
+from .decoding.replay import CaptureError, EmulatedGraphRecorder
 from .model.lm import LanguageModel
 from .registry import MIXERS, REGISTRIES, SOLVERS
 
@@ -106,7 +108,7 @@ def _frozen_logits(model: LanguageModel, prompt: torch.Tensor, tokens: torch.Ten
     state = model.init_state(prompt.shape[0])
     with torch.no_grad():
         steps = [model.step(prompt, state)[0]]
-        fn = model._static_decoder(state, compile=False, min_capacity=1, graphs=graphs)
+        fn = frozen_decoder(model, state, None, min_capacity=1, recorder=graphs)
         first = state.static.capacity
         for t in range(tokens.shape[1] - 1):
             steps.append(fn(tokens[:, t:t + 1], state))
@@ -118,10 +120,9 @@ def check_graph_replay(model: LanguageModel, prompt: torch.Tensor, tokens: torch
                        expected: torch.Tensor) -> None:
     """The frozen one-token step, recorded once per buffer capacity and replayed for the
     tokens after (what ``generate(cuda_graph=True)`` does with CUDA graphs; emulated on the
-    CPU by :mod:`continuumlm.replay`), gives the unrecorded step's logits ``expected`` bit
+    CPU by :mod:`continuumlm.decoding.replay`), gives the unrecorded step's logits ``expected`` bit
     for bit: the step reads no Python value that changes between tokens and reads no device
     value on the host."""
-    from .replay import CaptureError, EmulatedGraphRecorder
 
     try:
         got, _ = _frozen_logits(model, prompt, tokens, EmulatedGraphRecorder())

@@ -122,7 +122,7 @@ def cmd_generate(args) -> int:
     stop = tok.eos_id if tok.kind == "bpe" else None
     draft = None
     if args.draft_solver or args.draft_steps or args.draft_tokens:
-        from ..model import Draft
+        from ..decoding import Draft
 
         draft = Draft(args.draft_solver or "euler", args.draft_steps or 1,
                       args.draft_tokens or 4)

@@ -4,7 +4,6 @@ from ..registry import DEPTHS
 from .cache import DecodeState, KVCache
 from .depth import DiscreteStack, ODEStack, TransformerBlock
 from .lm import LanguageModel
-from .speculative import Draft, DraftStats
 
-__all__ = ["DEPTHS", "DecodeState", "DiscreteStack", "Draft", "DraftStats", "KVCache",
-           "LanguageModel", "ODEStack", "TransformerBlock"]
+__all__ = ["DEPTHS", "DecodeState", "DiscreteStack", "KVCache", "LanguageModel", "ODEStack",
+           "TransformerBlock"]

@@ -48,9 +48,6 @@ class DecodeState:
         # (B, pos) bool, which consumed tokens are real, once a padded batch came through;
         # None while every token so far was real
         self.keys: torch.Tensor | None = None
-        # how the evaluations of a frozen state run: ``evaluate(module, *args)`` (set by
-        # generate(compile=True) to a compiled call), or None: ``module(*args)`` directly
-        self.evaluate: Callable[..., torch.Tensor] | None = None
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (B',) in that order, in every cache: what beam search

@@ -149,8 +149,10 @@ class DiscreteStack(nn.Module):
         self.record: list[torch.Tensor] | None = None  # a list: every layer's output goes in
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
-                padding: Padding | None = None) -> torch.Tensor:
-        run = state.evaluate if state is not None else None  # a frozen state's compiled call
+                padding: Padding | None = None, evaluate=None) -> torch.Tensor:
+        """``evaluate(module, *args)`` (a frozen state's evaluator, e.g. a compiled call):
+        how each layer runs; None: directly."""
+        run = evaluate
         for i, layer in enumerate(self.layers):
             cache = None
             if state is not None:
@@ -192,16 +194,17 @@ class ODEBlock(nn.Module):
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
                 exit_rule: ExitRule | None = None,
                 extras: SolveExtras | None = None,
-                padding: Padding | None = None) -> torch.Tensor:
+                padding: Padding | None = None, evaluate=None) -> torch.Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             # the whole solve recomputed in the backward pass (whatever ode_grad does inside
             # it), with the forward's random state: the same dropout masks
             return self._gradient_checkpointing_func(self._solve, x, state, exit_rule, extras,
-                                                     padding)
-        return self._solve(x, state, exit_rule, extras, padding)
+                                                     padding, evaluate)
+        return self._solve(x, state, exit_rule, extras, padding, evaluate)
 
     def _solve(self, x: torch.Tensor, state: DecodeState | None, exit_rule: ExitRule | None,
-               extras: SolveExtras | None, padding: Padding | None) -> torch.Tensor:
+               extras: SolveExtras | None, padding: Padding | None,
+               evaluate=None) -> torch.Tensor:
         for d in self._dropouts:
             d.reset()  # one dropout mask per forward, shared by every step and stage
         calls = [0]
@@ -218,9 +221,10 @@ class ODEBlock(nn.Module):
         masks: list = [None] * len(self._dropouts)
         # dropout that draws masks (training): each evaluation restores this forward's masks
         dropouts = [d for d in self._dropouts if d.active()]
-        # a frozen decoding state's compiled call: the plain solve below runs each solver
-        # step through it; per-token exit and reversible solvers, each field evaluation
-        run = state.evaluate if state is not None else None
+        # a frozen decoding state's evaluator (a compiled call): the plain solve below runs
+        # each solver step through it; per-token exit and reversible solvers, each field
+        # evaluation
+        run = evaluate
 
         def evaluation(fn, t: float, h: torch.Tensor, n: int):
             # per evaluation only what can change (Module.__setattr__ costs microseconds, and
@@ -479,7 +483,9 @@ class ODEStack(nn.Module):
                               f"({cfg.ode_t0}).")
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
-                padding: Padding | None = None) -> torch.Tensor:
+                padding: Padding | None = None, evaluate=None) -> torch.Tensor:
+        """``evaluate``: as :class:`DiscreteStack`'s (each solver step, or each field
+        evaluation under per-token exit or with a reversible solver)."""
         if state is not None and not self.exact_cache:
             raise ValueError("an adaptive ODE solver cannot be decoded incrementally (its steps "
                              "depend on the whole sequence); use use_cache=False.")
@@ -491,7 +497,7 @@ class ODEStack(nn.Module):
                                  "time (train.kinetic_weight, jacobian_weight, steer): call "
                                  "model.set_exit(None) before training.")
         for block in self.blocks:
-            x = block(x, state, self.exit, self.extras, padding)
+            x = block(x, state, self.exit, self.extras, padding, evaluate)
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = sum(b.last_nfe for b in self.blocks)

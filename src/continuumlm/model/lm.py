@@ -18,8 +18,8 @@ from ..config.components import model_settings
 from ..errors import CheckpointError, ConfigError
 from ..mixers.padding import Padding
 from ..nn import make_norm
-from ..registry import DEPTHS, SOLVERS
-from . import generation, memory
+from ..registry import DECODERS, DEPTHS, SOLVERS
+from . import memory
 from .cache import DecodeState
 
 # importing depth registers the built-in depths
@@ -37,10 +37,6 @@ class LanguageModel(nn.Module):
     ``model(idx, targets=None) -> (logits, loss)`` with logits (B, T, vocab) and loss the mean
     cross-entropy over targets (ignoring -1), or None without targets.
     """
-
-    _compile_failed = False  # set when compiled decoding failed once: decode eagerly after
-    _open_streams = 0  # generations in progress (see generate_stream)
-    _mode_before_streams = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -299,11 +295,13 @@ class LanguageModel(nn.Module):
                         eos_token_id: int | None = None, compile: bool = False,
                         cuda_graph: bool | None = None,
                         threads=None, draft=None) -> Iterator[torch.Tensor]:
-        """Yield the next token ids (B,) one step at a time (see
-        :func:`continuumlm.model.generation.generate_stream`)."""
-        return generation.generate_stream(self, idx, max_new_tokens, temperature, top_k, top_p,
-                                          greedy, use_cache, generator, eos_token_id, compile,
-                                          cuda_graph, threads, draft)
+        """Yield the next token ids (B,) one step at a time: a new
+        :class:`continuumlm.decoding.Decoder` of this model (``compile``, ``cuda_graph``)
+        streams them (see ``Decoder.stream``: ``threads``, ``draft``). Keep a ``Decoder`` to
+        reuse what it compiled and recorded across calls."""
+        decoder = DECODERS["default"](self, compile=compile, cuda_graph=cuda_graph)
+        return decoder.stream(idx, max_new_tokens, temperature, top_k, top_p, greedy,
+                              use_cache, generator, eos_token_id, threads, draft)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
@@ -320,21 +318,18 @@ class LanguageModel(nn.Module):
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     @torch.no_grad()
-    def _static_token_logits(self, idx: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """One token (B, 1) through a frozen state: logits (B, vocab). No Python value read
-        here depends on the position, so a compiled graph of it serves every token. The
-        caller moves the state on with ``state.advance()``."""
+    def frozen_token_logits(self, idx: torch.Tensor, state: DecodeState,
+                            evaluate=None) -> torch.Tensor:
+        """One token (B, 1) through a frozen state (``state.freeze``): logits (B, vocab). No
+        Python value read here depends on the position, so a compiled graph of it serves
+        every token. ``evaluate(module, *args)``: how the depth runs each unit that repeats
+        (a solver step, a layer; see :mod:`continuumlm.decoding.frozen`), None: directly.
+        The caller moves the state on with ``state.advance()``."""
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(state.static.pos)
-        x = self.depth(x, state)
+        x = self.depth(x, state) if evaluate is None else self.depth(x, state, evaluate=evaluate)
         return self.lm_head(self.norm_f(x)[:, -1])
-
-    def _static_decoder(self, state: DecodeState, compile: bool = True,
-                        min_capacity: int = 64, graphs=None):
-        """Freeze ``state`` for one-token steps (see
-        :func:`continuumlm.model.generation.static_decoder`)."""
-        return generation.static_decoder(self, state, compile, min_capacity, graphs)
 
     # ------------------------------------------------------------------ persistence
 
