@@ -1,6 +1,7 @@
 """Decoding speed: cached incremental decoding vs full recompute, eager and compiled.
 
     python bench/decode_speed.py         # writes bench/results/decode_speed.json
+    python bench/decode_speed.py --rates # eager and compiled tokens/s only, printed
 
 4 ODE blocks (sequential field) integrated with 4 classical RK4 steps each (NFE 64 per
 token), d=128, 4 heads, RoPE, batch 1, prompt 64 tokens; softmax and DeltaNet mixers; greedy
@@ -253,5 +254,31 @@ def make_table(rows: list[dict]) -> str:
         ("step_ms_at_2048", "ms/token at 2048"), ("step_2048_vs_128", "2048 / 128")])
 
 
+def rates(repeats: int) -> None:
+    """Only eager cached and compiled tokens/s over 512 new tokens, the median of ``repeats``
+    timed generations each, printed as JSON (nothing written): to compare two checkouts of
+    the package in one sitting, ``PYTHONPATH=OTHER/src python bench/decode_speed.py --rates``
+    beside the same command here (only ``model.generate`` is called)."""
+    import json
+    import statistics
+
+    import continuumlm
+
+    prompt = torch.randint(0, 65, (1, 64))
+    out = {"package": os.path.dirname(continuumlm.__file__)}
+    for mixer in ("softmax", "deltanet"):
+        m = build(mixer)
+        m.generate(prompt, 4, greedy=True)  # warm-up
+        out[f"{mixer}_eager_tok_s"] = statistics.median(
+            tokens_per_s(m, prompt, 512, True) for _ in range(repeats))
+        m.generate(prompt, 512, greedy=True, compile=True)  # compiles
+        out[f"{mixer}_compiled_tok_s"] = statistics.median(
+            tokens_per_s(m, prompt, 512, True, compile=True) for _ in range(repeats))
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--rates" in sys.argv:
+        rates(int(os.environ.get("DECODE_SPEED_REPEATS", "3")))
+    else:
+        main()

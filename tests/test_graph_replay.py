@@ -421,15 +421,15 @@ class _CountingAttention(SoftmaxAttention):
     """A frozen step that reads the cache's Python length: correct when run, wrong when
     replayed (the count stays at its recorded value)."""
 
-    def _static_step(self, qkv, cache):
-        return super()._static_step(qkv, cache) + 1e-3 * cache.length
+    def extend_frozen(self, x, cache):
+        return super().extend_frozen(x, cache) + 1e-3 * cache.length
 
 
 class _PeekingAttention(SoftmaxAttention):
     """A frozen step that reads a device value on the host."""
 
-    def _static_step(self, qkv, cache):
-        y = super()._static_step(qkv, cache)
+    def extend_frozen(self, x, cache):
+        y = super().extend_frozen(x, cache)
         return y if bool(cache.static.pos.item() >= 0) else -y
 
 

@@ -6,6 +6,7 @@ import torch
 from conftest import assert_cached_decoding_exact, small_config, small_model
 from continuumlm import CheckpointError, LanguageModel
 from continuumlm.decoding import Compiled, Decoder, frozen_decoder
+from continuumlm.mixers.cache import FrozenSeqCache
 from continuumlm.model.cache import KVCache
 
 VARIANTS = [
@@ -98,15 +99,23 @@ def test_static_cache_write_and_advance():
     c.append(k, -k)
     state.pos = 3
     state.freeze(8, torch.device("cpu"))
-    assert c.buffers[0].shape[-2] == 8 and state.static.mask.tolist() == [[True] * 4 + [False] * 4]
+    frozen = state.cache("a", KVCache)  # the frozen layout replaced the eager cache
+    assert isinstance(frozen, FrozenSeqCache) and frozen is not c
+    assert frozen.buffers[0].shape[-2] == 8
+    assert state.static.mask.tolist() == [[True] * 4 + [False] * 4]
     new = torch.randn(1, 2, 1, 4)
-    k_all, v_all = c.write(new, -new)
+    k_all, v_all = frozen.write(new, -new)
     state.advance()
     torch.testing.assert_close(k_all[..., :4, :], torch.cat([k, new], 2))
-    assert c.length == 4 and state.pos == 4 and int(state.static.pos) == 4
+    assert frozen.length == 4 and state.pos == 4 and int(state.static.pos) == 4
     assert state.static.mask.sum() == 5 and not k_all[..., 4:, :].any()  # tail zeros, not garbage
-    with pytest.raises(RuntimeError, match="frozen"):
-        c.append(new, new)
+    assert not hasattr(frozen, "append")  # one token at a time, written in place
+    with pytest.raises(ValueError, match="frozen"):
+        frozen.crop(2)
+    state.freeze(16, torch.device("cpu"))  # refrozen larger: the same tokens
+    bigger = state.cache("a", KVCache)
+    assert bigger.buffers[0].shape[-2] == 16
+    torch.testing.assert_close(bigger.buffers[0][..., :4, :], torch.cat([k, new], 2))
 
 
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])

@@ -1,6 +1,7 @@
-"""Self-speculative decoding through depth (model/speculative.py): the same greedy tokens as
-plain cached decoding for every mixer and fixed-grid solver, the statistics it reports, and
-what it refuses."""
+"""Self-speculative decoding through depth (decoding/speculative.py): the same greedy tokens as
+plain cached decoding for every mixer and fixed-grid solver; speculative sampling equal, draw
+for draw, to a slow reference of the algorithm and distributed as the model's own sampling
+(chi-square); the statistics it reports, and what it refuses."""
 
 from __future__ import annotations
 
@@ -75,7 +76,6 @@ def test_refusals_name_the_reason():
     prompt = torch.randint(0, 37, (1, 4))
     cases = [
         (small_model(), {}, "discrete model has no solve"),
-        (model, {"greedy": False}, "greedy decoding only"),
         (model, {"use_cache": False}, "through the cache"),
         (model, {"compile": True}, "eagerly"),
         (ode(solver="dopri5"), {}, "adaptive"),
@@ -108,5 +108,182 @@ def test_cli_draft_flags(tmp_path, tiny_corpus):
     assert "speculative:" in drafted.stderr and "field evaluations per token" in drafted.stderr
     r = run_cli(*base, "--draft-tokens", "0")
     assert r.returncode == 2 and "--draft-tokens" in r.stderr
-    r = run_cli(*base[:-3], "--draft-steps", "2")  # not greedy
-    assert r.returncode == 2 and "greedy decoding only" in r.stderr
+    sampled = run_cli("generate", "--checkpoint", tmp_path / "run", "--prompt", "the",
+                      "--max-new-tokens", "20", "--draft-steps", "2", "--seed", "3")
+    assert sampled.returncode == 0 and "speculative:" in sampled.stderr, sampled.stderr
+
+
+# ---------------------------------------------------------------------------- sampling
+
+def reference_speculative_sampling(model, prompt: list[int], n: int, solver: str, steps: int,
+                                   k: int, temperature: float = 1.0, top_k=None, top_p=None,
+                                   seed: int = 0) -> list[int]:
+    """Speculative sampling written out plainly: every distribution by a full forward of the
+    whole sequence (no cache), the draft's by the model integrated with the draft solve; the
+    same random draws in the same order as the implementation documents."""
+    from continuumlm.decoding import probabilities
+
+    g = torch.Generator().manual_seed(seed)
+    full = (model.config.ode_solver, model.config.ode_steps)
+
+    def dist(seq, solve):
+        model.set_solver(*solve)
+        try:
+            with torch.no_grad():
+                logits = model(torch.tensor([seq]))[0][0, -1]
+        finally:
+            model.set_solver(*full)
+        return probabilities(logits, temperature, top_k, top_p)
+
+    def draw(probs):
+        return int(torch.multinomial(probs, 1, generator=g))
+
+    seq, out = list(prompt), []
+    out.append(draw(dist(seq, full)))
+    seq.append(out[-1])
+    while len(out) < n:
+        k_now = min(k, n - len(out) - 1)
+        drafts, qs = [], []
+        for _ in range(k_now):
+            qs.append(dist(seq + drafts, (solver, steps)))
+            drafts.append(draw(qs[-1]))
+        new = None
+        for i, x in enumerate(drafts):
+            p = dist(seq + drafts[:i], full)
+            u = float(torch.rand((), generator=g))
+            if u < min(1.0, float(p[x]) / float(qs[i][x])):
+                continue  # accepted
+            residual = (p - qs[i]).clamp_min(0)
+            new = drafts[:i] + [draw(residual / residual.sum())]
+            break
+        if new is None:  # every draft accepted: one more token from the model
+            new = drafts + [draw(dist(seq + drafts, full))]
+        for t in new[:n - len(out)]:
+            out.append(t)
+            seq.append(t)
+    return out
+
+
+def _sharp(model, logits: float = 1.0, field: float = 6.0):
+    """A field strong enough (its projections scaled by ``field``) that the draft solve's
+    distribution differs from the model's (drafts are refused often), and logits of about
+    ``logits`` standard deviation (the head, tied to the embedding, rescaled)."""
+    with torch.no_grad():
+        for m in model.depth.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(field)
+        w = model.lm_head.weight
+        w.mul_(logits / (w.std() * w.shape[1] ** 0.5))
+    return model
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, top_k=20),
+                                dict(temperature=1.3, top_p=0.9)])
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+def test_speculative_sampling_draws_what_the_reference_draws(kw, mixer):
+    """With one seed, the implementation (cached, cut back) and the slow reference (full
+    forwards) give the same tokens: the algorithm, the draws and their order are the
+    reference's. float64, so cache and recompute agree far below any draw's margin."""
+    model = _sharp(ode(mixer, "rk4", 2).double())
+    prompt = [3, 1, 4, 1, 5]
+    accepted = drafted = 0
+    for seed, k in ((0, 3), (1, 1), (2, 4), (3, 2)):
+        gen = torch.Generator().manual_seed(seed)
+        stream = model.generate_stream(torch.tensor([prompt]), 14, generator=gen,
+                                       draft=Draft("euler", 1, tokens=k), **kw)
+        got = [int(t) for t in stream]
+        want = reference_speculative_sampling(model, prompt, 14, "euler", 1, k, seed=seed,
+                                              **kw)
+        assert got == want, (seed, k)
+        accepted, drafted = accepted + stream.stats.accepted, drafted + stream.stats.drafted
+    assert 0 < accepted < drafted  # drafts were kept and refused: both branches compared
+
+
+def _chi_square_bound(df: int, z: float = 3.72) -> float:
+    """The chi-square quantile at the normal quantile ``z`` (3.72: a 1e-4 false alarm), by
+    the Wilson-Hilferty approximation."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * a ** 0.5) ** 3
+
+
+def test_one_verified_position_is_distributed_as_the_model():
+    """The verification alone (no model): a draft drawn from q and verified against p gives,
+    at that position, a token distributed as p, whatever q (one that covers p's support, one
+    that misses part of it, one equal to p), and the token after an accepted draft comes from
+    the next distribution. 10,000 draws per case, chi-square at a 1e-4 false alarm."""
+    from continuumlm.decoding.speculative import Sampling, verify
+
+    g = torch.Generator().manual_seed(0)
+    how = Sampling(greedy=False, generator=g)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 3.0, 0.0, -2.0]])
+    p0, p1 = how.probs(logits[0]).double(), how.probs(logits[1]).double()
+    for q in (torch.tensor([0.1, 0.1, 0.5, 0.2, 0.1]), torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0]),
+              p0.float()):
+        first, second = torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+        n = 10000
+        for _ in range(n):
+            x = int(torch.multinomial(q, 1, generator=g))
+            kept, after = verify([x], [q], logits, how)
+            if kept:
+                first[x] += 1
+                second[after] += 1
+            else:
+                first[after] += 1
+        assert float(((first - n * p0) ** 2 / (n * p0)).sum()) < _chi_square_bound(4)
+        m = second.sum()  # given the draft kept, the next token is the model's next draw
+        assert float(((second - m * p1) ** 2 / (m * p1)).sum()) < _chi_square_bound(4)
+    # the statistic tells a wrong distribution (the first q's) apart at this many draws
+    wrong = torch.tensor([0.1, 0.1, 0.5, 0.2, 0.1], dtype=torch.float64)
+    assert float(((n * wrong - n * p0) ** 2 / (n * p0)).sum()) > _chi_square_bound(4)
+
+
+@pytest.mark.slow
+def test_speculative_sampling_is_distributed_as_the_model():
+    """On a 4-token vocabulary, 3 new tokens sampled 3,000 times with speculative sampling:
+    the counts of the 64 continuations match the model's own probabilities of them (a full
+    forward per prefix) within the chi-square bound of a 1e-4 false alarm. The same test
+    refuses the draft's own samples (what keeping every draft would give), so it can fail."""
+    model = _sharp(ode("softmax", "rk4", 2, vocab_size=4))
+    prompt = torch.tensor([[0, 1, 2]])
+    n, V, samples = 3, 4, 3000
+
+    def exact(solver, steps):
+        full = (model.config.ode_solver, model.config.ode_steps)
+        model.set_solver(solver, steps)
+        try:
+            with torch.no_grad():
+                probs = torch.zeros(V ** n, dtype=torch.float64)
+                for c in range(V ** n):
+                    seq = [int(d) for d in torch.tensor([c // V ** i % V for i in
+                                                         reversed(range(n))])]
+                    ids = torch.cat([prompt, torch.tensor([seq])], 1)
+                    p = torch.softmax(model(ids)[0][0, -n - 1:-1].double(), -1)
+                    probs[c] = p[torch.arange(n), seq].prod()
+        finally:
+            model.set_solver(*full)
+        return probs
+
+    p, q = exact("rk4", 2), exact("euler", 1)
+    assert abs(float(p.sum()) - 1) < 1e-9
+    assert 0.5 * float((p - q).abs().sum()) > 0.1  # the draft differs from the model
+
+    def counts(**kw):
+        gen = torch.Generator().manual_seed(0)
+        c = torch.zeros(V ** n, dtype=torch.float64)
+        for _ in range(samples):
+            out = model.generate(prompt, n, generator=gen, **kw)[0, -n:].tolist()
+            c[sum(t * V ** (n - 1 - i) for i, t in enumerate(out))] += 1
+        return c
+
+    def chi2(c):
+        return float(((c - samples * p) ** 2 / (samples * p)).sum())
+
+    bound = _chi_square_bound(V ** n - 1)
+    spec = counts(draft=Draft("euler", 1, tokens=2))
+    assert chi2(spec) < bound, (chi2(spec), bound)
+    model.set_solver("euler", 1)  # the draft's own distribution
+    try:
+        drafted = counts()
+    finally:
+        model.set_solver("rk4", 2)
+    assert chi2(drafted) > bound, (chi2(drafted), bound)

@@ -10,7 +10,11 @@ decorators a user's package uses::
     class MyMixer(torch.nn.Module):
         cache_factory = MyCache          # the type of its decoding cache
         def __init__(self, cfg): ...     # cfg: the ModelConfig
-        def forward(self, x, cache=None): ...
+        def forward(self, x): ...        # the whole sequence (B, T, C)
+        def extend(self, x, cache): ...  # k >= 1 new tokens through its cache
+        def extend_frozen(self, x, cache): ...  # one token, the cache's frozen layout
+
+(a mixer without ``extend`` takes ``forward(x, cache=None)`` for all three, as before.)
 
 The built-ins live in modules that this one never imports at load time (it stays free of
 torch, so the command line answers ``--help`` at once): the first lookup in a registry imports
@@ -149,7 +153,8 @@ REGISTRIES = {"mixer": MIXERS, "field": FIELDS, "solver": SOLVERS, "depth": DEPT
 
 
 def register_mixer(name: str, *, replace: bool = False) -> Callable:
-    """Decorator: ``Mixer(cfg)`` with ``forward(x, cache=None)``, ``cache_factory`` and
+    """Decorator: ``Mixer(cfg)`` with ``forward(x)``, ``extend(x, cache)``,
+    ``extend_frozen(x, cache)`` (or ``forward(x, cache=None)`` alone), ``cache_factory`` and
     optionally ``penalty()``; selected by ``model.mixer = name``."""
     return MIXERS.register(name, replace=replace)
 

@@ -13,7 +13,10 @@ field for a solver) and each model must be
   (for every fixed-grid solver; adaptive solvers couple positions through step-size control);
 - decodable with its caches: greedy generation with the cache equals generation by
   recomputing, and prefill + one step per token gives the logits of one full forward, both
-  eagerly and on the frozen one-token path that ``generate(compile=True)`` compiles; that
+  eagerly (the mixer's ``extend(x, cache)``) and on the frozen one-token path that
+  ``generate(compile=True)`` compiles (``extend_frozen(x, cache)`` on the layout its cache's
+  ``freeze(step)`` returns; a mixer without these methods is called as ``forward(x,
+  cache)`` throughout); that
   path, recorded once and replayed as a CUDA graph is (emulated on the CPU), gives its
   logits bit for bit (without per-token exit, whose decisions are made on the host);
 - rewindable: a decoding state cut back to an earlier length (inside a block of tokens

@@ -18,31 +18,30 @@ import torch.nn as nn
 
 import continuumlm
 from continuumlm.config import setting
-from continuumlm.mixers.cache import RewindLog
+from continuumlm.mixers.cache import FrozenCache, RewindLog
 from continuumlm.ode.solvers import FixedGridSolver, Tableau
 
-__all__ = ["CausalConvMixer", "ConvCache", "RALSTON"]
+__all__ = ["CausalConvMixer", "ConvCache", "FrozenConvCache", "RALSTON"]
 
 
 class ConvCache:
     """Decoding state of one CausalConvMixer evaluation: its last ``kernel - 1`` inputs. The
-    size does not grow with the sequence. ``freeze``/``static`` follow the cache protocol of
-    ``continuumlm.mixers.cache``: once frozen, the history is updated in place (fixed shapes,
-    so a compiled one-token step serves every token)."""
+    size does not grow with the sequence. ``freeze(step)`` follows the cache protocol of
+    ``continuumlm.mixers.cache``: it returns the frozen layout (:class:`FrozenConvCache`),
+    whose history is updated in place (fixed shapes, so a compiled one-token step serves
+    every token)."""
 
     def __init__(self) -> None:
         self.history: torch.Tensor | None = None
         self.length = 0
-        self.static = None
         # cutting back (assisted and speculative decoding): the history each of the latest
         # extensions started from and the inputs it consumed (DecodeState(rewind=N) asks)
         self.log = RewindLog()
 
-    def freeze(self, step) -> None:
+    def freeze(self, step) -> FrozenConvCache:
         if self.history is None:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
-        self.history = self.history.clone()
-        self.static = step
+        return FrozenConvCache(self.history.clone(), self.length, step)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` in that order (beam search reorders its beams)."""
@@ -57,8 +56,6 @@ class ConvCache:
         return self.log.floor(self.length)
 
     def crop(self, length: int) -> None:
-        if self.static is not None:
-            raise ValueError("a frozen (static) decoding cache cannot be cut back.")
         if length == self.length:
             return
         history, inputs = self.log.cut(length)
@@ -70,12 +67,23 @@ class ConvCache:
 
     def update(self, history: torch.Tensor, T: int, x: torch.Tensor) -> None:
         """After an extension by ``x`` (B, T, C): the last inputs are ``history``."""
-        if self.static is not None:
-            self.history.copy_(history)
-        else:
-            if self.log.tokens:
-                self.log.add(self.length, T, self.history, {"x": (x, 1)})
-            self.history, self.length = history.clone(), self.length + T
+        if self.log.tokens:
+            self.log.add(self.length, T, self.history, {"x": (x, 1)})
+        self.history, self.length = history.clone(), self.length + T
+
+
+class FrozenConvCache(FrozenCache):
+    """A :class:`ConvCache` for frozen one-token steps: the history updated in place."""
+
+    def __init__(self, history: torch.Tensor, length: int, step) -> None:
+        self.history, self.length, self.static = history, length, step
+
+    def freeze(self, step) -> FrozenConvCache:
+        self.static = step  # nothing grows with the capacity
+        return self
+
+    def update(self, history: torch.Tensor, T: int, x: torch.Tensor) -> None:
+        self.history.copy_(history)
 
 
 @continuumlm.register_mixer("causal_conv")
@@ -104,7 +112,12 @@ class CausalConvMixer(nn.Module):
             raise ValueError("the causal_conv mixer reads only the past: use it with "
                              "model.mode = 'decoder'.")
 
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence x (B, T, C)."""
+        return self.extend(x, None)
+
+    def extend(self, x: torch.Tensor, cache: ConvCache | None) -> torch.Tensor:
+        """Extend the cache by x's k >= 1 tokens (a prompt, a token, drafted tokens)."""
         B, T, C = x.shape
         K = self.kernel
         history = cache.history if cache is not None and cache.history is not None else \
@@ -114,6 +127,10 @@ class CausalConvMixer(nn.Module):
         if cache is not None:
             cache.update(xx[:, xx.shape[1] - (K - 1):], T, x)
         return self.out(torch.sigmoid(self.gate(x)) * y)
+
+    def extend_frozen(self, x: torch.Tensor, cache: FrozenConvCache) -> torch.Tensor:
+        """One token through the frozen layout: the same work, the history written in place."""
+        return self.extend(x, cache)
 
 
 # Ralston's second-order method: the two-stage explicit Runge-Kutta method of least error

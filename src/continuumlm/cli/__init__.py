@@ -201,9 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--compile; on also without it; off never")
     g.add_argument("--device", default="cpu")
     g.add_argument("--draft-solver", metavar="SOLVER", help="self-speculative decoding (ODE "
-                   "models, --greedy, one sample): the same weights integrated with this "
-                   "fixed-grid solver draft tokens that the model's own solve verifies in one "
-                   "pass; the same tokens as without it (default euler when --draft-steps or "
+                   "models, one sample): the same weights integrated with this fixed-grid "
+                   "solver draft tokens that the model's own solve verifies in one pass; with "
+                   "--greedy the same tokens as without it, sampling distributed as without "
+                   "it (speculative sampling) (default euler when --draft-steps or "
                    "--draft-tokens is given)")
     g.add_argument("--draft-steps", type=_positive_int, help="... with this many steps "
                    "(default 1)")

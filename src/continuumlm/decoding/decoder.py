@@ -12,7 +12,14 @@ from ..registry import DECODERS
 from ..threads import ThreadPolicy
 from .frozen import Compiled, frozen_decoder
 from .replay import GraphRecorder, Recorder
-from .speculative import Draft, DraftStats, SpeculativeStream, check_draft, speculative_tokens
+from .speculative import (
+    Draft,
+    DraftStats,
+    Sampling,
+    SpeculativeStream,
+    check_draft,
+    speculative_tokens,
+)
 from .stream import check_request, plain, streaming, token_stream
 
 log = logging.getLogger("continuumlm")
@@ -76,11 +83,12 @@ class Decoder:
         """Yield the next token ids (B,) one step at a time. Bad arguments raise here, when
         the stream is made, not at its first token.
 
-        ``draft`` (a :class:`.speculative.Draft`; ODE models, greedy, batch 1):
-        self-speculative decoding through depth, the same weights integrated with the
-        draft's coarser solve proposing tokens that the model's own solve verifies in one
-        pass; the same tokens as without it. The stream then has ``stats`` (a
-        ``DraftStats``: acceptance, field evaluations per token).
+        ``draft`` (a :class:`.speculative.Draft`; ODE models, batch 1): self-speculative
+        decoding through depth, the same weights integrated with the draft's coarser solve
+        proposing tokens that the model's own solve verifies in one pass: greedy, the same
+        tokens as without it; sampling, speculative sampling, tokens distributed exactly as
+        without it (not the same draws: it uses the generator in its own order). The stream
+        then has ``stats`` (a ``DraftStats``: acceptance, field evaluations per token).
 
         ``threads``: torch's intra-op threads while the stream runs (see
         :mod:`continuumlm.threads`): ``None`` leaves the count as it is, ``"auto"`` takes the
@@ -106,10 +114,12 @@ class Decoder:
             if compiling or self.cuda_graph:
                 raise ValueError("draft= decodes eagerly in this version; drop compile=True / "
                                  "cuda_graph=True (--compile, --cuda-graph on).")
-            check_draft(model, draft, idx, greedy)
+            check_draft(model, draft, idx)
             stats = DraftStats()
+            how = Sampling(greedy, temperature, top_k, top_p, generator)
             return SpeculativeStream(self._speculative(idx, max_new_tokens, draft,
-                                                       eos_token_id, stats, threads), stats)
+                                                       eos_token_id, stats, threads, how),
+                                     stats)
         exact = getattr(model.depth, "exact_cache", True)
         if use_cache and not exact:
             # asked to compile, told why nothing is: there is no one-token step to compile
@@ -172,8 +182,8 @@ class Decoder:
             return None
         return recorder
 
-    def _speculative(self, idx, max_new_tokens, draft, eos_token_id, stats, threads):
+    def _speculative(self, idx, max_new_tokens, draft, eos_token_id, stats, threads, how):
         with streaming(self.model, threads):
             for t in speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
-                                        stats):
+                                        stats, how):
                 yield plain(t)

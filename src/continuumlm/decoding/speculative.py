@@ -4,15 +4,28 @@ states are cut back to what was kept.
 
     model.generate(idx, 200, greedy=True, draft=Draft("euler", 1, tokens=4))
 
-A round, batch 1, greedy: the draft state (the draft solve, caches of its own) catches up with
-the tokens the model's state holds and the pending token, then proposes ``k`` tokens one at a
+A round, batch 1: the draft state (the draft solve, caches of its own) catches up with the
+tokens the model's state holds and the pending token, then proposes ``k`` tokens one at a
 time; the model's state consumes the pending token and the ``k`` drafts in one ``k + 1``-token
-pass (an extension of its caches, as a prompt's), whose logits give the model's own greedy
-token after each; the longest prefix of drafts equal to those is kept, plus the model's token
-after it, and both states are cut back (``DecodeState.crop``) to what was kept. Every kept
-token is the model's own greedy choice after the kept tokens before it, so the tokens are
-those of plain greedy decoding (up to logits that tie within float rounding, which a pass over
-``k + 1`` tokens may sum in another order than ``k + 1`` one-token steps).
+pass (an extension of its caches, as a prompt's), whose logits give the model's own
+distribution after each; some prefix of the drafts is kept, plus one token of the model's
+after it, and both states are cut back (``DecodeState.crop``) to what was kept.
+
+Greedy: a draft is kept while it equals the model's greedy token, and the token after the
+kept drafts is the model's greedy token there. Every kept token is the model's own greedy
+choice after the kept tokens before it, so the tokens are those of plain greedy decoding (up
+to logits that tie within float rounding, which a pass over ``k + 1`` tokens may sum in
+another order than ``k + 1`` one-token steps).
+
+Sampling (temperature, top-k, top-p): speculative sampling (Leviathan et al. 2023, Chen et al.
+2023) on the processed distributions (:func:`.sampling.probabilities` of the draft's and the
+model's logits, q and p). Draft i is drawn from q_i and kept with probability min(1, p_i(x) /
+q_i(x)); at the first draft refused, the token there is drawn from max(0, p_i - q_i)
+normalized, and the round ends; when every draft is kept, one more token is drawn from
+p_{k+1}. Each token is then distributed as the model's own sampling would draw it (the
+acceptance and the residual together give exactly p_i), whatever the draft. Random draws, in
+order, from the one ``generator``: the k drafts, then per verified draft one uniform and, at a
+refusal, one residual draw, or the last token's draw.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from .sampling import probabilities
 
 AUTO = "auto"
 MAX_AUTO_TOKENS = 16
@@ -107,7 +122,7 @@ class _Solves:
             self._put(self.full)
 
 
-def check_draft(model, draft: Draft, idx: torch.Tensor, greedy: bool) -> None:
+def check_draft(model, draft: Draft, idx: torch.Tensor) -> None:
     """Refuse, by name, what self-speculative decoding does not do."""
     cfg = model.config
     if cfg.depth != "ode":
@@ -123,9 +138,6 @@ def check_draft(model, draft: Draft, idx: torch.Tensor, greedy: bool) -> None:
     if idx.shape[0] != 1:
         raise ValueError(f"draft=: one sequence at a time (batch 1; got {idx.shape[0]}): rows "
                          f"keep different numbers of drafts, which this version does not pad.")
-    if not greedy:
-        raise ValueError("draft=: greedy decoding only (greedy=True, --greedy) in this version; "
-                         "sampling is not yet drafted.")
 
 
 class SpeculativeStream:
@@ -142,12 +154,58 @@ class SpeculativeStream:
         return next(self._tokens)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen: greedy, or drawn from the processed distribution."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self, device) -> float:
+        return float(torch.rand((), generator=self.generator, device=device))
+
+
+def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor,
+           how: Sampling) -> tuple[int, int]:
+    """(drafts kept, the token after them) for ``drafts`` drawn from the distributions ``q``
+    (None when greedy), against the model's ``logits`` (k + 1, V) after the pending token and
+    each draft (see the module's text)."""
+    if how.greedy:
+        own = logits.argmax(-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == own[n]:
+            n += 1
+        return n, own[n]
+    device = logits.device
+    for i, x in enumerate(drafts):
+        p = how.probs(logits[i])
+        # accept with probability min(1, p(x) / q(x)): u < p / q, as u * q < p (q(x) > 0:
+        # x was drawn from q)
+        if how.uniform(device) * float(q[i][x]) < float(p[x]):
+            continue
+        residual = (p - q[i]).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q where both live: the refusal had no mass
+            residual = p
+        return i, how.draw(residual / residual.sum())
+    return len(drafts), how.draw(how.probs(logits[len(drafts)]))
+
+
 @torch.inference_mode()
 def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft,
-                       eos_token_id: int | None, stats: DraftStats) -> Iterator[torch.Tensor]:
-    """Yield the next token (1,) at a time, as plain greedy decoding would (see the module's
-    text); ``stats`` is filled as it goes. The model is in eval mode (the caller's stream
-    sees to it)."""
+                       eos_token_id: int | None, stats: DraftStats,
+                       how: Sampling = Sampling()) -> Iterator[torch.Tensor]:
+    """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
+    module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
+    stream sees to it)."""
     solves = _Solves(model, draft.solver, draft.steps)
     k = 4 if draft.tokens == AUTO else draft.tokens
     start = time.perf_counter()
@@ -162,8 +220,14 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         stats.nfe += model.last_nfe
         return out[0]
 
+    def choose(row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if how.greedy:
+            return int(row.argmax()), None
+        q = how.probs(row)
+        return how.draw(q), q
+
     seq = idx[0].tolist()  # every token so far: the prompt and what was yielded
-    last = int(logits(seq, main)[-1].argmax())  # the latest token, which no state holds yet
+    last = choose(logits(seq, main)[-1])[0]  # the latest token, which no state holds yet
     seq.append(last)
     made = 1
     stats.tokens = made
@@ -173,18 +237,20 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         if limit is not None:  # learned positions: the verifying pass must fit
             k_now = min(k_now, limit - main.pos - 1)
         drafts: list[int] = []
+        qs: list[torch.Tensor] = []
         if k_now > 0:
             with solves.drafting():
-                nxt = int(logits(seq[side.pos:], side)[-1].argmax())  # catch up, draft one
-                drafts.append(nxt)
-                while len(drafts) < k_now:
-                    nxt = int(logits([nxt], side)[-1].argmax())
+                row = logits(seq[side.pos:], side)[-1]  # catch up, draft one
+                while True:
+                    nxt, q = choose(row)
                     drafts.append(nxt)
+                    qs.append(q)
+                    if len(drafts) == k_now:
+                        break
+                    row = logits([nxt], side)[-1]
         before = main.pos
-        own = logits([last, *drafts], main).argmax(-1).tolist()  # the model's after each
-        n = 0
-        while n < len(drafts) and drafts[n] == own[n]:
-            n += 1
+        n, after = verify(drafts, None if how.greedy else qs, logits([last, *drafts], main),
+                          how)
         main.crop(before + 1 + n)  # the latest token and the kept drafts
         if side.pos > before + 1 + n:
             side.crop(before + 1 + n)
@@ -192,7 +258,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         stats.drafted += len(drafts)
         stats.accepted += n
         stats.kept_per_round.append(n + 1)
-        for t in [*drafts[:n], own[n]]:
+        for t in [*drafts[:n], after]:
             seq.append(t)
             made += 1
             last = t

@@ -9,13 +9,15 @@ were not accepted): a cache that grows with the sequence (:class:`SeqCache`) is 
 earlier length by its length alone; a cache of fixed size (a recurrent state) keeps a
 :class:`RewindLog` of its latest extensions and rebuilds its state from there.
 
-Two ways to extend a cache:
+Two layouts, two ways for a mixer to extend its cache:
 
-- the ordinary (eager) way, any number of tokens at a time: storage grows on demand and mixers
-  read the position from Python integers;
-- the *static* way, one token at a time after ``freeze``: every buffer has a fixed capacity and
-  the position lives in tensors (:class:`StaticStep`). Nothing a step reads then changes its
-  shape or a Python value, so one ``torch.compile`` graph serves every token.
+- the ordinary (eager) cache, by any number k >= 1 of tokens at a time (``mixer.extend(x,
+  cache)``; k = 1 is a decoded token, k > 1 a prompt or a block of drafted tokens verified in
+  one pass): storage grows on demand and mixers read the position from Python integers;
+- the frozen cache (:class:`FrozenCache`, made by the cache's ``freeze(step)``), one token at a
+  time (``mixer.extend_frozen(x, cache)``): every buffer has a fixed capacity and the position
+  lives in tensors (:class:`StaticStep`). Nothing a step reads then changes its shape or a
+  Python value, so one ``torch.compile`` graph serves every token.
 """
 
 from __future__ import annotations
@@ -118,41 +120,58 @@ class RewindLog:
         return base, joined
 
 
+class FrozenCache:
+    """The fixed-capacity layout of a cache, made by its ``freeze(step)``: what a mixer's
+    ``extend_frozen(x, cache)`` decodes one token through. Every buffer keeps its address
+    and the position is the shared :class:`StaticStep`'s tensor, so nothing a step reads
+    changes shape or Python value between tokens. A frozen cache is not cut back or
+    reordered (a frozen state is refused both before any cache is asked)."""
+
+    static: StaticStep
+    length: int
+
+    def crop(self, length: int) -> None:
+        raise ValueError("a frozen (static) decoding cache cannot be cut back.")
+
+    def reorder(self, index: torch.Tensor) -> None:
+        raise ValueError("a frozen (static) decoding cache cannot be reordered.")
+
+
+def _regrown(buffers: list[torch.Tensor], length: int, capacity: int) -> list[torch.Tensor]:
+    """New buffers of ``capacity`` positions holding the first ``length`` of ``buffers``;
+    zeros after them, not empty memory: a frozen step multiplies the masked tail by zero
+    weights, and 0 * (uninitialized NaN) would be NaN."""
+    new = [b.new_zeros(*b.shape[:-2], capacity, b.shape[-1]) for b in buffers]
+    for n, b in zip(new, buffers):
+        n[..., :length, :] = b[..., :length, :]
+    return new
+
+
 class SeqCache:
     """Per-token tensors of one mixer evaluation, (B, H, T, D) each, along dimension 2.
 
-    Storage grows by doubling, so appending one token is amortized O(1) copies. After
-    :meth:`freeze` the storage has a fixed capacity and :meth:`write` puts one token at the
-    tensor position of the shared :class:`StaticStep`.
+    Storage grows by doubling, so appending one token is amortized O(1) copies.
+    :meth:`freeze` gives the fixed-capacity layout (:class:`FrozenSeqCache`).
     """
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] | None = None
         self.length = 0
-        self.static: StaticStep | None = None
 
     def append(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Add (B, H, t, D) tensors; return views of everything so far."""
-        if self.static is not None:
-            raise RuntimeError("this cache is frozen for one-token static steps; use write().")
         t = xs[0].shape[-2]
         needed = self.length + t
-        if self.buffers is None or needed > self.buffers[0].shape[-2]:
-            old = self.buffers[0].shape[-2] if self.buffers is not None else 0
-            self._grow(xs, max(needed, 2 * old, 16))
+        if self.buffers is None:
+            self.buffers = [x.new_zeros(*x.shape[:-2], max(needed, 16), x.shape[-1])
+                            for x in xs]
+        elif needed > self.buffers[0].shape[-2]:
+            self.buffers = _regrown(self.buffers, self.length,
+                                    max(needed, 2 * self.buffers[0].shape[-2]))
         for buf, x in zip(self.buffers, xs):
             buf[..., self.length:needed, :] = x
         self.length = needed
         return tuple(buf[..., :needed, :] for buf in self.buffers)
-
-    def _grow(self, like, capacity: int) -> None:
-        # zeros, not empty: a static step multiplies the masked tail by zero weights, and
-        # 0 * (uninitialized NaN) would be NaN
-        new = [x.new_zeros(*x.shape[:-2], capacity, x.shape[-1]) for x in like]
-        if self.buffers is not None:
-            for n, b in zip(new, self.buffers):
-                n[..., : self.length, :] = b[..., : self.length, :]
-        self.buffers = new
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (B',) in that order: beam search's reordering and
@@ -165,24 +184,34 @@ class SeqCache:
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (later ones are overwritten by the next append)."""
-        if self.static is not None:
-            raise ValueError("a frozen (static) decoding cache cannot be cut back.")
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot cut a cache of {self.length} tokens back to {length}.")
         self.length = length
 
-    def freeze(self, step: StaticStep) -> None:
+    def freeze(self, step: StaticStep) -> FrozenSeqCache:
         if self.buffers is None:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
-        if self.buffers[0].shape[-2] != step.capacity:
-            self._grow(self.buffers, step.capacity)
-        for b in self.buffers:
+        return FrozenSeqCache(self.buffers, self.length, step)
+
+
+class FrozenSeqCache(FrozenCache):
+    """A :class:`SeqCache` at a fixed capacity: :meth:`write` puts one token at the tensor
+    position of the shared :class:`StaticStep` and returns the whole buffers."""
+
+    def __init__(self, buffers: list[torch.Tensor], length: int, step: StaticStep) -> None:
+        if buffers[0].shape[-2] != step.capacity:
+            buffers = _regrown(buffers, length, step.capacity)
+        for b in buffers:
             torch._dynamo.maybe_mark_dynamic(b, b.dim() - 2)  # as StaticStep.mask
-        self.static = step
+        self.buffers, self.length, self.static = buffers, length, step
+
+    def freeze(self, step: StaticStep) -> FrozenSeqCache:
+        """The same tokens at another capacity (a frozen state refrozen larger)."""
+        return FrozenSeqCache(self.buffers, self.length, step)
 
     def write(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Static step: store one token's (B, H, 1, D) tensors at ``static.pos``; return the
-        whole fixed-capacity buffers (positions past ``pos`` hold zeros: mask them)."""
+        """Store one token's (B, H, 1, D) tensors at ``static.pos``; return the whole
+        fixed-capacity buffers (positions past ``pos`` hold zeros: mask them)."""
         for buf, x in zip(self.buffers, xs):
             buf[..., self.static.pos, :] = x  # index_put_: updated in place inside a graph
         return tuple(self.buffers)

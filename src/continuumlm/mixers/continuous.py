@@ -66,8 +66,8 @@ from ..config import setting
 from ..errors import ConfigError
 from ..nn import SharedDropout, make_linear
 from ..registry import register_mixer
-from .cache import KVCache, SeqCache
-from .padding import Padding
+from .cache import FrozenSeqCache, KVCache, SeqCache
+from .padding import Padding, mix
 
 
 def _sdpa_any_dims(q, k, v, mask, is_causal: bool) -> torch.Tensor:
@@ -341,36 +341,35 @@ class ContinuousAttention(nn.Module):
             k = torch.cat([qk[1].to(dt), k], -1)
         return q, k
 
-    def _exact(self, x: torch.Tensor, cache) -> torch.Tensor:
+    def _exact(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """The exact forms (quadrature "exact", mode "bias"): one SDPA over every earlier token,
         in float32 at least (the kernel reads positions)."""
         B, T, C = x.shape
         dt = torch.promote_types(self.coef.dtype, torch.float32)
         v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        static = cache is not None and cache.static is not None
-        offset = 0 if cache is None or static else cache.length
-        if cache is not None and not self.causal:
-            raise ValueError("incremental decoding needs mode = 'decoder'.")
-        q_pos = cache.static.pos if static else torch.arange(offset, offset + T, device=x.device)
+        offset = cache.length if cache is not None else 0
+        q_pos = torch.arange(offset, offset + T, device=x.device)
         q, k = self._keys(x, q_pos, q_pos, dt)
         mask, is_causal = None, False
-        if static:
-            k, v = cache.write(k, v.to(dt))
-            mask = cache.static.mask
-        else:
-            if cache is not None:
-                k, v = cache.append(k, v.to(dt))
-            if self.causal and offset == 0:
-                is_causal = T > 1
-            elif self.causal and T > 1:  # a chunk after cached tokens
-                rows = torch.arange(offset, offset + T, device=x.device)[:, None]
-                mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= rows
+        if cache is not None:
+            k, v = cache.append(k, v.to(dt))
+        if self.causal and offset == 0:
+            is_causal = T > 1
+        elif self.causal and T > 1:  # a chunk after cached tokens
+            rows = torch.arange(offset, offset + T, device=x.device)[:, None]
+            mask = torch.arange(k.shape[-2], device=x.device)[None, :] <= rows
+        return self._exact_out(x, q, k, v, q_pos, mask, is_causal, offset)
+
+    def _exact_out(self, x, q, k, v, q_pos, mask, is_causal: bool,
+                   offset: int | None) -> torch.Tensor:
+        """The exact forms' attention and output projection (``offset`` None: the queries'
+        positions are a tensor, a frozen step's)."""
+        B, T, C = x.shape
         with torch.autocast(x.device.type, enabled=False):  # autocast would make it bf16
             if self.relative:
-                y = self._relative_sdpa(q, k, v.to(dt), q_pos, mask,
-                                        None if static else offset)
+                y = self._relative_sdpa(q, k, v.to(q.dtype), q_pos, mask, offset)
             else:
-                y = _sdpa_any_dims(q, k, v.to(dt), mask, is_causal)
+                y = _sdpa_any_dims(q, k, v.to(q.dtype), mask, is_causal)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
 
@@ -416,8 +415,6 @@ class ContinuousAttention(nn.Module):
         if not self.causal:
             raise ValueError("continuous attention takes padded batches in decoder mode only "
                              "(an encoder's quadrature spans the whole window).")
-        if cache is not None and cache.static is not None:
-            raise ValueError("a frozen (static) decoding state does not take padding.")
         keys = padding.keys
         first = keys.long().argmax(1)                                   # (B,) first real token
         padding.require_one_stretch("continuous attention")
@@ -499,8 +496,22 @@ class ContinuousAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: ValueCache | None = None,
                 padding: Padding | None = None) -> torch.Tensor:
-        if cache is None or cache.static is None:  # the compiled decoding step is not checked
-            self._check_range(x.shape[1] + (cache.length if cache is not None else 0))
+        """The whole sequence ``x`` (B, T, C); with a cache, :meth:`extend` or
+        :meth:`extend_frozen` by its layout."""
+        if cache is not None:
+            return mix(self, x, cache, padding)
+        return self._mix(x, None, padding)
+
+    def extend(self, x: torch.Tensor, cache: ValueCache,
+               padding: Padding | None = None) -> torch.Tensor:
+        """Extend the cache by ``x``'s k >= 1 tokens and mix every token so far into them."""
+        if not self.causal:
+            raise ValueError("incremental decoding needs mode = 'decoder'.")
+        return self._mix(x, cache, padding)
+
+    def _mix(self, x: torch.Tensor, cache: ValueCache | None,
+             padding: Padding | None) -> torch.Tensor:
+        self._check_range(x.shape[1] + (cache.length if cache is not None else 0))
         if padding is not None:
             return self._padded(x, cache, padding)
         if self.exact:
@@ -509,39 +520,52 @@ class ContinuousAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         offset = 0
         if cache is not None:
-            if not self.causal:
-                raise ValueError("incremental decoding needs mode = 'decoder'.")
             offset = cache.length
-        if cache is not None and cache.static is not None:
-            # one token, fixed-capacity buffer, position as a tensor: causal quadrature reads
-            # only tokens <= pos, so the unwritten tail of the buffer is never touched
-            (v,) = cache.write(v)
-            q_pos = cache.static.pos
-            # composite quadrature: enough panels for any position the buffer holds (one
-            # more than its last position needs, for a count that float rounding lifts)
-            # (integer arithmetic: the capacity is symbolic in a compiled step)
-            panels = -(-(v.shape[2] - 1) // self.panel) + 1
-        else:
-            panels = None
-            if cache is not None:
-                (v,) = cache.append(v)
-            q_pos = torch.arange(offset, offset + T, device=x.device)
+            (v,) = cache.append(v)
+        q_pos = torch.arange(offset, offset + T, device=x.device)
         n_keys = v.shape[2]
         if T <= 4 or n_keys > self.dense_limit:
             # gather the 2 * n_quad values each query reads: O(T * n_quad * D) per head, which
             # beats the dense (T x n_keys) mixing matrix for decoding and long contexts
-            outs = []
-            for i in range(0, T, self.query_chunk):
-                p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], n_keys,
-                                                   panels)
-                w_lo, w_hi = (p * (1 - alpha)).to(v.dtype), (p * alpha).to(v.dtype)
-                outs.append(torch.einsum("hiq,bhiqd->bhid", w_lo, v[:, :, lo])
-                            + torch.einsum("hiq,bhiqd->bhid", w_hi, v[:, :, hi]))
+            y = self._gathered(v, q_pos)
         else:  # training lengths: one dense mixing matrix per chunk, shared by the batch
             outs = []
             for i in range(0, T, self.query_chunk):
                 M = self.mixing(q_pos[i:i + self.query_chunk], n_keys).to(v.dtype)
                 outs.append(M @ v)                                      # (B, H, Tc, D)
-        y = torch.cat(outs, dim=2)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.dropout(self.out_proj(y))
+            y = torch.cat(outs, dim=2)
+        return self.dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    def extend_frozen(self, x: torch.Tensor, cache: FrozenSeqCache) -> torch.Tensor:
+        """One token through a fixed-capacity cache, its position a tensor (the range
+        warning is the eager passes' alone: a compiled step reads no Python value)."""
+        B, T, C = x.shape
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        q_pos = cache.static.pos
+        if self.exact:
+            dt = torch.promote_types(self.coef.dtype, torch.float32)
+            q, k = self._keys(x, q_pos, q_pos, dt)
+            k, v = cache.write(k, v.to(dt))
+            return self._exact_out(x, q, k, v, q_pos, cache.static.mask, False, None)
+        # causal quadrature reads only tokens <= pos, so the unwritten tail of the buffer is
+        # never touched
+        (v,) = cache.write(v)
+        # composite quadrature: enough panels for any position the buffer holds (one more
+        # than its last position needs, for a count that float rounding lifts) (integer
+        # arithmetic: the capacity is symbolic in a compiled step)
+        panels = -(-(v.shape[2] - 1) // self.panel) + 1
+        y = self._gathered(v, q_pos, panels)
+        return self.dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    def _gathered(self, v: torch.Tensor, q_pos: torch.Tensor,
+                  panels: int | None = None) -> torch.Tensor:
+        """(B, H, Tq, D): the quadrature at the queries ``q_pos``, from the 2 * n_quad values
+        each reads of ``v`` (B, H, n_keys, D)."""
+        outs = []
+        for i in range(0, q_pos.shape[0], self.query_chunk):
+            p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], v.shape[2],
+                                               panels)
+            w_lo, w_hi = (p * (1 - alpha)).to(v.dtype), (p * alpha).to(v.dtype)
+            outs.append(torch.einsum("hiq,bhiqd->bhid", w_lo, v[:, :, lo])
+                        + torch.einsum("hiq,bhiqd->bhid", w_hi, v[:, :, hi]))
+        return torch.cat(outs, dim=2)

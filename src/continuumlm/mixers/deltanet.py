@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from ..config import setting
 from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, stacked_linear, twice
 from ..registry import register_mixer
-from .cache import RewindLog
+from .cache import FrozenCache, RewindLog
+from .padding import mix
 
 
 def delta_rule_recurrent(q, k, v, beta, initial_state=None):
@@ -301,15 +302,17 @@ class DeltaNetCache:
         self.state: torch.Tensor | None = None
         self.conv: dict[str, torch.Tensor] = {}
         self.length = 0
-        self.static = None
         self.log = RewindLog()
+        # what the mixer keeps while it decodes (its stacked projection weights:
+        # nn.stacked_linear); a decoding state gives all its caches its own one
+        self.shared: dict = {}
 
     def keep_rewind(self, tokens: int) -> None:
         self.log = RewindLog(tokens)
 
     def start(self):
         """The state an extension starts from (for :meth:`record`), taken before it changes."""
-        return (self.state, dict(self.conv)) if self.log.tokens and self.static is None else None
+        return (self.state, dict(self.conv)) if self.log.tokens else None
 
     def record(self, T: int, start, inputs: dict) -> None:
         """An extension of ``T`` tokens from ``start`` consumed ``inputs`` (for crop)."""
@@ -321,8 +324,6 @@ class DeltaNetCache:
 
     def crop(self, length: int) -> None:
         """Cut back to the first ``length`` tokens (at least :meth:`rewind_floor`)."""
-        if self.static is not None:
-            raise ValueError("a frozen (static) decoding cache cannot be cut back.")
         if length == self.length:
             return
         (state, conv), inputs = self.log.cut(length)
@@ -335,12 +336,12 @@ class DeltaNetCache:
             conv[name[5:]] = torch.cat([hist, x], dim=1)[:, x.shape[1]:].clone()
         self.state, self.conv, self.length = state, conv, length
 
-    def freeze(self, step) -> None:
-        """Static one-token steps update the state and history in place (fixed shapes)."""
+    def freeze(self, step) -> FrozenDeltaNetCache:
         if self.state is None:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
-        self.conv = {n: h.clone() for n, h in self.conv.items()}  # own storage, updated in place
-        self.static = step
+        frozen = FrozenDeltaNetCache(self.state, self.conv, self.length, step)
+        frozen.shared = self.shared
+        return frozen
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` in that order (beam search)."""
@@ -350,16 +351,39 @@ class DeltaNetCache:
         self.log = RewindLog(self.log.tokens)  # its rows are the old ones: cut back no further
 
     def update(self, state: torch.Tensor, T: int) -> None:
-        if self.static is not None:
-            self.state.copy_(state)
-        else:
-            self.state, self.length = state, self.length + T
+        self.state, self.length = state, self.length + T
 
     def update_conv(self, name: str, history: torch.Tensor) -> None:
-        if self.static is not None:
-            self.conv[name].copy_(history)
-        else:  # its own storage: a view would keep the whole prompt's activations alive
-            self.conv[name] = history.clone()
+        # its own storage: a view would keep the whole prompt's activations alive
+        self.conv[name] = history.clone()
+
+
+class FrozenDeltaNetCache(FrozenCache):
+    """A :class:`DeltaNetCache` for frozen one-token steps: the state and convolution history
+    are updated in place (fixed shapes and addresses); nothing is logged for cutting back."""
+
+    def __init__(self, state: torch.Tensor, conv: dict[str, torch.Tensor], length: int,
+                 step) -> None:
+        self.state = state
+        self.conv = {n: h.clone() for n, h in conv.items()}  # own storage, updated in place
+        self.length, self.static = length, step
+        self.shared: dict = {}
+
+    def freeze(self, step) -> FrozenDeltaNetCache:
+        self.static = step  # no buffer grows with the capacity
+        return self
+
+    def start(self):
+        return None
+
+    def record(self, T: int, start, inputs: dict) -> None:
+        pass
+
+    def update(self, state: torch.Tensor, T: int) -> None:
+        self.state.copy_(state)
+
+    def update_conv(self, name: str, history: torch.Tensor) -> None:
+        self.conv[name].copy_(history)
 
 
 class ShortConv(nn.Module):
@@ -454,14 +478,31 @@ class DeltaNetAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: DeltaNetCache | None = None,
                 padding=None) -> torch.Tensor:
-        B, T, C = x.shape
-        if cache is not None and not self.causal:
+        """The whole sequence ``x`` (B, T, C); with a cache, :meth:`extend` or
+        :meth:`extend_frozen` by its layout."""
+        if cache is not None:
+            return mix(self, x, cache, padding)
+        return self._mix(x, None, padding)
+
+    def extend(self, x: torch.Tensor, cache: DeltaNetCache, padding=None) -> torch.Tensor:
+        """Extend the state by ``x``'s k >= 1 tokens (the token recurrence for k <= 2, the
+        chunkwise kernel beyond) and read it at each."""
+        if not self.causal:
             raise ValueError("incremental decoding needs mode = 'decoder'.")
+        return self._mix(x, cache, padding)
+
+    def extend_frozen(self, x: torch.Tensor, cache: FrozenDeltaNetCache) -> torch.Tensor:
+        """One token, the state and history updated in place (the cache type's)."""
+        return self._mix(x, cache, None)
+
+    def _mix(self, x: torch.Tensor, cache, padding) -> torch.Tensor:
+        B, T, C = x.shape
         projs = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.beta_proj)
         # a decoded token (autograd off): one stacked product (nn.stacked_linear); a longer
         # input keeps the projections apart (their products are long enough, and no copy of
         # the weights is kept for a model that is only evaluated, sharded or not)
-        q, k, v, g, b = (stacked_linear(self, x, projs) if T == 1 and cache is not None
+        q, k, v, g, b = (stacked_linear(self, x, projs, cache.shared)
+                         if T == 1 and cache is not None
                          else (m(x) for m in projs))
         proj = {"q": q, "k": k, "v": v}
         real = padding.valid[..., None] if padding is not None else None

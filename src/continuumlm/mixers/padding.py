@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import FrozenCache
+
 
 @dataclass
 class Padding:
@@ -80,13 +82,35 @@ class Padding:
 
 def mix(module, x: torch.Tensor, cache, padding: Padding | None, *args):
     """``module(*args, x, cache)``, with ``padding=`` when there is padding: a mixer or field
-    without ``supports_padding`` is refused then, by name, instead of reading the pads."""
+    without ``supports_padding`` is refused then, by name, instead of reading the pads.
+
+    A mixer that states its decoding is called through it when there is a cache:
+    ``extend_frozen(x, cache)`` for a cache in the frozen layout (:class:`FrozenCache`: one
+    token, fixed capacity), ``extend(x, cache[, padding=])`` for any other (k >= 1 tokens).
+    Without a cache, such a mixer gets ``forward(x)``. A mixer without them (a plugin's,
+    written before them) gets ``forward(x, cache)``, whatever the cache's layout."""
+    if cache is not None and not args:
+        if isinstance(cache, FrozenCache) and hasattr(module, "extend_frozen"):
+            if padding is not None:
+                raise ValueError("a frozen (static) decoding state does not take padding.")
+            return module.extend_frozen(x, cache)
+        if hasattr(module, "extend"):
+            if padding is None:
+                return module.extend(x, cache)
+            _check_padding(module)
+            return module.extend(x, cache, padding=padding)
+    # no cache: a mixer that states its decoding takes forward(x[, padding=]) alone
+    call = (*args, x) if cache is None and hasattr(module, "extend") else (*args, x, cache)
     if padding is None:
-        return module(*args, x, cache)
+        return module(*call)
+    _check_padding(module)
+    return module(*call, padding=padding)
+
+
+def _check_padding(module) -> None:
     owner = getattr(module, "__self__", module)  # a bound method (field.write): its object
     if not getattr(owner, "supports_padding", False):
         raise ValueError(
             f"{type(owner).__name__} does not support padded batches (it has no "
             f"supports_padding = True): it would read the pad tokens. Score or generate the "
             f"sequences one at a time, or batch sequences of one length.")
-    return module(*args, x, cache, padding=padding)

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from ..nn import RotaryEmbedding, SharedDropout, make_linear
 from ..registry import register_mixer
-from .cache import KVCache
-from .padding import Padding
+from .cache import FrozenCache, FrozenSeqCache, KVCache
+from .padding import Padding, mix
 
 
 @register_mixer("softmax")
@@ -33,18 +33,26 @@ class SoftmaxAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 padding: Padding | None = None) -> torch.Tensor:
+        """The whole sequence ``x`` (B, T, C); with a cache, :meth:`extend` or
+        :meth:`extend_frozen` by its layout."""
+        if cache is not None:
+            return mix(self, x, cache, padding)
+        return self._attend(x, None, padding)
+
+    def extend(self, x: torch.Tensor, cache: KVCache,
+               padding: Padding | None = None) -> torch.Tensor:
+        """Extend the cache by ``x``'s k >= 1 tokens and attend from them to every token so
+        far: a prompt, a decoded token, or drafted tokens verified in one pass."""
+        if not self.causal:
+            raise ValueError("incremental decoding needs mode = 'decoder'; an encoder "
+                             "attends to future tokens, which do not exist yet.")
+        return self._attend(x, cache, padding)
+
+    def _attend(self, x: torch.Tensor, cache: KVCache | None,
+                padding: Padding | None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if cache is not None and cache.static is not None:
-            if padding is not None:
-                raise ValueError("a frozen (static) decoding state does not take padding.")
-            return self._static_step(qkv, cache)
-        offset = 0
-        if cache is not None:
-            if not self.causal:
-                raise ValueError("incremental decoding needs mode = 'decoder'; an encoder "
-                                 "attends to future tokens, which do not exist yet.")
-            offset = cache.length
+        offset = cache.length if cache is not None else 0
         if self.rope is not None and padding is not None:  # each row from its first token
             q, k = self.rope.rows(qkv[:2], padding.positions, padding.keys.shape[1]).unbind(0)
             v = qkv[2]
@@ -79,7 +87,7 @@ class SoftmaxAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = qkv[1], qkv[2]
-        if cache.static is not None:
+        if isinstance(cache, FrozenCache):
             if self.rope is not None:
                 k = self.rope.at(k, cache.static.pos)
             cache.write(k, v)
@@ -89,9 +97,11 @@ class SoftmaxAttention(nn.Module):
                  else self.rope.rows(k, padding.positions, padding.keys.shape[1]))
         cache.append(k, v)
 
-    def _static_step(self, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def extend_frozen(self, x: torch.Tensor, cache: FrozenSeqCache) -> torch.Tensor:
         """One token against a fixed-capacity cache, its position a tensor (see cache.py)."""
-        _, B, H, T, D = qkv.shape
+        B, T, C = x.shape
+        H, D = self.num_heads, self.head_dim
+        qkv = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
         st = cache.static
         if self.rope is not None:
             q, k = self.rope.at(qkv[:2], st.pos).unbind(0)

@@ -8,13 +8,13 @@ A state can be cut back to an earlier length (:meth:`DecodeState.crop`) and exte
 
 Two ways to extend a state:
 
-- the ordinary (eager) way, any number of tokens at a time: caches grow on demand and mixers
-  read the position from Python integers;
-- the *static* way, one token at a time after :meth:`DecodeState.freeze`: every buffer has a
-  fixed capacity and the position lives in tensors (:class:`StaticStep`). Nothing a step reads
-  then depends on the position as a Python value, so one ``torch.compile`` graph of one
-  solver step (or layer) serves every step of every token (see ``LanguageModel.generate(...,
-  compile=True)``).
+- the ordinary (eager) way, any number of tokens at a time (``LanguageModel.step``): caches
+  grow on demand and mixers read the position from Python integers;
+- the *frozen* way, one token at a time after :meth:`DecodeState.freeze`, which replaces each
+  cache by its fixed-capacity layout (``continuumlm.mixers.cache.FrozenCache``) with the
+  position in tensors (:class:`StaticStep`). Nothing a step reads then depends on the
+  position as a Python value, so one ``torch.compile`` graph of one solver step (or layer)
+  serves every step of every token (see :mod:`continuumlm.decoding.frozen`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class DecodeState:
         self.solve: tuple[str, int] | None = None  # (ode_solver, ode_steps) that built the caches
         self.static: StaticStep | None = None
         self._caches: dict[Hashable, Any] = {}
+        # what the mixers keep for as long as this state decodes (DeltaNet's stacked
+        # projection weights), handed to every cache that has a ``shared`` dict
+        self.shared: dict = {}
         # (B, pos) bool, which consumed tokens are real, once a padded batch came through;
         # None while every token so far was real
         self.keys: torch.Tensor | None = None
@@ -87,6 +90,8 @@ class DecodeState:
             c = factory()
             if self.rewind and hasattr(c, "keep_rewind"):
                 c.keep_rewind(self.rewind)
+            if isinstance(getattr(c, "shared", None), dict):
+                c.shared = self.shared
             self._caches[key] = c
         return self._caches[key]
 
@@ -124,15 +129,19 @@ class DecodeState:
         self.pos = length
 
     def freeze(self, capacity: int, device: torch.device) -> None:
-        """Switch to static one-token steps with room for ``capacity`` tokens in all."""
+        """Switch to frozen one-token steps with room for ``capacity`` tokens in all: each
+        cache is replaced by what its ``freeze(step)`` returns (its fixed-capacity layout;
+        a cache type whose ``freeze`` returns None has frozen itself in place)."""
         if self.pos == 0:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
         if self.keys is not None:
             raise ValueError("a decoding state that holds padded rows cannot be frozen for "
                              "one-token static steps; decode it eagerly.")
         self.static = StaticStep(capacity, self.pos, device)
-        for c in self._caches.values():
-            c.freeze(self.static)
+        for key, c in self._caches.items():
+            frozen = c.freeze(self.static)
+            if frozen is not None:
+                self._caches[key] = frozen
 
     def advance(self) -> None:
         """After a static step: move every cache (and the position) on by one token."""

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -34,25 +33,27 @@ class BitLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-# owner module -> (the weights and biases stacked from, their versions and addresses, their
-# data, (stacked weight, stacked bias, sizes));
-# weakly keyed so that a model's stacked copies go with it and never enter its state or pickle
-_STACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def stacked_linear(owner: nn.Module, x: torch.Tensor,
-                   linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+def stacked_linear(owner: nn.Module, x: torch.Tensor, linears: Sequence[nn.Module],
+                   kept: MutableMapping) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in linears)``, as one matrix product when nothing is lost by it.
 
     Several projections of the same input (a mixer's q, k, v, gate, ...) cost one dispatch and
     one read of the input each; with autograd off (decoding) they are computed as one
-    ``F.linear`` with their weights stacked, a copy kept for ``owner`` and rebuilt when any
-    weight or bias is replaced or changed in place (its version counter moves). Each module is
+    ``F.linear`` with their weights stacked, a copy kept in ``kept[owner]`` (the caller's
+    store: a decoding state's, so the copies go with the state; never the model's own state
+    or a process-wide table) and rebuilt when any weight or bias is replaced or changed in
+    place (its version counter moves).
+
+    Why the projections are not one module built fused: they stay separate modules so that
+    adapters (PEFT's LoRA targets ``q_proj``, ``v_proj`` by name), BitLinear (a ternary scale
+    per matrix) and every saved checkpoint see them as trained; only decoding, where each
+    product is one token long and its dispatch is most of its cost, reads them stacked.
+    Each module is
     called as itself instead when gradients are recorded, under ``torch.compile`` (which
     builds its own graph), or when one of them is not a plain ``nn.Linear`` with no hooks
     (BitLinear, a PEFT adapter, a user's hook) or holds an inference tensor (no version
     counter to see changes by), and when their weights together exceed ``STACK_MAX_ELEMENTS``."""
-    stacked = _stacked_weights(owner, linears) if _stackable(linears) else None
+    stacked = _stacked_weights(owner, linears, kept) if _stackable(linears) else None
     if stacked is None:
         return tuple(m(x) for m in linears)
     weight, bias, sizes = stacked
@@ -89,12 +90,12 @@ def tensor_state(t: torch.Tensor) -> tuple:
             tuple(t.shape))
 
 
-def _stacked_weights(owner: nn.Module, linears: Sequence[nn.Module]):
+def _stacked_weights(owner: nn.Module, linears: Sequence[nn.Module], store: MutableMapping):
     tensors = [t for m in linears for t in (m.weight, m.bias)]
     # the data stacked from is held (kept[2]) so that no later data can take over its address
     # while the copy is kept
     versions = [tensor_state(t) if t is not None else None for t in tensors]
-    kept = _STACKED.get(owner)
+    kept = store.get(owner)
     if (kept is not None and len(kept[0]) == len(tensors)
             and all(a is b for a, b in zip(kept[0], tensors)) and kept[1] == versions):
         return kept[3]
@@ -110,7 +111,9 @@ def _stacked_weights(owner: nn.Module, linears: Sequence[nn.Module]):
                               else m.weight.new_zeros(m.out_features) for m in linears])
         held = [t.detach() for t in tensors if t is not None]
     stacked = (weight, bias, [m.out_features for m in linears])
-    _STACKED[owner] = (tensors, versions, held, stacked)
+    # owner -> (the weights and biases stacked from, their versions and addresses, their
+    # data, (stacked weight, stacked bias, sizes))
+    store[owner] = (tensors, versions, held, stacked)
     return stacked
 
 
