@@ -409,3 +409,23 @@ def threads(r: dict, results: dict) -> str | None:
             f"{max(x['loaded_vs_quiet_default'] for x in v):.2f}x; {len(met)} of {len(v)} rows "
             f"meet their targets (0.4x training, 0.5x decoding), and on a quiet machine auto "
             f"runs at {worst_quiet:.2f}x or more of the default.{share}")
+
+
+def speculative(r: dict, results: dict) -> str | None:
+    models = r.get("models") or []
+    if not models:
+        return None
+    target = r.get("target_speedup", 2.5)
+    parts = []
+    for m in models:
+        g, s = m["best"]["greedy"], m["best"]["sampled"]
+        parts.append(f"{m['name']} ({g['plain_nfe_per_token']} field evaluations per token): "
+                     f"{g['speedup']:.2f}x greedy ({g['draft']} drafting {g['k']}, "
+                     f"{100 * g['acceptance']:.0f}% of drafts kept, the same tokens: "
+                     f"{g['same_tokens']}), {s['speedup']:.2f}x sampled ({s['draft']}, "
+                     f"k {s['k']}, {100 * s['acceptance']:.0f}% kept)")
+    best = max(m["best"]["greedy"]["speedup"] for m in models)
+    verdict = "met" if best >= target else f"missed (best {best:.2f}x)"
+    return (f"The model's own weights integrated by a coarser solve draft, its own solve "
+            f"verifies a block of drafts in one pass; the best speed-up over plain cached "
+            f"decoding per model: {'; '.join(parts)}. Target {target}x: {verdict}.")

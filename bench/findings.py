@@ -244,7 +244,28 @@ def threads(results: dict) -> str | None:
             f"({PAGE}#threads-on-a-quiet-and-a-shared-machine)")
 
 
-FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, threads, gpu]
+def speculative(results: dict) -> str | None:
+    r = results.get("speculative")
+    trained = [m for m in (r or {}).get("models", []) if m["name"] != "untrained"]
+    if not trained:
+        return None
+    m = trained[0]
+    g, s = m["best"]["greedy"], m["best"]["sampled"]
+    target = r.get("target_speedup", 2.5)
+    verdict = "met" if g["speedup"] >= target else "missed"
+    others = "".join(f"; {o['name']}: {o['best']['greedy']['speedup']:.2f}x greedy"
+                     for o in trained[1:])
+    return (f"**Self-speculative decoding through depth**: the same weights integrated by a "
+            f"coarser solve draft tokens and the model's own solve verifies them in one pass; "
+            f"on {m['name']} ({g['plain_nfe_per_token']} field evaluations per token) it "
+            f"decodes at {g['speedup']:.2f}x plain cached decoding greedy (the same tokens; "
+            f"{g['draft']} drafts, {100 * g['acceptance']:.0f}% kept) and {s['speedup']:.2f}x "
+            f"sampled (distributed as the model's own sampling){others} (2 CPU cores; target "
+            f"{target}x: {verdict}). [Speculative]"
+            f"({PAGE}#self-speculative-decoding-through-depth)")
+
+
+FINDINGS = [ptb, cat, elastic, parallel, mqar, regularizers, decoding, speculative, threads, gpu]
 
 
 def block(results: dict, regularizer_runs: list[dict]) -> list[str]:

@@ -643,6 +643,7 @@ BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
                   ("deltanet_kernels", "DeltaNet kernels vs causal softmax attention"),
                   ("mixer_step", "Training step by mixer at equal depth and NFE"),
                   ("decode_speed", "Decoding: cached vs recompute"),
+                  ("speculative", "Self-speculative decoding through depth"),
                   ("depth_elasticity", "Anytime depth"),
                   ("depth_exit", "Per-token adaptive depth"),
                   ("elastic_cost", "Training cost of elastic depth"),
@@ -790,6 +791,10 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                                    command=r["command"]))
         if r.get("decoding_table"):
             notes += page.fill("results/depth_exit.decoding", table=r["decoding_table"])
+        if key == "speculative":
+            for m in r.get("models", []):
+                notes += page.fill("results/speculative", name=m["name"], setup=m["setup"],
+                                   table=m["table"])
         said = getattr(conclusions, key)
         conclusion = said(r) if key in ("ode_cost", "ode_memory", "deltanet_kernels",
                                         "mixer_step") else said(r, results)

@@ -248,7 +248,7 @@ class _FakeCudaGraphs:
 
     def __init__(self):
         self.current, self.replays = _FakeStream("default"), 0
-        self.devices, self.graphs = [], []
+        self.devices, self.graphs, self.streams = [], [], []
         fake = self
 
         class CUDAGraph:
@@ -295,8 +295,10 @@ class _FakeCudaGraphs:
     def install(self, monkeypatch):
         for name in ("graph", "CUDAGraph", "device", "set_stream", "stream"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
-        monkeypatch.setattr(torch.cuda, "Stream",
-                            lambda device=None, priority=0, **kw: _FakeStream("ours"))
+        def stream(device=None, priority=0, **kw):
+            self.streams.append(_FakeStream("ours"))
+            return self.streams[-1]
+        monkeypatch.setattr(torch.cuda, "Stream", stream)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
 
 
@@ -311,7 +313,11 @@ def test_graph_recorder_decodes_exactly_through_emulated_cuda_graphs(monkeypatch
     rec = replay_module.GraphRecorder(torch.device("cuda", 0))
     logits, _ = _frozen_logits(model, prompt, tokens, rec)  # a new token at every step
     assert torch.equal(logits, _frozen_logits(model, prompt, tokens)[0])
-    assert (rec.warmups, rec.records, rec.replays, fake.replays) == (4, 4, 35, 35)
+    # 39 frozen steps from position 5: capacities 8 (3 steps), 16 (8), 32 (16), 64 (12); at
+    # each, 3 warm-ups on the capture stream, then one recording whose token is replayed, then
+    # replays: capacity 8 ends before its recording
+    assert (rec.warmups, rec.records, rec.replays, fake.replays) == (12, 3, 27, 27)
+    assert len(fake.streams) == 1  # warm-ups and captures on the one capture stream
     assert repr(fake.current) == "default"
 
 
@@ -405,13 +411,14 @@ def test_cuda_graph_replay_on_a_cuda_device_equals_eager_decoding(mixer, compile
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("continuumlm")]
     assert not ours and decoder.compile_refused is None, ours
     assert torch.equal(out, ref)
-    (rec,) = made  # 39 frozen steps at capacity 64: one warm-up, one recording, replays
-    assert (rec.warmups, rec.records, rec.replays) == (1, 1, 38)
+    (rec,) = made  # 39 frozen steps at capacity 64: 3 warm-ups, one recording, replays
+    assert (rec.warmups, rec.records, rec.replays) == (3, 1, 36)
     if not compile:
         rec = replay_module.GraphRecorder(torch.device("cuda"))
         _, logits = _decode(model, prompt, 40, rec)
         _, ref_logits = _decode(model, prompt, 40, None)
-        assert rec.records == 4 and rec.replays == 39 - 4  # capacities 8, 16, 32, 64
+        # capacities 8 (3 steps: warm-ups only), 16, 32, 64: 3 warm-ups each, then records
+        assert rec.records == 3 and rec.replays == 39 - 12
         # the same operations; a library may pick another kernel inside a capture (cuBLAS
         # keeps a workspace per stream), so round-off is allowed, nothing more
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)

@@ -161,7 +161,7 @@ def _resume_mode(args, out: Path, clear: bool = True) -> bool:
         return True
     if args.resume != "auto":
         raise UsageError(f"--resume takes no value or 'auto', got {args.resume!r}.")
-    from ..train.resume import has_checkpoints
+    from ..train.runfolder import has_checkpoints
 
     if has_checkpoints(out):
         return True
@@ -174,32 +174,18 @@ def _resume_mode(args, out: Path, clear: bool = True) -> bool:
 
 
 def _clear_unstarted_run(args, out: Path) -> None:
-    """The files a run leaves before its first checkpoint (config.toml, metrics.jsonl, tb/)
-    are removed when they are this run's (its config.toml describes the same run), so a
-    requeued job starts again; anyone else's files are left for the trainer to refuse."""
-    import dataclasses
-
+    """The files a run leaves before its first checkpoint are removed when they are this
+    run's (train.runfolder.clear_unstarted_run), so a requeued job starts again; anyone
+    else's files are left for the trainer to refuse."""
     from ..config import load_config
-
-    saved_toml = out / "config.toml"
-    if not saved_toml.is_file() or (out / "state.pt").exists() or (out / "result.json").exists():
-        return
-    try:
-        saved = load_config(saved_toml)
-    except ContinuumLMError:
-        return
-    from ..train.resume import absolute_data_path, clear_unstarted_run
+    from ..train.runfolder import clear_unstarted_run
 
     cfg = load_config(args.config, args.set, plugins=args.plugin)
-    cfg.data = absolute_data_path(cfg.data)  # as the trainer wrote it
-    cfg.model = dataclasses.replace(cfg.model, vocab_size=saved.model.vocab_size)
-    if cfg != saved:
-        return
     # only a run that died before its first save completed: one that logged a step past it
     # (its checkpoints since removed, say) is left for the trainer to refuse. The step of the
     # first save itself is logged before that save (and its evaluation) run
     t = cfg.train
-    clear_unstarted_run(out, min(t.checkpoint_interval, t.eval_interval, t.max_steps),
+    clear_unstarted_run(out, cfg, min(t.checkpoint_interval, t.eval_interval, t.max_steps),
                         "--resume auto")
 
 

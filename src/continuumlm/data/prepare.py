@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError, DiskError
+from .shards import FORMAT, META_FILE, VERSION, Prepared, read_meta
 from .sources import Source, documents, file_digest
 from .tokenizers import (
     TOKENIZER_FILE,
@@ -49,9 +50,6 @@ from .tokenizers import (
     tokenizer_json,
 )
 
-FORMAT = "continuumlm-prepared"
-VERSION = 1
-META_FILE = "meta.json"
 PART = ".part"
 SPLIT_NAMES = ("train", "val", "test")
 DEFAULT_SAMPLE_CHARS = 64_000_000
@@ -590,8 +588,6 @@ def prepare_folder(out: Path, plan: Plan, spec: TokenizerSpec, dtype: str = "aut
     very preparation is kept; one holding another is refused unless ``force``; leftovers of an
     interrupted prepare (no meta.json) are cleared; a folder with other files is refused.
     ``force`` prepares again in any case."""
-    from .shards import read_meta
-
     digests = source_digests(plan)
     key = plan_key(plan, spec, digests, dtype)
     if out.exists() and not out.is_dir():
@@ -729,8 +725,6 @@ def prepare_cached(root: Path, plan: Plan, spec: TokenizerSpec, quiet: bool = Tr
 
 def _complete(folder: Path) -> bool:
     """A cache folder that opens as a prepared corpus (else it is prepared again)."""
-    from .shards import Prepared
-
     if not (folder / META_FILE).is_file():
         return False
     try:

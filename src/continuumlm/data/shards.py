@@ -10,8 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from .prepare import FORMAT, META_FILE, VERSION
 from .tokenizers import load_tokenizer
+
+# the format this module reads and data/prepare.py writes
+FORMAT = "continuumlm-prepared"
+VERSION = 1
+META_FILE = "meta.json"
 
 
 def _bad(folder: Path, what: str) -> DataError:

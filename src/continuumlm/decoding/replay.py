@@ -70,6 +70,7 @@ class Recorder(Protocol):
     records: int
     replays: int
     refused: str | None
+    warmups_needed: int  # real runs of a step before it is recorded
 
     def warmup(self, fn: Callable[[], T]) -> T: ...
 
@@ -90,20 +91,34 @@ class GraphRecorder:
     capture starts with then fails an internal assert) and its memory pool reserved. Another
     recorder that tries again and meets that assert is refused the same way."""
 
+    # real runs before a capture, on the capture stream, as torch's make_graphed_callables
+    # does: lazy initialization, autotuning and cuBLAS's per-stream workspace settle first
+    warmups_needed = 3
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.warmups = self.records = self.replays = 0
         self.refused: str | None = None
-        self._stream = None  # the capture stream, made on ``device`` at the first record
+        self._stream = None  # the capture stream, made on ``device`` at first use
+
+    def _capture_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     def warmup(self, fn):
         self.warmups += 1
         with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            side, now = self._capture_stream(), torch.cuda.current_stream()
+            side.wait_stream(now)
             with torch.cuda.stream(side):
                 out = fn()
-            torch.cuda.current_stream().wait_stream(side)
+            now.wait_stream(side)
+            # what it made on the capture stream is used on the caller's: the allocator must
+            # not hand that memory out again before the caller's stream is done with it
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(now)
         return out
 
     def record(self, fn):
@@ -113,14 +128,13 @@ class GraphRecorder:
         if self.refused is not None:
             return None
         with torch.cuda.device(self.device):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
+            stream = self._capture_stream()
             before = torch.cuda.current_stream()
             graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: a CUDA call another thread makes meanwhile (a data loader's
                 # pinned-memory copies) does not spoil this capture
-                with torch.cuda.graph(graph, stream=self._stream,
+                with torch.cuda.graph(graph, stream=stream,
                                       capture_error_mode="thread_local"):
                     out = fn()
             # any exception: CUDA's (torch.AcceleratorError among them), and a compiler's or
@@ -152,8 +166,9 @@ class TokenGraphs:
     A frozen state keeps every buffer at a fixed address and its position in tensors, and
     the step reads no Python value that changes between tokens (the property the compiled
     unit already needs), so the device work of one token, recorded once, is the work of
-    every later token at that capacity. The first token at a capacity runs for real (the
-    recorder's warm-up), the next is recorded and replayed, the rest replayed: on CUDA, one
+    every later token at that capacity. The first tokens at a capacity run for real (the
+    recorder's ``warmups_needed`` warm-ups: 3 for CUDA, 1 for the emulation), the next is
+    recorded and replayed, the rest replayed: on CUDA, one
     graph launch per token instead of a kernel launch per operation (hundreds per field
     evaluation's worth of Python and dispatch). A refreeze (new buffers), another batch shape,
     or a weight changed or replaced between tokens (its address or version counter) records
@@ -163,7 +178,7 @@ class TokenGraphs:
     def __init__(self, model, recorder: GraphRecorder, run) -> None:
         self.model, self.recorder, self.run = model, recorder, run
         self.recorded = None  # (key, replay, logits in the graph's memory, ids buffer)
-        self.warmed = None    # the key last run as a warm-up
+        self.warmed = (None, 0)  # the key last run as a warm-up, and how many times
         self.failed = False   # the recorder refused (and warned): run the step directly
 
     def _key(self, ids: torch.Tensor, st: DecodeState, tensors: list[torch.Tensor]):
@@ -183,8 +198,9 @@ class TokenGraphs:
         key = self._key(ids, st, tensors)
         if self.recorded is None or self.recorded[0] != key:
             self.recorded = None  # the old graph's memory goes before a new one is recorded
-            if self.warmed != key:
-                self.warmed = key
+            runs = self.warmed[1] if self.warmed[0] == key else 0
+            if runs < getattr(self.recorder, "warmups_needed", 1):
+                self.warmed = (key, runs + 1)
                 return self.recorder.warmup(lambda: self.run(ids, st))
             buffer = ids.clone()
             recorded = self.recorder.record(lambda: self.run(buffer, st))
@@ -306,6 +322,8 @@ class EmulatedGraphRecorder:
     """:class:`GraphRecorder` on the CPU (the :class:`Recorder` interface): see the module's
     docstring. A capture that reads a device value on the host raises
     :class:`CaptureError` (a test wants to see it), rather than being refused."""
+
+    warmups_needed = 1
 
     def __init__(self) -> None:
         self.records = 0

@@ -8,6 +8,27 @@ from ..config import ModelConfig
 from ..config.components import model_settings
 from ..model.lm import MODEL_TYPE
 
+# the two one-line modules an exported folder carries, so that tools which never import
+# continuumlm.hf load it with trust_remote_code=True (its config's auto_map names them)
+REMOTE_CODE = {
+    "configuration_continuumlm.py": '"""ContinuumLM\'s transformers config, from the installed '
+                                    'package (pip install continuumlm)."""\n'
+                                    "from continuumlm.hf import ContinuumLMConfig  # noqa: F401\n",
+    "modeling_continuumlm.py": '"""ContinuumLM\'s transformers model, from the installed package '
+                               '(pip install continuumlm)."""\n'
+                               "from continuumlm.hf import ContinuumLMForCausalLM  # noqa: F401\n",
+}
+AUTO_MAP = {"AutoConfig": "configuration_continuumlm.ContinuumLMConfig",
+            "AutoModelForCausalLM": "modeling_continuumlm.ContinuumLMForCausalLM"}
+
+
+def write_remote_code(out) -> None:
+    """Write the modules ``AUTO_MAP`` names into the folder ``out``."""
+    from pathlib import Path
+
+    for name, code in REMOTE_CODE.items():
+        (Path(out) / name).write_text(code)
+
 
 class ContinuumLMConfig(PretrainedConfig):
     """Every field of :class:`continuumlm.ModelConfig` as an attribute (component settings as
@@ -42,8 +63,6 @@ class ContinuumLMConfig(PretrainedConfig):
         import json
         from pathlib import Path
 
-        from .export import AUTO_MAP, REMOTE_CODE
-
         if push_to_hub:
             raise NotImplementedError("push_to_hub: save the folder, then upload it with "
                                       "huggingface_hub.upload_folder.")
@@ -52,8 +71,7 @@ class ContinuumLMConfig(PretrainedConfig):
         cfg = self.to_dict()
         if cfg.get("auto_map"):
             cfg["auto_map"] = {**cfg["auto_map"], **AUTO_MAP}
-            for name, code in REMOTE_CODE.items():
-                (out / name).write_text(code)
+            write_remote_code(out)
         tmp = out / "config.json.tmp"
         tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         tmp.replace(out / "config.json")

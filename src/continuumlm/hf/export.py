@@ -83,18 +83,6 @@ def check_round_trip(tok, hf, probe: str) -> None:
                               f"{theirs[:8]}); it cannot be exported for transformers.")
 
 
-REMOTE_CODE = {
-    "configuration_continuumlm.py": '"""ContinuumLM\'s transformers config, from the installed '
-                                    'package (pip install continuumlm)."""\n'
-                                    "from continuumlm.hf import ContinuumLMConfig  # noqa: F401\n",
-    "modeling_continuumlm.py": '"""ContinuumLM\'s transformers model, from the installed package '
-                               '(pip install continuumlm)."""\n'
-                               "from continuumlm.hf import ContinuumLMForCausalLM  # noqa: F401\n",
-}
-AUTO_MAP = {"AutoConfig": "configuration_continuumlm.ContinuumLMConfig",
-            "AutoModelForCausalLM": "modeling_continuumlm.ContinuumLMForCausalLM"}
-
-
 def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
     """Write ``model`` (a LanguageModel) and ``tok`` as a transformers folder ``out``:
     loadable by the Auto classes after ``import continuumlm.hf``, and by tools that never
@@ -102,7 +90,7 @@ def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
     import the installed package). ``probe``: text the converted tokenizer is checked on."""
     from transformers import GenerationConfig
 
-    from .configuration import ContinuumLMConfig
+    from .configuration import AUTO_MAP, ContinuumLMConfig
     from .modeling import ContinuumLMForCausalLM
 
     out = Path(out)
@@ -125,8 +113,6 @@ def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
     hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=bos,
                                             pad_token_id=pad_id)
     hf.save_pretrained(out)
-    for name, code in REMOTE_CODE.items():
-        (out / name).write_text(code)
     converted.save(str(out / "tokenizer.json"))
     # batches are padded with the end-of-text token (the model masks pads, so which id fills
     # them does not matter), on the left, where generation appends after the real tokens

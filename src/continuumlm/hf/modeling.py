@@ -23,8 +23,7 @@ from ..errors import CheckpointError
 from ..model.cache import DecodeState
 from ..model.depth import ODEBlock, TransformerBlock
 from ..model.lm import LanguageModel, load_weights
-from .configuration import ContinuumLMConfig
-from .export import AUTO_MAP
+from .configuration import AUTO_MAP, ContinuumLMConfig, write_remote_code
 
 # the decoding state's name in transformers' outputs and keywords: "cache" from 5.24 (where
 # past_key_values is a deprecated alias), "past_key_values" in earlier 5.x releases
@@ -500,7 +499,6 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
         from safetensors.torch import save_file, save_model
 
         from ..model.lm import MODEL_TYPE, WEIGHTS_FILE
-        from .export import AUTO_MAP, REMOTE_CODE
 
         lm = self.model
         if state_dict is None:
@@ -509,8 +507,7 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
             tensors = own_names(lm, state_dict, "the state_dict")
             save_file({k: v.detach().contiguous() for k, v in tensors.items()},
                       str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        for name, code in REMOTE_CODE.items():
-            (out / name).write_text(code)
+        write_remote_code(out)
         if self.generation_config is not None:
             self.generation_config.save_pretrained(out)
         cfg = {**self.config.to_dict(), **lm.config.to_dict(), "model_type": MODEL_TYPE,

@@ -261,11 +261,18 @@ class ODEBlock(nn.Module):
             # goes through evaluation() below, which restores this forward's masks)
             per_step = int(self.solver.evals_per_step)
             step_dt = (t1 - cfg.ode_t0) / cfg.ode_steps
-            for s, t in enumerate(grid(cfg.ode_t0, t1, cfg.ode_steps)):
+            # t as a tensor: one graph for every step's time, not one per value. On the
+            # state's device, made at the first frozen step and kept with the state, so a
+            # recorded graph reads it in place (a host tensor would be a copy from pageable
+            # memory inside the capture)
+            at = ("ode_grid", cfg.ode_t0, t1, cfg.ode_steps, x.device)
+            if at not in state.shared:
+                state.shared[at] = torch.tensor(grid(cfg.ode_t0, t1, cfg.ode_steps),
+                                                dtype=torch.float64, device=x.device)
+            times = state.shared[at]
+            for s in range(cfg.ode_steps):
                 caches = tuple(cache_of(s * per_step + i) for i in range(per_step))
-                # t as a tensor: one graph for every step's time, not one per value
-                t = torch.tensor(t, dtype=torch.float64)
-                x = run(_solver_step, self.solver, field, t, x, step_dt, caches)
+                x = run(_solver_step, self.solver, field, times[s], x, step_dt, caches)
             calls[0] = cfg.ode_steps * per_step
         elif exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)

@@ -35,6 +35,7 @@ from ..data.corpora import sha256_file
 from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer, save_tokenizer
 from ..errors import CheckpointError, first_line
 from ..model.lm import CONFIG_FILE, WEIGHTS_FILE, LanguageModel
+from .runfolder import BEST, CHECKPOINTS, LAST
 
 RUN_FILE = "run.json"
 ASIDE_PREFIX = ".old-"  # a step's previous copy while the step is saved again
@@ -123,9 +124,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
             os.rename(aside, final)
         raise
     shutil.rmtree(aside, ignore_errors=True)
-    _point(ckpt_root / "last", name)
+    _point(ckpt_root / LAST, name)
     if best:
-        _point(ckpt_root / "best", name)
+        _point(ckpt_root / BEST, name)
     if evaluated:
         _point(ckpt_root / "evaluated", name)
     _prune(ckpt_root, keep)
@@ -151,7 +152,7 @@ def recover_interrupted_save(ckpt_root: Path) -> None:
 def _prune(ckpt_root: Path, keep: int) -> None:
     steps = sorted(p for p in ckpt_root.iterdir()
                    if p.name.startswith(STEP_PREFIX) and p.is_dir() and not p.is_symlink())
-    protected = {(ckpt_root / n).resolve() for n in ("last", "best", "evaluated")
+    protected = {(ckpt_root / n).resolve() for n in (LAST, BEST, "evaluated")
                  if (ckpt_root / n).exists()}
     for p in steps[:-keep] if keep > 0 else []:
         if p.resolve() not in protected:
@@ -164,11 +165,11 @@ def resolve_checkpoint(path: str | Path, which: str = "last") -> Path:
     if not p.exists():
         raise CheckpointError(f"{p} does not exist; pass a run folder (e.g. runs/demo) or a "
                               f"checkpoint folder (e.g. runs/demo/checkpoints/best).")
-    for candidate in (p, p / which, p / "checkpoints" / which):
+    for candidate in (p, p / which, p / CHECKPOINTS / which):
         if (candidate / WEIGHTS_FILE).exists() or (candidate / CONFIG_FILE).exists():
             return candidate
-    others = sorted(w for w in ("best", "last") if w != which and any(
-        (c / CONFIG_FILE).exists() for c in (p / w, p / "checkpoints" / w)))
+    others = sorted(w for w in (BEST, LAST) if w != which and any(
+        (c / CONFIG_FILE).exists() for c in (p / w, p / CHECKPOINTS / w)))
     if others:
         raise CheckpointError(
             f"{p} has no {which!r} checkpoint (a run whose validation loss never improved on its "

@@ -9,38 +9,10 @@ import shutil
 import time
 from pathlib import Path
 
-from ..errors import DiskError, TrainingError
+from ..errors import DiskError
 from . import distributed as D
 from .checkpoint import save_checkpoint
-from .resume import continue_command
-
-# what a full disk, a quota, a read-only mount or a failing disk raise
-DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-               errno.EROFS: "the file system is read-only", errno.EIO: "an I/O error"}
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def disk_error(what: str, where: Path, e: BaseException, root: Path, out: Path,
-               need: int | None = None, task: str = "lm") -> DiskError:
-    """One paragraph: what could not be written, where, why, the last complete checkpoint,
-    the space a checkpoint needs, and the command that continues the run."""
-    last = root / "last"
-    kept = (f"the last complete checkpoint, {last.resolve()}, is intact" if last.exists()
-            else "no checkpoint was written yet")
-    why = getattr(e, "strerror", None) or DISK_ERRNOS.get(getattr(e, "errno", None)) or str(e)
-    try:
-        free = f"; {gib(shutil.disk_usage(where if where.exists() else out).free)} free there"
-    except OSError:
-        free = ""
-    space = f"; a checkpoint of this run needs about {gib(need)}" if need else ""
-    why = why.splitlines()[0] if why else type(e).__name__
-    return DiskError(f"could not write {what} to {where} ({why}){free}{space}; {kept}. Free "
-                     f"some space (or move the run folder to a larger disk) and continue with "
-                     f"{continue_command(task, out)} (with the --nproc it was started with, if "
-                     f"any)")
+from .runfolder import LAST, checkpoints, disk_error, gib, unwritable_folder
 
 
 class Checkpointer:
@@ -50,7 +22,7 @@ class Checkpointer:
 
     def __init__(self, out: Path, t, dist: D.DistEnv, fsdp: bool, device=None):
         self.out, self.t, self.dist, self.fsdp, self.device = out, t, dist, fsdp, device
-        self.root = out / "checkpoints"
+        self.root = checkpoints(out)
         self.saved_at: int | None = None  # the step saved last by this process's loop
         self.saved_time = time.monotonic()
         self.task = "lm"  # the run's task (Trainer sets it), for the command that continues it
@@ -119,24 +91,24 @@ class Checkpointer:
                 free = None
             if free is not None and free < need:  # refused before anything is written
                 e = OSError(errno.ENOSPC, f"{gib(need)} needed, {gib(free)} free")
-                raise disk_error(what, self.root, e, self.root, self.out, need, self.task)
+                raise disk_error(what, self.root, e, self.out, need, self.task)
         try:
             return save_checkpoint(self.root, step, model, tokenizer, cfg, state, best=best,
                                    keep=self.t.keep_checkpoints, shards=shards,
                                    evaluated=evaluated)
         except (OSError, SafetensorError) as e:  # safetensors reports ENOSPC its own way
-            raise disk_error(what, self.root, e, self.root, self.out, need, self.task) from None
+            raise disk_error(what, self.root, e, self.out, need, self.task) from None
         except RuntimeError as e:
             # torch.save reports a full disk as "[enforce fail at inline_container.cc...]
             # unexpected pos ...": a write that came up short
             if "inline_container" not in str(e) and "unexpected pos" not in str(e):
                 raise
-            raise disk_error(what, self.root, e, self.root, self.out, need, self.task) from None
+            raise disk_error(what, self.root, e, self.out, need, self.task) from None
 
     def size_needed(self, model, optimizer) -> int:
         """Bytes a new checkpoint takes: the last one's size when there is one, else the
         weights in float32 and the optimizer's state (with a margin for the small files)."""
-        last = self.root / "last"
+        last = self.root / LAST
         if last.exists():
             return sum(p.stat().st_size for p in last.resolve().rglob("*") if p.is_file())
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -155,20 +127,3 @@ class Checkpointer:
             probe.unlink()
         except OSError as e:
             raise unwritable_folder(self.out, e) from None
-
-
-def unwritable_folder(out, e: OSError) -> Exception:
-    """The one-paragraph error of a run folder that cannot be created or written (a disk
-    fault is a DiskError, exit status 74; a wrong path a TrainingError)."""
-    advice = {errno.ENOSPC: "free some space or choose another --out",
-              errno.EDQUOT: "free some space or choose another --out",
-              errno.ENOTDIR: "a part of that path is a file, not a folder; choose "
-                             "another --out",
-              errno.EEXIST: "a part of that path is a file, not a folder; choose "
-                            "another --out",
-              errno.EACCES: "you may not write there; choose a writable --out",
-              errno.EPERM: "you may not write there; choose a writable --out",
-              errno.EROFS: "that file system is read-only; choose a writable --out",
-              }.get(e.errno, "choose a writable --out")
-    kind = DiskError if e.errno in DISK_ERRNOS else TrainingError
-    return kind(f"cannot write to the run folder {out} ({e.strerror or e}); {advice}.")

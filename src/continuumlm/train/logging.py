@@ -6,7 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from ..errors import ConfigError, DiskError
+from ..errors import DiskError
+from .runfolder import METRICS, TENSORBOARD, disk_error, read_metrics  # noqa: F401 - read_metrics: public here too
 
 EVAL_KEYS = ("val_loss", "accuracy")  # an event holding one of these is an evaluation
 
@@ -15,25 +16,13 @@ def is_evaluation(event: dict) -> bool:
     return any(k in event for k in EVAL_KEYS)
 
 
-def refuse_foreign_files(out: Path, names: tuple[str, ...], what: str) -> None:
-    """A new run writes config.toml and appends to metrics.jsonl at the top of its folder: refuse
-    a folder that already holds any of ``names`` (another run's files, or a user's own
-    config.toml), so nothing there is overwritten or mixed in."""
-    found = [n for n in names if (Path(out) / n).exists()]
-    if found:
-        raise ConfigError(
-            f"{out} already holds {', '.join(found)}: files of another run, or your own. {what} "
-            f"would overwrite config.toml and append to metrics.jsonl there. Choose another "
-            f"--out, or delete that folder if its contents are no longer needed.")
-
-
 class MetricsLogger:
     def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True,
                  keep_resume_evaluation: bool = False, task: str = "lm"):
         """``keep_resume_evaluation``: the resumed run will not evaluate again at its first
         step (MQAR saves after its evaluations; a run extended past a final step that is not a
         multiple of eval_interval), so an evaluation already logged at that step is kept."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self.task = task  # for the command that continues the run, in a disk error
         self.keep_resume_evaluation = keep_resume_evaluation
         kept_at_resume: list[dict] = []
@@ -51,9 +40,9 @@ class MetricsLogger:
             # metrics.jsonl keeps at that step (its training update, an evaluation not redone)
             # are written again so that both records agree
             try:
-                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step)
+                self.tb = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=resume_step)
             except OSError as e:
-                raise self._disk_error("TensorBoard events", run_dir / "tb", e) from None
+                raise self._disk_error("TensorBoard events", run_dir / TENSORBOARD, e) from None
             for event in kept_at_resume:
                 self._scalars(event)
 
@@ -89,10 +78,7 @@ class MetricsLogger:
             self._scalars(event)
 
     def _disk_error(self, what: str, where: Path, e: OSError) -> DiskError:
-        from .checkpointer import disk_error
-
-        run = self.path.parent
-        return disk_error(what, where, e, run / "checkpoints", run, task=self.task)
+        return disk_error(what, where, e, self.path.parent, task=self.task)
 
     def _scalars(self, event: dict) -> None:
         step = event["step"]
@@ -102,7 +88,7 @@ class MetricsLogger:
                     kind = "val/" if k.startswith("val") or k in EVAL_KEYS else "train/"
                     self.tb.add_scalar(kind + k, v, step)
         except OSError as e:
-            raise self._disk_error("TensorBoard events", self.path.parent / "tb", e) from None
+            raise self._disk_error("TensorBoard events", self.path.parent / TENSORBOARD, e) from None
 
     def close(self) -> None:
         try:
@@ -113,9 +99,4 @@ class MetricsLogger:
             try:
                 self.tb.close()
             except OSError as e:
-                raise self._disk_error("TensorBoard events", self.path.parent / "tb", e) from None
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                raise self._disk_error("TensorBoard events", self.path.parent / TENSORBOARD, e) from None

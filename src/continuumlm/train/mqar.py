@@ -43,10 +43,8 @@ from ..model.memory import available_memory
 from .checkpoint import load_run_config, load_trainer_state, save_checkpoint, verify_checkpoint
 from .device import autocast_for, pick_device
 from .optim import make_optimizer
-from .resume import clear_unstarted_run, has_checkpoints
+from .runfolder import LEGACY_STATE, RESULT, checkpoints, clear_unstarted_run, has_checkpoints
 from .tasks import Evaluation
-
-LEGACY_STATE = "state.pt"  # the standalone loop's state file (earlier versions)
 
 
 def _test_set(cfg: RunConfig, offset: int = 10_000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,9 +312,9 @@ def run_mqar(cfg: RunConfig, out: str | Path, quiet: bool = False,
         distributed.teardown()
     if not distributed.env_from_environment().is_main:  # rank 0 writes the record
         return {"steps": summary["step"], "interrupted": summary["interrupted"]}
-    if not (out / "result.json").exists():  # stopped before its first evaluation
+    if not (out / RESULT).exists():  # stopped before its first evaluation
         return {"steps": summary["step"], "interrupted": summary["interrupted"]}
-    result = json.loads((out / "result.json").read_text())
+    result = json.loads((out / RESULT).read_text())
     return {**result, "interrupted": summary["interrupted"]} if summary["interrupted"] else result
 
 
@@ -333,33 +331,16 @@ def prepare_run_folder(cfg: RunConfig, out: Path, clear: bool | None = None) -> 
     if clear is None:
         clear = not distributed.env_from_environment().enabled
     if not has_checkpoints(out) and not (out / LEGACY_STATE).exists() and clear:
-        _clear_unstarted_run(cfg, out)
+        # the first checkpoint comes with the first evaluation; steps up to it may be logged
+        # before it is written
+        clear_unstarted_run(out, cfg, min(cfg.train.eval_interval, cfg.train.max_steps),
+                            "it stopped before its first evaluation")
     if not has_checkpoints(out) and (out / LEGACY_STATE).exists():
         if distributed.env_from_environment().enabled:
             raise ConfigError(f"{out} holds a run of an earlier version's MQAR loop "
                               f"({LEGACY_STATE}); continue it once with one process (or with "
                               f"`continuumlm mqar --nproc N`, which adopts it first).")
         _adopt_legacy_state(out, cfg)
-
-
-def _clear_unstarted_run(cfg: RunConfig, out: Path) -> None:
-    """The files a run leaves before its first checkpoint (config.toml, metrics.jsonl, tb/:
-    the first checkpoint comes with the first evaluation) are removed when they are this same
-    run's, so the same command starts it again; anyone else's files are left for the trainer
-    to refuse."""
-    from ..config import load_config
-
-    saved = out / "config.toml"
-    if not saved.is_file() or (out / "result.json").exists():
-        return
-    try:
-        if load_config(saved).to_dict() != cfg.to_dict():
-            return
-    except ValueError:
-        return
-    # steps up to the first evaluation may be logged before its checkpoint is written
-    clear_unstarted_run(out, min(cfg.train.eval_interval, cfg.train.max_steps),
-                        "it stopped before its first evaluation")
 
 
 def _adopt_legacy_state(out: Path, cfg: RunConfig) -> None:
@@ -379,7 +360,7 @@ def _adopt_legacy_state(out: Path, cfg: RunConfig) -> None:
              "world_size": 1, "skipped_steps": 0, "bad_steps": 0, "optimizer": opt.state_dict(),
              "task": {"name": "mqar", "history": st["history"], "best": st["best"],
                       "elapsed": st["elapsed"]}}
-    save_checkpoint(out / "checkpoints", st["step"], model, None, cfg, state,
+    save_checkpoint(checkpoints(out), st["step"], model, None, cfg, state,
                     keep=cfg.train.keep_checkpoints, evaluated=True)
 
 
@@ -398,7 +379,7 @@ def _result(cfg: RunConfig, parameters: int, step: int, acc: float, best: float,
 def _write_result(out: Path, result: dict) -> None:
     tmp = out / "result.json.tmp"
     tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out / "result.json")
+    tmp.replace(out / RESULT)
 
 
 def _load_state(path: Path, advice: str) -> dict:
@@ -417,7 +398,7 @@ def _last_evaluated(out: Path) -> tuple[RunConfig, dict, Path | dict] | None:
     right after an evaluation: a checkpoint whose step is its history's last (a checkpoint a
     signal wrote between evaluations is passed over), or the standalone loop's ``state.pt``
     (its weights in the returned dict). None before the first evaluation."""
-    root = out / "checkpoints"
+    root = checkpoints(out)
     # the one `evaluated` points at first (kept from pruning), then any other, newest first
     linked = [(root / "evaluated").resolve()] if (root / "evaluated").exists() else []
     for ckpt in [*linked, *sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)]:
@@ -489,7 +470,7 @@ def progress(out: str | Path, cfg: RunConfig | None = None) -> dict | None:
         if not _same_settings(saved.to_dict(), cfg):
             raise ConfigError(f"{out} holds an MQAR run with other settings than the config "
                               f"and --set options given; record it with the ones it ran with.")
-    done = out / "result.json"
+    done = out / RESULT
     if done.exists():
         result = json.loads(done.read_text())
         if result.get("complete", True) and result["steps"] == task["step"]:

@@ -15,23 +15,35 @@ from .checkpoint import (
     recover_interrupted_save,
     verify_checkpoint,
 )
-from .logging import refuse_foreign_files
+from .runfolder import (  # noqa: F401 - has_checkpoints, continue_command: public here too
+    CHECKPOINTS,
+    CONFIG,
+    LAST,
+    METRICS,
+    RESUMED_BY,
+    TASK_NAMES,
+    absolute_data_path,
+    checkpoints,
+    continue_command,
+    has_checkpoints,
+    refuse_foreign_files,
+)
 
 
 def find_resumable(out: Path, announce: bool = True):
     """(checkpoint folder, its run config, its trainer state) of the newest checkpoint in a run
     folder that passes its manifest and loads; damaged ones are skipped with a message."""
-    root = Path(out) / "checkpoints"
+    root = checkpoints(out)
     if root.is_dir():
         recover_interrupted_save(root)
     candidates = []
-    if (root / "last").exists():
-        candidates.append((root / "last").resolve())
+    if (root / LAST).exists():
+        candidates.append((root / LAST).resolve())
     if root.is_dir():
         candidates += sorted((p.resolve() for p in root.glob("step-*") if p.is_dir()),
                              reverse=True)
     if not candidates:
-        if any((Path(out) / n).exists() for n in ("config.toml", "metrics.jsonl")):
+        if any((Path(out) / n).exists() for n in (CONFIG, METRICS)):
             # a new run would refuse these files: say what to do about them
             raise CheckpointError(
                 f"--resume: {root} holds no checkpoint: the run in {out} stopped before it "
@@ -77,44 +89,6 @@ def find_resumable(out: Path, announce: bool = True):
                           + "; ".join(text for text, _ in problems))
 
 
-def has_checkpoints(out: Path) -> bool:
-    """Whether a run folder holds what the trainer counts as checkpoints (a dangling `last`
-    too: resuming says what is wrong with it)."""
-    root = Path(out) / "checkpoints"
-    return (root / "last").is_symlink() or any(root.glob("step-*")) \
-        or any(root.glob(".old-step-*"))
-
-
-def clear_unstarted_run(out: Path, last_step: int, why: str) -> bool:
-    """Remove the files a run leaves before its first checkpoint (config.toml, metrics.jsonl,
-    tb/) so that the same command starts it again, unless its metrics log a step past
-    ``last_step`` (then it had a checkpoint, since removed, and the trainer refuses the
-    folder). The caller has checked that config.toml describes this same run. Returns
-    whether the files were removed."""
-    import shutil
-
-    from .logging import read_metrics
-
-    try:
-        steps = [e.get("step", 0) for e in read_metrics(out)] \
-            if (out / "metrics.jsonl").exists() else []
-    except (OSError, ValueError):
-        return False
-    if any(isinstance(s, (int, float)) and s > last_step for s in steps):
-        return False
-    print(f"{out} holds no checkpoint ({why}); starting the run again", flush=True)
-    (out / "config.toml").unlink()
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(out / "tb", ignore_errors=True)
-    return True
-
-
-def absolute_data_path(data):
-    if not data.path:
-        return data
-    return dataclasses.replace(data, path=str(Path(data.path).expanduser().absolute()))
-
-
 def differences(saved: RunConfig, cfg: RunConfig, sections=("model", "data"),
                 limit: int = 4) -> list[str]:
     """``section.key: the run's value, given value`` for the keys of ``sections`` that differ
@@ -142,24 +116,12 @@ def differences(saved: RunConfig, cfg: RunConfig, sections=("model", "data"),
     return shown + ([f"{len(keys) - limit} more"] if len(keys) > limit else [])
 
 
-TASK_NAMES = {"lm": "language-modeling (continuumlm train)", "mqar": "MQAR (continuumlm mqar)"}
-RESUMED_BY = {"lm": "continuumlm train --resume", "mqar": "the continuumlm mqar command"}
-
-
-def continue_command(task: str, out) -> str:
-    """What continues a stopped run of ``task`` in ``out``, for the messages that say so."""
-    if task == "mqar":  # an MQAR run continues from its newest checkpoint by itself
-        return f"the same `continuumlm mqar --config CONFIG --out {out}` command"
-    return f"`continuumlm train --out {out} --resume auto`"
-
-
 def open_run_folder(cfg: RunConfig, out: Path, resume: bool, task: str = "lm"):
     """For a new run, check that ``out`` holds no other run; for ``resume``, find the newest
     usable checkpoint and check that ``cfg`` changes only [train] settings. Returns (trainer
     state or None, the checkpoint folder or None); fills in ``cfg.data.path`` (absolute, so
     `eval` and `--resume` read the same file from any folder) and, on resume, the model's
     vocabulary size. A run resumes only on the task it was started on (``task``)."""
-    ckpt_root = out / "checkpoints"
     cfg.data = absolute_data_path(cfg.data)
     if resume:
         ckpt, saved, state = find_resumable(out)
@@ -182,11 +144,9 @@ def open_run_folder(cfg: RunConfig, out: Path, resume: bool, task: str = "lm"):
                 f"only [train] keys (e.g. train.max_steps). Drop --config/--set for those "
                 f"sections.")
         return state, ckpt
-    if (ckpt_root / "last").is_symlink() or any(ckpt_root.glob("step-*")) \
-            or any(ckpt_root.glob(".old-step-*")):
-        raise ConfigError(f"{out} already holds a run (its checkpoints/); pass --resume "
+    if has_checkpoints(out):
+        raise ConfigError(f"{out} already holds a run (its {CHECKPOINTS}/); pass --resume "
                           f"to continue it, or choose another --out.")
     # an MQAR run, a run that died before its first checkpoint, a user's config.toml
-    refuse_foreign_files(out, ("config.toml", "metrics.jsonl", "state.pt", "result.json"),
-                         "A new training run")
+    refuse_foreign_files(out, "A new training run")
     return None, None

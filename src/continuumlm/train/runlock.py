@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from ..errors import ContinuumLMError
+from .runfolder import LOCK, unwritable_folder
 
-LOCK_NAME = ".run.lock"
+LOCK_NAME = LOCK
 INHERITED = "CONTINUUMLM_RUN_LOCK"  # set by a launcher that holds the lock for its ranks
 _held: dict[str, int] = {}  # lock path -> open descriptor, kept for the life of the process
 _created: set[Path] = set()  # run folders that taking the lock created
@@ -103,8 +104,6 @@ def hold(out: Path, command: str, rank: int = 0, environ=None, wait_ready: float
             _created.add(out.resolve())
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        from .checkpointer import unwritable_folder
-
         raise unwritable_folder(out, e) from None
     if rank == 0:
         _take(out, path, command, me)

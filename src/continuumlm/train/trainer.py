@@ -34,11 +34,8 @@ from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
-from .resume import (  # noqa: F401 - find_resumable: public here
-    continue_command,
-    find_resumable,
-    open_run_folder,
-)
+from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
+from .runfolder import CONFIG, LAST, continue_command, disk_error
 from .signals import StopSignals
 from .tasks import Evaluation, LanguageModelingTask
 
@@ -227,12 +224,10 @@ class Trainer:
             self.logger = MetricsLogger(self.out, resume_step=self.step if resume else None,
                                         keep_resume_evaluation=not redo, task=self.task.name)
             try:  # once nothing else can fail
-                (self.out / "config.toml").write_text(dump_toml(cfg))
+                (self.out / CONFIG).write_text(dump_toml(cfg))
             except OSError as e:
-                from .checkpointer import disk_error
-
-                raise disk_error("config.toml", self.out / "config.toml", e, self.ckpt_root,
-                                 self.out, task=self.task.name) from None
+                raise disk_error(CONFIG, self.out / CONFIG, e, self.out,
+                                 task=self.task.name) from None
         else:
             self.logger = _NullLogger()
         self.dist.barrier()
@@ -480,7 +475,7 @@ class Trainer:
             self.skipped_steps += 1
             self.last_culprit = culprit
             if self.bad_steps >= t.max_bad_steps:
-                last = self.ckpt_root / "last"
+                last = self.ckpt_root / LAST
                 kept = (f"the last good checkpoint is {last.resolve()}" if last.exists()
                         else "no checkpoint was written yet")
                 error = TrainingError(
