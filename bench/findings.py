@@ -218,8 +218,9 @@ def gpu(results: dict) -> str | None:
                 f"matrices per token, is launch-bound there ({dec[0]:.0f} tokens/s, "
                 f"{dec[1]:.2f}x recomputing)" if dec else "")
     long = gpu_page.long_kernels(r)
+    clock = "" if gpu_page.kernels_timed_by_gpu(long) else " by the host's clock (not yet GPU time)"
     kernels = (f"; over SDPA's time, DeltaNet's fastest chunkwise kernel (forward and backward, "
-               f"bf16) takes {gpu_page.kernel_ratios(long)}" if long else "")
+               f"bf16) takes {gpu_page.kernel_ratios(long)}{clock}" if long else "")
     return (f"**On one {r['device']} a field evaluation costs what a layer does**: at GPT-2-small's "
             f"shape (bf16, compiled) one evaluation of the shared ODE block takes {ratio:.2f}x a "
             f"discrete layer, and the models train at {100 * rows['ode_euler']['mfu']:.1f}% "

@@ -39,12 +39,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULT = "gpu_bench.json"
 # seconds per section on a GPU, in the order they run, and for the whole bench (a section gets
-# at most what is left of it, child start-ups included): 340 s beside gpu_check.sh's 90 s of
-# CUDA tests fits its 9-minute limit. The GPT-2-small section holds the target rows (MFU, an
-# ODE evaluation against a layer), so it runs first, before any section can overrun
-BUDGETS = {"gpt2": 125, "kernels": 45, "training": 110, "decoding": 60}
-DEADLINE = 340
-DRY_BUDGETS = {"gpt2": 40, "kernels": 30, "training": 60, "decoding": 60}
+# at most what is left of it, child start-ups included): 280 s beside gpu_check.sh's 90 s of
+# CUDA tests fits its 8-minute limit.
+# most valuable first: graph-replayed decoding (never yet run on a GPU), DeltaNet's kernels by
+# GPU time, then the GPT-2-small rows and training; a later `--resume` command completes what
+# a budget cut short
+BUDGETS = {"decoding": 70, "kernels": 70, "gpt2": 90, "training": 50}
+DEADLINE = 280
+DRY_BUDGETS = {"decoding": 60, "kernels": 30, "gpt2": 40, "training": 60}
 DRY_DEADLINE = 180
 # dense peaks from the vendors' data sheets (FLOP/s): bf16 tensor cores, and fp32 without
 # TF32 (this package does not enable TF32), for MFU. First match of the device name wins.
@@ -119,6 +121,8 @@ class Section:
         row = self.rows[key]
         errors = [k for k in row if k.endswith("_error") and row[k]]
         row["status"] = "error" if errors else "done"
+        # the code it measured (set by the parent for every section; see commit())
+        row["commit"] = os.environ.get("GPU_CHECK_COMMIT") or None
         self.save()
         print(json.dumps(row), flush=True)
 
@@ -141,6 +145,28 @@ def time_ms(fn, device, repeats=20, warmup=3) -> float:
         fn()
     sync(device)
     return (time.perf_counter() - t0) / repeats * 1000
+
+
+def timed(name: str, fn, device, repeats=20, warmup=3) -> dict:
+    """``{name}_ms``: host wall time per call over back-to-back calls (what the device and
+    the host's launches together take); on CUDA also ``{name}_gpu_ms``: the median over the
+    calls of the GPU time between CUDA events recorded around each call, which a host that
+    launches faster than the GPU runs does not inflate; the kernel rows' verdict reads it."""
+    import statistics
+
+    import torch
+
+    out = {f"{name}_ms": time_ms(fn, device, repeats, warmup)}
+    if device.type == "cuda":
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for _ in range(repeats)]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        out[f"{name}_gpu_ms"] = statistics.median(s.elapsed_time(e) for s, e in pairs)
+    return out
 
 
 def bf16_matmul_peak(device, dry: bool) -> float:
@@ -179,13 +205,19 @@ def kernels(sec: Section, device) -> None:
 
     usable, why = fla_status()
     sec.result["fla"] = usable if usable else why
-    B, H, D = (1, 2, 16) if sec.dry else (4, 8, 64)
     lengths = (64, 130) if sec.dry else (1024, 4096, 16384)
-    for T in lengths:
-        sec.plan(f"T{T}", T=T, B=B, H=H, D=D, dtype="bfloat16")
-    todo = [T for T in lengths if not sec.done(f"T{T}")]
+    # two shapes: this project's (d 512 in 8 heads of 64), and the wide one of
+    # flash-linear-attention's kernel benchmarks (B 4, H 64, D 128), where linear attention
+    # fills the GPU; rows "T{T}" and "wide-T{T}"
+    shapes = {"": (1, 2, 16) if sec.dry else (4, 8, 64),
+              "wide-": (1, 4, 32) if sec.dry else (4, 64, 128)}
+    for prefix, (B, H, D) in shapes.items():
+        for T in lengths:
+            sec.plan(f"{prefix}T{T}", T=T, B=B, H=H, D=D, dtype="bfloat16",
+                     shape="flash-linear-attention's benchmark" if prefix else "this project's")
+    todo = [(prefix, T) for prefix in shapes for T in lengths if not sec.done(f"{prefix}T{T}")]
 
-    def inputs(T):
+    def inputs(T, B, H, D):
         g = torch.Generator(device=device).manual_seed(0)
 
         def make(*shape, norm=False):
@@ -208,16 +240,16 @@ def kernels(sec: Section, device) -> None:
     # SDPA and the built-in kernel at every length first; fla after them, since its first call
     # autotunes its Triton kernels (over 90 s on a bare H200): a budget spent there still
     # leaves the comparison with SDPA
-    for T in todo:
-        key, (q, k, v, beta) = f"T{T}", inputs(T)
-        sec.measure(key, "sdpa_ms", lambda: time_ms(fwd_bwd(
+    for prefix, T in todo:
+        key, (q, k, v, beta) = f"{prefix}T{T}", inputs(T, *shapes[prefix])
+        sec.measure(key, "sdpa", lambda: timed("sdpa", fwd_bwd(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), device, **reps))
-        sec.measure(key, "chunkwise_torch_ms", lambda: time_ms(fwd_bwd(
+        sec.measure(key, "chunkwise_torch", lambda: timed("chunkwise_torch", fwd_bwd(
             lambda: delta_rule_chunkwise(q, k, v, beta, backend="torch")[0]), device, **reps))
         if not with_fla:
             sec.finish(key)
-    for T in todo if with_fla else ():
-        key, (q, k, v, beta) = f"T{T}", inputs(T)
+    for prefix, T in todo if with_fla else ():
+        key, (q, k, v, beta) = f"{prefix}T{T}", inputs(T, *shapes[prefix])
         fla = fwd_bwd(lambda: delta_rule_chunkwise(q, k, v, beta, backend="fla")[0])
 
         def first_call(fla=fla):
@@ -227,7 +259,7 @@ def kernels(sec: Section, device) -> None:
             return time.perf_counter() - t0
         # the first call at a new shape (autotuning included), apart from the timed calls
         sec.measure(key, "fla_first_call_s", first_call)
-        sec.measure(key, "chunkwise_fla_ms", lambda: time_ms(fla, device, **reps))
+        sec.measure(key, "chunkwise_fla", lambda: timed("chunkwise_fla", fla, device, **reps))
         sec.finish(key)
 
 
@@ -680,9 +712,11 @@ def parent(args) -> int:
            if args.sections != list(BUDGETS) else "",
            *(f"{v}={os.environ[v]}" for v in ("GPU_CHECK_TESTS_LIMIT", "GPU_CHECK_FLA_TESTS_LIMIT")
              if os.environ.get(v))]
+    os.environ["GPU_CHECK_COMMIT"] = commit() or ""  # the sections' processes read it
     this_run = {"command": " ".join([*filter(None, env), "bash bench/gpu_check.sh"])
                 + (" --resume" if args.resume else ""),
-                "started": started, "device": name, "torch": torch.__version__}
+                "started": started, "device": name, "torch": torch.__version__,
+                "commit": commit()}
     result = load(out) if args.resume else {}
     if args.resume:
         # only on the same kind of machine: kept rows and new ones must be comparable
@@ -733,6 +767,24 @@ def parent(args) -> int:
     return 1 if failed or any(s != "done" for s in statuses) else 0
 
 
+def commit() -> str | None:
+    """The commit of the code measured: $GPU_CHECK_COMMIT (a copy of the tree without git
+    metadata, as a GPU machine gets, is given it: `GPU_CHECK_COMMIT=$(git rev-parse HEAD)`
+    where the tree came from), else git's HEAD here (with "+changes" when the tree differs
+    from it), else None."""
+    given = os.environ.get("GPU_CHECK_COMMIT")
+    if given:
+        return given
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty.strip() else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu"))
@@ -747,7 +799,7 @@ def main() -> None:
                     help="keep the rows an earlier run into --out finished and measure only the "
                          "rest (sections whose rows are all done are not run)")
     ap.add_argument("--deadline", type=float,
-                    help="seconds for the whole bench (default: 340, or 180 with --dry, times "
+                    help="seconds for the whole bench (default: 280, or 180 with --dry, times "
                          "--budget-scale)")
     ap.add_argument("--section", help=argparse.SUPPRESS)  # the child's own
     ap.add_argument("--budget", type=float, help=argparse.SUPPRESS)  # the child's own

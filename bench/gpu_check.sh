@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check in one command that ends inside 9 1/4 minutes whatever happens (555 s; about
-# 8 1/2 when every section uses its budget): the environment, the CUDA-marked tests (at most
-# 60 s), then bench/gpu_bench.py (340 s: the GPT-2-small target rows first, then DeltaNet
-# kernels, training tokens/s and MFU, decoding), each of its sections in a child process with
-# its own budget, then the fla-marked CUDA tests (at most 60 s).
+# Every GPU check in one command that ends inside 8 minutes whatever happens (465 s): the
+# environment, the CUDA-marked tests (at most 45 s), then bench/gpu_bench.py (280 s, most
+# valuable first: decoding with graph replay, DeltaNet's kernels against SDPA by GPU time, the
+# GPT-2-small target rows, training tokens/s and MFU), each of its sections in a child process
+# with its own budget, then the fla-marked CUDA tests (at most 45 s). Every row records the
+# commit it measured ($GPU_CHECK_COMMIT when the tree has no git metadata:
+# `GPU_CHECK_COMMIT=$(git rev-parse HEAD)` where it came from).
 # Results go to $OUT (or bench/results/gpu), four files: env.txt, pytest-cuda.log,
 # gpu_bench.json, gpu_bench.log; run folders stay in a temporary folder, so the check can be
 # run again.
@@ -16,7 +18,7 @@
 #   bash bench/gpu_check.sh --resume    # on the GPU machine again: keeps the rows that
 #       bench/results/gpu/gpu_bench.json (or $GPU_CHECK_RESUME_FROM) holds as done and measures
 #       the rest; GPU_CHECK_SECTIONS (their order), GPU_CHECK_DEADLINE (s, the whole bench's,
-#       in place of 340 x scale; the sections' budgets still scale), GPU_CHECK_TESTS_LIMIT
+#       in place of 280 x scale; the sections' budgets still scale), GPU_CHECK_TESTS_LIMIT
 #       and GPU_CHECK_FLA_TESTS_LIMIT (s) fit it to the device time left
 #
 # It runs from src/ on PYTHONPATH with the machine's own packages: a GPU machine without network
@@ -29,9 +31,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 FLA_CORE=0.6.0
-TESTS_LIMIT=${GPU_CHECK_TESTS_LIMIT:-60}   # s, CUDA-marked tests but the fla ones
-FLA_TESTS_LIMIT=${GPU_CHECK_FLA_TESTS_LIMIT:-60}  # s, the fla-marked ones, after the benchmark
-BENCH_DEADLINE=340  # s, gpu_bench.py's own deadline (its DEADLINE)
+TESTS_LIMIT=${GPU_CHECK_TESTS_LIMIT:-45}   # s, CUDA-marked tests but the fla ones
+FLA_TESTS_LIMIT=${GPU_CHECK_FLA_TESTS_LIMIT:-45}  # s, the fla-marked ones, after the benchmark
+BENCH_DEADLINE=280  # s, gpu_bench.py's own deadline (its DEADLINE)
 resume=
 if [ "${1:-}" = "--resume" ]; then resume=--resume; shift; fi
 if [ "${1:-}" = "--prepare" ]; then

@@ -140,7 +140,9 @@ def test_split_sequence_carries_state():
 
 def _cuda_case():
     g = torch.Generator().manual_seed(0)
-    B, H, T, D = 2, 2, 100, 16
+    # heads and head size of bench/gpu_bench.py's kernel rows (8 x 64): fla's Triton kernels,
+    # autotuned there at that head size, are not tuned afresh inside the test's time limit
+    B, H, T, D = 1, 8, 100, 64
     q, k = (F.normalize(torch.randn(B, H, T, D, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(B, H, T, D, generator=g)
     beta = torch.rand(B, H, T, generator=g)
