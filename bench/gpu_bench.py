@@ -431,7 +431,26 @@ def decoding(sec: Section, device) -> None:
                 decoder.generate(prompt, new, greedy=True)
                 sync(device)
                 tok_s = new / (time.perf_counter() - t0)
+                replays = rec.replays - before if rec else 0
+                # steady state: each token's time after the warm-ups and the recording, with
+                # the prompt's capacity holding every token (no refreeze, so no new capture)
+                from continuumlm.decoding.frozen import capacity_for
+
+                steady_new = min(new, capacity_for(prompt_len + 1) - prompt_len)
+                stamps = []
+                for _ in decoder.stream(prompt, steady_new, greedy=True):
+                    sync(device)
+                    stamps.append(time.perf_counter())
+                settled = getattr(rec, "warmups_needed", 1) + 2  # warm-ups, record, replay
+                gaps = [b - a for a, b in zip(stamps[settled:], stamps[settled + 1:])]
+            if decoder.capture_refused or not replays:
+                # a graphed row that replayed nothing measured eager decoding: an error
+                why = decoder.capture_refused or "none recorded"
+                raise RuntimeError(f"no graph was replayed ({why}); the row would time eager "
+                                   f"decoding")
             return {"first_call_s": first, "graph_tok_s": tok_s,
+                    "steady_ms_per_token": (1000 * sorted(gaps)[len(gaps) // 2]
+                                            if gaps else None),
                     # the same greedy tokens as eager cached decoding (eager units: the same
                     # kernels, so bit for bit; compiled ones may round differently)
                     "greedy_equal_to_eager": bool(torch.equal(first_out, ref)),
@@ -439,7 +458,7 @@ def decoding(sec: Section, device) -> None:
                     # from the prompt's pass): all but the warm-ups unless CUDA refused a
                     # recording (warned in the log), and whether compiling failed
                     "frozen_steps": new - 1,
-                    "graph_replays": rec.replays - before if rec else 0,
+                    "graph_replays": replays,
                     "compile_failed": decoder.compile_refused is not None}
         sec.measure(key, "graph", replayed)
         row = sec.rows[key]

@@ -43,7 +43,8 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         result, rows = _rows(out)
         assert result["dry_run"] is True
-        assert len(rows) == 2 + 9 + 6 + 2, sorted(rows)
+        assert len(rows) == 4 + 9 + 6 + 2, sorted(rows)  # kernels: two shapes x 2 lengths
+        assert rows["kernels", "wide-T130"]["H"] == 4  # the wide shape's dry-run size
         assert all(r["status"] == "done" for r in rows.values()), rows
         assert rows["kernels", "T130"]["sdpa_ms"] > 0
         baby = rows["training", "transformer_baby-bf16-compiled"]
@@ -56,6 +57,8 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         # every frozen step of the timed call replayed but the warm-up (one capacity)
         assert graphed["graph_replays"] == graphed["frozen_steps"] - 1 > 0
         assert graphed["compile_failed"] is False
+        assert graphed["steady_ms_per_token"] > 0  # after the warm-ups and the recording
+        assert all(r.get("commit") == result["commit"] for r in rows.values())
         assert rows["gpt2", "ode_euler"]["depth_ms_per_evaluation"] > 0
         assert result["gpt2"]["ode_evaluation_vs_layer"] > 0
     # nothing large under OUT: the JSON and the logs, no run folders or checkpoints
