@@ -18,9 +18,9 @@ LAYERS = [
     {"registry", "threads"},    # the component registries, the thread policy (no torch import)
     {"config"},
     {"nn", "data"},             # small modules; corpora and tokenizers
+    {"ode"},                    # ODE numerics: solvers, gradient modes (nothing of attention)
     {"mixers"},                 # token mixers and their caches
-    {"ode"},                    # fields, solvers, gradient modes
-    {"model"},                  # depth, the language model, its decoding state
+    {"model"},                  # fields, depth, the language model, its decoding state
     {"decoding"},               # generation: sampling, token streams, frozen steps, replay
     {"eval"},
     {"train"},

@@ -142,7 +142,7 @@ def _describe(obj: Any) -> str:
 
 
 MIXERS = Registry("mixer", "model.mixer", ("continuumlm.mixers",))
-FIELDS = Registry("field", "model.field", ("continuumlm.ode.fields",))
+FIELDS = Registry("field", "model.field", ("continuumlm.model.fields",))
 SOLVERS = Registry("solver", "model.ode_solver", ("continuumlm.ode",))
 DEPTHS = Registry("depth", "model.depth", ("continuumlm.model.depth",), public=False)
 # what LanguageModel.generate runs ("default": continuumlm.decoding.Decoder): the decoder
@@ -161,7 +161,7 @@ def register_mixer(name: str, *, replace: bool = False) -> Callable:
 
 def register_field(name: str, *, replace: bool = False) -> Callable:
     """Decorator: ``Field(cfg)`` with ``forward(t, h, cache=None) -> dh/dt`` (see
-    ``continuumlm.ode.fields``); selected by ``model.field = name``."""
+    ``continuumlm.model.fields``); selected by ``model.field = name``."""
     return FIELDS.register(name, replace=replace)
 
 
