@@ -654,10 +654,7 @@ class RunConfig:
                               "train.consistency_weight pulls that solve toward a finer one "
                               "integrated to model.ode_t1: the two would compare solves of "
                               "different intervals. Use one of them.")
-        if m.ode_grad == "binomial" and max(t.ode_steps_choices or [0]) > 4096:
-            raise ConfigError(f"model.ode_grad = 'binomial' plans at most 4096 steps, but "
-                              f"train.ode_steps_choices holds {max(t.ode_steps_choices)}; "
-                              f"lower it or use ode_grad = 'checkpoint'.")
+        # (the gradient mode against every drawn solve: checked per draw below)
         if t.steer and t.compile:
             raise ConfigError("train.steer changes the solve's end time every step, which "
                               "would recompile a compiled model every step; leave "

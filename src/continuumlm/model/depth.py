@@ -26,8 +26,8 @@ from ..errors import ConfigError
 from ..mixers.padding import Padding, mix
 from ..nn import MLP, freeze_dropout, make_norm
 from ..nn.twice import twice_differentiable
-from ..ode import ADJOINT_FIXED, AdaptiveSolver, integrate
-from ..ode.binomial import MAX_STEPS as MAX_BINOMIAL_STEPS
+from ..ode import AdaptiveSolver, integrate
+from ..ode.grad import refusal as grad_refusal
 from ..ode.solvers import grid
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
@@ -451,29 +451,9 @@ class ODEStack(nn.Module):
             raise ConfigError(
                 f"model.ode_solver = {cfg.ode_solver!r} declares reversible = True but lacks "
                 f"integrate_reversible / integrate_direct (see continuumlm.ode.ReversibleHeun).")
-        if cfg.ode_grad == "reversible" and not reversible:
-            raise ConfigError(
-                f"model.ode_grad = 'reversible' needs an algebraically reversible solver, and "
-                f"{cfg.ode_solver!r} is not; use ode_solver = 'reversible_heun' (or another "
-                f"ode_grad: direct, checkpoint, adjoint).")
-        if cfg.ode_grad == "adjoint" and not (adaptive or cfg.ode_solver in ADJOINT_FIXED):
-            raise ConfigError(
-                f"model.ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and "
-                f"the adaptive solvers, not {cfg.ode_solver!r}; use ode_grad = 'direct' or "
-                f"'checkpoint' (or 'reversible' with reversible_heun).")
-        if cfg.ode_grad in ("checkpoint", "binomial") and reversible:
-            raise ConfigError(
-                f"model.ode_grad = {cfg.ode_grad!r} is not implemented for {cfg.ode_solver!r}: "
-                f"use ode_grad = 'reversible' (exact gradients, memory constant in the steps, "
-                f"less than checkpointing stores) or 'direct'.")
-        if cfg.ode_grad == "binomial" and adaptive:
-            raise ConfigError(
-                "model.ode_grad = 'binomial' needs a fixed-grid solver (its schedule is planned "
-                "from the number of steps); with an adaptive solver use 'checkpoint' (the "
-                "accepted steps replayed: exact gradients), 'adjoint' or 'direct'.")
-        if cfg.ode_grad == "binomial" and cfg.ode_steps > MAX_BINOMIAL_STEPS:
-            raise ConfigError(f"model.ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} "
-                              f"steps, not ode_steps = {cfg.ode_steps}; use 'checkpoint'.")
+        why = grad_refusal(cfg.ode_solver, cfg.ode_grad, adaptive, reversible, cfg.ode_steps)
+        if why is not None:
+            raise ConfigError(f"model.{why}" if why.startswith("ode_") else why)
         if getattr(cfg, "ode_adjoint_norm", "default") == "seminorm" and not (
                 adaptive and cfg.ode_grad == "adjoint"):
             raise ConfigError(

@@ -18,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .adaptive import ADAPTIVE_METHODS, ADJOINT_FIXED, AdaptiveSolver, odeint_call
+from .binomial import MAX_STEPS as MAX_BINOMIAL_STEPS
 from .binomial import default_checkpoints, integrate_binomial
 from .solvers import grid
 
@@ -98,24 +99,46 @@ def _warn_low_order_adjoint(tableau) -> None:
         tableau.order, tableau.name)
 
 
-def _check_mode(solver, grad: str) -> None:
-    """Refuse a gradient mode the solver does not implement (the model's config check says the
-    same in config terms), rather than fall back to direct backprop without a word."""
+def refusal(solver: str, grad: str, adaptive: bool, reversible: bool,
+            steps: int | None = None) -> str | None:
+    """Why the solver named ``solver`` (adaptive, reversible: its protocol's class attributes)
+    cannot be integrated with gradient mode ``grad`` over ``steps`` steps, in one sentence
+    with the way out; None when it can. The one statement of these rules: the model's config
+    check (``ODEStack.check_config``, which elastic training's drawn solves go through too)
+    and :func:`integrate` both read it."""
     from ..config.sections import GRAD_MODES
 
+    if grad not in GRAD_MODES:
+        return f"unknown gradient mode {grad!r}: use one of {', '.join(GRAD_MODES)}."
+    if grad == "reversible" and not reversible:
+        return (f"ode_grad = 'reversible' needs an algebraically reversible solver, and "
+                f"{solver!r} is not; use ode_solver = 'reversible_heun' (or another ode_grad: "
+                f"direct, checkpoint, adjoint).")
+    if grad == "adjoint" and not (adaptive or solver in ADJOINT_FIXED):
+        return (f"ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and the "
+                f"adaptive solvers, not {solver!r}; use ode_grad = 'direct' or 'checkpoint' "
+                f"(or 'reversible' with reversible_heun).")
+    if grad in ("checkpoint", "binomial") and reversible:
+        return (f"ode_grad = {grad!r} is not implemented for {solver!r}: use ode_grad = "
+                f"'reversible' (exact gradients, memory constant in the steps, less than "
+                f"checkpointing stores) or 'direct'.")
+    if grad == "binomial" and adaptive:
+        return ("ode_grad = 'binomial' needs a fixed-grid solver (its schedule is planned from "
+                "the number of steps); with an adaptive solver use 'checkpoint' (the accepted "
+                "steps replayed: exact gradients), 'adjoint' or 'direct'.")
+    if grad == "binomial" and steps is not None and steps > MAX_BINOMIAL_STEPS:
+        return (f"ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} steps, not "
+                f"ode_steps = {steps}; use 'checkpoint'.")
+    return None
+
+
+def _check_mode(solver, grad: str) -> None:
+    """Refuse a gradient mode the solver does not implement, rather than fall back to direct
+    backprop without a word."""
     method = getattr(solver, "method", None)  # torchdiffeq's name; the config's is shown
     name = (next((k for k, v in ADAPTIVE_METHODS.items() if v == method), method)
             or getattr(getattr(solver, "tableau", None), "name", None) or type(solver).__name__)
-    adaptive = isinstance(solver, AdaptiveSolver)
-    if grad not in GRAD_MODES:
-        raise ValueError(f"unknown gradient mode {grad!r}: use one of {', '.join(GRAD_MODES)}.")
-    if grad == "reversible" and not getattr(solver, "reversible", False):
-        raise ValueError(f"gradient mode 'reversible' needs an algebraically reversible solver "
-                         f"(reversible_heun), not {name}.")
-    if grad == "binomial" and adaptive:
-        raise ValueError(f"gradient mode 'binomial' needs a fixed-grid solver, not the adaptive "
-                         f"{name}; use 'checkpoint' (the accepted steps replayed).")
-    if (grad == "adjoint" and not adaptive and not getattr(solver, "reversible", False)
-            and getattr(getattr(solver, "tableau", None), "name", None) not in ADJOINT_FIXED):
-        raise ValueError(f"gradient mode 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} "
-                         f"and the adaptive solvers, not {name}.")
+    why = refusal(name, grad, isinstance(solver, AdaptiveSolver),
+                  bool(getattr(solver, "reversible", False)))
+    if why is not None:
+        raise ValueError(why)
