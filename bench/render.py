@@ -659,6 +659,25 @@ BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
                   ("hf_harness", "lm-evaluation-harness on trained checkpoints, by depth"))
 
 
+def speculative_table(r: dict) -> str:
+    """The fastest row per model and decoding, its speed-up taken against plain cached
+    decoding's median rate over that model's rows (findings.speculative_best), as the
+    conclusion reads it."""
+    rows = []
+    for m in r.get("models", []):
+        for decoding in ("greedy", "sampled"):
+            best, speedup, plain = findings.speculative_best(m, decoding)
+            rows.append({"model": m["name"], **best, "plain_median": round(plain, 1),
+                         "speedup_median": round(speedup, 2)})
+    return markdown_table(rows, [
+        ("model", "model"), ("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
+        ("acceptance", "drafts kept"), ("tokens_per_verification", "tokens per verification"),
+        ("nfe_per_token", "field evaluations per token"),
+        ("plain_nfe_per_token", "... plain"), ("tok_s", "tokens/s"),
+        ("plain_median", "plain tokens/s (median over the rows)"),
+        ("speedup_median", "speed-up"), ("same_tokens", "same tokens (greedy)")])
+
+
 def _shakespeare_variant(r: dict) -> bool:
     """A Tiny Shakespeare run the main table leaves to the ablations page: one with --set
     options, or an elastic-depth config other than the chosen one."""
@@ -792,6 +811,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
         if r.get("decoding_table"):
             notes += page.fill("results/depth_exit.decoding", table=r["decoding_table"])
         if key == "speculative":
+            table = speculative_table(r)
             for m in r.get("models", []):
                 notes += page.fill("results/speculative", name=m["name"], setup=m["setup"],
                                    table=m["table"])
