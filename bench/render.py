@@ -812,9 +812,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             notes += page.fill("results/depth_exit.decoding", table=r["decoding_table"])
         if key == "speculative":
             table = speculative_table(r)
-            for m in r.get("models", []):
-                notes += page.fill("results/speculative", name=m["name"], setup=m["setup"],
-                                   table=m["table"])
+            tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}" for m in r.get("models", [])]
+            notes += page.fill("results/speculative", rows=ablation(
+                "speculative", command=r["command"], tables="\n\n".join(tables)))
         said = getattr(conclusions, key)
         conclusion = said(r) if key in ("ode_cost", "ode_memory", "deltanet_kernels",
                                         "mixer_step") else said(r, results)
