@@ -205,7 +205,8 @@ def decoding(results: dict) -> str | None:
 
 
 def gpu(results: dict) -> str | None:
-    """From bench/results/gpu/gpu_bench.json (bench/gpu_check.sh on a GPU machine)."""
+    """From the first device's bench/results/gpu/<device>/gpu_bench.json (bench/gpu_check.sh
+    on a GPU machine)."""
     import gpu_page
 
     r = gpu_page.load()

@@ -6,8 +6,9 @@
 # with its own budget, then the fla-marked CUDA tests (at most 45 s). Every row records the
 # commit it measured ($GPU_CHECK_COMMIT when the tree has no git metadata:
 # `GPU_CHECK_COMMIT=$(git rev-parse HEAD)` where it came from).
-# Results go to $OUT (or bench/results/gpu), four files: env.txt, pytest-cuda.log,
-# gpu_bench.json, gpu_bench.log; run folders stay in a temporary folder, so the check can be
+# Results go to $OUT (or bench/results/gpu/<device>, e.g. nvidia-h200: each kind of GPU adds
+# its own record, and the results page shows one section per device), four files: env.txt,
+# pytest-cuda.log, gpu_bench.json, gpu_bench.log; run folders stay in a temporary folder, so the check can be
 # run again.
 #
 #   bash bench/gpu_check.sh --prepare   # here, with the package index: .gpu_data/ (the corpus)
@@ -16,7 +17,7 @@
 #   GPU_CHECK_DRY=1 bash bench/gpu_check.sh   # the same plumbing on the CPU at toy size
 #   bash bench/gpu_check.sh --plan      # the time limits it would use, and nothing else
 #   bash bench/gpu_check.sh --resume    # on the GPU machine again: keeps the rows that
-#       bench/results/gpu/gpu_bench.json (or $GPU_CHECK_RESUME_FROM) holds as done and measures
+#       bench/results/gpu/<device>/gpu_bench.json (or $GPU_CHECK_RESUME_FROM) holds as done and measures
 #       the rest; GPU_CHECK_SECTIONS (their order), GPU_CHECK_DEADLINE (s, the whole bench's,
 #       in place of 280 x scale; the sections' budgets still scale), GPU_CHECK_TESTS_LIMIT
 #       and GPU_CHECK_FLA_TESTS_LIMIT (s) fit it to the device time left
@@ -78,10 +79,17 @@ if [ "${1:-}" = "--plan" ]; then
   echo "tests ${TESTS_LIMIT} s, benchmark ${backstop} s at most (scale $scale), fla tests ${FLA_TESTS_LIMIT} s, whole command ${worst} s at most"
   exit 0
 fi
-OUT=${OUT:-bench/results/gpu}
+if [ -z "${OUT:-}" ]; then  # a folder per device (gpu_page.device_folder names it the same way)
+  if [ -n "${GPU_CHECK_DRY:-}" ]; then
+    device=cpu-dry-run
+  else
+    device=$($PY -c "import re, torch; print(re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))" 2>/dev/null) || device=unknown-gpu
+  fi
+  OUT=bench/results/gpu/$device
+fi
 mkdir -p "$OUT"
 if [ -n "$resume" ]; then
-  from=${GPU_CHECK_RESUME_FROM:-bench/results/gpu/gpu_bench.json}
+  from=${GPU_CHECK_RESUME_FROM:-$OUT/gpu_bench.json}
   [ -f "$from" ] || { echo "--resume: no $from to resume (set GPU_CHECK_RESUME_FROM)" >&2; exit 2; }
   [ "$(realpath "$from")" = "$(realpath -m "$OUT/gpu_bench.json")" ] || cp "$from" "$OUT/gpu_bench.json"
 fi

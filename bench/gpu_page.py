@@ -1,4 +1,5 @@
-"""The GPU section of docs/results.md, from bench/results/gpu/gpu_bench.json (written by
+"""The GPU sections of docs/results.md, one per device, from
+bench/results/gpu/<device>/gpu_bench.json (written by
 bench/gpu_check.sh on a GPU machine, completed by `bash bench/gpu_check.sh --resume`): the
 GPT-2-small target rows, training tokens/s and MFU by model and precision, DeltaNet's kernels
 against SDPA by length, and cached decoding eager and compiled. A row that did not finish is
@@ -7,20 +8,36 @@ shown with its status and reason, never left out."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import page
 from common import RESULTS, markdown_table
 
-GPU_RECORD = RESULTS / "gpu" / "gpu_bench.json"
+GPU_RESULTS = RESULTS / "gpu"  # a folder per device: gpu_check.sh's OUT, named for the device
 MFU_TARGET = 0.35  # GPT-2-small-shaped discrete model, bf16, compiled
 EVALUATION_TARGET = 1.1  # an ODE field evaluation against a discrete layer, at most
 KERNEL_FROM = 4096  # DeltaNet (fla or built-in) faster than SDPA from this length
 
 
-def load(path: Path = GPU_RECORD) -> dict | None:
-    """The GPU record; None without one, and for a dry run's (CPU, toy sizes: its figures
-    mean nothing)."""
+def device_folder(name: str) -> str:
+    """The folder a device's records go to: its name in lower case, runs of other characters
+    as one hyphen ("NVIDIA H200" -> "nvidia-h200"; gpu_check.sh names it the same way)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def records() -> list[dict]:
+    """Every device's GPU record (dry runs' left out), in the order of their folders."""
+    found = (load(p) for p in sorted(GPU_RESULTS.glob("*/gpu_bench.json")))
+    return [r for r in found if r is not None]
+
+
+def load(path: Path | None = None) -> dict | None:
+    """The GPU record at ``path`` (default: the first device's); None without one, and for a
+    dry run's (CPU, toy sizes: its figures mean nothing)."""
+    if path is None:
+        every = records()
+        return every[0] if every else None
     r = json.loads(path.read_text()) if path.is_file() else None
     return None if r is None or r.get("dry_run") else r
 

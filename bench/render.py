@@ -820,8 +820,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                         "mixer_step") else said(r, results)
         main += page.fill("results/bench", title=title, conclusion=opening(conclusion),
                           command=r["command"], setup=r["setup"], table=table, notes=notes)
-    gpu = gpu_page.load()
-    if gpu:
+    for gpu in gpu_page.records():  # one section per device
         main += gpu_page.section(gpu)
     if figures:
         main += page.fill("results/figures", figures=[f + "\n" for f in figures])

@@ -447,6 +447,26 @@ def test_a_dry_runs_gpu_record_is_not_published(tmp_path):
     assert gpu_page.load(tmp_path / "none.json") is None
 
 
+def test_each_device_keeps_a_record_and_a_section_of_its_own(tmp_path, monkeypatch):
+    """bench/results/gpu/<device>/gpu_bench.json, the folder named from the device as
+    gpu_check.sh names it: every device's record is read (a dry run's is not), in folder order,
+    and the first is the one the README's finding reads."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_page
+
+    assert gpu_page.device_folder("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    assert "re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-')" in script
+    monkeypatch.setattr(gpu_page, "GPU_RESULTS", tmp_path)
+    for name, dry in (("NVIDIA H200", False), ("NVIDIA H100 80GB HBM3", False), ("cpu", True)):
+        folder = tmp_path / gpu_page.device_folder(name)
+        folder.mkdir()
+        (folder / "gpu_bench.json").write_text(json.dumps({"device": name, "dry_run": dry}))
+    assert [r["device"] for r in gpu_page.records()] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    assert gpu_page.load()["device"] == "NVIDIA H100 80GB HBM3"
+    assert gpu_page.heading(gpu_page.records()[0]) != gpu_page.heading(gpu_page.records()[1])
+
+
 def test_mqar_calibration_fits_each_rows_schedule_to_the_budget(tmp_path):
     """bench/mqar_calibrate.py: a row's step time is its slowest rate's (median of the logged
     windows after the first), its evaluation time the longest logged, its start-up the longest
