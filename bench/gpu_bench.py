@@ -38,6 +38,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULT = "gpu_bench.json"
+# replayed against unrecorded frozen steps' logits, eager units (float32 model): round-off only
+FROZEN_ATOL = 1e-5
 # seconds per section on a GPU, in the order they run, and for the whole bench (a section gets
 # at most what is left of it, child start-ups included): 280 s beside gpu_check.sh's 90 s of
 # CUDA tests fits its 8-minute limit.
@@ -443,6 +445,19 @@ def decoding(sec: Section, device) -> None:
                     stamps.append(time.perf_counter())
                 settled = getattr(rec, "warmups_needed", 1) + 2  # warm-ups, record, replay
                 gaps = [b - a for a, b in zip(stamps[settled:], stamps[settled + 1:])]
+                # the replayed frozen step's logits against the same frozen step unrecorded
+                # (eager units: the same kernels; a library may pick another inside a capture,
+                # cuBLAS keeping a workspace per stream, so round-off is allowed)
+                frozen_diff = None
+                if not compile and rec is not None and replays:
+                    from continuumlm.decoding import GraphRecorder
+                    from continuumlm.testing import _frozen_logits
+
+                    tokens = first_out[:, prompt_len:]
+                    fresh = GraphRecorder(device) if device.type == "cuda" else rec
+                    replayed_logits, _ = _frozen_logits(m, prompt, tokens, fresh)
+                    plain_logits, _ = _frozen_logits(m, prompt, tokens)
+                    frozen_diff = float((replayed_logits - plain_logits).abs().max())
             if decoder.capture_refused or not replays:
                 # a graphed row that replayed nothing measured eager decoding: an error
                 why = decoder.capture_refused or "none recorded"
@@ -454,6 +469,10 @@ def decoding(sec: Section, device) -> None:
                     # the same greedy tokens as eager cached decoding (eager units: the same
                     # kernels, so bit for bit; compiled ones may round differently)
                     "greedy_equal_to_eager": bool(torch.equal(first_out, ref)),
+                    # eager units only; tolerance FROZEN_ATOL (compiled units round otherwise)
+                    "frozen_logits_max_abs_diff": frozen_diff,
+                    "frozen_logits_within_tolerance": (None if frozen_diff is None
+                                                       else frozen_diff <= FROZEN_ATOL),
                     # what the timed call replayed of its frozen steps (the first token comes
                     # from the prompt's pass): all but the warm-ups unless CUDA refused a
                     # recording (warned in the log), and whether compiling failed

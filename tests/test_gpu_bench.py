@@ -58,6 +58,7 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert graphed["graph_replays"] == graphed["frozen_steps"] - 1 > 0
         assert graphed["compile_failed"] is False
         assert graphed["steady_ms_per_token"] > 0  # after the warm-ups and the recording
+        assert graphed["frozen_logits_within_tolerance"] is True  # against the frozen step
         assert all(r.get("commit") == result["commit"] for r in rows.values())
         assert rows["gpt2", "ode_euler"]["depth_ms_per_evaluation"] > 0
         assert result["gpt2"]["ode_evaluation_vs_layer"] > 0
