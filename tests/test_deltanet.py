@@ -211,7 +211,7 @@ def _fake_fla(monkeypatch, version="0.6.0"):
     import sys
     import types
 
-    from continuumlm.mixers import deltanet
+    from continuumlm.mixers import delta_rule
 
     calls = []
 
@@ -249,7 +249,7 @@ def _fake_fla(monkeypatch, version="0.6.0"):
     for name, m in (("fla", root), ("fla.ops", types.ModuleType("fla.ops")),
                     ("fla.ops.delta_rule", mod)):
         monkeypatch.setitem(sys.modules, name, m)
-    monkeypatch.setattr(deltanet, "_FLA_PROBE", None)  # probe the fake, and again after the test
+    monkeypatch.setattr(delta_rule, "_FLA_PROBE", None)  # probe the fake, and again after the test
     return calls
 
 
@@ -328,7 +328,7 @@ def test_fla_is_probed_once(monkeypatch):
 def test_fla_backend_choice_and_refusals(monkeypatch):
     import sys
 
-    from continuumlm.mixers import deltanet
+    from continuumlm.mixers import delta_rule
 
     calls = _fake_fla(monkeypatch)
     q, k, v, beta, init = _inputs(T=9)
@@ -339,7 +339,7 @@ def test_fla_backend_choice_and_refusals(monkeypatch):
     delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)))  # auto on CPU: torch path
     assert calls == []
     monkeypatch.setitem(sys.modules, "fla", None)  # not installed
-    monkeypatch.setattr(deltanet, "_FLA_PROBE", None)
+    monkeypatch.setattr(delta_rule, "_FLA_PROBE", None)
     with pytest.raises(ValueError, match="not importable"):
         delta_rule_chunkwise(*(x.bfloat16() for x in (q, k, v, beta)), backend="fla")
 
