@@ -38,6 +38,24 @@ def test_greedy_tokens_equal_plain_decoding(mixer, tokens):
     assert sum(s.kept_per_round) + 1 >= 30  # the first token comes from the prompt's pass
 
 
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
+def test_a_discrete_model_drafts_with_its_first_layers(mixer):
+    """LayerSkip's early exit as the draft: the first layers through the model's own norm and
+    head; greedy tokens equal plain decoding's, and the stack is whole again after. (A small
+    model's greedy text repeats a token, which every draft predicts: refused drafts are
+    compared in the sampling test below.)"""
+    model = _sharp(small_model(mixer=mixer, num_layers=3), field=4.0)
+    prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(4))
+    plain = model.generate(prompt, 24, greedy=True)
+    for layers, k in ((1, 3), (2, "auto")):
+        stream = model.generate_stream(prompt, 24, greedy=True, draft=Draft(layers=layers,
+                                                                             tokens=k))
+        got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+        assert got.tolist() == plain.tolist()
+        assert len(model.depth.layers) == 3
+        assert stream.stats.nfe < 24 * 3  # the drafts ran fewer layers
+
+
 @pytest.mark.parametrize("solver", FIXED_GRID)
 def test_every_fixed_grid_solver_as_the_full_solve(solver):
     model = ode("softmax", solver)
@@ -75,7 +93,9 @@ def test_refusals_name_the_reason():
     model = ode()
     prompt = torch.randint(0, 37, (1, 4))
     cases = [
-        (small_model(), {}, "discrete model has no solve"),
+        (small_model(), {}, "discrete model has no solve.*Draft\\(layers=N\\)"),
+        (small_model(), {"draft": Draft(layers=2)}, "from 1 to 1, got 2"),
+        (model, {"draft": Draft(layers=1)}, "not with fewer layers"),
         (model, {"use_cache": False}, "through the cache"),
         (model, {"compile": True}, "eagerly"),
         (ode(solver="dopri5"), {}, "adaptive"),
@@ -89,6 +109,8 @@ def test_refusals_name_the_reason():
         model.generate(prompt, 4, greedy=True, draft=Draft("dopri5", 1))
     with pytest.raises(ValueError, match="positive number of drafted tokens"):
         Draft(tokens=0)
+    with pytest.raises(ValueError, match="positive number of layers"):
+        Draft(layers=0)
 
 
 def test_cli_draft_flags(tmp_path, tiny_corpus):
@@ -108,6 +130,8 @@ def test_cli_draft_flags(tmp_path, tiny_corpus):
     assert "speculative:" in drafted.stderr and "field evaluations per token" in drafted.stderr
     r = run_cli(*base, "--draft-tokens", "0")
     assert r.returncode == 2 and "--draft-tokens" in r.stderr
+    r = run_cli(*base, "--draft-layers", "1")  # an ODE model drafts with a coarser solve
+    assert r.returncode == 2 and "not with fewer layers" in r.stderr
     sampled = run_cli("generate", "--checkpoint", tmp_path / "run", "--prompt", "the",
                       "--max-new-tokens", "20", "--draft-steps", "2", "--seed", "3")
     assert sampled.returncode == 0 and "speculative:" in sampled.stderr, sampled.stderr
@@ -117,7 +141,7 @@ def test_cli_draft_flags(tmp_path, tiny_corpus):
 
 def reference_speculative_sampling(model, prompt: list[int], n: int, solver: str, steps: int,
                                    k: int, temperature: float = 1.0, top_k=None, top_p=None,
-                                   seed: int = 0) -> list[int]:
+                                   seed: int = 0, layers: int | None = None) -> list[int]:
     """Speculative sampling written out plainly: every distribution by a full forward of the
     whole sequence (no cache), the draft's by the model integrated with the draft solve; the
     same random draws in the same order as the implementation documents."""
@@ -125,8 +149,20 @@ def reference_speculative_sampling(model, prompt: list[int], n: int, solver: str
 
     g = torch.Generator().manual_seed(seed)
     full = (model.config.ode_solver, model.config.ode_steps)
+    draft_solve = "layers" if layers is not None else (solver, steps)
 
     def dist(seq, solve):
+        if solve == "layers":  # a discrete model's first layers, through its norm and head
+            with torch.no_grad():
+                x = model.tok_emb(torch.tensor([seq]))
+                for layer in list(model.depth.layers)[:layers]:
+                    x = layer(x)
+                logits = model.lm_head(model.norm_f(x))[0, -1]
+            return probabilities(logits, temperature, top_k, top_p)
+        if model.config.depth != "ode":
+            with torch.no_grad():
+                logits = model(torch.tensor([seq]))[0][0, -1]
+            return probabilities(logits, temperature, top_k, top_p)
         model.set_solver(*solve)
         try:
             with torch.no_grad():
@@ -145,7 +181,7 @@ def reference_speculative_sampling(model, prompt: list[int], n: int, solver: str
         k_now = min(k, n - len(out) - 1)
         drafts, qs = [], []
         for _ in range(k_now):
-            qs.append(dist(seq + drafts, (solver, steps)))
+            qs.append(dist(seq + drafts, draft_solve))
             drafts.append(draw(qs[-1]))
         new = None
         for i, x in enumerate(drafts):
@@ -204,6 +240,25 @@ def _chi_square_bound(df: int, z: float = 3.72) -> float:
     the Wilson-Hilferty approximation."""
     a = 2 / (9 * df)
     return df * (1 - a + z * a ** 0.5) ** 3
+
+
+def test_a_discrete_models_sampling_draws_what_the_reference_draws():
+    """Speculative sampling with the first layers drafting, against the reference whose draft
+    runs those layers by hand (RoPE: no position table to add)."""
+    model = _sharp(small_model(mixer="softmax", num_layers=3, position="rope").double(),
+                   field=16.0)
+    prompt = [3, 1, 4, 1, 5]
+    accepted = drafted = 0
+    for seed, k, layers in ((0, 3, 1), (1, 2, 2), (2, 4, 1)):
+        gen = torch.Generator().manual_seed(seed)
+        stream = model.generate_stream(torch.tensor([prompt]), 14, generator=gen,
+                                       temperature=0.9, draft=Draft(layers=layers, tokens=k))
+        got = [int(t) for t in stream]
+        want = reference_speculative_sampling(model, prompt, 14, "", 0, k, temperature=0.9,
+                                              seed=seed, layers=layers)
+        assert got == want, (seed, k, layers)
+        accepted, drafted = accepted + stream.stats.accepted, drafted + stream.stats.drafted
+    assert 0 < accepted < drafted
 
 
 def test_one_verified_position_is_distributed_as_the_model():

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-tokens", type=_draft_tokens, metavar="{N,auto}",
                    help="... proposing N tokens per verification, or auto: adapted to how "
                         "many were kept (default 4)")
+    g.add_argument("--draft-layers", type=_positive_int, metavar="N",
+                   help="self-speculative decoding of a discrete model: its first N layers "
+                        "(through its own final norm and head) draft, all of them verify")
     _exit_arguments(g)
     return p
 

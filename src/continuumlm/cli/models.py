@@ -121,11 +121,11 @@ def cmd_generate(args) -> int:
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop = tok.eos_id if tok.kind == "bpe" else None
     draft = None
-    if args.draft_solver or args.draft_steps or args.draft_tokens:
+    if args.draft_solver or args.draft_steps or args.draft_tokens or args.draft_layers:
         from ..decoding import Draft
 
         draft = Draft(args.draft_solver or "euler", args.draft_steps or 1,
-                      args.draft_tokens or 4)
+                      args.draft_tokens or 4, layers=args.draft_layers)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
                   eos_token_id=stop, compile=args.compile, threads=threads, draft=draft,
@@ -155,7 +155,10 @@ def cmd_generate(args) -> int:
     compiled = args.compile and getattr(model.depth, "exact_cache", True)
     print(f"{clock.report(len(ids), compiled)}; {threads.choice}"
           + (f", changed {threads.changes} times" if threads.changes else ""), file=sys.stderr)
-    if draft is not None:
+    if draft is not None and draft.layers is not None:
+        print(f"{stream.stats.report()} (draft: the first {draft.layers} of "
+              f"{model.config.num_layers} layers)", file=sys.stderr)
+    elif draft is not None:
         print(f"{stream.stats.report()} (draft {draft.solver} x {draft.steps}, model "
               f"{model.config.ode_solver} x {model.config.ode_steps}: {_full_nfe(model)} per "
               f"token without drafting)", file=sys.stderr)

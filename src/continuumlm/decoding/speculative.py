@@ -45,14 +45,16 @@ MAX_AUTO_TOKENS = 16
 
 @dataclass(frozen=True)
 class Draft:
-    """How to draft: the same weights integrated with ``solver`` x ``steps`` (any fixed-grid
-    solver), ``tokens`` proposals per verification (a number, or ``"auto"``: start at 4, one
-    more after a round that kept every draft, one fewer after a round that kept under half,
-    between 1 and 16)."""
+    """How to draft: an ODE model's same weights integrated with ``solver`` x ``steps`` (any
+    fixed-grid solver); a discrete model's first ``layers`` layers through its own final norm
+    and head (LayerSkip's early exit, without its training recipe). ``tokens`` proposals per
+    verification (a number, or ``"auto"``: start at 4, one more after a round that kept every
+    draft, one fewer after a round that kept under half, between 1 and 16)."""
 
     solver: str = "euler"
     steps: int = 1
     tokens: int | str = 4
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens != AUTO and (isinstance(self.tokens, bool) or not isinstance(
@@ -61,6 +63,10 @@ class Draft:
                              f"tokens per verification, or 'auto'.")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"Draft(steps={self.steps!r}): give a positive number of steps.")
+        if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(
+                self.layers, int) or self.layers < 1):
+            raise ValueError(f"Draft(layers={self.layers!r}): give a positive number of "
+                             f"layers.")
 
 
 @dataclass
@@ -122,12 +128,40 @@ class _Solves:
             self._put(self.full)
 
 
+class _FirstLayers:
+    """A discrete stack drafting with its first ``n`` layers: the stack's layer list swapped
+    for its first ``n`` while drafting (the draft state holds caches of those alone)."""
+
+    def __init__(self, model, n: int):
+        self.depth = model.depth
+        self.full = model.depth.layers
+        self.draft = torch.nn.ModuleList(list(self.full)[:n])
+
+    @contextlib.contextmanager
+    def drafting(self):
+        self.depth.layers = self.draft
+        try:
+            yield
+        finally:
+            self.depth.layers = self.full
+
+
 def check_draft(model, draft: Draft, idx: torch.Tensor) -> None:
     """Refuse, by name, what self-speculative decoding does not do."""
     cfg = model.config
     if cfg.depth != "ode":
-        raise ValueError("draft=: a discrete model has no solve to integrate more coarsely; "
-                         "self-speculative decoding needs depth = 'ode'.")
+        if not hasattr(model.depth, "layers"):
+            raise ValueError(f"draft=: the {cfg.depth} depth has neither a solve to integrate "
+                             f"more coarsely nor a list of layers to draft with the first of.")
+        if draft.layers is None or not draft.layers < len(model.depth.layers):
+            raise ValueError(f"draft=: a discrete model has no solve to integrate more "
+                             f"coarsely; draft with its first layers: Draft(layers=N) "
+                             f"(--draft-layers N) with N from 1 to "
+                             f"{len(model.depth.layers) - 1}, got {draft.layers}.")
+    elif draft.layers is not None:
+        raise ValueError("draft=: an ODE model drafts with a coarser solve of its blocks "
+                         "(Draft(solver, steps); --draft-solver, --draft-steps), not with "
+                         "fewer layers: drop layers= (--draft-layers).")
     if not getattr(model.depth, "exact_cache", True):
         raise ValueError(f"draft=: the model's own solver ({cfg.ode_solver}) is adaptive and "
                          f"decodes by recomputing; self-speculative decoding verifies through "
@@ -206,7 +240,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
     module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
     stream sees to it)."""
-    solves = _Solves(model, draft.solver, draft.steps)
+    solves = (_FirstLayers(model, draft.layers) if draft.layers is not None
+              else _Solves(model, draft.solver, draft.steps))
     k = 4 if draft.tokens == AUTO else draft.tokens
     start = time.perf_counter()
     window = (MAX_AUTO_TOKENS if draft.tokens == AUTO else k) + 2
