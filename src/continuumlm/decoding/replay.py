@@ -5,11 +5,11 @@ Recorders share one interface (:class:`Recorder`): :class:`GraphRecorder` record
 plugin's mixer held to what a recorded graph needs). :class:`TokenGraphs` replays a frozen
 state's token step through either.
 
-The emulation. A CPU stand-in for CUDA-graph capture and replay, for checking that a decoding step can be
-recorded once and replayed for every later token (``generate(cuda_graph=...)``), on a machine
-without CUDA. It has the interface of :class:`continuumlm.model.generation.GraphRecorder`
-(``warmup(fn)``, ``record(fn) -> (replay, out)``); :func:`continuumlm.testing.check_cached_decoding`
-decodes through it, so a plugin's mixer is held to what a recorded graph needs.
+The emulation: a CPU stand-in for CUDA-graph capture and replay, for checking that a
+decoding step can be recorded once and replayed for every later token
+(``generate(cuda_graph=...)``) on a machine without CUDA. It is a :class:`Recorder` as
+:class:`GraphRecorder` is; :func:`continuumlm.testing.check_cached_decoding` decodes through
+it, so a plugin's mixer is held to what a recorded graph needs.
 
 What a CUDA graph keeps of a captured function is its device work, in order, on fixed memory:
 Python runs once, at capture, and every Python value it read then is baked in; nothing runs on

@@ -218,4 +218,5 @@ class FrozenSeqCache(FrozenCache):
 
 
 class KVCache(SeqCache):
-    """Keys and values of one attention evaluation (``append(k, v)``, ``write(k, v)``)."""
+    """Keys and values of one attention evaluation (``append(k, v)``; frozen, the
+    :class:`FrozenSeqCache` that ``freeze`` returns: ``write(k, v)``)."""

@@ -152,12 +152,11 @@ class DiscreteStack(nn.Module):
                 padding: Padding | None = None, evaluate=None) -> torch.Tensor:
         """``evaluate(module, *args)`` (a frozen state's evaluator, e.g. a compiled call):
         how each layer runs; None: directly."""
-        run = evaluate
         for i, layer in enumerate(self.layers):
             cache = None
             if state is not None:
                 cache = state.cache(("layer", i), layer.mixer.cache_factory)
-            x = run(layer, x, cache) if run is not None else layer(x, cache, padding)
+            x = evaluate(layer, x, cache) if evaluate is not None else layer(x, cache, padding)
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = len(self.layers)
@@ -221,10 +220,9 @@ class ODEBlock(nn.Module):
         masks: list = [None] * len(self._dropouts)
         # dropout that draws masks (training): each evaluation restores this forward's masks
         dropouts = [d for d in self._dropouts if d.active()]
-        # a frozen decoding state's evaluator (a compiled call): the plain solve below runs
-        # each solver step through it; per-token exit and reversible solvers, each field
-        # evaluation
-        run = evaluate
+        # ``evaluate`` (a frozen decoding state's evaluator, a compiled call): the plain solve
+        # below runs each solver step through it; per-token exit and reversible solvers, each
+        # field evaluation
 
         def evaluation(fn, t: float, h: torch.Tensor, n: int):
             # per evaluation only what can change (Module.__setattr__ costs microseconds, and
@@ -234,8 +232,8 @@ class ODEBlock(nn.Module):
             if dropouts:
                 for d, mask in zip(self._dropouts, masks):
                     d._mask = mask
-            if run is not None:
-                out = run(fn, t, h, cache_of(n))
+            if evaluate is not None:
+                out = evaluate(fn, t, h, cache_of(n))
             else:
                 out = mix(fn, h, cache_of(n), padding, t)
             if dropouts:
@@ -254,7 +252,8 @@ class ODEBlock(nn.Module):
         self.last_token_nfe = None
         self.last_regularizers = {}
         self.step_states = []
-        if run is not None and exit_rule is None and not dropouts and _steps_compiled(self.solver):
+        if (evaluate is not None and exit_rule is None and not dropouts
+                and _steps_compiled(self.solver)):
             # a frozen, compiled decoding state: a solver step (its stages' evaluations and
             # the solver's combinations) is the compiled unit, one graph for every step of
             # every block; each step gets its stages' caches in order (dropout drawing masks
@@ -272,7 +271,7 @@ class ODEBlock(nn.Module):
             times = state.shared[at]
             for s in range(cfg.ode_steps):
                 caches = tuple(cache_of(s * per_step + i) for i in range(per_step))
-                x = run(_solver_step, self.solver, field, times[s], x, step_dt, caches)
+                x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt, caches)
             calls[0] = cfg.ode_steps * per_step
         elif exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)
