@@ -52,6 +52,8 @@ def cmd_eval(args) -> int:
                                            if cfg.depth == "ode" else None),
                           "threads": chosen.threads,
                           "nfe": model.last_nfe,
+                          "ode_kv": cfg.ode_kv if cfg.depth == "ode" else None,
+                          "cache": _cache_memory(model, as_dict=True),
                           "exit": ({"threshold": args.exit_threshold,
                                     "criterion": args.exit_criterion}
                                    if args.exit_threshold is not None else None),
@@ -59,6 +61,9 @@ def cmd_eval(args) -> int:
         return 0
     print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
     print(f"{_depth_text(model, run.model)}; {chosen}")
+    memory = _cache_memory(model)
+    if memory:
+        print(memory)
     exiting = args.exit_threshold is not None
     print(f"{'context':>8} {'loss':>8} {'ppl':>10} {'bpc':>7} {'windows':>8}"
           + (f" {'NFE/token':>10}" if exiting else ""))
@@ -92,6 +97,16 @@ def _depth_text(model, trained) -> str:
     if (cfg.ode_solver, cfg.ode_steps) != (trained.ode_solver, trained.ode_steps):
         text += f"; trained with {trained.ode_solver} x {trained.ode_steps}"
     return text
+
+
+def _cache_memory(model, as_dict: bool = False):
+    """The decoding cache per sequence (``LanguageModel.cache_memory``) as a line, or a dict;
+    None for a model that decodes without caches."""
+    memory = model.cache_memory()
+    if memory is None:
+        return None
+    blocks = model.config.num_layers
+    return memory.as_dict(blocks) if as_dict else memory.describe(blocks)
 
 
 def _full_nfe(model) -> int:
@@ -168,6 +183,9 @@ def cmd_generate(args) -> int:
               f"{done / max(tokens, 1):.2f} field evaluations per token on average "
               f"(prompt included), "
               f"of {_full_nfe(model)} at full depth", file=sys.stderr)
+    memory = _cache_memory(model)  # after the exit totals: it steps the model once
+    if memory:
+        print(memory, file=sys.stderr)
     return 0
 
 

@@ -13,6 +13,7 @@ from .docs import explain, field_docs
 from .loading import dump_toml, load_config, parse_override
 from .sections import (
     GRAD_MODES,
+    ODE_KV,
     SECTIONS,
     DataConfig,
     ModelConfig,
@@ -22,7 +23,7 @@ from .sections import (
 )
 
 __all__ = [
-    "GRAD_MODES", "LEGACY_KEYS", "SECTIONS", "DataConfig", "MQARConfig", "ModelConfig",
+    "GRAD_MODES", "LEGACY_KEYS", "ODE_KV", "SECTIONS", "DataConfig", "MQARConfig", "ModelConfig",
     "RunConfig", "TrainConfig", "_configurable", "dump_toml", "explain", "field_docs",
     "load_config", "parse_override", "reading_saved_config", "setting",
 ]

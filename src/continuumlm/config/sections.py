@@ -78,6 +78,13 @@ class ModelConfig:
     ode_grad: str = "direct"
     """direct, adjoint, checkpoint, binomial or reversible (reversible needs a reversible
     solver; binomial keeps ode_checkpoints states and recomputes the rest, exact gradients)."""
+    ode_kv: str = "evaluation"
+    """What the mixers' memory (what later tokens read: softmax keys and values, DeltaNet's
+    writes and short-convolution inputs, continuous attention's values) is computed from:
+    "evaluation", every field evaluation's own state (a cache per evaluation: 64 for 4 blocks
+    of RK4 x 4); "step", the state at the start of each solver step (a cache per step); or
+    "block", the block's input (one cache per block, a discrete layer's). Queries evolve with
+    every evaluation either way; training and decoding compute the same function."""
     ode_t0: float = 0.0
     """Start of the depth interval the ODE blocks integrate over."""
     ode_t1: float = 1.0
@@ -161,6 +168,14 @@ class ModelConfig:
                 raise ConfigError("model.ode_dt_steps_range bounds the step sizes that the dt "
                                   "embedding reads, and this model has none: set "
                                   "model.ode_dt_embedding = true, or remove the range.")
+        if self.ode_kv not in ODE_KV:
+            raise ConfigError(f"model.ode_kv must be one of {', '.join(ODE_KV)} (what the "
+                              f"mixers' memory is computed from), got {self.ode_kv!r}.")
+        if self.ode_kv != "evaluation" and self.depth != "ode":
+            raise ConfigError(f"model.ode_kv = {self.ode_kv!r} says which state of an ODE "
+                              f"solve the mixers' memory comes from; depth = {self.depth!r} "
+                              f"has no solve (each discrete layer already has one cache). "
+                              f"Leave ode_kv out, or set depth = 'ode'.")
         if self.ode_dt_embedding_reads not in ("step", "evaluation"):
             raise ConfigError(f"model.ode_dt_embedding_reads must be 'step' (the step size) or "
                               f"'evaluation' (the spacing of field evaluations), got "
@@ -720,6 +735,7 @@ def _build(klass, d: dict[str, Any], section: str, source: str | None = None,
 
 
 GRAD_MODES = ("direct", "adjoint", "checkpoint", "binomial", "reversible")
+ODE_KV = ("evaluation", "step", "block")  # model.ode_kv: what the mixers' memory comes from
 
 
 def _check_selectors(cfg: ModelConfig) -> None:

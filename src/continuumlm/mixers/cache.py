@@ -120,6 +120,18 @@ class RewindLog:
         return base, joined
 
 
+class Written:
+    """A cache that already holds the memory of the call's tokens (``model.ode_kv = "step"``
+    or ``"block"``: the mixer's ``write(m, cache)`` put it there at the start of the solver
+    step or block). :func:`~continuumlm.mixers.padding.mix` hands the cache inside to the
+    mixer's ``read(x, cache)``, which reads it with queries from ``x`` and writes nothing."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+
 class FrozenCache:
     """The fixed-capacity layout of a cache, made by its ``freeze(step)``: what a mixer's
     ``extend_frozen(x, cache)`` decodes one token through. Every buffer keeps its address
@@ -147,6 +159,18 @@ def _regrown(buffers: list[torch.Tensor], length: int, capacity: int) -> list[to
     return new
 
 
+def _per_token_bytes(buffers) -> int:
+    """Bytes one token of one batch row takes in (B, ..., capacity, D) buffers."""
+    if not buffers:
+        return 0
+    return sum(b.numel() // (b.shape[0] * b.shape[-2]) * b.element_size() for b in buffers)
+
+
+def fixed_bytes(*tensors) -> int:
+    """Bytes one batch row takes in batch-first tensors (None skipped)."""
+    return sum(t.numel() // t.shape[0] * t.element_size() for t in tensors if t is not None)
+
+
 class SeqCache:
     """Per-token tensors of one mixer evaluation, (B, H, T, D) each, along dimension 2.
 
@@ -172,6 +196,16 @@ class SeqCache:
             buf[..., self.length:needed, :] = x
         self.length = needed
         return tuple(buf[..., :needed, :] for buf in self.buffers)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes per token, fixed bytes) that one batch row of this cache holds."""
+        return _per_token_bytes(self.buffers), 0
+
+    def contents(self) -> tuple[torch.Tensor, ...]:
+        """Views of every token's tensors so far (what the last :meth:`append` returned)."""
+        if self.buffers is None:
+            raise RuntimeError("this cache holds no tokens yet: write before reading it.")
+        return tuple(buf[..., :self.length, :] for buf in self.buffers)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (B',) in that order: beam search's reordering and
@@ -204,6 +238,9 @@ class FrozenSeqCache(FrozenCache):
         for b in buffers:
             torch._dynamo.maybe_mark_dynamic(b, b.dim() - 2)  # as StaticStep.mask
         self.buffers, self.length, self.static = buffers, length, step
+
+    def nbytes(self) -> tuple[int, int]:
+        return _per_token_bytes(self.buffers), 0
 
     def freeze(self, step: StaticStep) -> FrozenSeqCache:
         """The same tokens at another capacity (a frozen state refrozen larger)."""

@@ -66,7 +66,7 @@ from ..config import setting
 from ..errors import ConfigError
 from ..nn import SharedDropout, make_linear
 from ..registry import register_mixer
-from .cache import FrozenSeqCache, KVCache, SeqCache
+from .cache import FrozenCache, FrozenSeqCache, KVCache, SeqCache
 from .padding import Padding, mix
 
 
@@ -350,9 +350,14 @@ class ContinuousAttention(nn.Module):
         offset = cache.length if cache is not None else 0
         q_pos = torch.arange(offset, offset + T, device=x.device)
         q, k = self._keys(x, q_pos, q_pos, dt)
-        mask, is_causal = None, False
         if cache is not None:
             k, v = cache.append(k, v.to(dt))
+        return self._exact_attend(x, q, k, v, q_pos, offset)
+
+    def _exact_attend(self, x, q, k, v, q_pos, offset: int) -> torch.Tensor:
+        """The exact forms from queries at ``offset``.. to every key so far."""
+        T = x.shape[1]
+        mask, is_causal = None, False
         if self.causal and offset == 0:
             is_causal = T > 1
         elif self.causal and T > 1:  # a chunk after cached tokens
@@ -412,11 +417,20 @@ class ContinuousAttention(nn.Module):
         pad keys; the quadrature reads the values at (first real token + node position), which
         needs each row's real tokens to be contiguous (left or right padding, and decoding
         after a left-padded prompt)."""
+        self._check_padding(padding)
+        if self.exact:
+            return self._padded_exact(x, cache, padding)
+        B, T, C = x.shape
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            (v,) = cache.append(v)
+        return self._padded_quadrature(x, v, padding)
+
+    def _check_padding(self, padding: Padding) -> None:
         if not self.causal:
             raise ValueError("continuous attention takes padded batches in decoder mode only "
                              "(an encoder's quadrature spans the whole window).")
         keys = padding.keys
-        first = keys.long().argmax(1)                                   # (B,) first real token
         padding.require_one_stretch("continuous attention")
         if not padding.derived and not torch.compiler.is_compiling():
             own = Padding.from_mask(keys, padding.positions.shape[1]).positions
@@ -427,12 +441,13 @@ class ContinuousAttention(nn.Module):
                                  "position_ids that differ from those would make it read "
                                  "other tokens than the positions say. Leave position_ids "
                                  "out.")
-        if self.exact:
-            return self._padded_exact(x, cache, padding)
+
+    def _padded_quadrature(self, x: torch.Tensor, v: torch.Tensor,
+                           padding: Padding) -> torch.Tensor:
+        """The quadrature of a padded batch's queries over the values ``v`` of every token so
+        far, each row's nodes counted from its first real token."""
         B, T, C = x.shape
-        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            (v,) = cache.append(v)
+        first = padding.keys.long().argmax(1)                           # (B,) first real token
         L = v.shape[2]
         outs = []
         for i in range(0, T, self.query_chunk):  # bounds the gathered (B, H, Tc, Q, D)
@@ -460,6 +475,11 @@ class ContinuousAttention(nn.Module):
         q, k = self._keys(x, pos, pos, dt)
         if cache is not None:
             k, v = cache.append(k, v.to(dt))
+        return self._padded_exact_attend(x, q, k, v, padding)
+
+    def _padded_exact_attend(self, x, q, k, v, padding: Padding) -> torch.Tensor:
+        B, T, C = x.shape
+        dt, pos = q.dtype, padding.positions
         mask = padding.attention_mask(causal=True)                      # (B, 1, T, L)
         with torch.autocast(x.device.type, enabled=False):
             if self.relative:
@@ -522,6 +542,12 @@ class ContinuousAttention(nn.Module):
         if cache is not None:
             offset = cache.length
             (v,) = cache.append(v)
+        return self._quadrature_out(x, v, offset)
+
+    def _quadrature_out(self, x: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+        """The quadrature of queries at ``offset``.. over the values ``v`` of every token so
+        far, through the output projection."""
+        B, T, C = x.shape
         q_pos = torch.arange(offset, offset + T, device=x.device)
         n_keys = v.shape[2]
         if T <= 4 or n_keys > self.dense_limit:
@@ -550,12 +576,74 @@ class ContinuousAttention(nn.Module):
         # causal quadrature reads only tokens <= pos, so the unwritten tail of the buffer is
         # never touched
         (v,) = cache.write(v)
+        return self._frozen_quadrature_out(x, v, q_pos)
+
+    def _frozen_quadrature_out(self, x, v, q_pos) -> torch.Tensor:
+        B, T, C = x.shape
         # composite quadrature: enough panels for any position the buffer holds (one more
         # than its last position needs, for a count that float rounding lifts) (integer
         # arithmetic: the capacity is symbolic in a compiled step)
         panels = -(-(v.shape[2] - 1) // self.panel) + 1
         y = self._gathered(v, q_pos, panels)
         return self.dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    # ------------------------------------------------------------------ memory (ode_kv)
+
+    def write(self, m: torch.Tensor, cache, padding: Padding | None = None) -> None:
+        """Put the memory of ``m``'s T tokens into ``cache`` (``model.ode_kv = "step"`` or
+        ``"block"``): their values, and with the exact forms their keys (positional, plus
+        the content keys in bias mode); the frozen layout one token at its tensor position."""
+        if not self.causal:
+            raise ValueError("continuous attention takes its memory from a separate input in "
+                             "decoder mode only; use model.ode_kv = 'evaluation' with mode = "
+                             "'encoder'.")
+        B, T, C = m.shape
+        v = self.v_proj(m).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        frozen = isinstance(cache, FrozenCache)
+        if padding is not None:
+            self._check_padding(padding)
+        if not self.exact:
+            cache.write(v) if frozen else cache.append(v)
+            return
+        dt = torch.promote_types(self.coef.dtype, torch.float32)
+        if frozen:
+            pos = cache.static.pos
+        elif padding is not None:
+            pos = padding.positions
+        else:
+            pos = torch.arange(cache.length, cache.length + T, device=m.device)
+        k = self._keys(m, pos, pos, dt)[1]
+        cache.write(k, v.to(dt)) if frozen else cache.append(k, v.to(dt))
+
+    def read(self, x: torch.Tensor, cache, padding: Padding | None = None) -> torch.Tensor:
+        """Mix the memory in ``cache`` (every token so far, the last T ``x``'s own, put there
+        by :meth:`write`) into ``x``'s T tokens: the kernel's quadrature over the values, or
+        with the exact forms queries from ``x`` (their content part in bias mode) against the
+        written keys. Writes nothing."""
+        B, T, C = x.shape
+        if isinstance(cache, FrozenCache):
+            q_pos = cache.static.pos
+            if not self.exact:
+                return self._frozen_quadrature_out(x, cache.buffers[0], q_pos)
+            dt = torch.promote_types(self.coef.dtype, torch.float32)
+            q = self._keys(x, q_pos, q_pos, dt)[0]
+            k, v = cache.buffers
+            return self._exact_out(x, q, k, v, q_pos, cache.static.mask, False, None)
+        offset = cache.length - T
+        self._check_range(cache.length)
+        if padding is not None:
+            if not self.exact:
+                return self._padded_quadrature(x, cache.contents()[0], padding)
+            dt = torch.promote_types(self.coef.dtype, torch.float32)
+            q = self._keys(x, padding.positions, padding.positions, dt)[0]
+            return self._padded_exact_attend(x, q, *cache.contents(), padding)
+        if not self.exact:
+            return self._quadrature_out(x, cache.contents()[0], offset)
+        dt = torch.promote_types(self.coef.dtype, torch.float32)
+        q_pos = torch.arange(offset, offset + T, device=x.device)
+        q = self._keys(x, q_pos, q_pos, dt)[0]
+        k, v = cache.contents()
+        return self._exact_attend(x, q, k, v, q_pos, offset)
 
     def _gathered(self, v: torch.Tensor, q_pos: torch.Tensor,
                   panels: int | None = None) -> torch.Tensor:

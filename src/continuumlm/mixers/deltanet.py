@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..config import setting
 from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, stacked_linear, twice
 from ..registry import register_mixer
-from .cache import FrozenCache, RewindLog
+from .cache import FrozenCache, RewindLog, fixed_bytes
 from .delta_rule import (  # noqa: F401 - the kernels, importable from here as before
     delta_rule_chunkwise,
     delta_rule_recurrent,
@@ -25,6 +25,21 @@ from .delta_rule import (  # noqa: F401 - the kernels, importable from here as b
     fla_status,
 )
 from .padding import mix
+
+
+@dataclass
+class DeltaMemory:
+    """What :meth:`DeltaNetAttention.write` leaves for the reads of one solver step or block:
+    the written tokens' keys, values and write strengths, the state before them (None: zeros,
+    or for a single token already advanced past it), and the q convolution's inputs (its
+    history, then the memory's q projections) when there is a short convolution."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    start: torch.Tensor | None
+    q_window: torch.Tensor | None
+    pending: bool = False  # the cache's state is still the start state (set by the first read)
 
 
 class DeltaNetCache:
@@ -44,12 +59,30 @@ class DeltaNetCache:
         # what the mixer keeps while it decodes (its stacked projection weights:
         # nn.stacked_linear); a decoding state gives all its caches its own one
         self.shared: dict = {}
+        # the latest write of a memory input (model.ode_kv = "step" or "block"): what every
+        # read of that step or block runs the delta rule over (DeltaNetAttention.write)
+        self.memory: DeltaMemory | None = None
 
     def keep_rewind(self, tokens: int) -> None:
         self.log = RewindLog(tokens)
 
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes per token, fixed bytes) of one batch row: the state and the convolution
+        history, whatever the length (the rewind log aside)."""
+        self.settle()
+        return 0, fixed_bytes(self.state, *self.conv.values())
+
+    def settle(self) -> None:
+        """Bring ``state`` up to the latest written tokens when no read has yet (a memory
+        write of several tokens leaves that to the first read's kernel, which computes it)."""
+        mem = self.memory
+        if mem is not None and mem.pending:
+            self.state = delta_rule_state(mem.k, mem.v, mem.beta, mem.start)
+            mem.pending = False
+
     def start(self):
         """The state an extension starts from (for :meth:`record`), taken before it changes."""
+        self.settle()
         return (self.state, dict(self.conv)) if self.log.tokens else None
 
     def record(self, T: int, start, inputs: dict) -> None:
@@ -62,6 +95,8 @@ class DeltaNetCache:
 
     def crop(self, length: int) -> None:
         """Cut back to the first ``length`` tokens (at least :meth:`rewind_floor`)."""
+        self.settle()
+        self.memory = None
         if length == self.length:
             return
         (state, conv), inputs = self.log.cut(length)
@@ -75,6 +110,7 @@ class DeltaNetCache:
         self.state, self.conv, self.length = state, conv, length
 
     def freeze(self, step) -> FrozenDeltaNetCache:
+        self.settle()
         if self.state is None:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
         frozen = FrozenDeltaNetCache(self.state, self.conv, self.length, step)
@@ -83,6 +119,8 @@ class DeltaNetCache:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` in that order (beam search)."""
+        self.settle()
+        self.memory = None
         if self.state is not None:
             self.state = self.state.index_select(0, index.to(self.state.device))
         self.conv = {n: h.index_select(0, index.to(h.device)) for n, h in self.conv.items()}
@@ -106,13 +144,20 @@ class FrozenDeltaNetCache(FrozenCache):
         self.conv = {n: h.clone() for n, h in conv.items()}  # own storage, updated in place
         self.length, self.static = length, step
         self.shared: dict = {}
+        self.memory: DeltaMemory | None = None
 
     def freeze(self, step) -> FrozenDeltaNetCache:
         self.static = step  # no buffer grows with the capacity
         return self
 
+    def nbytes(self) -> tuple[int, int]:
+        return 0, fixed_bytes(self.state, *self.conv.values())
+
     def start(self):
         return None
+
+    def settle(self) -> None:
+        pass  # one token at a time: its write updates the state
 
     def record(self, T: int, start, inputs: dict) -> None:
         pass
@@ -151,6 +196,18 @@ class ShortConv(nn.Module):
         # in x's dtype, as conv1d under autocast returns it: bf16 projections give bf16 q, k, v
         # (float32 ones would keep the delta rule off its half-precision GPU kernel)
         return y.to(x.dtype), xx[:, xx.shape[1] - (self.kernel - 1):]
+
+    def current(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """The convolution at each of ``x``'s T tokens with the token itself read from ``x``
+        and the K-1 before it from ``window`` (B, K-1+T, C): the earlier tokens' inputs from
+        the memory (``model.ode_kv``), the token's own from the evaluation."""
+        T = x.shape[1]
+        w = self.weight[:, 0, :]
+        taps = [window[:, j:j + T] for j in range(self.kernel - 1)] + [x]
+        y = taps[0] * w[:, 0]  # summed in forward's order: the same roundings
+        for j in range(1, self.kernel):
+            y = y + taps[j] * w[:, j]
+        return y.to(x.dtype)
 
 
 @register_mixer("deltanet")
@@ -278,6 +335,95 @@ class DeltaNetAttention(nn.Module):
             o, _ = self._kernel(q, k, v, beta)
             o_rev, _ = self._kernel(q.flip(2), k.flip(2), v.flip(2), beta.flip(2))
             o = o + o_rev.flip(2)
+        o = self.norm(o).transpose(1, 2).reshape(B, T, C)
+        o = o * F.silu(g)
+        return self.dropout(self.o_proj(o))
+
+    def write(self, m: torch.Tensor, cache: DeltaNetCache, padding=None) -> None:
+        """Put the memory of ``m``'s T tokens into ``cache`` (``model.ode_kv = "step"`` or
+        ``"block"``): their keys, values and write strengths, through the short convolution
+        with its history, and the q convolution's inputs; a single token updates the state
+        at once, several leave it to the first :meth:`read`'s kernel."""
+        if not self.causal:
+            raise ValueError("DeltaNet takes its memory from a separate input in decoder mode "
+                             "only (an encoder's backward scan reads later tokens); use "
+                             "model.ode_kv = 'evaluation' with mode = 'encoder'.")
+        B, T, C = m.shape
+        projs = (self.k_proj, self.v_proj, self.beta_proj)
+        if self.convs is not None:  # later tokens' q convolution reads these tokens' inputs
+            projs = projs + (self.q_proj,)
+        outs = (stacked_linear(self.k_proj, m, projs, cache.shared) if T == 1
+                else tuple(p(m) for p in projs))
+        proj = {"k": outs[0], "v": outs[1]}
+        b = outs[2]
+        if self.convs is not None:
+            proj["q"] = outs[3]
+        real = padding.valid[..., None] if padding is not None else None
+        if real is not None:
+            if self.convs is not None:
+                padding.require_one_stretch("DeltaNet's short convolution")
+            proj = {name: p.masked_fill(~real, 0.0) for name, p in proj.items()}
+        conv_inputs = ({f"conv_{n}": (p, 1) for n, p in proj.items()}
+                       if self.convs is not None else {})
+        start = cache.start()  # settles the state of the previous write
+        q_window = None
+        if self.convs is not None:
+            for name in ("k", "v"):
+                y, new_hist = self.convs[name](proj[name], cache.conv.get(name))
+                proj[name] = F.silu(y)
+                cache.update_conv(name, new_hist)
+            conv = self.convs["q"]
+            hist = cache.conv.get("q")
+            if hist is None:
+                hist = m.new_zeros(B, conv.kernel - 1, C).to(proj["q"].dtype)
+            q_window = torch.cat([hist, proj["q"]], dim=1)
+            cache.update_conv("q", q_window[:, q_window.shape[1] - (conv.kernel - 1):])
+        elif self.silu_qkv:
+            proj = {name: F.silu(p) for name, p in proj.items()}
+        k = F.normalize(self._heads(proj["k"]), dim=-1)
+        v = self._heads(proj["v"])
+        beta = torch.sigmoid(b).transpose(1, 2)
+        if real is not None:
+            beta = beta.masked_fill(~real.transpose(1, 2), 0.0)
+        cache.record(T, start, {"k": (k, 2), "v": (v, 2), "beta": (beta, 2), **conv_inputs})
+        init = cache.state
+        if T == 1 and init is not None:  # a decoded token: its state now, each read a product
+            work = k.dtype if k.dtype == torch.float64 else torch.float32
+            _, state = delta_rule_step(k.to(work), k.to(work), v.to(work), beta.to(work),
+                                       init.to(work))
+            cache.update(state, 1)
+            cache.memory = DeltaMemory(k, v, beta, None, q_window)
+        else:
+            cache.length += T
+            cache.memory = DeltaMemory(k, v, beta, init, q_window, pending=True)
+
+    def read(self, x: torch.Tensor, cache: DeltaNetCache, padding=None) -> torch.Tensor:
+        """Read the memory the latest :meth:`write` put into ``cache`` with queries (and the
+        output gate) from ``x``: the delta rule over the written tokens from the state before
+        them, or, for a single token, the state after it. Writes nothing but that state,
+        which the first read of several tokens computes."""
+        mem = cache.memory
+        if mem is None:
+            raise RuntimeError("this DeltaNet cache holds no written memory: write before "
+                               "reading it.")
+        B, T, C = x.shape
+        q, g = (stacked_linear(self.g_proj, x, (self.q_proj, self.g_proj), cache.shared)
+                if T == 1 else (self.q_proj(x), self.g_proj(x)))
+        if padding is not None:
+            q = q.masked_fill(~padding.valid[..., None], 0.0)
+        if self.convs is not None:
+            q = F.silu(self.convs["q"].current(q, mem.q_window))
+        elif self.silu_qkv:
+            q = F.silu(q)
+        q = F.normalize(self._heads(q), dim=-1)
+        if T == 1 and not mem.pending:  # the state after the token is known: one product
+            S = cache.state
+            work = S.dtype if q.dtype != torch.float64 else torch.float64
+            o = (q.to(work) @ S.to(work).mT).to(q.dtype)
+        else:
+            o, S = self._kernel(q, mem.k, mem.v, mem.beta, mem.start)
+            if mem.pending:
+                cache.state, mem.pending = S, False
         o = self.norm(o).transpose(1, 2).reshape(B, T, C)
         o = o * F.silu(g)
         return self.dropout(self.o_proj(o))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import FrozenCache
+from .cache import FrozenCache, Written
 
 
 @dataclass
@@ -89,6 +89,12 @@ def mix(module, x: torch.Tensor, cache, padding: Padding | None, *args):
     token, fixed capacity), ``extend(x, cache[, padding=])`` for any other (k >= 1 tokens).
     Without a cache, such a mixer gets ``forward(x)``. A mixer without them (a plugin's,
     written before them) gets ``forward(x, cache)``, whatever the cache's layout."""
+    if isinstance(cache, Written) and not args:
+        reader = _memory_method(module, "read")
+        if padding is None:
+            return reader(x, cache.cache)
+        _check_padding(module)
+        return reader(x, cache.cache, padding=padding)
     if cache is not None and not args:
         if isinstance(cache, FrozenCache) and hasattr(module, "extend_frozen"):
             if padding is not None:
@@ -105,6 +111,34 @@ def mix(module, x: torch.Tensor, cache, padding: Padding | None, *args):
         return module(*call)
     _check_padding(module)
     return module(*call, padding=padding)
+
+
+def remember(module, m: torch.Tensor, cache, padding: Padding | None = None) -> None:
+    """``module.write(m, cache[, padding=])``: put the memory of the call's tokens, computed
+    from ``m`` (the mixer input at the start of a solver step or block), into ``cache``, for
+    every evaluation of that step or block to :meth:`read <mix>` (``model.ode_kv``)."""
+    writer = _memory_method(module, "write")
+    if padding is None:
+        writer(m, cache)
+    else:
+        _check_padding(module)
+        writer(m, cache, padding=padding)
+
+
+def takes_memory(mixer) -> bool:
+    """Whether a mixer (an instance or class) reads its memory from a separate input: it
+    declares ``write(m, cache)`` and ``read(x, cache)`` (``model.ode_kv``)."""
+    return callable(getattr(mixer, "write", None)) and callable(getattr(mixer, "read", None))
+
+
+def _memory_method(module, name: str):
+    if not takes_memory(module):
+        raise ValueError(
+            f"the mixer {type(module).__name__} has no write(m, cache) and read(x, cache), so "
+            f"its memory cannot come from the start of a solver step or block "
+            f"(model.ode_kv = 'step' or 'block'); use ode_kv = 'evaluation', or give the "
+            f"mixer those two methods.")
+    return getattr(module, name)
 
 
 def _check_padding(module) -> None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..nn import RotaryEmbedding, SharedDropout, make_linear
+from ..nn import RotaryEmbedding, SharedDropout, linear_rows, make_linear
 from ..registry import register_mixer
 from .cache import FrozenCache, FrozenSeqCache, KVCache
 from .padding import Padding, mix
@@ -63,6 +63,13 @@ class SoftmaxAttention(nn.Module):
             q, k, v = qkv.unbind(0)
         if cache is not None:
             k, v = cache.append(k, v)
+        return self._attention(x, q, k, v, offset, padding)
+
+    def _attention(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   offset: int, padding: Padding | None) -> torch.Tensor:
+        """Queries ``q`` (B, H, T, D) of the tokens at ``offset``.. against keys and values
+        (B, H, L, D) of every token so far, through the output projection."""
+        B, T, C = x.shape
         mask, is_causal = None, False
         if padding is not None:
             mask = padding.attention_mask(self.causal)
@@ -83,7 +90,8 @@ class SoftmaxAttention(nn.Module):
 
     def write(self, x: torch.Tensor, cache: KVCache, padding: Padding | None = None) -> None:
         """Extend the cache with the keys and values of ``x`` without attending: what a token
-        that stopped integrating early (per-token exit) leaves for later tokens to read."""
+        that stopped integrating early (per-token exit) leaves for later tokens to read, and
+        the memory of a solver step or block (``model.ode_kv``; :meth:`read` attends to it)."""
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = qkv[1], qkv[2]
@@ -96,6 +104,29 @@ class SoftmaxAttention(nn.Module):
             k = (self.rope(k, cache.length) if padding is None
                  else self.rope.rows(k, padding.positions, padding.keys.shape[1]))
         cache.append(k, v)
+
+    def read(self, x: torch.Tensor, cache: KVCache,
+             padding: Padding | None = None) -> torch.Tensor:
+        """Attend from ``x``'s T tokens, with queries from ``x``, to the keys and values in
+        ``cache``, whose last T are these tokens' own (put there by :meth:`write` from the
+        memory input: ``model.ode_kv = "step"`` or ``"block"``). Writes nothing; the frozen
+        layout (one token, its position a tensor) too."""
+        B, T, C = x.shape
+        q = linear_rows(self.qkv, x, 0, C).view(B, T, self.num_heads, self.head_dim)
+        q = q.transpose(1, 2)
+        if isinstance(cache, FrozenCache):
+            st = cache.static
+            if self.rope is not None:
+                q = self.rope.at(q, st.pos)
+            k, v = cache.buffers
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=st.mask)
+            return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+        k, v = cache.contents()
+        offset = cache.length - T
+        if self.rope is not None:
+            q = (self.rope(q, offset) if padding is None
+                 else self.rope.rows(q, padding.positions, padding.keys.shape[1]))
+        return self._attention(x, q, k, v, offset, padding)
 
     def extend_frozen(self, x: torch.Tensor, cache: FrozenSeqCache) -> torch.Tensor:
         """One token against a fixed-capacity cache, its position a tensor (see cache.py)."""

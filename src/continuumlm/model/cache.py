@@ -20,13 +20,14 @@ Two ways to extend a state:
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..mixers.cache import KVCache, SeqCache, StaticStep
 
-__all__ = ["DecodeState", "KVCache", "SeqCache", "StaticStep"]
+__all__ = ["CacheMemory", "DecodeState", "KVCache", "SeqCache", "StaticStep"]
 
 
 class DecodeState:
@@ -150,5 +151,50 @@ class DecodeState:
             c.length += 1
         self.static.advance(self.pos)
 
+    def memory(self) -> CacheMemory:
+        """What the caches hold for one batch row: bytes per token (caches that grow with
+        the sequence) and fixed bytes (recurrent states), summed over the caches whose type
+        tells (``nbytes()``); the rest are counted in ``unknown``."""
+        per_token = fixed = unknown = 0
+        for c in self._caches.values():
+            if not hasattr(c, "nbytes"):
+                unknown += 1
+                continue
+            t, f = c.nbytes()
+            per_token, fixed = per_token + t, fixed + f
+        return CacheMemory(per_token, fixed, len(self._caches), unknown)
+
     def __len__(self) -> int:
         return len(self._caches)
+
+
+@dataclass(frozen=True)
+class CacheMemory:
+    """The decoding caches of one sequence: ``per_token`` bytes for every token of context
+    (keys and values, CAT's values), ``fixed`` bytes whatever the length (DeltaNet's states
+    and convolution histories), in ``caches`` caches (``unknown`` of them a type that does not
+    say its size, left out of the sums)."""
+
+    per_token: int
+    fixed: int
+    caches: int
+    unknown: int = 0
+
+    def at(self, tokens: int) -> int:
+        """Bytes for one sequence of ``tokens`` tokens."""
+        return self.per_token * tokens + self.fixed
+
+    def describe(self, blocks: int) -> str:
+        parts = [f"{self.per_token:,} bytes per token ({self.per_token / blocks:,.0f} per token "
+                 f"per block)"]
+        if self.fixed:
+            parts.append(f"{self.fixed:,} bytes fixed ({self.fixed / blocks:,.0f} per block)")
+        text = f"decoding cache: {', '.join(parts)} in {self.caches} caches"
+        if self.unknown:
+            text += f" ({self.unknown} of a type that does not tell its size, not counted)"
+        return text
+
+    def as_dict(self, blocks: int) -> dict:
+        return {"bytes_per_token": self.per_token,
+                "bytes_per_token_per_block": self.per_token / blocks,
+                "fixed_bytes": self.fixed, "caches": self.caches, "unknown": self.unknown}

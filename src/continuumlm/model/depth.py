@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from ..errors import ConfigError
-from ..mixers.padding import Padding, mix
+from ..mixers.cache import Written
+from ..mixers.padding import Padding, mix, remember, takes_memory
 from ..nn import MLP, freeze_dropout, make_norm
 from ..nn.twice import twice_differentiable
 from ..ode import AdaptiveSolver, integrate
@@ -170,6 +171,12 @@ class ODEBlock(nn.Module):
     a fixed-grid solve is a fixed graph of evaluations, and in decoder mode the evaluation at
     position i depends only on positions <= i of the same evaluation, so the caches make
     incremental decoding exact.
+
+    With ``model.ode_kv = "step"`` the mixer's memory (what later tokens read) is written once
+    per solver step, from the mixer input at the step's start (t_n, h_n), into one cache per
+    (block, step) that every evaluation of the step reads with its own queries; with
+    ``"block"``, once per block from its input, into one cache. Training (a cache made for the
+    forward) and decoding (the state's) run the same writes and reads.
     """
 
     def __init__(self, cfg, index: int):
@@ -240,7 +247,25 @@ class ODEBlock(nn.Module):
                 masks[:] = [d._mask for d in self._dropouts]
             return out
 
+        kv = cfg.ode_kv
+        # ode_kv "step" / "block": the cache of the current step or block, holding its memory
+        written: list[Written | None] = [None]
+
+        def memory_cache(where) -> Written:
+            """The cache of a step or block, new for a forward without a decoding state."""
+            if state is None:
+                return Written(factory())
+            return Written(state.cache(("ode", key, *where), factory))
+
+        def remember_at(t, h: torch.Tensor, where) -> None:
+            w = memory_cache(where)
+            remember(field.mixer, field.mixer_input(t, h[..., :cfg.hidden_size]), w.cache,
+                     padding)
+            written[0] = w
+
         def cache_of(n: int):
+            if kv != "evaluation":
+                return written[0]
             return state.cache(("ode", key, n), factory) if state is not None else None
 
         def f(t: float, h: torch.Tensor) -> torch.Tensor:
@@ -270,8 +295,16 @@ class ODEBlock(nn.Module):
                                                 dtype=torch.float64, device=x.device)
             times = state.shared[at]
             for s in range(cfg.ode_steps):
-                caches = tuple(cache_of(s * per_step + i) for i in range(per_step))
-                x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt, caches)
+                if kv == "evaluation":
+                    caches = tuple(cache_of(s * per_step + i) for i in range(per_step))
+                    x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt, caches)
+                elif kv == "step" or s == 0:  # the memory written at the step's start
+                    written[0] = memory_cache(("step", s) if kv == "step" else ("block",))
+                    x = evaluate(_memory_step, self.solver, field, times[s], x, step_dt,
+                                 written[0])
+                else:
+                    x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt,
+                                 (written[0],) * per_step)
             calls[0] = cfg.ode_steps * per_step
         elif exit_rule is None:
             # what f and the solver read (rk2_gated's gate is the solver's)
@@ -283,7 +316,15 @@ class ODEBlock(nn.Module):
             if extras is not None and extras.readout:
                 def observe(n: int, h: torch.Tensor) -> None:
                     self.step_states.append(h[..., :C])
-            x = integrate(f, x, cfg.ode_t0, t1, self.solver, cfg.ode_steps,
+            solver = self.solver
+            if kv == "block":
+                remember_at(cfg.ode_t0, x, ("block",))
+            elif kv == "step":
+                def at_step(t: float, h: torch.Tensor, dt: float) -> None:
+                    remember_at(t, h, ("step", round((t - cfg.ode_t0) / dt)))
+
+                solver = StepMemory(solver, at_step)
+            x = integrate(f, x, cfg.ode_t0, t1, solver, cfg.ode_steps,
                           cfg.ode_grad, params, where=f"ODE block {self.index}",
                           checkpoints=cfg.ode_checkpoints, observe=observe)
             if x.shape[-1] != cfg.hidden_size:  # the integrals ride along as extra channels
@@ -292,6 +333,12 @@ class ODEBlock(nn.Module):
                 self.last_regularizers = {n: x[..., C + i].mean() for i, n in enumerate(names)}
                 x = x[..., :C]
         else:
+            if kv != "evaluation":
+                raise ValueError(f"per-token exit is not implemented with model.ode_kv = "
+                                 f"{kv!r} (the memory of a step or block); call "
+                                 f"model.set_exit(None), or use a model with ode_kv = "
+                                 f"'evaluation'.")
+
             def write(t: float, h: torch.Tensor) -> torch.Tensor:
                 n = calls[0]
                 calls[0] += 1
@@ -395,6 +442,66 @@ def _solver_step(solver, field, t: torch.Tensor, h: torch.Tensor, dt: float, cac
     return solver.step(lambda tt, hh: field(tt, hh, next(stage)), t, h, dt)
 
 
+def _memory_step(solver, field, t: torch.Tensor, h: torch.Tensor, dt: float,
+                 written: Written):
+    """One solver step that first writes the mixer's memory from the step's start (t, h)
+    into ``written``'s cache, which every evaluation of the step then reads."""
+    remember(field.mixer, field.mixer_input(t, h), written.cache)
+    return solver.step(lambda tt, hh: field(tt, hh, written), t, h, dt)
+
+
+class StepMemory:
+    """A fixed-grid solver whose every step first calls ``at_step(t, h, dt)`` with the step's
+    start (``model.ode_kv = "step"``: the mixer's memory is written there). The memory is a
+    function of the step's input, so a step recomputed in the backward pass (checkpoint,
+    binomial) writes it again from the same state."""
+
+    fixed_grid = True
+    reversible = False
+
+    def __init__(self, solver, at_step) -> None:
+        self.solver, self.at_step = solver, at_step
+        self.evals_per_step = solver.evals_per_step
+        self.tableau = getattr(solver, "tableau", None)
+
+    def step(self, f, t, h: torch.Tensor, dt):
+        self.at_step(t, h, dt)
+        return self.solver.step(f, t, h, dt)
+
+
+def kv_refusal(kv: str, mixer: str, solver: str, grad: str, adaptive: bool,
+               reversible: bool, memory: bool) -> str | None:
+    """Why ``model.ode_kv = kv`` cannot go with this mixer (``memory``: it has write and
+    read), solver and gradient mode, in one sentence with the way out; None when it can."""
+    if kv == "evaluation":
+        return None
+    what = f"model.ode_kv = {kv!r} (the mixers' memory from the start of each " + (
+        "solver step)" if kv == "step" else "block)")
+    if not memory:
+        return (f"{what} needs a mixer that writes its memory from one input and reads it "
+                f"with another (write(m, cache) and read(x, cache)); {mixer!r} has not got "
+                f"them: use ode_kv = 'evaluation'.")
+    if reversible:
+        return (f"{what} is not implemented for the reversible solver {solver!r}, whose "
+                f"backward pass rebuilds states by running the field backwards; use a "
+                f"Runge-Kutta solver (euler, midpoint, heun, rk4, ...).")
+    if adaptive and kv == "step":
+        return (f"{what}: the adaptive solver {solver!r} chooses its own steps; use ode_kv = "
+                f"'block', or a fixed-grid solver.")
+    if grad == "adjoint":
+        return (f"{what}: the backsolve adjoint integrates the field backwards as an ODE in "
+                f"the state alone, and this field also reads a memory fixed at a step or "
+                f"block's start; use ode_grad = 'direct' or 'checkpoint'.")
+    if adaptive and grad != "direct":
+        return (f"{what} with the adaptive solver {solver!r} takes ode_grad = 'direct' (its "
+                f"recorded steps are replayed without the memory), not {grad!r}.")
+    if kv == "block" and grad == "binomial":
+        return (f"{what}: binomial checkpointing replays steps from states alone, and the "
+                f"block's memory is written before them; use ode_grad = 'checkpoint' or "
+                f"'direct' (or ode_kv = 'step').")
+    return None
+
+
 _WARNED: set[str] = set()  # adaptive solvers whose non-causality was announced
 
 
@@ -453,6 +560,10 @@ class ODEStack(nn.Module):
         why = grad_refusal(cfg.ode_solver, cfg.ode_grad, adaptive, reversible, cfg.ode_steps)
         if why is not None:
             raise ConfigError(f"model.{why}" if why.startswith("ode_") else why)
+        why = kv_refusal(cfg.ode_kv, cfg.mixer, cfg.ode_solver, cfg.ode_grad, adaptive,
+                         reversible, takes_memory(MIXERS.component_class(cfg.mixer)))
+        if why is not None:
+            raise ConfigError(why)
         if getattr(cfg, "ode_adjoint_norm", "default") == "seminorm" and not (
                 adaptive and cfg.ode_grad == "adjoint"):
             raise ConfigError(

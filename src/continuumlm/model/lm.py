@@ -20,7 +20,7 @@ from ..mixers.padding import Padding
 from ..nn import make_norm
 from ..registry import DECODERS, DEPTHS, SOLVERS
 from . import memory
-from .cache import DecodeState
+from .cache import CacheMemory, DecodeState
 
 # importing depth registers the built-in depths
 from .depth import ExitRule, check_exit_solver
@@ -272,6 +272,23 @@ class LanguageModel(nn.Module):
         """An empty decoding state; feed tokens with :meth:`step`. ``rewind``: the state can
         be cut back (``state.crop(length)``) by at least this many of its latest tokens."""
         return DecodeState(batch_size, rewind)
+
+    @torch.no_grad()
+    def cache_memory(self) -> CacheMemory | None:
+        """What decoding keeps per sequence (bytes per token and fixed bytes, in this model's
+        dtype and cache layout), measured on a state after one token; None for a model that
+        does not decode with caches (an adaptive solver recomputes)."""
+        if not getattr(self.depth, "exact_cache", True):
+            return None
+        device = next(self.parameters()).device
+        state = self.init_state(1)
+        was = self.training
+        self.eval()
+        try:
+            self.step(torch.zeros(1, 1, dtype=torch.long, device=device), state)
+        finally:
+            self.train(was)
+        return state.memory()
 
     @torch.no_grad()
     def step(self, idx: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, DecodeState]:

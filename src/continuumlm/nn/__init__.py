@@ -1,9 +1,16 @@
 """Small building blocks shared by mixers and fields."""
 
 from .dropout import SharedDropout, freeze_dropout
-from .linear import BitLinear, make_linear, stacked_linear, tensor_state, ternary_weights
+from .linear import (
+    BitLinear,
+    linear_rows,
+    make_linear,
+    stacked_linear,
+    tensor_state,
+    ternary_weights,
+)
 from .mlp import MLP
 from .norm import Float32RMSNorm, make_norm
 from .position import RotaryEmbedding
 
-__all__ = ["SharedDropout", "freeze_dropout", "BitLinear", "make_linear", "stacked_linear", "tensor_state", "ternary_weights", "MLP", "make_norm", "Float32RMSNorm", "RotaryEmbedding"]
+__all__ = ["SharedDropout", "freeze_dropout", "BitLinear", "linear_rows", "make_linear", "stacked_linear", "tensor_state", "ternary_weights", "MLP", "make_norm", "Float32RMSNorm", "RotaryEmbedding"]

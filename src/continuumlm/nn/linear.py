@@ -60,6 +60,18 @@ def stacked_linear(owner: nn.Module, x: torch.Tensor, linears: Sequence[nn.Modul
     return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
+def linear_rows(linear: nn.Module, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``linear(x)[..., start:stop]``: the outputs of a fused projection's rows ``start`` to
+    ``stop`` (the queries of a fused q/k/v) computed alone when ``linear`` is a plain
+    ``nn.Linear`` without hooks; any other module (BitLinear, whose scale reads the whole
+    matrix; a PEFT adapter; a hook) is called whole and sliced."""
+    if type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks \
+            and not _module._global_forward_hooks and not _module._global_forward_pre_hooks:
+        bias = linear.bias[start:stop] if linear.bias is not None else None
+        return F.linear(x, linear.weight[start:stop], bias)
+    return linear(x)[..., start:stop]
+
+
 # Stack only projections this small (elements of all their weights together: 16 MB in
 # float32). Past it a product is long enough that its own dispatch is a small share of its time,
 # while the stacked copy would add real memory (a wide model's attention weights, twice).
