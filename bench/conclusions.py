@@ -434,3 +434,33 @@ def speculative(r: dict, results: dict) -> str | None:
             f"{'; '.join(parts)}. Target {target}x: {verdict}. What bounds it is how often the "
             f"coarse solve agrees with the full one: a model trained for one solve (RK4 x 4) "
             f"keeps few drafts and decodes slower with them.")
+
+
+def ode_kv(r: dict, results: dict) -> str | None:
+    verdicts = r.get("verdicts") or []
+    blocks = [v for v in verdicts if v["ode_kv"] == "block"]
+    if not blocks:
+        return ("No trained runs are recorded yet (`continuumlm experiment ode_kv`); the table "
+                "shows the decoding cache and speeds of the models it trains.")
+    target = r.get("target", 0.01)
+
+    def said(v: dict) -> str:
+        return (f"{v['group']}: {100 * v['loss_change']:+.2f}% {v['split']} loss "
+                f"({100 * v['ppl_change']:+.1f}% perplexity) at {v['memory_ratio']:.3g} of the "
+                f"cache ({v['seeds'][1]} seed(s) against {v['seeds'][0]})")
+
+    groups = {v["group"] for v in blocks}
+    met = all(v["within_target"] for v in blocks)
+    corpora = {g.split(",")[0] for g in groups}
+    verdict = ("met" if met and {"Tiny Shakespeare", "PTB"} <= corpora else
+               "met where measured, PTB not yet trained" if met else "missed")
+    steps = [v for v in verdicts if v["ode_kv"] == "step"]
+    better = [v["group"] for v in steps
+              if abs(v["loss_change"]) < abs(next(b["loss_change"] for b in blocks
+                                                  if b["group"] == v["group"]))]
+    step_text = ("; step " + "; ".join(said(v) for v in steps) +
+                 (f" (closer than block on {', '.join(better)})" if better else "")
+                 if steps else "")
+    return (f"Memory from the block's input: {'; '.join(said(v) for v in blocks)}{step_text}. "
+            f"Target (block within {100 * target:.0f}% of the loss at 1/16 of the cache, RK4 x "
+            f"4, both corpora): {verdict}.")

@@ -172,6 +172,36 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[_train(f"configs/ptb_std/{c}.toml", [1, 2, 3], "--also-test", "--also-best")
           for c in ("transformer", "ode_euler")],
     ]),
+    "ode_kv": ("Decoding memory that does not grow with the solve (model.ode_kv): the "
+               "mixers' memory per evaluation, per solver step or per block, RK4 x 4, softmax "
+               "on Tiny Shakespeare and PTB and DeltaNet on Tiny Shakespeare, against the "
+               "one-layer discrete model with the same parameters and cache (the evaluation "
+               "rows of softmax are the shakespeare and ptb experiments' ode_rk4 runs)", [
+        # one seed of each first, then the other seeds (an experiment resumes where it stopped)
+        *[_train(f"{SH}/ode_rk4.toml", [1337], "--tag", f"kv-{kv}", "--set", f"model.ode_kv={kv}")
+          for kv in ("block", "step")],
+        *[_train("configs/ptb/ode_rk4.toml", [42], "--tag", f"kv-{kv}", "--also-test",
+                 "--set", f"model.ode_kv={kv}") for kv in ("block", "step")],
+        *[_train(f"{SH}/ode_deltanet.toml", [1337], "--tag", f"rk4x4-kv-{kv}",
+                 "--set", "model.ode_steps=4", "--set", f"model.ode_kv={kv}")
+          for kv in ("evaluation", "block", "step")],
+        _train(f"{SH}/transformer_baby.toml", [1337, 1, 2], "--tag", "1layer",
+               "--set", "model.num_layers=1"),
+        _train(f"{SH}/deltanet.toml", [1337, 1, 2], "--tag", "1layer",
+               "--set", "model.num_layers=1"),
+        _train("configs/ptb/transformer.toml", [42, 1, 2], "--tag", "1layer", "--also-test",
+               "--set", "model.num_layers=1"),
+        _train(f"{SH}/ode_rk4.toml", [1, 2], "--tag", "kv-block", "--set", "model.ode_kv=block"),
+        _train("configs/ptb/ode_rk4.toml", [1, 2], "--tag", "kv-block", "--also-test",
+               "--set", "model.ode_kv=block"),
+        _train(f"{SH}/ode_rk4.toml", [1, 2], "--tag", "kv-step", "--set", "model.ode_kv=step"),
+        _train("configs/ptb/ode_rk4.toml", [1, 2], "--tag", "kv-step", "--also-test",
+               "--set", "model.ode_kv=step"),
+        *[_train(f"{SH}/ode_deltanet.toml", [1, 2], "--tag", f"rk4x4-kv-{kv}",
+                 "--set", "model.ode_steps=4", "--set", f"model.ode_kv={kv}")
+          for kv in ("evaluation", "block", "step")],
+        Step("ode_kv.py", quick=False, output="ode_kv"),  # cache bytes, decoding, training speed
+    ]),
     "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
              "and 64 key-value pairs; softmax and ODE-DeltaNet at 64 also trained on Zoology's mix of "
              "pair counts", [
@@ -191,8 +221,8 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
             "adaptive_grads", "seminorm_run")],
     ]),
 }
-ORDER = ["shakespeare", "elasticity", "regularizers", "cat_protocol", "ptb", "ptb_std", "mqar",
-         "bench"]
+ORDER = ["shakespeare", "elasticity", "regularizers", "cat_protocol", "ptb", "ptb_std", "ode_kv",
+         "mqar", "bench"]
 
 
 def run_child(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -1,0 +1,288 @@
+"""model.ode_kv: the mixers' memory from each evaluation, each solver step's start, or the block's
+input. Held to slow references written out by hand, to the relations between the options that
+must hold exactly, and to the decoding invariants of continuumlm.testing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from continuumlm.config import ModelConfig
+from continuumlm.errors import ConfigError
+from continuumlm.mixers.cache import StaticStep, Written
+from continuumlm.mixers.delta_rule import delta_rule_recurrent
+from continuumlm.mixers.padding import Padding, mix, remember
+from continuumlm.registry import MIXERS
+from continuumlm.testing import check_cached_decoding, check_causal, small_model
+
+MIXER_CASES = [
+    ("softmax", {"position": "rope"}, {}),
+    ("softmax", {"position": "learned"}, {}),
+    ("deltanet", {}, {}),
+    ("deltanet", {}, {"deltanet": {"short_conv": 4}}),
+    ("deltanet", {}, {"deltanet": {"activation": "none"}}),
+    ("continuous", {}, {}),
+    ("continuous", {}, {"continuous": {"quadrature": "composite", "panel": 4}}),
+    ("continuous", {}, {"continuous": {"quadrature": "exact"}}),
+    ("continuous", {}, {"continuous": {"mode": "bias"}}),
+    ("continuous", {}, {"continuous": {"mode": "bias", "kernel": "relative"}}),
+]
+
+
+def _mixer(name, kw, comps, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=11, hidden_size=16, num_heads=2, num_layers=1, max_seq_len=64,
+                      mixer=name, **kw, components=comps)
+    return MIXERS[name](cfg).double().eval()
+
+
+def _read(mx, x, m, cache, padding=None):
+    remember(mx, m, cache, padding)
+    return mix(mx, x, Written(cache), padding)
+
+
+@pytest.mark.parametrize("name,kw,comps", MIXER_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(MIXER_CASES)])
+def test_write_then_read_of_one_input_is_the_mixer(name, kw, comps):
+    """With the memory written from the input the queries read (ode_kv = "evaluation"'s
+    function), write + read equals the mixer's own forward, eager extension (a prompt, then
+    token by token), frozen one-token step and padded batch, to float64 rounding."""
+    mx = _mixer(name, kw, comps)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    tol = dict(rtol=0, atol=1e-13)
+    torch.testing.assert_close(_read(mx, x, x, mx.cache_factory()), mx(x), **tol)
+    eager, mem = mx.cache_factory(), mx.cache_factory()
+    a = [mix(mx, x[:, :5], eager, None)]
+    b = [_read(mx, x[:, :5], x[:, :5], mem)]
+    for t in range(5, 9):
+        a.append(mix(mx, x[:, t:t + 1], eager, None))
+        b.append(_read(mx, x[:, t:t + 1], x[:, t:t + 1], mem))
+    torch.testing.assert_close(torch.cat(b, 1), torch.cat(a, 1), **tol)
+    step = StaticStep(16, 9, x.device)
+    fa, fb = eager.freeze(step) or eager, mem.freeze(step) or mem
+    y = torch.randn(2, 1, 16, dtype=torch.float64)
+    torch.testing.assert_close(_read(mx, y, y, fb), mix(mx, y, fa, None), **tol)
+    keys = torch.ones(2, 9, dtype=torch.bool)
+    keys[0, :3] = False  # row 0 left-padded
+    pad = Padding.from_mask(keys, 9)
+    got = _read(mx, x, x, mx.cache_factory(), pad)
+    torch.testing.assert_close(got[keys], mix(mx, x, None, pad)[keys], **tol)
+
+
+def _heads(t, H):
+    B, T, C = t.shape
+    return t.view(B, T, H, C // H).transpose(1, 2)
+
+
+def test_softmax_memory_reference():
+    """Queries from x, keys and values from m, causal softmax: written out by hand."""
+    mx = _mixer("softmax", {"position": "learned"}, {})
+    x, m = torch.randn(2, 2, 7, 16, dtype=torch.float64).unbind(0)
+    W, b = mx.qkv.weight, mx.qkv.bias
+    proj = [F.linear(t, W[i * 16:(i + 1) * 16], None if b is None else b[i * 16:(i + 1) * 16])
+            for i, t in enumerate((x, m, m))]
+    q, k, v = (_heads(p, 2) for p in proj)
+    s = (q @ k.mT) / 8 ** 0.5
+    s = s.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    y = (s.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 16)
+    want = mx.out_proj(y)
+    torch.testing.assert_close(_read(mx, x, m, mx.cache_factory()), want, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("conv", [0, 3])
+def test_deltanet_memory_reference(conv):
+    """DeltaNet with queries and gate from x, keys, values and write strengths from m: the
+    reference recurrence; with the short convolution, q's taps on earlier tokens read m's q
+    projections and its tap on the token itself x's."""
+    mx = _mixer("deltanet", {}, {"deltanet": {"short_conv": conv}})
+    x, m = torch.randn(2, 2, 7, 16, dtype=torch.float64).unbind(0)
+    qx, qm, k, v = mx.q_proj(x), mx.q_proj(m), mx.k_proj(m), mx.v_proj(m)
+    if conv:
+        def causal_conv(inp, w):  # (B, T, C), (C, K): y[t] = sum_j w[:, j] inp[t - K + 1 + j]
+            padded = F.pad(inp, (0, 0, conv - 1, 0))
+            return sum(padded[:, j:j + 7] * w[:, j] for j in range(conv))
+        wq = mx.convs["q"].weight[:, 0]
+        q = causal_conv(qm, wq) - qm * wq[:, -1] + qx * wq[:, -1]
+        k = causal_conv(k, mx.convs["k"].weight[:, 0])
+        v = causal_conv(v, mx.convs["v"].weight[:, 0])
+    else:
+        q = qx
+    q, k, v = F.silu(q), F.silu(k), F.silu(v)
+    q, k, v = F.normalize(_heads(q, 2), dim=-1), F.normalize(_heads(k, 2), dim=-1), _heads(v, 2)
+    beta = torch.sigmoid(mx.beta_proj(m)).transpose(1, 2)
+    o, _ = delta_rule_recurrent(q, k, v, beta)
+    o = mx.norm(o).transpose(1, 2).reshape(2, 7, 16) * F.silu(mx.g_proj(x))
+    torch.testing.assert_close(_read(mx, x, m, mx.cache_factory()), mx.o_proj(o),
+                               rtol=0, atol=1e-12)
+
+
+def test_continuous_kernel_reads_only_memory():
+    """CAT's kernel mode has positional queries: its output is a mix of the memory's values
+    alone, whatever x is (the mixer run on m)."""
+    mx = _mixer("continuous", {}, {})
+    x, m = torch.randn(2, 2, 9, 16, dtype=torch.float64).unbind(0)
+    torch.testing.assert_close(_read(mx, x, m, mx.cache_factory()), mx(m), rtol=0, atol=1e-13)
+
+
+def _block(kv, solver="rk4", steps=2, mixer="softmax", seed=0, **kw):
+    model = small_model(seed, depth="ode", field="sequential", num_layers=1, mixer=mixer,
+                        ode_solver=solver, ode_steps=steps, ode_kv=kv, position="learned", **kw)
+    return model.double().depth.blocks[0]
+
+
+def _reference_block(block, x, kv):
+    """RK4 by hand, the sequential field with softmax attention written out: queries from every
+    stage's state, keys and values from the step's (or the block's) starting state."""
+    field, mx = block.field, block.field.mixer
+    W, C = mx.qkv.weight, x.shape[-1]
+    T = x.shape[1]
+
+    def attn(xq, xm):
+        q, k, v = (_heads(F.linear(t, W[i * C:(i + 1) * C]), 4)
+                   for i, t in enumerate((xq, xm, xm)))
+        s = (q @ k.mT) / (C // 4) ** 0.5
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return mx.out_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+
+    def f(h, mem):
+        a = attn(field.norm1(h), mem)
+        return a + field.mlp(field.norm2(h + a))
+
+    h, steps = x, block.cfg.ode_steps
+    dt = 1.0 / steps
+    block_memory = field.norm1(x)
+    for _ in range(steps):
+        mem = field.norm1(h) if kv == "step" else block_memory
+        k1 = f(h, mem)
+        k2 = f(h + dt / 2 * k1, mem)
+        k3 = f(h + dt / 2 * k2, mem)
+        k4 = f(h + dt * k3, mem)
+        h = h + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+    return h
+
+
+@pytest.mark.parametrize("kv", ["step", "block"])
+def test_ode_block_against_rk4_by_hand(kv):
+    block = _block(kv, steps=3)
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), _reference_block(block, x, kv), rtol=0, atol=1e-12)
+
+
+def test_relations_between_the_options():
+    """Euler evaluates once per step, at its start: "step" is "evaluation" exactly. One step:
+    "block" is "step". RK4's later stages read an older memory: the options differ."""
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        out = {(kv, s, n): _block(kv, s, n)(x) for kv in ("evaluation", "step", "block")
+               for s, n in (("euler", 3), ("rk4", 1), ("rk4", 2))}
+    torch.testing.assert_close(out["step", "euler", 3], out["evaluation", "euler", 3],
+                               rtol=0, atol=1e-13)
+    torch.testing.assert_close(out["block", "rk4", 1], out["step", "rk4", 1], rtol=0, atol=1e-13)
+    for a, b in ((("evaluation", "rk4", 2), ("step", "rk4", 2)),
+                 (("step", "rk4", 2), ("block", "rk4", 2))):
+        assert (out[a] - out[b]).abs().max() > 1e-7, f"{a} and {b} give the same output"
+
+
+@pytest.mark.parametrize("grad", ["checkpoint", "binomial"])
+@pytest.mark.parametrize("kv", ["step", "block"])
+def test_recomputing_gradient_modes_equal_direct(kv, grad):
+    """A step recomputed in the backward pass writes its memory again from the same state:
+    the gradients of checkpoint and binomial equal direct backpropagation's."""
+    if kv == "block" and grad == "binomial":
+        with pytest.raises(ConfigError, match="binomial"):
+            _block(kv, ode_grad=grad)
+        return
+    grads = {}
+    for mode in ("direct", grad):
+        block = _block(kv, steps=3, ode_grad=mode).train()
+        x = torch.randn(2, 6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        block(x).pow(2).sum().backward()
+        grads[mode] = [x.grad] + [p.grad for p in block.parameters()]
+    for a, b in zip(grads["direct"], grads[grad]):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
+@pytest.mark.parametrize("kv", ["step", "block"])
+def test_cached_decoding_is_recompute_in_float64(mixer, kv):
+    model = small_model(depth="ode", mixer=mixer, ode_solver="rk4", ode_steps=3, ode_kv=kv)
+    model = model.double()
+    check_causal(model, atol=1e-12)
+    check_cached_decoding(model, torch.randint(0, 37, (2, 5)), 8, atol=1e-10)
+
+
+def test_cache_memory_does_not_grow_with_the_solve():
+    """4 blocks of RK4 x 4: 64 caches per evaluation, 16 per step, 4 per block; "block" holds
+    what the discrete 4-layer model holds."""
+    seen = {}
+    for kv in ("evaluation", "step", "block"):
+        model = small_model(depth="ode", num_layers=4, ode_solver="rk4", ode_steps=4, ode_kv=kv)
+        seen[kv] = model.cache_memory()
+    discrete = small_model(depth="discrete", num_layers=4).cache_memory()
+    assert [seen[k].caches for k in ("evaluation", "step", "block")] == [64, 16, 4]
+    per_eval = 2 * 32 * 4  # keys and values, 32 wide, float32
+    assert seen["evaluation"].per_token == 64 * per_eval
+    assert seen["step"].per_token == 16 * per_eval
+    assert seen["block"].per_token == discrete.per_token == 4 * per_eval
+    dn = {kv: small_model(depth="ode", mixer="deltanet", num_layers=2, ode_solver="rk4",
+                          ode_steps=2, ode_kv=kv).cache_memory() for kv in ("evaluation", "block")}
+    assert dn["evaluation"].per_token == dn["block"].per_token == 0
+    assert dn["evaluation"].fixed == 8 * dn["block"].fixed > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(ode_grad="adjoint"), "adjoint"),
+    (dict(ode_solver="reversible_heun", ode_grad="reversible"), "reversible"),
+    (dict(ode_solver="tsit5", ode_kv="step"), "adaptive"),
+    (dict(ode_solver="tsit5", ode_grad="checkpoint"), "direct"),
+    (dict(depth="discrete"), "depth"),
+    (dict(ode_kv="stage"), "one of evaluation, step, block"),
+])
+def test_refused_by_name(kw, match):
+    kw = {"depth": "ode", "ode_kv": "block", **kw}
+    with pytest.raises(ConfigError, match=match):
+        small_model(**kw)
+
+
+def test_adaptive_block_memory_trains_and_runs():
+    model = small_model(depth="ode", ode_solver="tsit5", ode_kv="block")
+    idx = torch.randint(0, 37, (2, 9))
+    model.train()
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_per_token_exit_refused_with_memory():
+    model = small_model(depth="ode", ode_solver="rk4", ode_kv="step")
+    model.set_exit(0.1)
+    with pytest.raises(ValueError, match="per-token exit"):
+        model(torch.randint(0, 37, (1, 5)))
+
+
+def test_a_mixer_without_write_and_read_is_refused():
+    """A plugin mixer that only extends its cache cannot take its memory from elsewhere: the
+    refusal names it and the two methods."""
+    from continuumlm.mixers.padding import takes_memory
+    from continuumlm.model.depth import kv_refusal
+
+    class Plain(torch.nn.Module):
+        def forward(self, x, cache=None):
+            return x
+
+    assert not takes_memory(Plain) and takes_memory(MIXERS.component_class("softmax"))
+    why = kv_refusal("step", "plain", "rk4", "direct", False, False, takes_memory(Plain))
+    assert "'plain'" in why and "write(m, cache)" in why and "ode_kv = 'evaluation'" in why
+    assert kv_refusal("evaluation", "plain", "rk4", "direct", False, False, False) is None
+    with pytest.raises(ValueError, match="write.*read"):
+        mix(Plain(), torch.zeros(1, 1, 4), Written(object()), None)
+
+
+def test_cache_memory_text():
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=2, ode_kv="block")
+    memory = model.cache_memory()
+    assert "512 bytes per token (256 per token per block) in 2 caches" in memory.describe(2)
+    assert memory.at(1024) == 512 * 1024
