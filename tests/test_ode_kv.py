@@ -286,3 +286,24 @@ def test_cache_memory_text():
     memory = model.cache_memory()
     assert "512 bytes per token (256 per token per block) in 2 caches" in memory.describe(2)
     assert memory.at(1024) == 512 * 1024
+
+
+def test_hugging_face_round_trip_and_assistant(tmp_path):
+    """The adapter saves and loads ode_kv; cached generate equals uncached, and the coarse
+    solve as an assistant gives plain greedy's tokens."""
+    import dataclasses
+
+    pytest.importorskip("transformers")
+    from continuumlm.hf import ContinuumLMConfig, ContinuumLMForCausalLM
+
+    m = small_model(depth="ode", mixer="deltanet", ode_solver="rk4", ode_steps=2, ode_kv="block")
+    cfg = ContinuumLMConfig(**{f.name: getattr(m.config, f.name)
+                               for f in dataclasses.fields(m.config) if f.name != "plugins"})
+    ContinuumLMForCausalLM(cfg, model=m).save_pretrained(tmp_path)
+    hf = ContinuumLMForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.ode_kv == "block"
+    ids = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    plain = hf.generate(ids, use_cache=True, **kw)
+    assert torch.equal(plain, hf.generate(ids, use_cache=False, **kw))
+    assert torch.equal(plain, hf.generate(ids, assistant_model=hf.as_draft("euler", 1), **kw))

@@ -26,7 +26,11 @@ field for a solver) and each model must be
   gives, at its real tokens, the logits of the row alone, in a full forward and in cached
   decoding; a mixer without padding support refuses a padded batch by name;
 - trainable: the loss backpropagates to finite gradients on every parameter that takes part;
-- (ODE depth) the same size whatever the number of solver steps.
+- (ODE depth) the same size whatever the number of solver steps;
+- (a mixer with ``write(m, cache)`` and ``read(x, cache)``) all of the above again with its
+  memory taken from the start of each solver step and from the block's input
+  (``model.ode_kv = "step"`` and ``"block"``), and a field with them for ``"step"``; a mixer
+  without them is refused those options by name.
 
 The project's own tests run these checks over every registered component, so a built-in and
 a plugin are held to the same standard. Each check raises AssertionError saying what broke.
@@ -39,6 +43,8 @@ import copy
 import torch
 
 from .config import ModelConfig
+from .errors import ConfigError
+from .mixers.padding import takes_memory
 from .decoding.frozen import frozen_decoder
 from .decoding.replay import CaptureError, EmulatedGraphRecorder
 from .model.lm import LanguageModel
@@ -298,9 +304,23 @@ def check_component(kind: str, name: str, **model_kw) -> None:
     if kind == "mixer":
         for depth in (dict(depth="discrete"), ode):
             _check_model({**depth, "mixer": name, **model_kw})
+        if "ode_kv" not in model_kw and takes_memory(MIXERS.component_class(name)):
+            for kv in ("step", "block"):
+                _check_model({**ode, "mixer": name, "ode_kv": kv, **model_kw})
+        elif "ode_kv" not in model_kw:
+            try:
+                small_model(**{**ode, "mixer": name, "ode_kv": "step", **model_kw})
+            except ConfigError as e:
+                assert name in str(e) and "write" in str(e), f"refused without a reason: {e}"
+            else:
+                raise AssertionError(f"the mixer {name!r} has no write/read, and a model with "
+                                     f"ode_kv = 'step' was built with it")
     elif kind == "field":
         for mixer in sorted(MIXERS):
             _check_model({**ode, "field": name, "mixer": mixer, **model_kw})
+            if "ode_kv" not in model_kw and takes_memory(MIXERS.component_class(mixer)):
+                _check_model({**ode, "field": name, "mixer": mixer, "ode_kv": "step",
+                              **model_kw})
     else:
         fixed = SOLVERS.component_class(name).fixed_grid
         _check_model({**ode, "ode_solver": name, **model_kw}, fixed_grid=fixed)

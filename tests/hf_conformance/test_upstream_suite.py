@@ -179,3 +179,14 @@ class OdeDeltaNetTest(_ContinuumLMModelTest, unittest.TestCase):
 class OdeContinuousTest(_ContinuumLMModelTest, unittest.TestCase):
     settings = {"mixer": "continuous", "position": "none", "depth": "ode", "ode_solver": "rk4",
                 "ode_steps": 2}
+
+
+# the mixers' memory from the start of each solver step / the block's input (model.ode_kv)
+class OdeSoftmaxStepMemoryTest(_ContinuumLMModelTest, unittest.TestCase):
+    settings = {"mixer": "softmax", "position": "rope", "depth": "ode", "ode_solver": "rk4",
+                "ode_steps": 2, "ode_kv": "step"}
+
+
+class OdeDeltaNetBlockMemoryTest(_ContinuumLMModelTest, unittest.TestCase):
+    settings = {"mixer": "deltanet", "position": "none", "depth": "ode", "ode_solver": "rk4",
+                "ode_steps": 2, "ode_kv": "block"}

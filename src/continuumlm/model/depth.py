@@ -564,6 +564,13 @@ class ODEStack(nn.Module):
                          reversible, takes_memory(MIXERS.component_class(cfg.mixer)))
         if why is not None:
             raise ConfigError(why)
+        if cfg.ode_kv != "evaluation" and not callable(
+                getattr(FIELDS.component_class(cfg.field), "mixer_input", None)):
+            raise ConfigError(
+                f"model.ode_kv = {cfg.ode_kv!r} writes the mixer's memory from the field's "
+                f"mixer input at a step or block's start, and the field {cfg.field!r} has no "
+                f"mixer_input(t, h) (and a .mixer) to compute it with; use ode_kv = "
+                f"'evaluation', or give the field that method.")
         if getattr(cfg, "ode_adjoint_norm", "default") == "seminorm" and not (
                 adaptive and cfg.ode_grad == "adjoint"):
             raise ConfigError(
