@@ -281,6 +281,35 @@ def test_a_mixer_without_write_and_read_is_refused():
         mix(Plain(), torch.zeros(1, 1, 4), Written(object()), None)
 
 
+def test_train_eval_and_generate_with_block_memory(tiny_corpus, tmp_path):
+    """A user's path: train with model.ode_kv = "block", then eval and generate report the
+    decoding cache (one cache per block: a discrete layer's)."""
+    import json
+
+    from conftest import run_cli
+    from continuumlm.config import load_config
+    from continuumlm.train import Trainer
+
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
+                             "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
+                             "model.depth=ode", "model.ode_steps=2", "model.ode_kv=block",
+                             "train.batch_size=2", "train.seq_len=16", "train.max_steps=2",
+                             "train.eval_interval=2", "train.eval_iters=1", "train.device=cpu"])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    r = run_cli("eval", "--checkpoint", tmp_path / "run", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ode_kv"] == "block" and out["cache"]["caches"] == 1
+    assert out["cache"]["bytes_per_token"] == 2 * 32 * 4
+    r = run_cli("generate", "--checkpoint", tmp_path / "run", "--prompt", "the cat",
+                "--max-new-tokens", "5", "--greedy")
+    assert r.returncode == 0, r.stderr
+    assert "decoding cache: 256 bytes per token (256 per token per block) in 1 cache" in r.stderr
+    r = run_cli("train", "--config", tmp_path / "run" / "config.toml", "--out", tmp_path / "x",
+                "--set", "model.ode_kv=blocks")
+    assert r.returncode == 2 and "model.ode_kv must be one of" in r.stderr
+
+
 def test_cache_memory_text():
     model = small_model(depth="ode", ode_solver="rk4", ode_steps=2, ode_kv="block")
     memory = model.cache_memory()

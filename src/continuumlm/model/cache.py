@@ -189,7 +189,8 @@ class CacheMemory:
                  f"per block)"]
         if self.fixed:
             parts.append(f"{self.fixed:,} bytes fixed ({self.fixed / blocks:,.0f} per block)")
-        text = f"decoding cache: {', '.join(parts)} in {self.caches} caches"
+        text = (f"decoding cache: {', '.join(parts)} in {self.caches} "
+                f"cache{'s' * (self.caches != 1)}")
         if self.unknown:
             text += f" ({self.unknown} of a type that does not tell its size, not counted)"
         return text
