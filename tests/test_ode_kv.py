@@ -336,3 +336,18 @@ def test_hugging_face_round_trip_and_assistant(tmp_path):
     plain = hf.generate(ids, use_cache=True, **kw)
     assert torch.equal(plain, hf.generate(ids, use_cache=False, **kw))
     assert torch.equal(plain, hf.generate(ids, assistant_model=hf.as_draft("euler", 1), **kw))
+
+
+@pytest.mark.slow  # compiles two models: about 20 s
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+def test_compiled_decoding_with_step_memory(mixer):
+    """generate(compile=True): each solver step a compiled unit that writes the step's memory
+    and runs its stages; the tokens equal eager decoding's and nothing was refused."""
+    from continuumlm import Decoder
+
+    model = small_model(depth="ode", mixer=mixer, ode_solver="rk4", ode_steps=2, ode_kv="step")
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(0))
+    eager = model.generate(prompt, 12, greedy=True)
+    decoder = Decoder(model, compile=True)
+    assert torch.equal(decoder.generate(prompt, 12, greedy=True), eager)
+    assert decoder.compile_refused is None
