@@ -43,10 +43,10 @@ import copy
 import torch
 
 from .config import ModelConfig
-from .errors import ConfigError
-from .mixers.padding import takes_memory
 from .decoding.frozen import frozen_decoder
 from .decoding.replay import CaptureError, EmulatedGraphRecorder
+from .errors import ConfigError
+from .mixers.padding import takes_memory
 from .model.lm import LanguageModel
 from .registry import MIXERS, REGISTRIES, SOLVERS
 

@@ -54,11 +54,9 @@ per-head slopes, on the log distance), rather than near zero.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -66,6 +64,7 @@ from ..config import setting
 from ..errors import ConfigError
 from ..nn import SharedDropout, make_linear
 from ..registry import register_mixer
+from . import spectral
 from .cache import FrozenCache, FrozenSeqCache, KVCache, SeqCache
 from .padding import Padding, mix
 
@@ -150,7 +149,8 @@ class ContinuousAttention(nn.Module):
         self.out_proj.residual_proj = True
         self.relative = own.kernel == "relative"
         if self.relative:  # one function of the distance per head: (H, F)
-            self.coef = nn.Parameter(self._power_law_init(cfg.num_heads, own.n_freq))
+            self.coef = nn.Parameter(spectral.power_law_coefficients(
+                cfg.num_heads, own.n_freq, own.basis, self.scale))
         else:  # a smooth kernel at init: coefficients decay with frequency
             f = torch.arange(own.n_freq, dtype=torch.float32)
             decay = 1.0 / (1.0 + f[:, None] ** 2 + f[None, :] ** 2)
@@ -166,34 +166,13 @@ class ContinuousAttention(nn.Module):
         self._build_constants(None, torch.float32)
         self.dropout = SharedDropout(cfg.dropout)
 
-    def _power_law_init(self, heads: int, n_freq: int) -> torch.Tensor:
-        """Coefficients of b_h(d) = -m_h log(1 + d) (up to a constant, which softmax ignores)
-        for d <= length, with m_h from 1/4 to 4 geometrically over the heads: softmax weights
-        proportional to (1 + d)^-m_h, from nearly flat to local, as ALiBi's per-head slopes
-        are for linear distances. In u = log(1 + d) / log(1 + length) the prior is -a_h u,
-        a_h = m_h log(1 + length): its cosine series has a_h 4 / (pi f)^2 at odd f (truncated
-        at n_freq: at n_freq 32 the largest error up to `length` is 0.27), its Chebyshev series
-        -a_h / 2 at f = 1. With n_freq = 1 (a constant) the prior starts, and stays, flat."""
-        m = torch.logspace(-2, 2, heads, base=2.0) if heads > 1 else torch.ones(1)
-        a = m * math.log1p(self.scale)
-        coef = torch.zeros(heads, n_freq)
-        f = torch.arange(n_freq, dtype=torch.float64)
-        if self.basis == "fourier":
-            odd = (f % 2 == 1).double()
-            coef = (a[:, None].double() * 4 / (math.pi * f.clamp(min=1)) ** 2 * odd).float()
-        elif n_freq > 1:
-            coef[:, 1] = -a / 2
-        return coef
-
     def _build_constants(self, device, dtype) -> None:
         """Gauss-Legendre nodes and log-weights on [0, 1] and the Sobolev weights (f^2+g^2)^2
         (f^4 for the relative kernel's one axis), computed in float64 and stored in ``dtype``
         (float32 or wider)."""
-        x, w = np.polynomial.legendre.leggauss(self.n_quad)
-        f = np.arange(self.n_freq, dtype=np.float64)
-        sob = f ** 4 if self.relative else (f[:, None] ** 2 + f[None, :] ** 2) ** 2
-        for name, value in (("nodes", (x + 1) / 2), ("log_w", np.log(w / 2)),
-                            ("sob_weight", sob)):
+        nodes, log_w = spectral.gauss_legendre(self.n_quad)
+        sob = spectral.sobolev_weights(self.n_freq, self.relative)
+        for name, value in (("nodes", nodes), ("log_w", log_w), ("sob_weight", sob)):
             self.register_buffer(name, torch.tensor(value, dtype=dtype, device=device),
                                  persistent=False)
 
@@ -210,11 +189,7 @@ class ContinuousAttention(nn.Module):
 
     def phi(self, s: torch.Tensor) -> torch.Tensor:
         """Basis functions at positions s (any shape) -> (..., n_freq)."""
-        f = torch.arange(self.n_freq, device=s.device, dtype=s.dtype)
-        if self.basis == "fourier":
-            return torch.cos(math.pi * s[..., None] * f)
-        x = (2 * s.clamp(0.0, 1.0) - 1).clamp(-1.0, 1.0)
-        return torch.cos(f * torch.arccos(x)[..., None])  # T_f(x) = cos(f arccos x)
+        return spectral.basis(s, self.n_freq, self.basis)
 
     def quadrature(self, q_pos: torch.Tensor, n_keys: int, panels: int | None = None):
         """Node probabilities p (H, Tq, Q) and the interpolation of each node between tokens
@@ -224,7 +199,7 @@ class ContinuousAttention(nn.Module):
         holds integers exactly only up to 256, so positions, nodes and the kernel would lose
         their place in a long context. Callers cast p to the values' dtype. ``panels``
         (composite): the panel count to lay out, at least the furthest query's (see
-        _panels)."""
+        spectral.composite_nodes)."""
         with torch.autocast(q_pos.device.type, enabled=False):
             return self._quadrature(q_pos, n_keys, panels)
 
@@ -233,7 +208,8 @@ class ContinuousAttention(nn.Module):
         s = q_pos.to(dt) / self.scale                                   # (Tq,)
         upper = s if self.causal else torch.full_like(s, (n_keys - 1) / self.scale)
         if self.quadrature_kind == "composite":
-            t, log_w = self._panels(upper, dt, panels)
+            t, log_w = spectral.composite_nodes(upper, self.panel / self.scale,
+                                                self.nodes.to(dt), self.log_w.to(dt), panels)
         else:
             t = upper[:, None] * self.nodes.to(dt)[None, :]             # (Tq, Q) nodes in [0, upper]
             log_w = self.log_w.to(dt)
@@ -242,50 +218,11 @@ class ContinuousAttention(nn.Module):
         p = torch.softmax(scores, dim=-1)                               # (H, Tq, Q)
         u = t * self.scale                                              # node in token units
         bound = (q_pos if self.causal else torch.full_like(q_pos, n_keys - 1)).to(u.dtype)
-        u = torch.minimum(u, bound[:, None])                            # never past the query
-        lo = u.floor()
-        alpha = u - lo
-        lo = lo.long()
-        hi = torch.minimum(lo + 1, bound[:, None].long())
-        return p, lo, hi, alpha
-
-    def _panels(self, upper: torch.Tensor, dt, panels: int | None = None):
-        """Composite Gauss-Legendre nodes on [0, upper] in panels of ``panel`` tokens: (Tq, M*Q)
-        nodes and log-weights (-inf on the panels a query does not reach); the panel count M
-        is that of the furthest query, so nodes grow with the context. A frozen decoding step
-        gives M (``panels``, from its buffer's capacity) instead: the furthest query's count
-        is a device value, whose read on the host would tie the step's shape to the position
-        (a recompile per panel under torch.compile, no CUDA-graph replay). Panels past a
-        query's reach have zero width and weigh nothing (log-weight -inf), so a larger M
-        gives the same mixture."""
-        width = self.panel / self.scale                                 # a panel, in s
-        if panels is None:
-            count = torch.clamp(torch.ceil(upper / width), min=1)        # panels per query
-            m = int(count.max())
-        else:
-            m = panels
-        k = torch.arange(m, device=upper.device, dtype=dt)               # (M,)
-        start = k[None, :] * width                                        # (Tq, M)
-        end = torch.minimum(start + width, upper[:, None])
-        size = (end - start).clamp(min=0)                                # 0 past the query
-        nodes, w = self.nodes.to(dt), self.log_w.to(dt).exp()
-        t = (start[..., None] + size[..., None] * nodes).flatten(1)      # (Tq, M*Q)
-        weight = (size[..., None] * w).flatten(1)
-        # a query at s = 0 has one panel of width 0: its nodes all sit at 0, equally weighted
-        zero = (upper == 0)[:, None]
-        log_w = torch.where(weight > 0, weight.clamp_min(torch.finfo(dt).tiny).log(),
-                            torch.full_like(weight, float("-inf")))
-        log_w = torch.where(zero & (torch.arange(t.shape[1], device=t.device) < len(nodes)),
-                            torch.zeros_like(log_w), log_w)
-        return t, log_w
+        return (p, *spectral.between_tokens(u, bound))
 
     def mixing(self, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
         """(H, Tq, n_keys) weights: row i mixes the values of tokens 0..n_keys-1."""
-        p, lo, hi, alpha = self.quadrature(q_pos, n_keys)
-        M = p.new_zeros(self.num_heads, len(q_pos), n_keys)
-        idx = lambda i: i.expand(self.num_heads, -1, -1)  # noqa: E731
-        M = M.scatter_add(2, idx(lo), p * (1 - alpha)).scatter_add(2, idx(hi), p * alpha)
-        return M
+        return spectral.mixing_matrix(*self.quadrature(q_pos, n_keys), n_keys)
 
     def penalty(self) -> torch.Tensor:
         coef = self.coef
@@ -304,8 +241,7 @@ class ContinuousAttention(nn.Module):
         sum_f c_hf phi_f(u(d)), u(d) = min(1, log(1 + d) / log(1 + length))."""
         dt = torch.promote_types(self.coef.dtype, torch.float32)
         with torch.autocast(distance.device.type, enabled=False):
-            u = (torch.log1p(distance.to(dt)) / math.log1p(self.scale)).clamp(max=1.0)
-            return torch.einsum("...f,hf->h...", self.phi(u), self.coef.to(dt))
+            return spectral.distance_prior(distance, self.coef.to(dt), self.basis, self.scale)
 
     def _relative_bias(self, q_pos: torch.Tensor, n_keys: int, dt) -> torch.Tensor:
         """(1, H, Tq, n_keys) additive mask for queries at any positions (the static decoding
@@ -651,9 +587,6 @@ class ContinuousAttention(nn.Module):
         each reads of ``v`` (B, H, n_keys, D)."""
         outs = []
         for i in range(0, q_pos.shape[0], self.query_chunk):
-            p, lo, hi, alpha = self.quadrature(q_pos[i:i + self.query_chunk], v.shape[2],
-                                               panels)
-            w_lo, w_hi = (p * (1 - alpha)).to(v.dtype), (p * alpha).to(v.dtype)
-            outs.append(torch.einsum("hiq,bhiqd->bhid", w_lo, v[:, :, lo])
-                        + torch.einsum("hiq,bhiqd->bhid", w_hi, v[:, :, hi]))
+            outs.append(spectral.gathered(
+                v, *self.quadrature(q_pos[i:i + self.query_chunk], v.shape[2], panels)))
         return torch.cat(outs, dim=2)
