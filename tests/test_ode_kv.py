@@ -267,7 +267,7 @@ def test_a_mixer_without_write_and_read_is_refused():
     """A plugin mixer that only extends its cache cannot take its memory from elsewhere: the
     refusal names it and the two methods."""
     from continuumlm.mixers.padding import takes_memory
-    from continuumlm.model.depth import kv_refusal
+    from continuumlm.model.ode_kv import kv_refusal
 
     class Plain(torch.nn.Module):
         def forward(self, x, cache=None):

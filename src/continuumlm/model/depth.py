@@ -7,15 +7,13 @@ state, and reports ``last_nfe``: the number of block evaluations in its last for
 
 An ODE stack can also stop integrating a token early (:class:`ExitRule`, set with
 ``LanguageModel.set_exit``): after each solver step, a token whose state has settled is frozen
-for the rest of that block. See :meth:`ODEBlock._solve_with_exit` for what that means exactly.
+for the rest of that block. See :func:`continuumlm.model.exit.solve_with_exit` for what that means exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,8 @@ from ..ode.grad import refusal as grad_refusal
 from ..ode.solvers import grid
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
+from .exit import EXIT_CRITERIA, ExitRule, check_exit_solver, solve_with_exit  # noqa: F401 - importable here as before
+from .ode_kv import StepMemory, kv_refusal, memory_step
 
 log = logging.getLogger("continuumlm")
 
@@ -40,54 +40,6 @@ def checkpoint(fn, *args):
     """Activation checkpointing of one layer or block (non-reentrant, which keeps the
     gradients of inputs that need none and the forward's random state)."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-EXIT_CRITERIA = ("state", "kl")
-
-
-@dataclass(frozen=True)
-class ExitRule:
-    """Per-token early exit from every ODE block's fixed-grid solve.
-
-    After solver step n (of N) of a block, a token still integrating is frozen for the rest of
-    that block when its ``criterion`` falls below ``threshold``:
-
-    - ``"state"``: the relative change of its state over the step, ||h_(n+1) - h_n|| / ||h_n||;
-    - ``"kl"``: KL(p_(n+1) || p_n) between the next-token distributions read out (final norm and
-      head) from its states before and after the step; costs one read-out per step and token.
-
-    A criterion reads only the token's own state, which depends only on its prefix, so the
-    decoder stays exactly causal and cached decoding equals recompute at the same threshold.
-    ``readout`` (h -> logits) is given by ``LanguageModel.set_exit``.
-    """
-
-    threshold: float
-    criterion: str = "state"
-    readout: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def __post_init__(self) -> None:
-        if self.criterion not in EXIT_CRITERIA:
-            raise ValueError(f"exit criterion {self.criterion!r} is not one of "
-                             f"{', '.join(EXIT_CRITERIA)}.")
-        if not (isinstance(self.threshold, (int, float)) and self.threshold >= 0
-                and not math.isnan(self.threshold)):
-            raise ValueError(f"the exit threshold must be a number >= 0 (0: never exit; inf: "
-                             f"every token after its first step), got {self.threshold!r}.")
-        if self.criterion == "kl" and self.readout is None:
-            raise ValueError("the 'kl' exit criterion needs a read-out (h -> logits).")
-
-    def settled(self, h_old: torch.Tensor, h_new: torch.Tensor, old_logp):
-        """(bool (B, T): the criterion is below the threshold, the read-out of h_new or None)."""
-        if self.criterion == "state":
-            change = (h_new - h_old).float().norm(dim=-1)
-            crit = change / h_old.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
-            return crit < self.threshold, None
-        logp = self.log_probs(h_new)
-        crit = (logp.exp() * (logp - old_logp)).sum(-1)
-        return crit < self.threshold, logp
-
-    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.readout(h).float(), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -102,18 +54,6 @@ class SolveExtras:
     jacobian: bool = False
     t1: float | None = None
     readout: bool = False  # keep the state after every step but the last (step_states)
-
-
-def check_exit_solver(solver, name: str) -> None:
-    """Early exit needs a fixed-grid explicit step h_(n+1) = h_n + dt * (stage combination):
-    zeroing a token's stage derivatives then leaves its state exactly as it was."""
-    if not getattr(solver, "fixed_grid", True) or not hasattr(solver, "step"):
-        raise ValueError(f"per-token exit needs a fixed-grid solver; {name!r} chooses its own "
-                         f"steps (use euler, midpoint, heun, rk4, ...).")
-    if getattr(solver, "reversible", False):
-        raise ValueError(f"per-token exit is not defined for the reversible solver {name!r} "
-                         f"(its two coupled states do not stay put when the field is zero); "
-                         f"use a fixed-grid Runge-Kutta solver such as rk4 or heun.")
 
 
 class TransformerBlock(nn.Module):
@@ -300,7 +240,7 @@ class ODEBlock(nn.Module):
                     x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt, caches)
                 elif kv == "step" or s == 0:  # the memory written at the step's start
                     written[0] = memory_cache(("step", s) if kv == "step" else ("block",))
-                    x = evaluate(_memory_step, self.solver, field, times[s], x, step_dt,
+                    x = evaluate(memory_step, self.solver, field, times[s], x, step_dt,
                                  written[0])
                 else:
                     x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt,
@@ -346,8 +286,8 @@ class ODEBlock(nn.Module):
                 evaluation(getattr(field, "write", field), t, h, n)
                 return torch.zeros_like(h)
 
-            x, self.last_token_nfe = self._solve_with_exit(f, write, x, exit_rule,
-                                                              state is not None)
+            x, self.last_token_nfe = solve_with_exit(self.cfg, self.solver, f, write, x,
+                                                         exit_rule, state is not None)
         self.last_nfe = calls[0]
         self._calls = calls  # evaluations made later (by a backward pass) still count here
         if self.field.post_mlp:
@@ -386,48 +326,6 @@ class ODEBlock(nn.Module):
 
         return f_aug, torch.cat([x, x.new_zeros(*x.shape[:-1], k)], -1)
 
-    def _solve_with_exit(self, f, write, x: torch.Tensor, rule: ExitRule, cached: bool):
-        """The fixed-grid solve with per-token exit; returns (h(t1), field evaluations per
-        token (B, T)).
-
-        A frozen token's stage derivatives are zero, so its stage inputs and its state stay
-        exactly its frozen state: what later tokens read from it at the stages it skips (keys
-        and values, DeltaNet writes, CAT values) is computed from that state, in a full
-        forward and in cached decoding alike. When every token in ``x`` is frozen, the rest
-        of the solve only writes what later tokens read (``field.write``: the mixers' cache
-        writes, no MLP, no attention read), or stops when nothing is cached: that is where
-        the time is saved. Under ``torch.compile`` every stage is evaluated (masked), which
-        gives the same numbers without a data-dependent branch.
-        """
-        cfg, solver = self.cfg, self.solver
-        dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps
-        active = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
-        evals = torch.zeros(x.shape[:-1], dtype=torch.int32, device=x.device)
-        per_step = int(solver.evals_per_step)
-        logp = rule.log_probs(x) if rule.criterion == "kl" else None
-        branch = not torch.compiler.is_compiling()
-        h = x
-        times = grid(cfg.ode_t0, cfg.ode_t1, cfg.ode_steps)
-        for n, t in enumerate(times):
-            if branch and not bool(active.any()):
-                if not cached:
-                    break  # nobody reads the stages left
-                h = solver.step(write, t, h, dt)  # h stays h: every derivative is zero
-                continue
-            keep = active.unsqueeze(-1)
-
-            def masked(tt: float, hh: torch.Tensor, keep=keep) -> torch.Tensor:
-                return torch.where(keep, f(tt, hh), 0.0)  # where, not *: 0 * inf is nan
-
-            h_new = solver.step(masked, t, h, dt)
-            evals += active.to(evals.dtype) * per_step
-            if n + 1 < len(times):
-                settled, logp = rule.settled(h, h_new, logp)
-                active = active & ~settled
-            h = h_new
-        return h, evals
-
-
 def _steps_compiled(solver) -> bool:
     """Whether a frozen state's compiled decoding runs this solver a step at a time: a
     fixed-grid explicit step (the protocol's ``step`` and ``evals_per_step``), not a
@@ -440,66 +338,6 @@ def _solver_step(solver, field, t: torch.Tensor, h: torch.Tensor, dt: float, cac
     """One solver step whose k-th field evaluation reads and extends ``caches[k]``."""
     stage = iter(caches)
     return solver.step(lambda tt, hh: field(tt, hh, next(stage)), t, h, dt)
-
-
-def _memory_step(solver, field, t: torch.Tensor, h: torch.Tensor, dt: float,
-                 written: Written):
-    """One solver step that first writes the mixer's memory from the step's start (t, h)
-    into ``written``'s cache, which every evaluation of the step then reads."""
-    remember(field.mixer, field.mixer_input(t, h), written.cache)
-    return solver.step(lambda tt, hh: field(tt, hh, written), t, h, dt)
-
-
-class StepMemory:
-    """A fixed-grid solver whose every step first calls ``at_step(t, h, dt)`` with the step's
-    start (``model.ode_kv = "step"``: the mixer's memory is written there). The memory is a
-    function of the step's input, so a step recomputed in the backward pass (checkpoint,
-    binomial) writes it again from the same state."""
-
-    fixed_grid = True
-    reversible = False
-
-    def __init__(self, solver, at_step) -> None:
-        self.solver, self.at_step = solver, at_step
-        self.evals_per_step = solver.evals_per_step
-        self.tableau = getattr(solver, "tableau", None)
-
-    def step(self, f, t, h: torch.Tensor, dt):
-        self.at_step(t, h, dt)
-        return self.solver.step(f, t, h, dt)
-
-
-def kv_refusal(kv: str, mixer: str, solver: str, grad: str, adaptive: bool,
-               reversible: bool, memory: bool) -> str | None:
-    """Why ``model.ode_kv = kv`` cannot go with this mixer (``memory``: it has write and
-    read), solver and gradient mode, in one sentence with the way out; None when it can."""
-    if kv == "evaluation":
-        return None
-    what = f"model.ode_kv = {kv!r} (the mixers' memory from the start of each " + (
-        "solver step)" if kv == "step" else "block)")
-    if not memory:
-        return (f"{what} needs a mixer that writes its memory from one input and reads it "
-                f"with another (write(m, cache) and read(x, cache)); {mixer!r} has not got "
-                f"them: use ode_kv = 'evaluation'.")
-    if reversible:
-        return (f"{what} is not implemented for the reversible solver {solver!r}, whose "
-                f"backward pass rebuilds states by running the field backwards; use a "
-                f"Runge-Kutta solver (euler, midpoint, heun, rk4, ...).")
-    if adaptive and kv == "step":
-        return (f"{what}: the adaptive solver {solver!r} chooses its own steps; use ode_kv = "
-                f"'block', or a fixed-grid solver.")
-    if grad == "adjoint":
-        return (f"{what}: the backsolve adjoint integrates the field backwards as an ODE in "
-                f"the state alone, and this field also reads a memory fixed at a step or "
-                f"block's start; use ode_grad = 'direct' or 'checkpoint'.")
-    if adaptive and grad != "direct":
-        return (f"{what} with the adaptive solver {solver!r} takes ode_grad = 'direct' (its "
-                f"recorded steps are replayed without the memory), not {grad!r}.")
-    if kv == "block" and grad == "binomial":
-        return (f"{what}: binomial checkpointing replays steps from states alone, and the "
-                f"block's memory is written before them; use ode_grad = 'checkpoint' or "
-                f"'direct' (or ode_kv = 'step').")
-    return None
 
 
 _WARNED: set[str] = set()  # adaptive solvers whose non-causality was announced

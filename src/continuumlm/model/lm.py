@@ -23,7 +23,7 @@ from . import memory
 from .cache import CacheMemory, DecodeState
 
 # importing depth registers the built-in depths
-from .depth import ExitRule, check_exit_solver
+from .exit import ExitRule, check_exit_solver
 
 log = logging.getLogger("continuumlm")
 
@@ -106,7 +106,7 @@ class LanguageModel(nn.Module):
     def set_exit(self, threshold: float | None, criterion: str = "state") -> None:
         """Per-token adaptive depth at inference: in every ODE block, a token whose state has
         settled after a solver step (``criterion`` below ``threshold``; see
-        :class:`continuumlm.model.depth.ExitRule`) stops integrating for the rest of the
+        :class:`continuumlm.model.exit.ExitRule`) stops integrating for the rest of the
         block. ``None`` turns it off. Needs ``depth = "ode"`` with a fixed-grid solver; the
         model stays exactly causal and cached decoding equals recompute."""
         if threshold is None:
