@@ -184,7 +184,7 @@ LIMIT = """
 import os, sys, tempfile, time
 import numpy as np
 sys.path.insert(0, 'src')
-from continuumlm.data.prepare import _Encoder
+from continuumlm.data.encode import _Encoder
 from continuumlm.data.tokenizers import load_tokenizer, _pieces
 tok = load_tokenizer(sys.argv[1])
 with open(sys.argv[2], encoding='utf-8') as f:
@@ -210,7 +210,7 @@ print(len(text), limit, ours, tokens)
 
 
 def limit_step(prepared: Path, corpus: Path, chars: int) -> dict:
-    from continuumlm.data.prepare import CHUNK_CHARS
+    from continuumlm.data.encode import CHUNK_CHARS
 
     r = subprocess.run([sys.executable, "-c", LIMIT, str(prepared / "tokenizer.json"),
                         str(corpus), str(chars), str(CHUNK_CHARS)], cwd=ROOT,

@@ -20,6 +20,7 @@ import torch
 from conftest import REPO, run_cli
 from continuumlm.config import DataConfig
 from continuumlm.data import BatchSampler, eval_batches, prepare_data
+from continuumlm.data import encode as E
 from continuumlm.data import prepare as P
 from continuumlm.data import sources as S
 from continuumlm.data.shards import Prepared, read_meta
@@ -48,8 +49,8 @@ def tiny_blocks(monkeypatch):
     """Blocks of 97 bytes (multi-byte characters split between them) and encoding chunks of
     500 characters, so the cutting logic runs many times on a small text."""
     monkeypatch.setattr(S, "BLOCK_BYTES", 97)
-    monkeypatch.setattr(P, "CHUNK_CHARS", 500)
-    monkeypatch.setattr(P, "MAX_BUFFER_CHARS", 4000)
+    monkeypatch.setattr(E, "CHUNK_CHARS", 500)
+    monkeypatch.setattr(E, "MAX_BUFFER_CHARS", 4000)
 
 
 def plan_for(path: Path, **kw) -> P.Plan:
@@ -437,7 +438,8 @@ def slow(self, text):
     time.sleep(0.5)
     return out
 P._Encoder._encode = slow
-P.CHUNK_CHARS = 2000
+from continuumlm.data import encode as E
+E.CHUNK_CHARS = 2000
 from continuumlm.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -486,7 +488,7 @@ def test_a_full_disk_during_prepare_is_a_disk_error(tmp_path, monkeypatch):
         f = real_open(path, mode, *a, **k)
         return Full(f) if str(path).endswith(".bin.part") else f
 
-    monkeypatch.setattr(P, "open", full_open, raising=False)
+    monkeypatch.setattr(E, "open", full_open, raising=False)  # where the splits are written
     r = run_cli("prepare", "--input", tmp_path / "c.txt", "--tokenizer", "char",
                 "--out", tmp_path / "out")
     assert r.returncode == 74 and "No space left" in r.stderr and "Traceback" not in r.stderr
