@@ -16,7 +16,6 @@ from ..config import RunConfig, dump_toml
 from ..data import load_tokenizer
 from ..data.batches import stream_seed
 from ..errors import (
-    CheckpointError,
     ConfigError,
     DiskError,
     TrainingError,
@@ -37,6 +36,15 @@ from .optim import lr_at, make_optimizer
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
 from .runfolder import CONFIG, LAST, continue_command, disk_error
 from .signals import StopSignals
+from .stateful import (
+    BatchStreams,
+    Keyed,
+    Progress,
+    RandomState,
+    load_weights,
+    restore,
+    sharded_checkpoint,
+)
 from .tasks import Evaluation, LanguageModelingTask
 
 
@@ -120,31 +128,10 @@ class Trainer:
                   "library has no glibc mallopt, or it refused the settings); training is "
                   "unchanged, only slower where large tensors are freed every step.",
                   file=sys.stderr)
-        sharded = state is not None and (self.resumed_from / SHARDS_DIR).is_dir()
-        if sharded != (state is not None and self.fsdp):
-            if sharded and t.strategy == "fsdp":  # fsdp asked for, but in one process
-                how = ("resume it under torchrun with as many processes as it was written with "
-                       "(continuumlm train --out DIR --resume --nproc N)")
-            else:
-                how = (f"resume it with the strategy it was written with (--set train.strategy="
-                       f"{'fsdp' if sharded else 'ddp'}{' and --nproc N' if sharded else ''})")
-            raise ConfigError(
-                f"--resume: {self.resumed_from} was written by a "
-                f"{'sharded (fsdp)' if sharded else 'ddp or single-process'} run, but this run "
-                f"uses {'fsdp' if self.fsdp else 'ddp or one process'}; {how}. A checkpoint "
-                f"cannot change strategy on resume"
-                f"{' (`continuumlm export` makes its weights usable by eval and generate)' if sharded else ''}.")
+        sharded = state is not None and sharded_checkpoint(self.resumed_from, self.fsdp,
+                                                           t.strategy)
         if state is not None and not sharded:
-            from safetensors.torch import load_model
-
-            try:
-                load_model(self.model, str(self.resumed_from / "model.safetensors"),
-                           device=str(self.device))
-            except RuntimeError as e:
-                raise CheckpointError(
-                    f"--resume: the weights in {self.resumed_from} do not fit the model its "
-                    f"config describes ({first_line(e)}); the folder was changed after it was "
-                    f"written: remove it to resume from an earlier checkpoint.") from None
+            load_weights(self.model, self.resumed_from, self.device)
         self.wrapped = D.wrap(self.model, t.strategy, self.dist, self.device)
         self.compile_error: str | None = None  # why torch.compile fell back to eager, if it did
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
@@ -161,46 +148,18 @@ class Trainer:
         self.sampler = self.task.sampler(t, self.dist)
         if self.dist.rank > 0:  # dropout masks differ between ranks
             torch.manual_seed(stream_seed(t.seed, 10**6 + self.dist.rank))
-        self.step = 0
-        self.best_val = math.inf
+        self.progress = Progress()
+        self.rng = RandomState(self.dist, self.device)
         if state is not None:
-            if sharded:
+            if sharded:  # the weights and the optimizer state
                 self._load_shards(self.resumed_from / SHARDS_DIR)
-            try:
-                self.sampler.load_state_dict(state["sampler"])
-            except ValueError as e:  # its own message: streams that do not fit this run
-                raise CheckpointError(f"--resume from {self.resumed_from}: {e}") from None
-            saved = set((state["sampler"].get("streams") or {}).keys())
-            wanted = set(range(self.dist.world_size * t.grad_accum))
-            if saved and saved != wanted:  # each rank reads its own: fewer would pass unseen
-                raise CheckpointError(
-                    f"--resume from {self.resumed_from}: the run read {len(saved)} batch "
-                    f"streams per step (processes x train.grad_accum) and this one would read "
-                    f"{len(wanted)} ({self.dist.world_size} x {t.grad_accum}), which changes its "
-                    f"global batch. Resume with processes x train.grad_accum = {len(saved)} "
-                    f"(e.g. one process with train.grad_accum = {len(saved)}).")
-            try:
-                if not sharded:
-                    self.optimizer.load_state_dict(state["optimizer"])
-                rngs = state.get("rank_rng") or [state["torch_rng"]]
-                if self.dist.rank < len(rngs):
-                    torch.set_rng_state(rngs[self.dist.rank])
-            except (KeyError, TypeError, ValueError, RuntimeError) as e:
-                raise CheckpointError(
-                    f"--resume from {self.resumed_from}: its trainer_state.pt does not fit this "
-                    f"run ({type(e).__name__}: {first_line(e)}); the file was changed after it "
-                    f"was written: remove the folder to resume from an earlier "
-                    f"checkpoint.") from None
-            cuda_rngs = state.get("rank_cuda_rng") or []
-            if self.device.type == "cuda" and self.dist.rank < len(cuda_rngs) \
-                    and cuda_rngs[self.dist.rank] is not None:
-                torch.cuda.set_rng_state(cuda_rngs[self.dist.rank], self.device)
-            elif "cuda_rng" in state and torch.cuda.is_available() and not self.dist.enabled:
-                torch.cuda.set_rng_state_all(state["cuda_rng"])  # checkpoints before rank_cuda_rng
-            if "scaler" in state and self.scaler.is_enabled():
-                self.scaler.load_state_dict(state["scaler"])
-            self.step = int(state["step"])
-            self.best_val = float(state["best_val"])
+            restore({"batch streams": BatchStreams(self.sampler, self.dist.world_size,
+                                                   t.grad_accum, self.resumed_from),
+                     **({} if sharded else {"optimizer": Keyed(self.optimizer, "optimizer")}),
+                     "random generators": self.rng,
+                     **({"gradient scaler": Keyed(self.scaler, "scaler", optional=True)}
+                        if self.scaler.is_enabled() else {}),
+                     "progress": self.progress}, state, self.resumed_from)
             if t.max_steps < self.step:
                 raise ConfigError(
                     f"--resume: {self.resumed_from} is at step {self.step}, past train.max_steps "
@@ -208,9 +167,6 @@ class Trainer:
                     f"{self.step * 2}) to train further.")
             if t.lr_decay_steps is None and self.dist.is_main:
                 self._warn_moved_horizon(t)
-        # consecutive bad steps carry over, so a resumed run stops where the uninterrupted one would
-        self.bad_steps = int(state.get("bad_steps", 0)) if state is not None else 0
-        self.skipped_steps = int(state.get("skipped_steps", 0)) if state is not None else 0
         self.signals = StopSignals(requeue=t.requeue_signals)
         self.log_failure: DiskError | None = None
         self.evaluator = self.task.evaluator(t, self.device, self.amp, self.dist, self.fsdp)
@@ -269,22 +225,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    # where the run is (train/stateful.Progress, what a checkpoint restores)
+    step = property(lambda self: self.progress.step,
+                    lambda self, v: setattr(self.progress, "step", v))
+    best_val = property(lambda self: self.progress.best_val,
+                        lambda self, v: setattr(self.progress, "best_val", v))
+    bad_steps = property(lambda self: self.progress.bad_steps,
+                         lambda self, v: setattr(self.progress, "bad_steps", v))
+    skipped_steps = property(lambda self: self.progress.skipped_steps,
+                             lambda self, v: setattr(self.progress, "skipped_steps", v))
+
     def trainer_state(self) -> dict:
         """Everything but the weights; a collective under torchrun (every rank's batch streams
         and RNG state are gathered so that each rank resumes its own)."""
-        # each rank's own CUDA generator too: it draws that rank's dropout masks on a GPU
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        per_rank = self.dist.gather((self.sampler.state_dict(), torch.get_rng_state(), cuda_rng))
+        # each rank's own batch streams and generators (CUDA's too: it draws that rank's
+        # dropout masks on a GPU), in one collective
+        per_rank = self.dist.gather((self.sampler.state_dict(), self.rng.local()))
         state = {
-            "step": self.step,
-            "best_val": self.best_val,
-            "sampler": self.task.merge_sampler_states([s for s, _, _ in per_rank]),
-            "torch_rng": per_rank[0][1],
-            "rank_rng": [rng for _, rng, _ in per_rank],
-            "rank_cuda_rng": [rng for _, _, rng in per_rank],
+            **self.progress.state_dict(),
+            "sampler": self.task.merge_sampler_states([s for s, _ in per_rank]),
+            **RandomState.state_dict([rng for _, rng in per_rank]),
             "world_size": self.dist.world_size,
-            "skipped_steps": self.skipped_steps,
-            "bad_steps": self.bad_steps,
             "task": {"name": self.task.name, **self.task.state()},
             **self.task.trainer_state(),
             **self.teacher.state(),
