@@ -15,7 +15,7 @@ ROOT = Path(continuumlm.__file__).parent
 # bottom to top; a part may import from its own layer and the layers below it
 LAYERS = [
     {"errors"},
-    {"registry", "threads"},    # the component registries, the thread policy (no torch import)
+    {"registry", "threads", "atomic"},    # the component registries, the thread policy (no torch import)
     {"config"},
     {"nn", "data"},             # small modules; corpora and tokenizers
     {"ode"},                    # ODE numerics: solvers, gradient modes (nothing of attention)

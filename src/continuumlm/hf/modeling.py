@@ -7,9 +7,6 @@ import copy
 import dataclasses
 import inspect
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +16,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..atomic import atomic_folder
 from ..errors import CheckpointError
 from ..model.cache import DecodeState
 from ..model.depth import ODEBlock, TransformerBlock
@@ -469,27 +467,8 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                                       "folder_path=...).")
         if variant is not None or not safe_serialization:
             raise ValueError("ContinuumLM saves one model.safetensors (no variants, no pickle).")
-        directory = Path(save_directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
+        with atomic_folder(save_directory) as tmp:
             self._write_folder(tmp, state_dict)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # as a folder made by mkdir (mkdtemp's is 0700)
-            if not directory.exists():
-                os.replace(tmp, directory)
-            else:
-                names = sorted(p.name for p in tmp.iterdir())
-                for name in [n for n in names if n != "config.json"] + ["config.json"]:
-                    os.replace(tmp / name, directory / name)
-            fd = os.open(directory.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         # the saved folder names its remote code: the config says so from now on, as
         # transformers' own saving of a remote-code model sets it
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
@@ -515,9 +494,6 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                "architectures": [type(self).__name__]}
         cfg.pop("_name_or_path", None)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        for p in out.iterdir():
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
 
 
 def own_names(lm: LanguageModel, state_dict: dict, where: str) -> dict:

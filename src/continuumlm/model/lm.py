@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..atomic import atomic_folder
 from ..config import ModelConfig
 from ..config.components import model_settings
 from ..errors import CheckpointError, ConfigError
@@ -351,15 +352,16 @@ class LanguageModel(nn.Module):
     # ------------------------------------------------------------------ persistence
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (no pickle). ``config.json`` names its
-        ``model_type``, so transformers' Auto classes read the folder (``import continuumlm.hf``)."""
+        """Write ``config.json`` and ``model.safetensors`` (no pickle), whole or not at all
+        (``atomic.atomic_folder``: a crash leaves the folder as it was). ``config.json`` names
+        its ``model_type``, so transformers' Auto classes read the folder (``import
+        continuumlm.hf``)."""
         from safetensors.torch import save_model
 
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_FILE).write_text(
-            json.dumps({"model_type": MODEL_TYPE, **self.config.to_dict()}, indent=2) + "\n")
-        save_model(self, str(directory / WEIGHTS_FILE))
+        with atomic_folder(directory) as tmp:
+            save_model(self, str(tmp / WEIGHTS_FILE))
+            (tmp / CONFIG_FILE).write_text(
+                json.dumps({"model_type": MODEL_TYPE, **self.config.to_dict()}, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu"):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import fsync_dir
 from ..config import RunConfig
 from ..data.corpora import sha256_file
 from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer, save_tokenizer
@@ -45,12 +46,6 @@ STEP_PREFIX = "step-"
 SHARDS_DIR = "sharded"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _point(link: Path, target_name: str) -> None:
@@ -82,7 +77,7 @@ def _write_manifest(folder: Path, step: int) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer, run_cfg: RunConfig,
@@ -117,7 +112,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model: LanguageModel, tokenizer,
         if final.exists():
             os.rename(final, aside)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_root)
+        fsync_dir(ckpt_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if aside.exists() and not final.exists():
