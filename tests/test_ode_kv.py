@@ -256,11 +256,22 @@ def test_adaptive_block_memory_trains_and_runs():
     assert torch.isfinite(loss)
 
 
-def test_per_token_exit_refused_with_memory():
-    model = small_model(depth="ode", ode_solver="rk4", ode_kv="step")
-    model.set_exit(0.1)
-    with pytest.raises(ValueError, match="per-token exit"):
-        model(torch.randint(0, 37, (1, 5)))
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+@pytest.mark.parametrize("kv", ["step", "block"])
+def test_per_token_exit_with_memory(kv, mixer):
+    """Per-token exit with the memory of a step or block: a frozen token's later steps write
+    their memory from its frozen state and nothing else; causal, and cached decoding equal to
+    recompute at the same threshold (float64, some tokens stopping early, others not)."""
+    from test_exit import V, ode_model, partial_threshold
+
+    m = ode_model(mixer=mixer, ode_kv=kv)
+    partial_threshold(m, "state", torch.randint(0, V, (2, 24)))
+    check_causal(m, atol=1e-10)
+    check_cached_decoding(m, torch.randint(0, V, (2, 5)), 12, atol=1e-9)
+    m.set_exit(float("inf"))  # every token stops after its first step
+    prompt = torch.randint(0, V, (1, 6))
+    ref = m.generate(prompt, 5, greedy=True, use_cache=False)
+    assert torch.equal(m.generate(prompt, 5, greedy=True), ref)
 
 
 def test_a_mixer_without_write_and_read_is_refused():

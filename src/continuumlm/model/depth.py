@@ -273,11 +273,12 @@ class ODEBlock(nn.Module):
                 self.last_regularizers = {n: x[..., C + i].mean() for i, n in enumerate(names)}
                 x = x[..., :C]
         else:
-            if kv != "evaluation":
-                raise ValueError(f"per-token exit is not implemented with model.ode_kv = "
-                                 f"{kv!r} (the memory of a step or block); call "
-                                 f"model.set_exit(None), or use a model with ode_kv = "
-                                 f"'evaluation'.")
+            at_step = None
+            if kv == "block":
+                remember_at(cfg.ode_t0, x, ("block",))
+            elif kv == "step":
+                def at_step(t: float, h: torch.Tensor, dt: float) -> None:
+                    remember_at(t, h, ("step", round((t - cfg.ode_t0) / dt)))
 
             def write(t: float, h: torch.Tensor) -> torch.Tensor:
                 n = calls[0]
@@ -286,8 +287,9 @@ class ODEBlock(nn.Module):
                 evaluation(getattr(field, "write", field), t, h, n)
                 return torch.zeros_like(h)
 
-            x, self.last_token_nfe = solve_with_exit(self.cfg, self.solver, f, write, x,
-                                                         exit_rule, state is not None)
+            x, self.last_token_nfe = solve_with_exit(
+                self.cfg, self.solver, f, None if kv != "evaluation" else write, x, exit_rule,
+                state is not None, at_step)
         self.last_nfe = calls[0]
         self._calls = calls  # evaluations made later (by a backward pass) still count here
         if self.field.post_mlp:

@@ -71,7 +71,8 @@ def check_exit_solver(solver, name: str) -> None:
                          f"use a fixed-grid Runge-Kutta solver such as rk4 or heun.")
 
 
-def solve_with_exit(cfg, solver, f, write, x: torch.Tensor, rule: ExitRule, cached: bool):
+def solve_with_exit(cfg, solver, f, write, x: torch.Tensor, rule: ExitRule, cached: bool,
+                    at_step=None):
     """The fixed-grid solve with per-token exit; returns (h(t1), field evaluations per
     token (B, T)).
 
@@ -83,6 +84,11 @@ def solve_with_exit(cfg, solver, f, write, x: torch.Tensor, rule: ExitRule, cach
     writes, no MLP, no attention read), or stops when nothing is cached: that is where
     the time is saved. Under ``torch.compile`` every stage is evaluated (masked), which
     gives the same numbers without a data-dependent branch.
+
+    With the mixers' memory written per step or block (``model.ode_kv``), ``at_step(t, h,
+    dt)`` writes a step's memory from its start, a frozen token's from its frozen state, and
+    ``write`` is None: the stages write nothing, so a step in which every token is frozen
+    only writes its memory.
     """
     dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps
     active = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
@@ -96,8 +102,13 @@ def solve_with_exit(cfg, solver, f, write, x: torch.Tensor, rule: ExitRule, cach
         if branch and not bool(active.any()):
             if not cached:
                 break  # nobody reads the stages left
-            h = solver.step(write, t, h, dt)  # h stays h: every derivative is zero
+            if at_step is not None:
+                at_step(t, h, dt)  # the step's memory, from the frozen states
+            elif write is not None:
+                h = solver.step(write, t, h, dt)  # h stays h: every derivative is zero
             continue
+        if at_step is not None:
+            at_step(t, h, dt)
         keep = active.unsqueeze(-1)
 
         def masked(tt: float, hh: torch.Tensor, keep=keep) -> torch.Tensor:
