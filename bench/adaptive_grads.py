@@ -39,7 +39,7 @@ def _model(solver: str, grad: str, norm: str, rtol: float, atol: float, dtype):
     from continuumlm import LanguageModel, ModelConfig
 
     if finished_run(RUN):
-        from continuumlm.train import load_model_and_tokenizer
+        from continuumlm.runs import load_model_and_tokenizer
 
         model, _, _ = load_model_and_tokenizer(RUN, "last")
         cfg = model.config

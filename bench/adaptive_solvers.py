@@ -35,7 +35,7 @@ def _windows(run):
     import torch
 
     from continuumlm.data import prepare_data
-    from continuumlm.train.checkpoint import load_run_config, resolve_checkpoint
+    from continuumlm.runs.checkpoint import load_run_config, resolve_checkpoint
 
     cfg = load_run_config(resolve_checkpoint(run, "last"))
     tokens = np.asarray(prepare_data(cfg.data).splits["val"])
@@ -63,7 +63,7 @@ def _solve(model, solver: str, rtol: float, atol: float, x, y):
 def main() -> None:
     import logging
 
-    from continuumlm.train import load_model_and_tokenizer
+    from continuumlm.runs import load_model_and_tokenizer
 
     logging.getLogger("continuumlm").setLevel(logging.ERROR)
     rows, missing = [], []

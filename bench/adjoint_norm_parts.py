@@ -83,7 +83,7 @@ def _models():
     import torch
 
     from continuumlm import LanguageModel
-    from continuumlm.train import load_model_and_tokenizer
+    from continuumlm.runs import load_model_and_tokenizer
 
     found = []
     for name in MODELS:

@@ -55,7 +55,7 @@ def finished_run(run: Path) -> bool:
     step = checkpoint_step(run)
     if step is None:
         return False
-    from continuumlm.train.checkpoint import load_run_config
+    from continuumlm.runs.checkpoint import load_run_config
 
     return step >= load_run_config((run / "checkpoints" / "last").resolve()).train.max_steps
 
@@ -65,7 +65,7 @@ def other_settings(run: Path, config, overrides: list[str]) -> list[str]:
     from ``config`` with ``overrides``: a folder to be resumed or reused must hold this run,
     not one made with another --set or an edited config."""
     from continuumlm.config import load_config
-    from continuumlm.train.checkpoint import load_run_config
+    from continuumlm.runs.checkpoint import load_run_config
 
     saved = load_run_config((run / "checkpoints" / "last").resolve()).to_dict()
     wanted = load_config(config, list(overrides)).to_dict()

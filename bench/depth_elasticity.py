@@ -206,8 +206,8 @@ def unclamped_rows(have: dict, models: set[str]) -> list[dict]:
 
     from continuumlm.data import prepare_data
     from continuumlm.eval.perplexity import evaluate_contexts
-    from continuumlm.train import load_model_and_tokenizer
-    from continuumlm.train.checkpoint import load_run_config
+    from continuumlm.runs import load_model_and_tokenizer
+    from continuumlm.runs.checkpoint import load_run_config
 
     rows = []
     for model in MODELS:

@@ -59,7 +59,7 @@ def decode_speeds(run: Path, picks: list[tuple[str, float | None]], rounds: int 
     """Greedy cached decoding at each (criterion, tau) of ``picks`` (tau None: full depth),
     timed in ``rounds`` rounds that go through every setting in turn, so that other work
     slows them alike; tokens/s from the median round of each."""
-    from continuumlm.train import load_model_and_tokenizer
+    from continuumlm.runs import load_model_and_tokenizer
 
     model, tok, _ = load_model_and_tokenizer(run, "last")
     prompt = torch.tensor([tok.encode("ROMEO:\nO")])

@@ -41,8 +41,8 @@ def benchmark_model() -> LanguageModel:
 
 def trained(run: str, n_prompts: int, prompt_len: int) -> tuple[LanguageModel, list]:
     from continuumlm.data import prepare_data
-    from continuumlm.train import load_model_and_tokenizer
-    from continuumlm.train.checkpoint import load_run_config
+    from continuumlm.runs import load_model_and_tokenizer
+    from continuumlm.runs.checkpoint import load_run_config
 
     model, tok, ckpt = load_model_and_tokenizer(run, "best")
     split = prepare_data(load_run_config(ckpt).data, tok).splits["val"]

@@ -37,7 +37,7 @@ from common import (
 
 from continuumlm.cli import main as cli_main
 from continuumlm.experiments import run_child
-from continuumlm.train.checkpoint import load_run_config
+from continuumlm.runs.checkpoint import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "continuumlm")
@@ -174,7 +174,7 @@ def main() -> None:
             "eval_every_target": True,  # eval scores the split's tail too
             "contexts": contexts,
         }
-        from continuumlm.train import load_model_and_tokenizer
+        from continuumlm.runs import load_model_and_tokenizer
 
         model, _, _ = load_model_and_tokenizer(run, "last")
         result["parameters"] = model.num_parameters()

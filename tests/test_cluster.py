@@ -14,8 +14,8 @@ import pytest
 from conftest import run_cli
 from continuumlm import ConfigError, load_config
 from continuumlm.errors import DISK_STATUS, REQUEUE_STATUS
+from continuumlm.runs.checkpoint import load_model_and_tokenizer, verify_checkpoint
 from continuumlm.train import Trainer
-from continuumlm.train.checkpoint import load_model_and_tokenizer, verify_checkpoint
 from test_reliability import (  # noqa: F401 - reference: a fixture
     CLI,
     _wait_for,
@@ -270,7 +270,7 @@ def test_a_full_disk_while_torch_saves_the_trainer_state_is_one_paragraph(tiny_c
                                                                           monkeypatch):
     """torch.save reports a short write as a RuntimeError (seen on a full tmpfs): the
     optimizer state, most of a checkpoint, is written by it."""
-    import continuumlm.train.checkpoint as ck
+    import continuumlm.runs.checkpoint as ck
 
     real, calls = ck.torch.save, {"n": 0}
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import run_cli, write_tiny_corpus
-from continuumlm.train.checkpoint import load_model_and_tokenizer, load_run_config
+from continuumlm.runs.checkpoint import load_model_and_tokenizer, load_run_config
 
 DATA = Path(__file__).parent / "data" / "legacy-0.1"
 EXPECTED = json.loads((DATA / "expected.json").read_text())

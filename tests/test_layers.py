@@ -22,6 +22,7 @@ LAYERS = [
     {"mixers"},                 # token mixers and their caches
     {"model"},                  # fields, depth, the language model, its decoding state
     {"decoding"},               # generation: sampling, token streams, frozen steps, replay
+    {"runs"},                   # a run on disk: its folder and checkpoints
     {"eval"},
     {"train"},
     {"replay"},                 # the CPU emulation's old import path (decoding.replay)

@@ -511,7 +511,7 @@ def test_the_evaluated_checkpoint_survives_pruning(tmp_path, monkeypatch):
 def test_a_run_continues_only_with_the_process_count_it_was_trained_with(tmp_path):
     import continuumlm.train.mqar as M
     from continuumlm import ConfigError
-    from continuumlm.train.checkpoint import load_trainer_state
+    from continuumlm.runs.checkpoint import load_trainer_state
 
     M.run_mqar(_mqar_cfg("train.max_steps=4"), tmp_path / "run", quiet=True)
     last = (tmp_path / "run" / "checkpoints" / "last").resolve()

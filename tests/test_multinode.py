@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from continuumlm.errors import REQUEUE_STATUS
+from continuumlm.runs.checkpoint import verify_checkpoint
 from continuumlm.train import distributed, runlock
-from continuumlm.train.checkpoint import verify_checkpoint
 from test_reliability import CLI, _wait_for, losses, write_cfg
 
 

@@ -118,7 +118,7 @@ def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
 def test_resume_calls_a_refused_run_config_refused_not_damaged(tiny_corpus, tmp_path):
     """Intact checkpoints whose run.json this version cannot read (another version wrote it,
     or it was edited) are not damaged: the error says so, and what to do."""
-    from continuumlm.train.checkpoint import _write_manifest
+    from continuumlm.runs.checkpoint import _write_manifest
 
     cfg = write_cfg(tmp_path, tiny_corpus, steps=10)
     out = tmp_path / "run"
@@ -171,7 +171,7 @@ def test_stale_temporary_checkpoint_is_ignored(tiny_corpus, tmp_path):
 
 
 def test_missing_file_and_bad_manifest_are_named(tiny_corpus, tmp_path):
-    from continuumlm.train.checkpoint import verify_checkpoint
+    from continuumlm.runs.checkpoint import verify_checkpoint
 
     out = tmp_path / "run"
     Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=5)), out, quiet=True).run()
@@ -188,7 +188,7 @@ def test_training_checkpoint_without_manifest_is_loaded_with_a_warning(tiny_corp
                                                                        capsys):
     """Every training checkpoint is written with its manifest, so one without has lost it: say
     that its files load unverified. A save_pretrained folder never had one: no warning."""
-    from continuumlm.train.checkpoint import load_model_and_tokenizer, verify_checkpoint
+    from continuumlm.runs.checkpoint import load_model_and_tokenizer, verify_checkpoint
 
     out = tmp_path / "run"
     Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=5)), out, quiet=True).run()
@@ -258,7 +258,7 @@ def test_single_bad_step_is_skipped_and_counted(tiny_corpus, tmp_path, dtype):
 
 
 def test_disk_full_while_saving_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeypatch):
-    import continuumlm.train.checkpoint as ck
+    import continuumlm.runs.checkpoint as ck
 
     cfg = load_config(write_cfg(tmp_path, tiny_corpus, steps=20, ckpt=5))
     out = tmp_path / "run"
@@ -317,7 +317,7 @@ def test_a_crash_while_a_step_is_saved_again_is_recovered(tiny_corpus, tmp_path)
 
 
 def test_a_failed_resave_puts_the_old_copy_back(tiny_corpus, tmp_path, monkeypatch):
-    import continuumlm.train.checkpoint as ck
+    import continuumlm.runs.checkpoint as ck
 
     trainer = Trainer(load_config(write_cfg(tmp_path, tiny_corpus, steps=4)), tmp_path / "run",
                       quiet=True)
@@ -590,7 +590,7 @@ def test_device_names_are_checked():
 
 
 def test_missing_best_points_to_last(tmp_path):
-    from continuumlm.train.checkpoint import resolve_checkpoint
+    from continuumlm.runs.checkpoint import resolve_checkpoint
 
     (tmp_path / "checkpoints" / "last").mkdir(parents=True)
     (tmp_path / "checkpoints" / "last" / "config.json").write_text("{}")
@@ -602,7 +602,7 @@ def test_missing_best_points_to_last(tmp_path):
 @pytest.mark.parametrize("files", [[], "abc", {"/etc/hostname": "0" * 64},
                                    {"../x": "0" * 64}])
 def test_malformed_manifest_is_a_checkpoint_error(tmp_path, files):
-    from continuumlm.train.checkpoint import verify_checkpoint
+    from continuumlm.runs.checkpoint import verify_checkpoint
 
     (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
     with pytest.raises(CheckpointError, match="corrupt"):

@@ -192,7 +192,7 @@ def test_sharded_checkpoint_metadata_is_never_unpickled_freely(two_process_runs,
     import pickle
     import shutil
 
-    from continuumlm.train.checkpoint import _write_manifest
+    from continuumlm.runs.checkpoint import _write_manifest
 
     src = two_process_runs["tmp"] / "fsdp"
     if not src.exists():
@@ -226,7 +226,7 @@ def test_an_export_that_cannot_write_leaves_the_checkpoint_as_it_was(two_process
     import safetensors.torch
 
     from continuumlm.errors import CheckpointError
-    from continuumlm.train.checkpoint import _write_manifest, export_sharded
+    from continuumlm.runs.checkpoint import _write_manifest, export_sharded
 
     src = two_process_runs["tmp"] / "fsdp"
     if not src.exists():

@@ -12,8 +12,8 @@ import torch
 
 from conftest import run_cli
 from continuumlm import CheckpointError, ConfigError, load_config
+from continuumlm.runs.checkpoint import load_trainer_state, verify_checkpoint
 from continuumlm.train import Trainer
-from continuumlm.train.checkpoint import load_trainer_state, verify_checkpoint
 from continuumlm.train.logging import read_metrics
 from continuumlm.train.optim import lr_at
 

@@ -1,6 +1,6 @@
 """Folders written whole or not at all: the one writer behind ``LanguageModel.save_pretrained``
 and the Hugging Face adapter's (a checkpoint's step folder is such a folder, renamed into place
-by ``train/checkpoint.py``)."""
+by ``runs/checkpoint.py``)."""
 
 from __future__ import annotations
 

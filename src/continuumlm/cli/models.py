@@ -15,8 +15,9 @@ from .common import UsageError, _apply_exit, thread_policy
 def cmd_eval(args) -> int:
     from ..data import changed_splits, corpus_name, prepare_data
     from ..eval.perplexity import evaluate_contexts
-    from ..train import load_model_and_tokenizer, pick_device
-    from ..train.checkpoint import STATE_FILE, load_run_config, load_trainer_state
+    from ..runs import load_model_and_tokenizer
+    from ..runs.checkpoint import STATE_FILE, load_run_config, load_trainer_state
+    from ..train import pick_device
 
     threads = thread_policy(args, "evaluation")
     device = pick_device(args.device, "--device")
@@ -119,7 +120,8 @@ def _full_nfe(model) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from ..train import load_model_and_tokenizer, pick_device
+    from ..runs import load_model_and_tokenizer
+    from ..train import pick_device
 
     threads = thread_policy(args, "decoding")
     device = pick_device(args.device, "--device")
@@ -268,7 +270,7 @@ def _say_held(held: int) -> None:
 # ---------------------------------------------------------------------------- export
 
 def cmd_export(args) -> int:
-    from ..train.checkpoint import export_sharded, resolve_checkpoint
+    from ..runs.checkpoint import export_sharded, resolve_checkpoint
 
     if args.format == "hf":
         return _export_hf(args)
@@ -295,7 +297,7 @@ def _export_hf(args) -> int:
     except ImportError:
         raise UsageError("export --hf needs transformers: pip install 'continuumlm[hf]'.") from None
     from ..hf.export import export_hf
-    from ..train import load_model_and_tokenizer
+    from ..runs import load_model_and_tokenizer
 
     if not args.out:
         raise UsageError("--format hf needs --out DIR, the folder to write.")

@@ -161,7 +161,7 @@ def _resume_mode(args, out: Path, clear: bool = True) -> bool:
         return True
     if args.resume != "auto":
         raise UsageError(f"--resume takes no value or 'auto', got {args.resume!r}.")
-    from ..train.runfolder import has_checkpoints
+    from ..runs.folder import has_checkpoints
 
     if has_checkpoints(out):
         return True
@@ -175,10 +175,10 @@ def _resume_mode(args, out: Path, clear: bool = True) -> bool:
 
 def _clear_unstarted_run(args, out: Path) -> None:
     """The files a run leaves before its first checkpoint are removed when they are this
-    run's (train.runfolder.clear_unstarted_run), so a requeued job starts again; anyone
+    run's (runs.folder.clear_unstarted_run), so a requeued job starts again; anyone
     else's files are left for the trainer to refuse."""
     from ..config import load_config
-    from ..train.runfolder import clear_unstarted_run
+    from ..runs.folder import clear_unstarted_run
 
     cfg = load_config(args.config, args.set, plugins=args.plugin)
     # only a run that died before its first save completed: one that logged a step past it

@@ -172,8 +172,8 @@ def run_harness(checkpoint, which: str = "best", split: str = "val", context: in
     from ..data import eval_window_starts, prepare_data
     from ..errors import CheckpointError, DataError
     from ..eval.perplexity import context_support, evaluate_contexts
-    from ..train import load_model_and_tokenizer
-    from ..train.checkpoint import load_run_config
+    from ..runs import load_model_and_tokenizer
+    from ..runs.checkpoint import load_run_config
     from .export import export_hf, hf_tokenizer, text_start
 
     # on the device our own evaluation below runs on

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from ..errors import DiskError
+from ..runs.checkpoint import save_checkpoint
+from ..runs.folder import LAST, checkpoints, disk_error, gib, unwritable_folder
 from . import distributed as D
-from .checkpoint import save_checkpoint
-from .runfolder import LAST, checkpoints, disk_error, gib, unwritable_folder
 
 
 class Checkpointer:

@@ -32,7 +32,7 @@ class Teacher:
         if not self.enabled:
             return
         from ..data.tokenizers import tokenizer_json
-        from .checkpoint import WEIGHTS_FILE, load_model_and_tokenizer
+        from ..runs.checkpoint import WEIGHTS_FILE, load_model_and_tokenizer
 
         where = t.distill_from
         if tokenizer is None:

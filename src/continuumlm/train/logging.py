@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..errors import DiskError
-from .runfolder import METRICS, TENSORBOARD, disk_error, read_metrics  # noqa: F401 - read_metrics: public here too
+from ..runs.folder import METRICS, TENSORBOARD, disk_error, read_metrics  # noqa: F401 - read_metrics: public here too
 
 EVAL_KEYS = ("val_loss", "accuracy")  # an event holding one of these is an evaluation
 

@@ -40,10 +40,15 @@ from ..data.mqar import (
 from ..errors import CheckpointError, ConfigError
 from ..model.lm import LanguageModel
 from ..model.memory import available_memory
-from .checkpoint import load_run_config, load_trainer_state, save_checkpoint, verify_checkpoint
+from ..runs.checkpoint import (
+    load_run_config,
+    load_trainer_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from ..runs.folder import LEGACY_STATE, RESULT, checkpoints, clear_unstarted_run, has_checkpoints
 from .device import autocast_for, pick_device
 from .optim import make_optimizer
-from .runfolder import LEGACY_STATE, RESULT, checkpoints, clear_unstarted_run, has_checkpoints
 from .tasks import Evaluation
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import CheckpointError, ConfigError
-from .checkpoint import (
+from ..runs.checkpoint import (
     SHARDS_DIR,
     load_run_config,
     load_trainer_state,
     recover_interrupted_save,
     verify_checkpoint,
 )
-from .runfolder import (  # noqa: F401 - has_checkpoints, continue_command: public here too
+from ..runs.folder import (  # noqa: F401 - has_checkpoints, continue_command: public here too
     CHECKPOINTS,
     CONFIG,
     LAST,

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..errors import ContinuumLMError
-from .runfolder import LOCK, unwritable_folder
+from ..runs.folder import LOCK, unwritable_folder
 
 LOCK_NAME = LOCK
 INHERITED = "CONTINUUMLM_RUN_LOCK"  # set by a launcher that holds the lock for its ranks

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ConfigError, first_line
-from .checkpoint import SHARDS_DIR
+from ..runs.checkpoint import SHARDS_DIR
 
 
 @dataclass

@@ -23,9 +23,10 @@ from ..errors import (
 )
 from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError, solver_errors
+from ..runs.checkpoint import SHARDS_DIR
+from ..runs.folder import CONFIG, LAST, continue_command, disk_error
 from ..threads import ThreadPolicy
 from . import distributed as D
-from .checkpoint import SHARDS_DIR
 from .checkpointer import Checkpointer
 from .device import autocast_for, keep_freed_memory, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
 from .distill import Teacher
@@ -34,7 +35,6 @@ from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger
 from .optim import lr_at, make_optimizer
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
-from .runfolder import CONFIG, LAST, continue_command, disk_error
 from .signals import StopSignals
 from .stateful import (
     BatchStreams,
@@ -217,7 +217,7 @@ class Trainer:
     def _load_shards(self, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from .checkpoint import load_shards
+        from ..runs.checkpoint import load_shards
 
         msd, osd = get_state_dict(self.model, self.optimizer)
         load_shards({"model": msd, "optimizer": osd}, path)
@@ -312,7 +312,7 @@ class Trainer:
     def _warn_moved_horizon(self, t) -> None:
         """Without train.lr_decay_steps the cosine ends at max_steps: a resume that changes
         max_steps moves it, and the learning rate jumps. Said, never refused."""
-        from .checkpoint import load_run_config
+        from ..runs.checkpoint import load_run_config
 
         saved = load_run_config(self.resumed_from).train
         horizon = saved.lr_decay_steps or saved.max_steps
