@@ -129,6 +129,9 @@ def measure(quick: bool = False) -> dict:
             rate, n_new = decode_rate(model)
             train = train_rate(cfg, 2 if quick else run_cfg.train.batch_size,
                                16 if quick else run_cfg.train.seq_len)
+            again = {r["seed"]: r for r in records(stem.replace("-kv-evaluation", "")
+                                                    + "-kv-evaluation")} if kv == "evaluation" \
+                and "-kv-" not in stem else {}
             val = [r["val_loss_full_split"] for r in runs if "val_loss_full_split" in r]
             test = [r["test_loss_full_split"] for r in runs if "test_loss_full_split" in r]
             rows.append({
@@ -142,7 +145,13 @@ def measure(quick: bool = False) -> dict:
                 "caches": memory.caches, "bytes_per_token": memory.per_token,
                 "fixed_bytes": memory.fixed, f"bytes_at_{CONTEXT}": memory.at(CONTEXT),
                 "decode_tok_s": round(rate, 1), "decode_new_tokens": n_new,
-                "train_tok_s": round(train, 1)})
+                "train_tok_s": round(train, 1),
+                # the same seeds trained again by this version: the records still hold
+                "retrained": {str(seed): {"val_loss": r["val_loss_full_split"],
+                                          "recorded": next(x["val_loss_full_split"]
+                                                           for x in runs if x["seed"] == seed)}
+                              for seed, r in again.items()
+                              if any(x["seed"] == seed for x in runs)}})
             print(f"{group} / {kv}: {rows[-1]}", file=sys.stderr, flush=True)
     return {"rows": rows, "missing": missing}
 
