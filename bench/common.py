@@ -143,7 +143,7 @@ def expected_elastic_nfe(cfg) -> float:
     """The mean forward NFE per optimizer step of an elastic run, from its draw set (uniform
     over the allowed (solver, steps) pairs, or over each list; the model's own solve before
     train.elastic_from), summed over its ODE blocks as the logged NFE is."""
-    from continuumlm.config.sections import solve_nfe, solve_pairs
+    from continuumlm.config.solves import solve_nfe, solve_pairs
 
     m, t = cfg.model, cfg.train
     drawn = statistics.mean(solve_nfe(m, s, n) for s, n in solve_pairs(m, t))

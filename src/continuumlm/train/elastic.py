@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config.sections import solve_nfe, solve_pairs
+from ..config.solves import solve_nfe, solve_pairs
 
 
 class ElasticDepth:
