@@ -362,3 +362,17 @@ def test_compiled_decoding_with_step_memory(mixer):
     decoder = Decoder(model, compile=True)
     assert torch.equal(decoder.generate(prompt, 12, greedy=True), eager)
     assert decoder.compile_refused is None
+
+
+@pytest.mark.parametrize("kv", ["step", "block"])
+def test_self_speculative_greedy_is_plain_greedy(kv):
+    """A coarse solve drafts (its own step or block memory), the model's solve verifies k
+    tokens in one pass and the caches are cut back: the tokens are plain greedy decoding's."""
+    from continuumlm import Draft
+
+    for mixer in ("softmax", "deltanet", "continuous"):
+        m = small_model(depth="ode", mixer=mixer, ode_solver="rk4", ode_steps=2, ode_kv=kv)
+        p = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(1))
+        plain = m.generate(p, 16, greedy=True)
+        draft = Draft(solver="euler", steps=1, tokens=4)
+        assert torch.equal(m.generate(p, 16, greedy=True, draft=draft), plain), mixer
