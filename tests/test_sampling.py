@@ -75,7 +75,7 @@ def _scripted_cli(monkeypatch, logits_at):
     decoding step (prompt logits are zeros), served to the CLI as if loaded from a checkpoint."""
     import torch.nn as nn
 
-    import continuumlm.train as train
+    import continuumlm.runs as runs
     from continuumlm import LanguageModel, ModelConfig
     from continuumlm.data.tokenizers import BPETokenizer
 
@@ -95,7 +95,7 @@ def _scripted_cli(monkeypatch, logits_at):
     model = LanguageModel(ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, num_heads=2,
                                       num_layers=1, tie_embeddings=False)).eval()
     model.lm_head = ScriptedHead()
-    monkeypatch.setattr(train, "load_model_and_tokenizer", lambda *a, **k: (model, tok, None))
+    monkeypatch.setattr(runs, "load_model_and_tokenizer", lambda *a, **k: (model, tok, None))
     return tok
 
 
@@ -139,9 +139,9 @@ def test_cli_holds_back_a_last_incomplete_character(monkeypatch, capsys, samples
     out, err = capsys.readouterr()
     assert "\ufffd" not in out and out.split("\n---\n")[0].rstrip("\n") == "the"
     assert "the last 2 tokens stopped inside a multi-byte character" in err
-    import continuumlm.train as train
+    import continuumlm.runs as runs
 
-    train.load_model_and_tokenizer()[0].lm_head.calls = 0  # the script from its start
+    runs.load_model_and_tokenizer()[0].lm_head.calls = 0  # the script from its start
     assert main(["generate", "--checkpoint", "x", "--prompt", "the", "--max-new-tokens", "3",
                  "--greedy", "--num-samples", samples]) == 0
     out, err = capsys.readouterr()
