@@ -461,6 +461,13 @@ def ode_kv(r: dict, results: dict) -> str | None:
     step_text = ("; step " + "; ".join(said(v) for v in steps) +
                  (f" (closer than block on {', '.join(better)})" if better else "")
                  if steps else "")
+    again = [f"{x['group']} seed {seed}: {v['val_loss']:.4f} against the recorded "
+             f"{v['recorded']:.4f}" for x in r.get("rows", [])
+             for seed, v in (x.get("retrained") or {}).items()]
+    retrained = (f" The evaluation rows are the earlier experiments' records; trained again by "
+                 f"this version ({'; '.join(again)}), they differ by the run-to-run spread of "
+                 f"float32 training under other thread counts, not by a change of function."
+                 if again else "")
     return (f"Memory from the block's input: {'; '.join(said(v) for v in blocks)}{step_text}. "
             f"Target (block within {100 * target:.0f}% of the loss at 1/16 of the cache, RK4 x "
-            f"4, both corpora): {verdict}.")
+            f"4, both corpora): {verdict}.{retrained}")
