@@ -18,73 +18,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..atomic import atomic_folder
 from ..errors import CheckpointError
-from ..model.cache import DecodeState
 from ..model.depth import ODEBlock, TransformerBlock
 from ..model.lm import LanguageModel, load_weights
+from .cache import CACHE_FIELD, ContinuumLMCache  # noqa: F401 - importable here as before
 from .configuration import AUTO_MAP, ContinuumLMConfig, write_remote_code
+from .folders import BASE_MODEL_PREFIX, load_state_dict, own_names
+
 
 # the decoding state's name in transformers' outputs and keywords: "cache" from 5.24 (where
 # past_key_values is a deprecated alias), "past_key_values" in earlier 5.x releases
-CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
-               else "past_key_values")
-
-
-class ContinuumLMCache(Cache):
-    """The :class:`DecodeState` of a ContinuumLM model (one cache per (block, solver stage
-    evaluation) of an ODE stack, one per layer of a discrete one) as a transformers ``Cache``.
-
-    It holds no per-layer key/value tensors of transformers' kind (``layers`` is empty): each
-    mixer keeps its own state (keys and values, a DeltaNet recurrent state, a continuous
-    attention's value history), which is what keeps cached ODE decoding exact. Every one of
-    them is batch-first, so beam search's reordering and expansion are an index on the batch
-    dimension. Cropping (assisted and prompt-lookup decoding drop the drafted tokens that were
-    not accepted) cuts every cache back (:meth:`DecodeState.crop`); the model makes its states
-    able to cut back ``REWIND`` tokens (a DeltaNet state keeps what those need)."""
-
-    REWIND = 256  # transformers drafts num_assistant_tokens (20 by default) at a time
-
-    def __init__(self, state: DecodeState):
-        super().__init__(layers=[])
-        self.state = state
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.state.pos
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1
-
-    @property
-    def batch_size(self) -> int:
-        return self.state.batch_size
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def reset(self) -> None:
-        self.state = DecodeState(self.state.batch_size, self.state.rewind)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.state.reorder(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        index = torch.arange(self.state.batch_size).repeat_interleave(repeats)
-        self.state.reorder(index)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.state.reorder(torch.as_tensor(indices, dtype=torch.long))
-
-    def crop(self, length: int) -> None:
-        """Remove ``-length`` tokens (zero or negative, transformers from 5.24), or keep the
-        first ``length`` (positive, the earlier releases' meaning)."""
-        n = self.state.pos
-        keep = n + length if length <= 0 else min(length, n)
-        self.state.crop(max(keep, 0))
-
-
 class CheckpointedTransformerBlock(TransformerBlock, GradientCheckpointingLayer):
     """A discrete layer that is also transformers' ``GradientCheckpointingLayer``, the type
     its checkpointing finds the repeated layers by. The layer checkpoints itself already (its
@@ -119,7 +61,7 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
     its real tokens are the row's alone."""
 
     config_class = ContinuumLMConfig
-    base_model_prefix = "model"
+    base_model_prefix = BASE_MODEL_PREFIX
     main_input_name = "input_ids"
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
     _no_split_modules: list[str] = []
@@ -494,31 +436,3 @@ class ContinuumLMForCausalLM(PreTrainedModel, GenerationMixin):
                "architectures": [type(self).__name__]}
         cfg.pop("_name_or_path", None)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-def own_names(lm: LanguageModel, state_dict: dict, where: str) -> dict:
-    """``state_dict`` in the wrapped model's names (a ``model.`` prefix dropped; a tied head
-    left out, as ``model.safetensors`` stores it), checked: a tensor missing or extra is a
-    CheckpointError."""
-    prefix = ContinuumLMForCausalLM.base_model_prefix + "."
-    tensors = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state_dict.items()}
-    expected = set(lm.state_dict())
-    if lm.config.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-        expected.discard("lm_head.weight")
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{where} does not match the model: missing tensors "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}.")
-    return tensors
-
-
-def load_state_dict(lm: LanguageModel, state_dict: dict, where: str) -> None:
-    """Copy ``state_dict`` (names with or without the ``model.`` prefix) into ``lm``,
-    strictly."""
-    tensors = own_names(lm, state_dict, where)
-    try:
-        lm.load_state_dict(tensors, strict=False)
-    except RuntimeError as e:
-        raise CheckpointError(f"{where} does not fit the model: {str(e).splitlines()[-1]}") \
-            from None
