@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 from ..errors import DiskError
@@ -100,3 +101,33 @@ class MetricsLogger:
                 self.tb.close()
             except OSError as e:
                 raise self._disk_error("TensorBoard events", self.path.parent / TENSORBOARD, e) from None
+
+
+class ProgressLines:
+    """Progress as a line every ``every_s`` seconds (step, loss, tokens/s, threads, time left),
+    for output that is not a terminal, where the progress bar is off. Fed at each logged step,
+    so a line's figures are those of the latest log interval."""
+
+    def __init__(self, max_steps: int, step: int, every_s: float = 10.0):
+        self.max_steps, self.every_s = max_steps, every_s
+        self.start, self.first_step = time.perf_counter(), step
+        self.last = self.start
+
+    def update(self, step: int, loss: float, tokens_per_s: float, threads: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s and step < self.max_steps:
+            return
+        self.last = now
+        done = step - self.first_step
+        left = (now - self.start) / max(done, 1) * (self.max_steps - step)
+        print(f"step {step}/{self.max_steps}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
+              f"{threads} thread{'s' * (threads != 1)}, {_duration(left)} left", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

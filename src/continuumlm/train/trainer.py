@@ -29,10 +29,11 @@ from ..threads import ThreadPolicy
 from . import distributed as D
 from .checkpointer import Checkpointer
 from .device import autocast_for, keep_freed_memory, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
+from .diagnose import first_non_finite
 from .distill import Teacher
 from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
-from .logging import MetricsLogger
+from .logging import MetricsLogger, ProgressLines
 from .optim import lr_at, make_optimizer
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
 from .signals import StopSignals
@@ -416,7 +417,7 @@ class Trainer:
         self.last_regularizers = {n: v / t.grad_accum for n, v in zip(reg_names, regs)
                                   if self.solve_reg.weight(n) > 0}
         loss_value = summed / t.grad_accum
-        # read before a bad step's diagnostic forward (_first_non_finite) overwrites them
+        # read before a bad step's diagnostic forward (first_non_finite) overwrites them
         self.last_step_nfe = {"nfe": self.model.last_nfe, **self._backward_nfe()}
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
         scaler_skips = self.scaler.is_enabled() and math.isfinite(loss_value)
@@ -431,7 +432,7 @@ class Trainer:
                 # checks for a plain update(); lowered as the scaler would for an overflow
                 self.scaler.update(new_scale=self.scaler.get_scale()
                                    * self.scaler.get_backoff_factor())
-            culprit = solver_error or self._first_non_finite(x, y, loss_value)
+            culprit = solver_error or first_non_finite(self.model, self.amp, x, y, loss_value)
             self.bad_steps += 1
             self.skipped_steps += 1
             self.last_culprit = culprit
@@ -450,42 +451,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_value, grad_norm
-
-    @torch.no_grad()
-    def _first_non_finite(self, x, y, loss_value: float) -> str:
-        """Name the first non-finite tensor: a parameter's gradient, or (when the loss itself is
-        not finite) the first depth block whose output is."""
-        if math.isfinite(loss_value):
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    return f"the gradient of {name}"
-            return "the gradient norm"
-        for name, p in self.model.named_parameters():
-            if not torch.isfinite(p).all():
-                return f"the parameter {name}"
-        found: list[str] = []
-        blocks = getattr(self.model.depth, "layers", None) or self.model.depth.blocks
-        kind = "layer" if hasattr(self.model.depth, "layers") else "ODE block"
-
-        def hook(i):
-            def fn(module, inputs, output):
-                if not found and not torch.isfinite(output).all():
-                    found.append(f"the output state of {kind} {i}")
-            return fn
-
-        handles = [b.register_forward_hook(hook(i)) for i, b in enumerate(blocks)]
-        try:
-            was_training = self.model.training
-            self.model.eval()
-            with self.amp:
-                logits, _ = self.model(x, y)
-            self.model.train(was_training)
-        finally:
-            for h in handles:
-                h.remove()
-        if found:
-            return found[0]
-        return "the loss" if torch.isfinite(logits).all() else "the logits"
 
     # ------------------------------------------------------------------ loop
 
@@ -510,7 +475,7 @@ class Trainer:
         else:
             say(f"resuming at step {self.step} from {self.resumed_from}; {threads}")
         # away from a terminal (a log file, CI) a line at a steady interval stands in for the bar
-        progress = None if tty or quiet else _ProgressLines(t.max_steps, self.step)
+        progress = None if tty or quiet else ProgressLines(t.max_steps, self.step)
         last_val = last_loss = math.nan
         window_start, window_steps = time.perf_counter(), 0
         train_time, steps_run = 0.0, 0
@@ -601,33 +566,3 @@ class Trainer:
         if self.main:
             self.task.on_end(self, summary)
         return summary
-
-
-class _ProgressLines:
-    """Progress as a line every ``every_s`` seconds (step, loss, tokens/s, threads, time left),
-    for output that is not a terminal, where the progress bar is off. Fed at each logged step,
-    so a line's figures are those of the latest log interval."""
-
-    def __init__(self, max_steps: int, step: int, every_s: float = 10.0):
-        self.max_steps, self.every_s = max_steps, every_s
-        self.start, self.first_step = time.perf_counter(), step
-        self.last = self.start
-
-    def update(self, step: int, loss: float, tokens_per_s: float, threads: int) -> None:
-        now = time.perf_counter()
-        if now - self.last < self.every_s and step < self.max_steps:
-            return
-        self.last = now
-        done = step - self.first_step
-        left = (now - self.start) / max(done, 1) * (self.max_steps - step)
-        print(f"step {step}/{self.max_steps}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
-              f"{threads} thread{'s' * (threads != 1)}, {_duration(left)} left", flush=True)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
