@@ -19,6 +19,8 @@ The kernels take q, k, v and beta as given: normalization and scaling are the la
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -39,14 +41,23 @@ def delta_rule_recurrent(q, k, v, beta, initial_state=None):
     return o, S
 
 
+def autocast_off(device_type: str):
+    """A context with autocast off on ``device_type`` when it is on (a no-op context else):
+    the delta rule's state is an accumulator, kept in at least float32."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def delta_rule_state(k, v, beta, initial_state=None):
     """The state after the tokens (k, v, beta) from ``initial_state`` (None: zeros), by the
-    token recurrence in at least float32, as decoding runs it (cutting a cache back rebuilds
-    its state with this)."""
+    token recurrence in at least float32 with autocast off, as decoding runs it (cutting a
+    cache back rebuilds its state with this)."""
     work = k.dtype if k.dtype == torch.float64 else torch.float32
     k, v, beta = k.to(work), v.to(work), beta.to(work)
     init = initial_state.to(work) if initial_state is not None else None
-    return delta_rule_recurrent(k, k, v, beta, init)[1]
+    with autocast_off(k.device.type):
+        return delta_rule_recurrent(k, k, v, beta, init)[1]
 
 
 def delta_rule_step(q, k, v, beta, state):

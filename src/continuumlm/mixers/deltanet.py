@@ -17,6 +17,7 @@ from ..nn import Float32RMSNorm, SharedDropout, make_linear, make_norm, stacked_
 from ..registry import register_mixer
 from .cache import FrozenCache, RewindLog, fixed_bytes
 from .delta_rule import (  # noqa: F401 - the kernels, importable from here as before
+    autocast_off,
     delta_rule_chunkwise,
     delta_rule_recurrent,
     delta_rule_state,
@@ -387,10 +388,14 @@ class DeltaNetAttention(nn.Module):
             beta = beta.masked_fill(~real.transpose(1, 2), 0.0)
         cache.record(T, start, {"k": (k, 2), "v": (v, 2), "beta": (beta, 2), **conv_inputs})
         init = cache.state
-        if T == 1 and init is not None:  # a decoded token: its state now, each read a product
+        if T == 1:  # one token: its state now (from zeros for a first token), each read a product
+            # in at least float32 with autocast off, as _kernel's token path: an accumulator
             work = k.dtype if k.dtype == torch.float64 else torch.float32
-            _, state = delta_rule_step(k.to(work), k.to(work), v.to(work), beta.to(work),
-                                       init.to(work))
+            if init is None:
+                init = k.new_zeros(B, self.num_heads, v.shape[-1], k.shape[-1], dtype=work)
+            with autocast_off(k.device.type):
+                _, state = delta_rule_step(k.to(work), k.to(work), v.to(work), beta.to(work),
+                                           init.to(work))
             cache.update(state, 1)
             cache.memory = DeltaMemory(k, v, beta, None, q_window)
         else:
@@ -416,10 +421,12 @@ class DeltaNetAttention(nn.Module):
         elif self.silu_qkv:
             q = F.silu(q)
         q = F.normalize(self._heads(q), dim=-1)
-        if T == 1 and not mem.pending:  # the state after the token is known: one product
+        if T == 1:  # the state after the token: one product (the branch is T's alone, so a
+            # step recomputed in a backward pass takes the one its forward took)
             S = cache.state
             work = S.dtype if q.dtype != torch.float64 else torch.float64
-            o = (q.to(work) @ S.to(work).mT).to(q.dtype)
+            with autocast_off(q.device.type):
+                o = (q.to(work) @ S.to(work).mT).to(q.dtype)
         else:
             o, S = self._kernel(q, mem.k, mem.v, mem.beta, mem.start)
             if mem.pending:

@@ -401,7 +401,8 @@ class ODEStack(nn.Module):
         if why is not None:
             raise ConfigError(f"model.{why}" if why.startswith("ode_") else why)
         why = kv_refusal(cfg.ode_kv, cfg.mixer, cfg.ode_solver, cfg.ode_grad, adaptive,
-                         reversible, takes_memory(MIXERS.component_class(cfg.mixer)))
+                         reversible, takes_memory(MIXERS.component_class(cfg.mixer)),
+                         cfg.mode == "encoder")
         if why is not None:
             raise ConfigError(why)
         if cfg.ode_kv != "evaluation" and not callable(

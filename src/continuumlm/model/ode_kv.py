@@ -38,9 +38,10 @@ class StepMemory:
 
 
 def kv_refusal(kv: str, mixer: str, solver: str, grad: str, adaptive: bool,
-               reversible: bool, memory: bool) -> str | None:
+               reversible: bool, memory: bool, encoder: bool = False) -> str | None:
     """Why ``model.ode_kv = kv`` cannot go with this mixer (``memory``: it has write and
-    read), solver and gradient mode, in one sentence with the way out; None when it can."""
+    read), solver and gradient mode (``encoder``: mode = "encoder"), in one sentence with the
+    way out; None when it can."""
     if kv == "evaluation":
         return None
     what = f"model.ode_kv = {kv!r} (the mixers' memory from the start of each " + (
@@ -49,6 +50,10 @@ def kv_refusal(kv: str, mixer: str, solver: str, grad: str, adaptive: bool,
         return (f"{what} needs a mixer that writes its memory from one input and reads it "
                 f"with another (write(m, cache) and read(x, cache)); {mixer!r} has not got "
                 f"them: use ode_kv = 'evaluation'.")
+    if encoder:
+        return (f"{what} is a decoder's: the mixers write the memory of the tokens so far "
+                f"(an encoder's reads later tokens too); use ode_kv = 'evaluation' with mode "
+                f"= 'encoder'.")
     if reversible:
         return (f"{what} is not implemented for the reversible solver {solver!r}, whose "
                 f"backward pass rebuilds states by running the field backwards; use a "
