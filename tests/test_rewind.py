@@ -4,6 +4,8 @@ continuumlm.testing.check_rewind, run on every registered component in test_comp
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -113,14 +115,43 @@ def test_crop_refusals_say_why():
         state.crop(1)
 
 
-def test_a_frozen_state_is_not_cut_back():
-    model = small_model()
-    state = model.init_state(1, rewind=4)
+def test_a_frozen_state_cut_back_in_place_and_its_refusals():
+    """A frozen state is cut back in place: the position tensors and every buffer keep their
+    addresses (what compiled and recorded steps read). A recurrent cache goes back no further
+    than the token it was frozen at, nor further than its rewind window; a frozen cache type
+    without a crop of its own is refused by name, before any cache changes."""
+    from continuumlm.mixers.cache import FrozenCache
+
+    model = small_model(mixer="deltanet", components={"deltanet": {"short_conv": 3}})
+    seq = torch.randint(0, 37, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        model.step(torch.tensor([[1, 2, 3]]), state)
-        frozen_decoder(model, state)
-    with pytest.raises(ValueError, match="frozen"):
-        state.crop(2)
+        state = model.init_state(1, rewind=4)
+        model.step(seq[:, :6], state)
+        fn = frozen_decoder(model, state)
+        pos, mask = state.static.pos, state.static.mask
+        addresses = {k: c.state.data_ptr() for k, c in state._caches.items()}
+        for t in range(6, 9):
+            fn(seq[:, t:t + 1], state)
+            state.advance()
+        with pytest.raises(ValueError, match="cut back to 6 tokens at the earliest"):
+            state.crop(5)  # before the token it was frozen at
+        assert state.pos == 9 and int(state.static.pos) == 9
+        state.crop(6)
+        assert state.static.pos is pos and state.static.mask is mask
+        assert int(pos) == 6 and mask.sum() == 7
+        assert {k: c.state.data_ptr() for k, c in state._caches.items()} == addresses
+        for t in range(6, 14):
+            fn(seq[:, t:t + 1], state)
+            state.advance()
+        with pytest.raises(ValueError, match="cut back to 10 tokens at the earliest.*rewind=N"):
+            state.crop(9)  # beyond the window of 4
+
+    class Stuck(FrozenCache):
+        length = 14
+    state._caches[("plugin", 0)] = Stuck()
+    with pytest.raises(ValueError, match="type Stuck cannot be cut back"):
+        state.crop(12)
+    assert state.pos == 14
     cache = SeqCache()
     cache.append(torch.zeros(1, 1, 3, 2))
     with pytest.raises(ValueError, match="back to 4"):
@@ -153,3 +184,50 @@ def test_reordered_rows_are_not_cut_back_into_the_old_order():
         with pytest.raises(ValueError, match="at the earliest"):
             state.crop(6)
         state.crop(8)  # where it is: nothing to do
+
+
+def test_check_rewind_catches_a_frozen_cache_that_forgets(monkeypatch):
+    """The frozen half of the check fails a frozen recurrent cache whose crop only moves its
+    length, and a frozen state whose position tensors stay where they were."""
+    from continuumlm.mixers.cache import StaticStep
+    from continuumlm.mixers.deltanet import FrozenDeltaNetCache
+
+    def careless(self, length):
+        self.length = length
+
+    with monkeypatch.context() as m:
+        m.setattr(FrozenDeltaNetCache, "crop", careless)
+        with pytest.raises(AssertionError, match="cutting a frozen state back"):
+            check_rewind(small_model(mixer="deltanet"))
+    monkeypatch.setattr(StaticStep, "rewind", lambda self, pos: self.pos.fill_(pos))
+    with pytest.raises(AssertionError, match="cutting a frozen state back"):
+        check_rewind(small_model())
+
+
+@pytest.mark.parametrize("mixer", ["deltanet", "softmax", "continuous"])
+@pytest.mark.parametrize("depth", ["ode", "discrete"])
+def test_cut_back_again_and_again_past_a_kept_state(mixer, depth):
+    """Speculative decoding's pattern: extend by two tokens, cut one back, for more tokens
+    than a recurrent cache's stride of kept states (16), each cut reaching back to a kept
+    state that an earlier cut rebuilt from: every length decodes on as a fresh state of that
+    length does (a cut once wrote the rebuilt convolution history into the log's own entry,
+    so the next cut from there started from the wrong history)."""
+    components = {"deltanet": {"short_conv": 4}} if mixer == "deltanet" else {}
+    kw = dict(ode_solver="rk4", ode_steps=1) if depth == "ode" else {}
+    model = small_model(mixer=mixer, depth=depth, components=components, **kw).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    seq = torch.randint(0, 37, (1, 34), generator=g)
+    with torch.no_grad():
+        state = model.init_state(1, rewind=18)
+        model.step(seq[:, :5], state)
+        for n in range(5, 30):
+            model.step(seq[:, n:n + 2], state)
+            state.crop(n + 1)
+            probe = copy.deepcopy(state)
+            a = model.step(seq[:, n + 1:n + 2], probe)[0]
+            b = model.step(seq[:, :n + 2], model.init_state(1))[0]
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12,
+                                       msg=lambda m, n=n: f"after the cut to {n + 1}: {m}")

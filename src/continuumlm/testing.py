@@ -21,7 +21,9 @@ field for a solver) and each model must be
   logits bit for bit (without per-token exit, whose decisions are made on the host);
 - rewindable: a decoding state cut back to an earlier length (inside a block of tokens
   consumed in one pass, or before it) and decoded on gives what a state of that length gives
-  (float64, to 1e-12): what assisted and speculative decoding need;
+  (float64, to 1e-12): what assisted and speculative decoding need; a frozen state too, cut
+  back in place and decoded on through the frozen step, eager and graph-replayed (emulated):
+  what speculative decoding through compiled or recorded draft steps needs;
 - padded (when its mixers declare ``supports_padding``): a row padded on the left or right
   gives, at its real tokens, the logits of the row alone, in a full forward and in cached
   decoding; a mixer without padding support refuses a padded batch by name;
@@ -186,6 +188,47 @@ def check_rewind(model: LanguageModel, prompt_len: int = 5, n_new: int = 4, bloc
                 on_from(m, state), on_from(m, alone), rtol=0, atol=atol,
                 msg=lambda msg, m=m: f"decoding on after cutting back to {m} tokens != "
                                      f"decoding on from a state of {m} tokens: {msg}")
+    if getattr(model.depth, "exit", None) is None:
+        for graphs in (None, EmulatedGraphRecorder()):
+            _check_frozen_rewind(model, seq, prompt_len, graphs, atol)
+
+
+def _check_frozen_rewind(model, seq, prompt_len: int, graphs, atol: float) -> None:
+    """The frozen one-token step (eager units; recorded and replayed by ``graphs`` if
+    given), cut back in place (``DecodeState.crop`` of a frozen state: what speculative
+    decoding through compiled or recorded draft steps does) and decoded on, gives what an
+    eager state of that length decoding on gives."""
+    B, n = seq.shape[0], seq.shape[1] - prompt_len
+    what = "graph-replayed" if graphs is not None else "frozen"
+    with torch.no_grad():
+        state = model.init_state(B, rewind=n)
+        model.step(seq[:, :prompt_len], state)
+        fn = frozen_decoder(model, state, None, min_capacity=1, recorder=graphs)
+
+        def on_from(m: int, st, step) -> torch.Tensor:
+            out = []
+            for t in range(m, seq.shape[1]):
+                out.append(step(seq[:, t:t + 1], st))
+                if st.static is not None:
+                    st.advance()
+            return torch.stack(out, 1)
+
+        def eager(ids, st):
+            return model.step(ids, st)[0]
+
+        on_from(prompt_len, state, fn)
+        for m in sorted({seq.shape[1] - 1, seq.shape[1] - 3, prompt_len + 1, prompt_len},
+                        reverse=True):
+            state.crop(m)
+            assert state.pos == m and int(state.static.pos) == m, \
+                f"a {what} state cut back to {m} tokens holds {state.pos}"
+            alone = model.init_state(B)
+            model.step(seq[:, :m], alone)
+            torch.testing.assert_close(
+                on_from(m, state, fn), on_from(m, alone, eager), rtol=0, atol=atol,
+                msg=lambda msg, m=m: f"{what} decoding on after cutting a frozen state back "
+                                     f"to {m} tokens != decoding on from a state of {m} "
+                                     f"tokens: {msg}")
 
 
 def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:

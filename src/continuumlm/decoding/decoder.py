@@ -111,14 +111,12 @@ class Decoder:
             if not use_cache:
                 raise ValueError("draft= verifies the drafted tokens through the cache; drop "
                                  "use_cache=False (--no-cache).")
-            if compiling or self.cuda_graph:
-                raise ValueError("draft= decodes eagerly in this version; drop compile=True / "
-                                 "cuda_graph=True (--compile, --cuda-graph on).")
             check_draft(model, draft, idx)
             stats = DraftStats()
             how = Sampling(greedy, temperature, top_k, top_p, generator)
             return SpeculativeStream(self._speculative(idx, max_new_tokens, draft,
-                                                       eos_token_id, stats, threads, how),
+                                                       eos_token_id, stats, threads, how,
+                                                       self._freezer(idx.device)),
                                      stats)
         exact = getattr(model.depth, "exact_cache", True)
         if use_cache and not exact:
@@ -129,15 +127,22 @@ class Decoder:
                     ", eagerly (compile=True compiles the cached one-token step)"
                     if compiling else "")
             use_cache = False
-        recorder = self._recorder(idx.device) if use_cache else None
-        freeze = None
-        if use_cache and (compiling or recorder is not None):
-            evaluate = self._evaluator(idx.device) if compiling else None
-
-            def freeze(state):
-                return frozen_decoder(model, state, evaluate, self.min_capacity, recorder)
+        freeze = self._freezer(idx.device) if use_cache else None
         return token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                             use_cache, generator, eos_token_id, freeze, threads)
+
+    def _freezer(self, device: torch.device):
+        """``freeze(state) -> the frozen one-token step`` for this request (compiled units,
+        recorded graphs, or both), or None to decode eagerly."""
+        recorder = self._recorder(device)
+        if not (self.compile or recorder is not None):
+            return None
+        evaluate = self._evaluator(device) if self.compile else None
+        model, capacity = self.model, self.min_capacity
+
+        def freeze(state):
+            return frozen_decoder(model, state, evaluate, capacity, recorder)
+        return freeze
 
     def _evaluator(self, device: torch.device) -> Compiled:
         if self.evaluator is None or self.evaluator.device_type != device.type:
@@ -182,8 +187,9 @@ class Decoder:
             return None
         return recorder
 
-    def _speculative(self, idx, max_new_tokens, draft, eos_token_id, stats, threads, how):
+    def _speculative(self, idx, max_new_tokens, draft, eos_token_id, stats, threads, how,
+                     freeze):
         with streaming(self.model, threads):
             for t in speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
-                                        stats, how):
+                                        stats, how, freeze):
                 yield plain(t)

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from ..model.cache import DecodeState
 from .sampling import probabilities
 
 AUTO = "auto"
@@ -236,10 +237,18 @@ def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor
 @torch.inference_mode()
 def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft,
                        eos_token_id: int | None, stats: DraftStats,
-                       how: Sampling = Sampling()) -> Iterator[torch.Tensor]:
+                       how: Sampling = Sampling(),
+                       freeze: Callable[[DecodeState], Callable] | None = None
+                       ) -> Iterator[torch.Tensor]:
     """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
     module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
-    stream sees to it)."""
+    stream sees to it).
+
+    ``freeze`` (as :func:`.stream.token_stream`'s: ``freeze(state) -> fn(ids, state) ->
+    logits``): the draft's tokens go through the frozen one-token step it returns for the
+    draft state (compiled units, recorded graphs), made after the draft's first pass over
+    the prompt; a round's cut-back moves that state back in place. The verifying pass of
+    ``k + 1`` tokens stays an eager extension of the model's state."""
     solves = (_FirstLayers(model, draft.layers) if draft.layers is not None
               else _Solves(model, draft.solver, draft.steps))
     k = 4 if draft.tokens == AUTO else draft.tokens
@@ -250,7 +259,18 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     limit = model.config.max_seq_len if model.config.position == "learned" else None
     device = idx.device
 
+    # the draft's frozen one-token step, once its state is frozen, and its field evaluations
+    # (those of the draft's eager pass before it: a replayed step runs no Python to count them)
+    frozen_step, frozen_nfe = None, 0
+
     def logits(ids: list[int], state) -> torch.Tensor:
+        if state is side and frozen_step is not None:
+            rows = []
+            for t in ids:
+                rows.append(frozen_step(torch.tensor([[t]], device=device), side)[0])
+                side.advance()
+                stats.nfe += frozen_nfe
+            return torch.stack(rows)
         out = model.lm_head(model.hidden_states(torch.tensor([ids], device=device), state))
         stats.nfe += model.last_nfe
         return out[0]
@@ -276,6 +296,10 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         if k_now > 0:
             with solves.drafting():
                 row = logits(seq[side.pos:], side)[-1]  # catch up, draft one
+                if freeze is not None and frozen_step is None:
+                    # frozen here, at the round's first draft: every later cut keeps at
+                    # least this much (a frozen recurrent cache cuts back no further)
+                    frozen_step, frozen_nfe = freeze(side), model.last_nfe
                 while True:
                     nxt, q = choose(row)
                     drafts.append(nxt)

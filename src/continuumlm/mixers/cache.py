@@ -52,6 +52,15 @@ class StaticStep:
         if new_pos < self.capacity:
             self.mask.index_fill_(1, self.pos, True)
 
+    def rewind(self, pos: int) -> None:
+        """Move back to ``pos`` (a frozen state cut back), in place: the tensors keep their
+        addresses, so a compiled or recorded step reads the new position as it read the old."""
+        if not 0 <= pos < self.capacity:
+            raise ValueError(f"a static decoding state of capacity {self.capacity} cannot "
+                             f"move to position {pos}.")
+        self.pos.fill_(pos)
+        self.mask.copy_((torch.arange(self.capacity, device=self.mask.device) <= pos)[None, :])
+
 
 _NOT_KEPT = object()  # an entry of a RewindLog whose start state is rebuilt when needed
 
@@ -136,14 +145,21 @@ class FrozenCache:
     """The fixed-capacity layout of a cache, made by its ``freeze(step)``: what a mixer's
     ``extend_frozen(x, cache)`` decodes one token through. Every buffer keeps its address
     and the position is the shared :class:`StaticStep`'s tensor, so nothing a step reads
-    changes shape or Python value between tokens. A frozen cache is not cut back or
-    reordered (a frozen state is refused both before any cache is asked)."""
+    changes shape or Python value between tokens. A frozen cache is not reordered (a frozen
+    state refuses before any cache is asked). Cutting back (``crop``: speculative decoding
+    through compiled or recorded steps) works in place, within the addresses a step reads;
+    a frozen cache type that cannot says so here."""
 
     static: StaticStep
     length: int
 
+    def rewind_floor(self) -> int:
+        return self.length
+
     def crop(self, length: int) -> None:
-        raise ValueError("a frozen (static) decoding cache cannot be cut back.")
+        raise ValueError(f"a frozen (static) decoding cache of type {type(self).__name__} "
+                         f"cannot be cut back; decode eagerly (without compile or CUDA graphs) "
+                         f"to draft and rewind.")
 
     def reorder(self, index: torch.Tensor) -> None:
         raise ValueError("a frozen (static) decoding cache cannot be reordered.")
@@ -245,6 +261,16 @@ class FrozenSeqCache(FrozenCache):
     def freeze(self, step: StaticStep) -> FrozenSeqCache:
         """The same tokens at another capacity (a frozen state refrozen larger)."""
         return FrozenSeqCache(self.buffers, self.length, step)
+
+    def rewind_floor(self) -> int:
+        return 0  # every token's entries are kept
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens: the positions after them are masked from the
+        next step on (the state's :meth:`StaticStep.rewind`) and overwritten as it goes."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot cut a cache of {self.length} tokens back to {length}.")
+        self.length = length
 
     def write(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Store one token's (B, H, 1, D) tensors at ``static.pos``; return the whole

@@ -101,6 +101,7 @@ class DeltaNetCache:
         if length == self.length:
             return
         (state, conv), inputs = self.log.cut(length)
+        conv = dict(conv)  # the log's own dict stays as it was: a later cut may start there
         if inputs["k"].shape[2]:
             state = delta_rule_state(inputs["k"], inputs["v"], inputs["beta"], state)
         for name in [n for n in inputs if n.startswith("conv_")]:
@@ -114,7 +115,7 @@ class DeltaNetCache:
         self.settle()
         if self.state is None:
             raise RuntimeError("freeze a decoding state after the prompt has been consumed.")
-        frozen = FrozenDeltaNetCache(self.state, self.conv, self.length, step)
+        frozen = FrozenDeltaNetCache(self.state, self.conv, self.length, step, self.log.tokens)
         frozen.shared = self.shared
         return frozen
 
@@ -137,15 +138,30 @@ class DeltaNetCache:
 
 class FrozenDeltaNetCache(FrozenCache):
     """A :class:`DeltaNetCache` for frozen one-token steps: the state and convolution history
-    are updated in place (fixed shapes and addresses); nothing is logged for cutting back."""
+    are updated in place (fixed shapes and addresses).
+
+    Cutting back (``rewind`` tokens, from the eager cache's ``keep_rewind``): the state and
+    history after each of the latest ``rewind`` tokens are also copied into a ring of
+    ``rewind + 1`` slots, indexed by the position tensor (the token at position p writes slot
+    p mod slots), so a compiled or recorded step keeps them as it goes; a cut copies the slot
+    of its length back. No ring for 0 (the default): nothing is kept, and the cache cannot be
+    cut back."""
 
     def __init__(self, state: torch.Tensor, conv: dict[str, torch.Tensor], length: int,
-                 step) -> None:
+                 step, rewind: int = 0) -> None:
         self.state = state
         self.conv = {n: h.clone() for n, h in conv.items()}  # own storage, updated in place
         self.length, self.static = length, step
         self.shared: dict = {}
         self.memory: DeltaMemory | None = None
+        self.rewind, self.frozen_at = rewind, length
+        self.ring: dict[str, torch.Tensor] = {}
+        if rewind:
+            slots, here = rewind + 1, (length - 1) % (rewind + 1)
+            for name, t in (("state", state), *((f"conv_{n}", h) for n, h in self.conv.items())):
+                ring = t.new_zeros(slots, *t.shape)
+                ring[here] = t  # the state the cache was frozen at: a cut may go back to it
+                self.ring[name] = ring
 
     def freeze(self, step) -> FrozenDeltaNetCache:
         self.static = step  # no buffer grows with the capacity
@@ -163,11 +179,38 @@ class FrozenDeltaNetCache(FrozenCache):
     def record(self, T: int, start, inputs: dict) -> None:
         pass
 
+    def _keep(self, name: str, t: torch.Tensor) -> None:
+        ring = self.ring.get(name)
+        if ring is not None:  # slot pos mod slots, read from the position tensor
+            ring.index_copy_(0, torch.remainder(self.static.pos, ring.shape[0]), t[None])
+
     def update(self, state: torch.Tensor, T: int) -> None:
         self.state.copy_(state)
+        self._keep("state", self.state)
 
     def update_conv(self, name: str, history: torch.Tensor) -> None:
         self.conv[name].copy_(history)
+        self._keep(f"conv_{name}", self.conv[name])
+
+    def rewind_floor(self) -> int:
+        return max(self.frozen_at, self.length - self.rewind) if self.rewind else self.length
+
+    def crop(self, length: int) -> None:
+        """Cut back to the first ``length`` tokens (at least :meth:`rewind_floor`): the state
+        and history after token ``length - 1`` copied back from the ring, in place."""
+        if not self.rewind_floor() <= length <= self.length:
+            raise ValueError(f"this frozen DeltaNet cache of {self.length} tokens can be cut "
+                             f"back to {self.rewind_floor()} at the earliest, not {length}: it "
+                             f"keeps its last {self.rewind} tokens' states; make the state with "
+                             f"init_state(batch, rewind=N) for a larger N.")
+        self.memory = None
+        if length == self.length:
+            return
+        slot = (length - 1) % (self.rewind + 1)
+        self.state.copy_(self.ring["state"][slot])
+        for name, h in self.conv.items():
+            h.copy_(self.ring[f"conv_{name}"][slot])
+        self.length = length
 
 
 class ShortConv(nn.Module):

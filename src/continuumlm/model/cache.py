@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..mixers.cache import KVCache, SeqCache, StaticStep
+from ..mixers.cache import FrozenCache, KVCache, SeqCache, StaticStep
 
 __all__ = ["CacheMemory", "DecodeState", "KVCache", "SeqCache", "StaticStep"]
 
@@ -100,16 +100,18 @@ class DecodeState:
         """Cut the state back to its first ``length`` tokens, as if the later ones had never
         been consumed: what assisted and speculative decoding do with drafted tokens that were
         not accepted. Every cache is cut back, or none (a length some cache cannot reach is
-        refused before any is changed). Not for a frozen state."""
-        if self.static is not None:
-            raise ValueError("a frozen (static) decoding state cannot be cut back; decode "
-                             "eagerly (without compile or CUDA graphs) to draft and rewind.")
+        refused before any is changed). A frozen state is cut back in place (its caches and
+        its position tensors keep their addresses, so compiled and recorded steps go on from
+        the new position); its recurrent caches keep what their last ``rewind`` tokens
+        need from the token it was frozen at on."""
         if isinstance(length, bool) or not 0 <= length <= self.pos:
             raise ValueError(f"cannot cut a decoding state of {self.pos} tokens back to "
                              f"{length!r}; give a length from 0 to {self.pos}.")
         if length == self.pos:
             return
         for key, c in self._caches.items():
+            if isinstance(c, FrozenCache) and type(c).crop is FrozenCache.crop:
+                c.crop(length)  # refuses, naming the type
             if not hasattr(c, "crop"):
                 raise NotImplementedError(
                     f"the decoding cache {type(c).__name__} (of {key!r}) has no crop(length), "
@@ -128,6 +130,8 @@ class DecodeState:
         if self.keys is not None:
             self.keys = self.keys[:, :length]
         self.pos = length
+        if self.static is not None:
+            self.static.rewind(length)
 
     def freeze(self, capacity: int, device: torch.device) -> None:
         """Switch to frozen one-token steps with room for ``capacity`` tokens in all: each

@@ -238,7 +238,7 @@ class LanguageModel(nn.Module):
         """Integrate the trained fields with another solver or number of steps, without
         retraining ("anytime depth"). Only for ``depth = "ode"``; a solver with weights of its
         own (``rk2_gated``) can be neither swapped in nor out. The gradient mode must suit the
-        new solver; evaluation, which takes no gradients, passes ``ode_grad="direct"``."""
+        new solver; evaluation, which takes no gradients, passes ``ode_grad="direct"``. A new solver module takes the model's training or evaluation mode."""
 
 
         if self.config.depth != "ode":
@@ -263,6 +263,8 @@ class LanguageModel(nn.Module):
                 raise ValueError(f"cannot switch between {self.config.ode_solver!r} and "
                                  f"{new.ode_solver!r}: rk2_gated has trained weights of its own "
                                  f"(its step count can change: set_solver(ode_steps=N)).")
+            if isinstance(solver, torch.nn.Module):  # the model's mode, as if it had been
+                solver.train(self.training)  # there when model.eval() / .train() was called
             block.solver, block.cfg = solver, new
         self.depth.exact_cache = bool(getattr(self.depth.blocks[0].solver, "fixed_grid", True))
         self.config = new
