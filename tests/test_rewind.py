@@ -197,10 +197,19 @@ def test_check_rewind_catches_a_frozen_cache_that_forgets(monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(FrozenDeltaNetCache, "crop", careless)
-        with pytest.raises(AssertionError, match="cutting a frozen state back"):
+        with pytest.raises(AssertionError, match="frozen step over a block|cutting a frozen"):
             check_rewind(small_model(mixer="deltanet"))
-    monkeypatch.setattr(StaticStep, "rewind", lambda self, pos: self.pos.fill_(pos))
-    with pytest.raises(AssertionError, match="cutting a frozen state back"):
+    with monkeypatch.context() as m:  # a block step that keeps only its last state
+        m.setattr(FrozenDeltaNetCache, "update_tokens",
+                  lambda self, states: self.state.copy_(states[:, :, -1]))
+        with pytest.raises(AssertionError, match="cutting a frozen block step back"):
+            check_rewind(small_model(mixer="deltanet"))
+    def unmasked(self, pos):  # the positions moved back, the mask left as it was
+        self.at = pos
+        self.pos.copy_(torch.arange(pos, pos + self.width))
+
+    monkeypatch.setattr(StaticStep, "rewind", unmasked)
+    with pytest.raises(AssertionError, match="frozen step over a block|cutting a frozen"):
         check_rewind(small_model())
 
 

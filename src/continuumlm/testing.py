@@ -45,7 +45,7 @@ import copy
 import torch
 
 from .config import ModelConfig
-from .decoding.frozen import frozen_decoder
+from .decoding.frozen import frozen_block_decoder, frozen_decoder
 from .decoding.replay import CaptureError, EmulatedGraphRecorder
 from .errors import ConfigError
 from .mixers.padding import takes_memory
@@ -216,7 +216,29 @@ def _check_frozen_rewind(model, seq, prompt_len: int, graphs, atol: float) -> No
         def eager(ids, st):
             return model.step(ids, st)[0]
 
-        on_from(prompt_len, state, fn)
+        # one token per frozen step up to the last 4, which go in one frozen step over a
+        # block (a verifying pass); cut back inside it and to before it, decoded on one token
+        # per frozen step
+        end = seq.shape[1]
+        for t in range(prompt_len, end - 4):
+            fn(seq[:, t:t + 1], state)
+            state.advance()
+        block = frozen_block_decoder(model, state, None, min_capacity=1, recorder=graphs)
+        got = block(seq[:, end - 4:], state)
+        state.advance()
+        want = model.lm_head(model.hidden_states(seq, model.init_state(B)))[:, end - 4:]
+        torch.testing.assert_close(got, want, rtol=0, atol=atol,
+                                   msg=lambda msg: f"a {what} step over a block of 4 tokens "
+                                                   f"!= the eager pass: {msg}")
+        for m in sorted({end - 2, end - 4, end - 5}, reverse=True):
+            state.crop(m)
+            alone = model.init_state(B)
+            model.step(seq[:, :m], alone)
+            torch.testing.assert_close(
+                on_from(m, state, fn), on_from(m, alone, eager), rtol=0, atol=atol,
+                msg=lambda msg, m=m: f"{what} decoding on after cutting a frozen block step "
+                                     f"back to {m} tokens != decoding on from a state of {m} "
+                                     f"tokens: {msg}")
         for m in sorted({seq.shape[1] - 1, seq.shape[1] - 3, prompt_len + 1, prompt_len},
                         reverse=True):
             state.crop(m)

@@ -10,7 +10,7 @@ import torch
 
 from ..registry import DECODERS
 from ..threads import ThreadPolicy
-from .frozen import Compiled, frozen_decoder
+from .frozen import Compiled, frozen_block_decoder, frozen_decoder
 from .replay import GraphRecorder, Recorder
 from .speculative import (
     Draft,
@@ -116,7 +116,8 @@ class Decoder:
             how = Sampling(greedy, temperature, top_k, top_p, generator)
             return SpeculativeStream(self._speculative(idx, max_new_tokens, draft,
                                                        eos_token_id, stats, threads, how,
-                                                       self._freezer(idx.device)),
+                                                       self._freezer(idx.device),
+                                                       self._freezer(idx.device, block=True)),
                                      stats)
         exact = getattr(model.depth, "exact_cache", True)
         if use_cache and not exact:
@@ -131,17 +132,19 @@ class Decoder:
         return token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
                             use_cache, generator, eos_token_id, freeze, threads)
 
-    def _freezer(self, device: torch.device):
-        """``freeze(state) -> the frozen one-token step`` for this request (compiled units,
-        recorded graphs, or both), or None to decode eagerly."""
+    def _freezer(self, device: torch.device, block: bool = False):
+        """``freeze(state) -> the frozen one-token step`` (``block``: the step over a block
+        of tokens) for this request (compiled units, recorded graphs, or both), or None to
+        decode eagerly."""
         recorder = self._recorder(device)
         if not (self.compile or recorder is not None):
             return None
         evaluate = self._evaluator(device) if self.compile else None
         model, capacity = self.model, self.min_capacity
+        make = frozen_block_decoder if block else frozen_decoder
 
         def freeze(state):
-            return frozen_decoder(model, state, evaluate, capacity, recorder)
+            return make(model, state, evaluate, capacity, recorder)
         return freeze
 
     def _evaluator(self, device: torch.device) -> Compiled:
@@ -188,8 +191,8 @@ class Decoder:
         return recorder
 
     def _speculative(self, idx, max_new_tokens, draft, eos_token_id, stats, threads, how,
-                     freeze):
+                     freeze, freeze_block):
         with streaming(self.model, threads):
             for t in speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
-                                        stats, how, freeze):
+                                        stats, how, freeze, freeze_block):
                 yield plain(t)

@@ -136,6 +136,42 @@ def frozen_decoder(model, state: DecodeState, evaluate=None, min_capacity: int =
         st.check_solve(model.config)  # as hidden_states does, on the host for frozen steps
         if st.pos >= st.static.capacity:
             st.freeze(2 * st.static.capacity, device)
+        elif st.static.width != 1:
+            st.static.set_width(1)
         return replay(ids, st) if replay is not None else run(ids, st)
+
+    return step
+
+
+def frozen_block_decoder(model, state: DecodeState, evaluate=None, min_capacity: int = 64,
+                         recorder: Recorder | None = None):
+    """Freeze ``state`` and return the step over a block of tokens ``fn(ids (B, w), state) ->
+    logits (B, w, vocab)``, every token's: speculative decoding's verifying pass, through the
+    same compiled units (and recorded graphs) as :func:`frozen_decoder`'s one-token step. The
+    static step's width is set to ``w`` for each call (its tensors are kept per width, and
+    so is a recorded graph), the buffers refrozen larger when the block does not fit; the
+    caller moves the state on with ``state.advance()`` (by ``w``) and may cut it back."""
+    device = model.tok_emb.weight.device
+    state.freeze(capacity_for(state.pos + 1, min_capacity), device)
+
+    def run(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        if evaluate is None:
+            return model.frozen_logits(ids, st)
+        with recompile_limit(RECOMPILE_LIMIT):
+            return model.frozen_logits(ids, st, evaluate)
+
+    replays: dict[int, TokenGraphs] = {}
+
+    def step(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        st.check_solve(model.config)
+        w = ids.shape[1]
+        if st.pos + w > st.static.capacity:
+            st.freeze(capacity_for(st.pos + w, 2 * st.static.capacity), device)
+        st.static.set_width(w)
+        if recorder is None:
+            return run(ids, st)
+        if w not in replays:
+            replays[w] = TokenGraphs(model, recorder, run)
+        return replays[w](ids, st)
 
     return step

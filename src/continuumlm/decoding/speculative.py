@@ -238,7 +238,8 @@ def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor
 def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft,
                        eos_token_id: int | None, stats: DraftStats,
                        how: Sampling = Sampling(),
-                       freeze: Callable[[DecodeState], Callable] | None = None
+                       freeze: Callable[[DecodeState], Callable] | None = None,
+                       freeze_block: Callable[[DecodeState], Callable] | None = None
                        ) -> Iterator[torch.Tensor]:
     """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
     module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
@@ -247,8 +248,9 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     ``freeze`` (as :func:`.stream.token_stream`'s: ``freeze(state) -> fn(ids, state) ->
     logits``): the draft's tokens go through the frozen one-token step it returns for the
     draft state (compiled units, recorded graphs), made after the draft's first pass over
-    the prompt; a round's cut-back moves that state back in place. The verifying pass of
-    ``k + 1`` tokens stays an eager extension of the model's state."""
+    the prompt; a round's cut-back moves that state back in place. ``freeze_block`` (the
+    same for :func:`.frozen.frozen_block_decoder`): the verifying pass of ``k + 1`` tokens
+    goes through the frozen step over a block, the model's state frozen after the prompt."""
     solves = (_FirstLayers(model, draft.layers) if draft.layers is not None
               else _Solves(model, draft.solver, draft.steps))
     k = 4 if draft.tokens == AUTO else draft.tokens
@@ -263,7 +265,14 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     # (those of the draft's eager pass before it: a replayed step runs no Python to count them)
     frozen_step, frozen_nfe = None, 0
 
+    verify_step, verify_nfe = None, 0  # the same for the model's state and its solve
+
     def logits(ids: list[int], state) -> torch.Tensor:
+        if state is main and verify_step is not None:
+            out = verify_step(torch.tensor([ids], device=device), main)[0]
+            main.advance()
+            stats.nfe += verify_nfe
+            return out
         if state is side and frozen_step is not None:
             rows = []
             for t in ids:
@@ -283,6 +292,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
 
     seq = idx[0].tolist()  # every token so far: the prompt and what was yielded
     last = choose(logits(seq, main)[-1])[0]  # the latest token, which no state holds yet
+    if freeze_block is not None and max_new_tokens > 1:
+        verify_step, verify_nfe = freeze_block(main), model.last_nfe
     seq.append(last)
     made = 1
     stats.tokens = made

@@ -28,29 +28,56 @@ import torch
 
 
 class StaticStep:
-    """The position of the next token as tensors, shared by every cache of a frozen state.
+    """The positions of the next tokens as tensors, shared by every cache of a frozen state.
 
-    ``pos`` is a (1,) long tensor; ``mask`` a (1, capacity) bool tensor that is True for
-    positions <= pos (what the token at ``pos`` may attend to). Both change in place.
+    A frozen step consumes ``width`` tokens (1 when decoding; the drafted block that a
+    speculative round verifies in one pass): ``pos`` is a (width,) long tensor of their
+    positions, ``mask`` a (width, capacity) bool tensor, row i True for the positions <=
+    pos[i] (what token i may attend to). Both change in place; each width has tensors of its
+    own, kept for the state's life (:meth:`set_width` switches between them), so a compiled
+    or recorded step of one width always reads the same tensors.
     """
 
-    def __init__(self, capacity: int, pos: int, device: torch.device) -> None:
-        if pos >= capacity:
-            raise ValueError(f"a static decoding state of capacity {capacity} is full at "
-                             f"position {pos}.")
-        self.capacity = capacity
-        self.pos = torch.tensor([pos], device=device)
-        self.mask = (torch.arange(capacity, device=device) <= pos)[None, :]
-        # the capacity is symbolic in a compiled step from the first graph on: one graph for
-        # every size the buffers grow to, not a static one first and a recompile at the first
-        # doubling
-        torch._dynamo.maybe_mark_dynamic(self.mask, 1)
+    def __init__(self, capacity: int, pos: int, device: torch.device, width: int = 1) -> None:
+        if pos + width > capacity:
+            raise ValueError(f"a static decoding state of capacity {capacity} has no room for "
+                             f"{width} token(s) at position {pos}.")
+        self.capacity, self.device, self.at = capacity, device, pos
+        self._arange = torch.arange(capacity, device=device)
+        self._widths: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.set_width(width)
+
+    def set_width(self, width: int) -> None:
+        """Make the next step consume ``width`` tokens from the current position."""
+        if self.at + width > self.capacity:
+            raise ValueError(f"a static decoding state of capacity {self.capacity} has no room "
+                             f"for {width} token(s) at position {self.at}.")
+        if width not in self._widths:
+            mask = torch.zeros(width, self.capacity, dtype=torch.bool, device=self.device)
+            # the capacity is symbolic in a compiled step from the first graph on: one graph
+            # for every size the buffers grow to, not a static one first and a recompile at
+            # the first doubling
+            torch._dynamo.maybe_mark_dynamic(mask, 1)
+            self._widths[width] = (torch.zeros(width, dtype=torch.long, device=self.device),
+                                   mask)
+        self.width = width
+        self.pos, self.mask = self._widths[width]
+        self._fill()
+
+    def _fill(self) -> None:
+        self.pos.copy_(torch.arange(self.at, self.at + self.width, device=self.device))
+        torch.le(self._arange[None, :], self.pos[:, None], out=self.mask)
 
     def advance(self, new_pos: int) -> None:
-        """Move to ``new_pos`` (the caller's integer copy, so no device sync is needed)."""
-        self.pos += 1
-        if new_pos < self.capacity:
-            self.mask.index_fill_(1, self.pos, True)
+        """Move on by the step's ``width`` tokens to ``new_pos`` (the caller's integer copy, so
+        a one-token step needs no device sync)."""
+        self.at = new_pos
+        self.pos += self.width
+        if self.width == 1:
+            if new_pos < self.capacity:
+                self.mask.index_fill_(1, self.pos, True)
+        elif new_pos + self.width <= self.capacity:
+            torch.le(self._arange[None, :], self.pos[:, None], out=self.mask)
 
     def rewind(self, pos: int) -> None:
         """Move back to ``pos`` (a frozen state cut back), in place: the tensors keep their
@@ -58,8 +85,8 @@ class StaticStep:
         if not 0 <= pos < self.capacity:
             raise ValueError(f"a static decoding state of capacity {self.capacity} cannot "
                              f"move to position {pos}.")
-        self.pos.fill_(pos)
-        self.mask.copy_((torch.arange(self.capacity, device=self.mask.device) <= pos)[None, :])
+        self.at = pos
+        self._fill()
 
 
 _NOT_KEPT = object()  # an entry of a RewindLog whose start state is rebuilt when needed

@@ -70,6 +70,19 @@ def delta_rule_step(q, k, v, beta, state):
     return q @ S.mT, S
 
 
+def delta_rule_token_states(q, k, v, beta, state):
+    """The token recurrence from ``state`` (B, H, Dv, Dk) over T tokens, keeping every
+    state: (o (B, H, T, Dv), the states after each token (B, H, T, Dv, Dk)). What a frozen
+    state's step over a block of tokens needs to be cut back inside it."""
+    outs, states = [], []
+    for t in range(k.shape[2]):
+        o, state = delta_rule_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                   beta[:, :, t:t + 1], state)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, dim=2), torch.stack(states, dim=2)
+
+
 # flash-linear-attention: its first release (0.1.0) took head-first (B, H, T, D) tensors by
 # default; the releases from 0.2 take (B, T, H, D) without being told, and from 0.5 passing
 # ``head_first`` at all raises. The adapter calls the 0.2+ signature and refuses the 0.1 line

@@ -22,6 +22,7 @@ from .delta_rule import (  # noqa: F401 - the kernels, importable from here as b
     delta_rule_recurrent,
     delta_rule_state,
     delta_rule_step,
+    delta_rule_token_states,
     fla_available,
     fla_status,
 )
@@ -179,18 +180,37 @@ class FrozenDeltaNetCache(FrozenCache):
     def record(self, T: int, start, inputs: dict) -> None:
         pass
 
-    def _keep(self, name: str, t: torch.Tensor) -> None:
+    def _keep(self, name: str, per_token: torch.Tensor) -> None:
+        """``per_token`` (width, ...): what follows each of the step's tokens, into slots pos
+        mod slots (read from the position tensor)."""
         ring = self.ring.get(name)
-        if ring is not None:  # slot pos mod slots, read from the position tensor
-            ring.index_copy_(0, torch.remainder(self.static.pos, ring.shape[0]), t[None])
+        if ring is not None:
+            ring.index_copy_(0, torch.remainder(self.static.pos, ring.shape[0]), per_token)
 
     def update(self, state: torch.Tensor, T: int) -> None:
+        if T > 1 and self.ring:
+            raise RuntimeError("a frozen DeltaNet cache that keeps states for cutting back is "
+                               "extended by several tokens with update_tokens (every state).")
         self.state.copy_(state)
-        self._keep("state", self.state)
+        self._keep("state", self.state[None])
 
-    def update_conv(self, name: str, history: torch.Tensor) -> None:
+    def update_tokens(self, states: torch.Tensor) -> None:
+        """The states after each of the step's tokens (B, H, T, Dv, Dk): the last is the
+        cache's, each kept in the ring."""
+        self.state.copy_(states[:, :, -1])
+        self._keep("state", states.movedim(2, 0))
+
+    def update_conv(self, name: str, history: torch.Tensor, window: torch.Tensor | None = None
+                    ) -> None:
+        """The history after the step; ``window`` (B, K - 1 + T, C): the history before it
+        followed by the step's T inputs, from which the ring keeps the history after each."""
         self.conv[name].copy_(history)
-        self._keep(f"conv_{name}", self.conv[name])
+        if self.ring:
+            if window is None:  # one token: the history after it
+                self._keep(f"conv_{name}", self.conv[name][None])
+            else:  # the K - 1 inputs up to each token: windows 1..T of the joined sequence
+                per_token = window.unfold(1, history.shape[1], 1)[:, 1:]  # (B, T, C, K - 1)
+                self._keep(f"conv_{name}", per_token.permute(1, 0, 3, 2))
 
     def rewind_floor(self) -> int:
         return max(self.frozen_at, self.length - self.rewind) if self.rewind else self.length
@@ -352,13 +372,18 @@ class DeltaNetAttention(nn.Module):
         conv_inputs = ({f"conv_{n}": (p, 1) for n, p in proj.items()}
                        if self.convs is not None else {})
         start = cache.start() if cache is not None else None
+        # a frozen state's step over several tokens (speculative decoding's verifying pass):
+        # every token's state and history is kept, so the state can be cut back inside it
+        many = T > 1 and isinstance(cache, FrozenDeltaNetCache)
         if self.convs is not None:
             for name, conv in self.convs.items():
                 hist = cache.conv.get(name) if cache is not None else None
                 y, new_hist = conv(proj[name], hist)
-                proj[name] = F.silu(y)
-                if cache is not None:
+                if many:
+                    cache.update_conv(name, new_hist, torch.cat([hist, proj[name]], dim=1))
+                elif cache is not None:
                     cache.update_conv(name, new_hist)
+                proj[name] = F.silu(y)
         elif self.silu_qkv:
             proj = {name: F.silu(p) for name, p in proj.items()}
         q = F.normalize(self._heads(proj["q"]), dim=-1)
@@ -372,9 +397,13 @@ class DeltaNetAttention(nn.Module):
             if cache is not None:
                 cache.record(T, start, {"k": (k, 2), "v": (v, 2), "beta": (beta, 2),
                                         **conv_inputs})
-            o, state = self._kernel(q, k, v, beta, init)
-            if cache is not None:
-                cache.update(state, T)
+            if many:
+                o, states = self._token_states(q, k, v, beta, init)
+                cache.update_tokens(states)
+            else:
+                o, state = self._kernel(q, k, v, beta, init)
+                if cache is not None:
+                    cache.update(state, T)
         else:
             o, _ = self._kernel(q, k, v, beta)
             o_rev, _ = self._kernel(q.flip(2), k.flip(2), v.flip(2), beta.flip(2))
@@ -411,17 +440,23 @@ class DeltaNetAttention(nn.Module):
                        if self.convs is not None else {})
         start = cache.start()  # settles the state of the previous write
         q_window = None
+        many = T > 1 and isinstance(cache, FrozenDeltaNetCache)  # as in _mix
         if self.convs is not None:
             for name in ("k", "v"):
-                y, new_hist = self.convs[name](proj[name], cache.conv.get(name))
+                hist = cache.conv.get(name)
+                y, new_hist = self.convs[name](proj[name], hist)
+                if many:
+                    cache.update_conv(name, new_hist, torch.cat([hist, proj[name]], dim=1))
+                else:
+                    cache.update_conv(name, new_hist)
                 proj[name] = F.silu(y)
-                cache.update_conv(name, new_hist)
             conv = self.convs["q"]
             hist = cache.conv.get("q")
             if hist is None:
                 hist = m.new_zeros(B, conv.kernel - 1, C).to(proj["q"].dtype)
             q_window = torch.cat([hist, proj["q"]], dim=1)
-            cache.update_conv("q", q_window[:, q_window.shape[1] - (conv.kernel - 1):])
+            cache.update_conv("q", q_window[:, q_window.shape[1] - (conv.kernel - 1):],
+                              *((q_window,) if many else ()))
         elif self.silu_qkv:
             proj = {name: F.silu(p) for name, p in proj.items()}
         k = F.normalize(self._heads(proj["k"]), dim=-1)
@@ -441,6 +476,12 @@ class DeltaNetAttention(nn.Module):
                                            init.to(work))
             cache.update(state, 1)
             cache.memory = DeltaMemory(k, v, beta, None, q_window)
+        elif isinstance(cache, FrozenDeltaNetCache):  # a frozen step over several tokens:
+            # every token's state now (the cache's state is updated in place, so the reads
+            # start from a copy of the state before them)
+            start = init.clone()
+            cache.update_tokens(self._token_states(k, k, v, beta, init)[1])
+            cache.memory = DeltaMemory(k, v, beta, start, q_window)
         else:
             cache.length += T
             cache.memory = DeltaMemory(k, v, beta, init, q_window, pending=True)
@@ -477,6 +518,15 @@ class DeltaNetAttention(nn.Module):
         o = self.norm(o).transpose(1, 2).reshape(B, T, C)
         o = o * F.silu(g)
         return self.dropout(self.o_proj(o))
+
+    def _token_states(self, q, k, v, beta, initial_state):
+        """(o, the state after each token) by the token recurrence, in at least float32
+        with autocast off, as :meth:`_kernel`'s token path."""
+        work = q.dtype if q.dtype == torch.float64 else torch.float32
+        with autocast_off(q.device.type):
+            o, states = delta_rule_token_states(q.to(work), k.to(work), v.to(work),
+                                                beta.to(work), initial_state.to(work))
+        return o.to(q.dtype), states
 
     def _kernel(self, q, k, v, beta, initial_state=None):
         out_dtype = q.dtype

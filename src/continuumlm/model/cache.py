@@ -149,10 +149,12 @@ class DecodeState:
                 self._caches[key] = frozen
 
     def advance(self) -> None:
-        """After a static step: move every cache (and the position) on by one token."""
-        self.pos += 1
+        """After a static step: move every cache (and the position) on by the step's tokens
+        (one, or the static step's ``width``)."""
+        n = self.static.width
+        self.pos += n
         for c in self._caches.values():
-            c.length += 1
+            c.length += n
         self.static.advance(self.pos)
 
     def memory(self) -> CacheMemory:

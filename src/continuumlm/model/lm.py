@@ -351,6 +351,18 @@ class LanguageModel(nn.Module):
         x = self.depth(x, state) if evaluate is None else self.depth(x, state, evaluate=evaluate)
         return self.lm_head(self.norm_f(x)[:, -1])
 
+    @torch.no_grad()
+    def frozen_logits(self, idx: torch.Tensor, state: DecodeState,
+                      evaluate=None) -> torch.Tensor:
+        """The static step's ``width`` tokens (B, width) through a frozen state: logits (B,
+        width, vocab), each token's (the verifying pass of speculative decoding). As
+        :meth:`frozen_token_logits` otherwise."""
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(state.static.pos)
+        x = self.depth(x, state) if evaluate is None else self.depth(x, state, evaluate=evaluate)
+        return self.lm_head(self.norm_f(x))
+
     # ------------------------------------------------------------------ persistence
 
     def save_pretrained(self, directory: str | Path) -> None:
