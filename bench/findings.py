@@ -246,16 +246,25 @@ def threads(results: dict) -> str | None:
             f"({PAGE}#threads-on-a-quiet-and-a-shared-machine)")
 
 
-def speculative_best(m: dict, decoding: str) -> tuple[dict, float, float]:
-    """(the fastest row of ``decoding`` for model record ``m``, its speed-up over plain cached
-    decoding's median rate across the model's rows, that median). Plain decoding is timed
+def speculative_best(m: dict, decoding: str, mode: str = "eager"
+                     ) -> tuple[dict, float, float]:
+    """(the fastest row of ``decoding`` and ``mode`` (eager or compiled; records without the
+    field are eager) for model record ``m``, its speed-up over plain cached decoding's
+    median rate across the model's rows of that mode, that median). Plain decoding is timed
     beside every row, and its rate moves by +-15% between rows on a shared 2-core machine, so
     the median is the steadier reference."""
     import statistics
 
-    plain = statistics.median(x["plain_tok_s"] for x in m["rows"])
-    best = max((x for x in m["rows"] if x["decoding"] == decoding), key=lambda x: x["tok_s"])
+    rows = [x for x in m["rows"] if x.get("mode", "eager") == mode]
+    plain = statistics.median(x["plain_tok_s"] for x in rows)
+    best = max((x for x in rows if x["decoding"] == decoding), key=lambda x: x["tok_s"])
     return best, best["tok_s"] / plain, plain
+
+
+def speculative_modes(m: dict) -> list[str]:
+    """The modes (eager, compiled) a speculative model record has rows of, eager first."""
+    return [mode for mode in ("eager", "compiled")
+            if any(x.get("mode", "eager") == mode for x in m["rows"])]
 
 
 def speculative(results: dict) -> str | None:
@@ -273,13 +282,20 @@ def speculative(results: dict) -> str | None:
                      f"of its drafts and gains nothing"
                      for o in trained[1:] if max(speculative_best(o, d)[1]
                                                  for d in ("greedy", "sampled")) < 1)
+    compiled = ""
+    if "compiled" in speculative_modes(m):
+        (cg, cgx, cplain), (cs, csx, _) = (speculative_best(m, d, "compiled")
+                                           for d in ("greedy", "sampled"))
+        compiled = (f"; compiled, against plain compiled decoding ({cplain:.0f} tokens/s), "
+                    f"{cgx:.2f}x greedy and {csx:.2f}x sampled")
     return (f"**Self-speculative decoding through depth**: the same weights integrated by a "
             f"coarser solve draft tokens and the model's own solve verifies them in one pass; "
             f"on the distilled elastic model ({g['plain_nfe_per_token']} field evaluations per "
             f"token) it decodes at {gx:.2f}x plain cached decoding greedy (the same tokens; "
             f"{g['draft']} drafts, {100 * g['acceptance']:.0f}% kept) and {sx:.2f}x sampled "
             f"(distributed as the model's own sampling; {s['draft']} drafts, "
-            f"{100 * s['acceptance']:.0f}% kept){others} (2 CPU cores; target {target}x: "
+            f"{100 * s['acceptance']:.0f}% kept){compiled}{others} (2 CPU cores; target "
+            f"{target}x eager: "
             f"{verdict}). [Speculative]({PAGE}#self-speculative-decoding-through-depth)")
 
 

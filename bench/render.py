@@ -666,12 +666,17 @@ def speculative_table(r: dict) -> str:
     conclusion reads it."""
     rows = []
     for m in r.get("models", []):
-        for decoding in ("greedy", "sampled"):
-            best, speedup, plain = findings.speculative_best(m, decoding)
-            rows.append({"model": m["name"], **best, "plain_median": round(plain, 1),
-                         "speedup_median": round(speedup, 2)})
+        modes = findings.speculative_modes(m)
+        for mode in modes:
+            for decoding in ("greedy", "sampled"):
+                best, speedup, plain = findings.speculative_best(m, decoding, mode)
+                rows.append({"model": m["name"], **best, "mode": mode,
+                             "plain_median": round(plain, 1),
+                             "speedup_median": round(speedup, 2)})
+    with_modes = any(row["mode"] != "eager" for row in rows)
     return markdown_table(rows, [
-        ("model", "model"), ("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
+        ("model", "model"), *([("mode", "mode")] if with_modes else []),
+        ("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
         ("acceptance", "drafts kept"), ("tokens_per_verification", "tokens per verification"),
         ("nfe_per_token", "field evaluations per token"),
         ("plain_nfe_per_token", "... plain"), ("tok_s", "tokens/s"),

@@ -4,7 +4,8 @@ model's own solve verifies a block of drafts in one pass.
     python bench/speculative.py                  # writes bench/results/speculative.json
     python bench/speculative.py --runs DIR ...   # ... trained runs instead
 
-Batch 1, eager. Greedy rows check that the tokens equal plain cached decoding's; sampled rows
+Batch 1, eager and compiled (``generate(compile=True)``: the drafts and the verifying
+pass through compiled frozen steps, against plain compiled decoding). Greedy rows check that the tokens equal plain cached decoding's; sampled rows
 (temperature 0.8, top-k 40, the demo's) draw from the same distribution as plain sampling
 (speculative sampling; tests/test_speculative.py holds it to that), and are timed against
 plain sampling. Each row decodes from every prompt in turn (with a learned-position model,
@@ -25,6 +26,7 @@ import torch
 from common import machine, markdown_table, write_json
 
 from continuumlm import Draft, LanguageModel, ModelConfig
+from continuumlm.decoding import Decoder
 
 DRAFTS = [("euler", 1), ("euler", 2), ("euler", 4), ("midpoint", 1), ("rk4", 1)]
 TOKENS = [2, 4, 8, "auto"]
@@ -52,7 +54,7 @@ def trained(run: str, n_prompts: int, prompt_len: int) -> tuple[LanguageModel, l
     return model.eval(), prompts
 
 
-def decode(model, prompts, n, draft=None, seed=None):
+def decode(decoder, prompts, n, draft=None, seed=None):
     """(outputs, tokens/s over every prompt, the summed DraftStats fields)."""
     outs, total, made = [], 0.0, 0
     stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tokens": 0, "nfe": 0}
@@ -60,7 +62,7 @@ def decode(model, prompts, n, draft=None, seed=None):
         kw = (dict(greedy=True) if seed is None else
               dict(generator=torch.Generator().manual_seed(seed + i), **SAMPLING))
         t0 = time.perf_counter()
-        stream = model.generate_stream(prompt, n, draft=draft, **kw)
+        stream = decoder.stream(prompt, n, draft=draft, **kw)
         out = [int(t) for t in stream]
         total += time.perf_counter() - t0
         outs.append(out)
@@ -70,24 +72,43 @@ def decode(model, prompts, n, draft=None, seed=None):
     return outs, made / total, stats
 
 
-def measure(model, prompts, n, drafts) -> tuple[list[dict], int]:
-    """Every (decoding, draft solve, k) row for one model, and the distinct tokens of its
-    plain greedy output."""
+def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
+    """Every (decoding, draft solve, k) row for one model, eager and/or compiled, and the
+    distinct tokens of its plain greedy output."""
     cfg = model.config
     full_nfe = cfg.num_layers * cfg.ode_steps * model.depth.blocks[0].solver.evals_per_step
-    decode(model, prompts[:1], 8)  # warm-up
-    plain, _, _ = decode(model, prompts, n)
+    eager = Decoder(model)
+    decode(eager, prompts[:1], 8)  # warm-up
+    plain, _, _ = decode(eager, prompts, n)
     # an untrained model's greedy text is degenerate (a few tokens repeated), which any draft
     # predicts: recorded, so that its rows read as the mechanism's ceiling, not a model's
     distinct = len({t for out in plain for t in out})
     rows = []
-    for sampled in (False, True):
-        seed = 0 if sampled else None
-        for solver, steps in drafts:
-            for k in TOKENS:
-                plain, plain_tps, _ = decode(model, prompts, n, seed=seed)
-                out, tps, s = decode(model, prompts, n, Draft(solver, steps, k), seed=seed)
-                rows.append({"decoding": "sampled" if sampled else "greedy",
+    for mode in modes:
+        # one decoder per mode, kept: compiled graphs are made once (warm-up below), not
+        # timed in the rows
+        decoder = eager if mode == "eager" else Decoder(model, compile=True)
+        if mode == "compiled":
+            for draft in [None] + [Draft(s, n_, k) for s, n_ in drafts for k in TOKENS]:
+                for seed in (None, 0):
+                    decode(decoder, prompts[:1], min(n, 24), draft, seed)
+        for sampled in (False, True):
+            seed = 0 if sampled else None
+            for solver, steps in drafts:
+                for k in TOKENS:
+                    plain, plain_tps, _ = decode(decoder, prompts, n, seed=seed)
+                    out, tps, s = decode(decoder, prompts, n, Draft(solver, steps, k),
+                                         seed=seed)
+                    rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
+                                     plain_tps, out, plain))
+                    print(rows[-1], flush=True)
+        if mode == "compiled" and decoder.compile_refused:
+            raise SystemExit(f"torch.compile refused: {decoder.compile_refused}")
+    return rows, distinct
+
+
+def _row(mode, sampled, solver, steps, k, s, full_nfe, tps, plain_tps, out, plain) -> dict:
+    return {"mode": mode, "decoding": "sampled" if sampled else "greedy",
                              "draft": f"{solver} x {steps}", "k": k,
                              "acceptance": round(s["accepted"] / max(s["drafted"], 1), 3),
                              "tokens_per_verification": round(s["tokens"] / s["rounds"], 2),
@@ -95,12 +116,10 @@ def measure(model, prompts, n, drafts) -> tuple[list[dict], int]:
                              "plain_nfe_per_token": full_nfe,
                              "tok_s": round(tps, 1), "plain_tok_s": round(plain_tps, 1),
                              "speedup": round(tps / plain_tps, 2),
-                             "same_tokens": (out == plain) if not sampled else None})
-                print(rows[-1], flush=True)
-    return rows, distinct
+                             "same_tokens": (out == plain) if not sampled else None}
 
 
-COLUMNS = [("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
+COLUMNS = [("mode", "mode"), ("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
            ("acceptance", "drafts kept"), ("tokens_per_verification", "tokens per verification"),
            ("nfe_per_token", "field evaluations per token"),
            ("plain_nfe_per_token", "... plain"), ("tok_s", "tokens/s"),
@@ -118,7 +137,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--drafts", default=",".join(f"{s}x{n}" for s, n in DRAFTS),
                     help="draft solves, e.g. eulerx1,eulerx2")
+    ap.add_argument("--modes", default="eager,compiled",
+                    help="eager and/or compiled (generate(compile=True): drafts and "
+                         "verification through compiled frozen steps), each against plain "
+                         "cached decoding of the same mode")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= {"eager", "compiled"}:
+        ap.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
     drafts = [(d.split("x")[0], int(d.split("x")[1])) for d in args.drafts.split(",")]
     models = []
     for run in args.runs or [None]:
@@ -137,17 +163,18 @@ def main() -> None:
         n = args.new_tokens
         if cfg.position == "learned":
             n = min(n, cfg.max_seq_len - args.prompt_len + 1)
-        rows, distinct = measure(model, prompts, n, drafts)
+        rows, distinct = measure(model, prompts, n, drafts, modes)
         nfe = rows[0]["plain_nfe_per_token"]
         models.append({
             "name": name, "model": cfg.to_dict(), "distinct_new_tokens": distinct,
             "setup": (f"{what}, {cfg.ode_solver} x {cfg.ode_steps} ({nfe} field evaluations "
                       f"per token); {len(prompts)} prompt(s) of {args.prompt_len} tokens, {n} "
                       f"new tokens each ({distinct} distinct in the plain greedy output)"),
-            "best": {d: max((r for r in rows if r["decoding"] == d),
-                            key=lambda r: r["speedup"]) for d in ("greedy", "sampled")},
+            "best": {f"{m} {d}": max((r for r in rows if r["decoding"] == d
+                                      and r["mode"] == m), key=lambda r: r["speedup"])
+                     for m in modes for d in ("greedy", "sampled")},
             "rows": rows, "table": markdown_table(rows, COLUMNS)})
-    best = [{"model": m["name"], **m["best"][d]} for m in models for d in ("greedy", "sampled")]
+    best = [{"model": m["name"], **row} for m in models for row in m["best"].values()]
     table = markdown_table(best, [("model", "model")] + COLUMNS)
     command = "python bench/speculative.py"
     if args.runs:
@@ -155,12 +182,13 @@ def main() -> None:
     for flag, value, default in (("--prompts", args.prompts, 1),
                                  ("--prompt-len", args.prompt_len, 64),
                                  ("--new-tokens", args.new_tokens, 512),
-                                 ("--drafts", args.drafts, ap.get_default("drafts"))):
+                                 ("--drafts", args.drafts, ap.get_default("drafts")),
+                                 ("--modes", args.modes, ap.get_default("modes"))):
         if value != default:
             command += f" {flag} {value}"
     write_json("speculative", {
         "command": command,
-        "setup": ("batch 1, eager; greedy, and sampled at temperature 0.8, top-k 40; each "
+        "setup": (f"batch 1, {' and '.join(modes)}; greedy, and sampled at temperature 0.8, top-k 40; each "
                   "row's tokens/s over every prompt, plain cached decoding timed beside it; "
                   f"the best row per model and decoding (every row below); {machine()}"),
         "target_speedup": TARGET, "models": models, "best": best, "table": table})

@@ -110,8 +110,16 @@ def test_static_cache_write_and_advance():
     assert frozen.length == 4 and state.pos == 4 and int(state.static.pos) == 4
     assert state.static.mask.sum() == 5 and not k_all[..., 4:, :].any()  # tail zeros, not garbage
     assert not hasattr(frozen, "append")  # one token at a time, written in place
-    with pytest.raises(ValueError, match="frozen"):
-        frozen.crop(2)
+    with pytest.raises(ValueError, match="back to 5"):
+        frozen.crop(5)
+    state.crop(2)  # in place: the tokens after 2 are masked and written over
+    assert frozen.length == 2 and int(state.static.pos) == 2 and state.static.mask.sum() == 3
+    state.static.set_width(2)  # the next step takes two tokens
+    frozen.write(torch.cat([k[..., 2:3, :], new], 2), -torch.cat([k[..., 2:3, :], new], 2))
+    assert state.static.pos.tolist() == [2, 3]
+    assert state.static.mask.sum(1).tolist() == [3, 4]
+    state.advance()
+    assert frozen.length == 4 and state.pos == 4 and state.static.pos.tolist() == [4, 5]
     state.freeze(16, torch.device("cpu"))  # refrozen larger: the same tokens
     bigger = state.cache("a", KVCache)
     assert bigger.buffers[0].shape[-2] == 16
