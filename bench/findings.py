@@ -283,8 +283,10 @@ def speculative(results: dict) -> str | None:
                      for o in trained[1:] if max(speculative_best(o, d)[1]
                                                  for d in ("greedy", "sampled")) < 1)
     compiled = ""
-    if "compiled" in speculative_modes(m):
-        (cg, cgx, cplain), (cs, csx, _) = (speculative_best(m, d, "compiled")
+    cm = next((c for c in (results.get("speculative_compiled") or {}).get("models", [])
+               if c["name"] == m["name"]), None)
+    if cm is not None:
+        (cg, cgx, cplain), (cs, csx, _) = (speculative_best(cm, d, "compiled")
                                            for d in ("greedy", "sampled"))
         compiled = (f"; compiled, against plain compiled decoding ({cplain:.0f} tokens/s), "
                     f"{cgx:.2f}x greedy and {csx:.2f}x sampled")

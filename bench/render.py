@@ -821,6 +821,16 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}" for m in r.get("models", [])]
             notes += page.fill("results/speculative", rows=ablation(
                 "speculative", command=r["command"], tables="\n\n".join(tables)))
+            compiled = results.get("speculative_compiled")
+            if compiled:
+                tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
+                          for m in compiled.get("models", [])]
+                notes += page.fill(
+                    "results/speculative.compiled", command=compiled["command"],
+                    setup=compiled["setup"], table=speculative_table(compiled),
+                    conclusion=conclusions.speculative_compiled(compiled),
+                    rows=ablation("speculative_compiled", command=compiled["command"],
+                                  tables="\n\n".join(tables)))
         said = getattr(conclusions, key)
         conclusion = said(r) if key in ("ode_cost", "ode_memory", "deltanet_kernels",
                                         "mixer_step") else said(r, results)

@@ -3,9 +3,11 @@ model's own solve verifies a block of drafts in one pass.
 
     python bench/speculative.py                  # writes bench/results/speculative.json
     python bench/speculative.py --runs DIR ...   # ... trained runs instead
+    python bench/speculative.py --mode compiled  # bench/results/speculative_compiled.json
 
-Batch 1, eager and compiled (``generate(compile=True)``: the drafts and the verifying
-pass through compiled frozen steps, against plain compiled decoding). Greedy rows check that the tokens equal plain cached decoding's; sampled rows
+Batch 1, eager, or compiled (``--mode compiled``: ``generate(compile=True)``, the drafts
+and the verifying pass through compiled frozen steps, against plain compiled decoding, in a
+record of its own). Greedy rows check that the tokens equal plain cached decoding's; sampled rows
 (temperature 0.8, top-k 40, the demo's) draw from the same distribution as plain sampling
 (speculative sampling; tests/test_speculative.py holds it to that), and are timed against
 plain sampling. Each row decodes from every prompt in turn (with a learned-position model,
@@ -137,14 +139,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--drafts", default=",".join(f"{s}x{n}" for s, n in DRAFTS),
                     help="draft solves, e.g. eulerx1,eulerx2")
-    ap.add_argument("--modes", default="eager,compiled",
-                    help="eager and/or compiled (generate(compile=True): drafts and "
-                         "verification through compiled frozen steps), each against plain "
-                         "cached decoding of the same mode")
+    ap.add_argument("--mode", default="eager", choices=("eager", "compiled"),
+                    help="eager (writes speculative.json) or compiled (generate(compile=True): "
+                         "drafts and verification through compiled frozen steps; writes "
+                         "speculative_compiled.json), against plain cached decoding of the "
+                         "same mode")
     args = ap.parse_args()
-    modes = args.modes.split(",")
-    if not set(modes) <= {"eager", "compiled"}:
-        ap.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
+    modes = [args.mode]
     drafts = [(d.split("x")[0], int(d.split("x")[1])) for d in args.drafts.split(",")]
     models = []
     for run in args.runs or [None]:
@@ -183,10 +184,10 @@ def main() -> None:
                                  ("--prompt-len", args.prompt_len, 64),
                                  ("--new-tokens", args.new_tokens, 512),
                                  ("--drafts", args.drafts, ap.get_default("drafts")),
-                                 ("--modes", args.modes, ap.get_default("modes"))):
+                                 ("--mode", args.mode, "eager")):
         if value != default:
             command += f" {flag} {value}"
-    write_json("speculative", {
+    write_json("speculative" if args.mode == "eager" else "speculative_compiled", {
         "command": command,
         "setup": (f"batch 1, {' and '.join(modes)}; greedy, and sampled at temperature 0.8, top-k 40; each "
                   "row's tokens/s over every prompt, plain cached decoding timed beside it; "
