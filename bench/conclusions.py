@@ -443,7 +443,9 @@ def speculative_compiled(r: dict) -> str:
     for m in r.get("models") or []:
         (g, gx, plain), (s, sx, _) = (findings.speculative_best(m, d, "compiled")
                                       for d in ("greedy", "sampled"))
-        parts.append(f"{m['name']} (plain compiled {plain:.0f} tokens/s): {gx:.2f}x greedy "
+        rates = [x["plain_tok_s"] for x in m["rows"] if x.get("mode") == "compiled"]
+        parts.append(f"{m['name']} (plain compiled {plain:.0f} tokens/s, between "
+                     f"{min(rates):.0f} and {max(rates):.0f} across the rows): {gx:.2f}x greedy "
                      f"({g['draft']}, k {g['k']}, {100 * g['acceptance']:.0f}% kept, the same "
                      f"tokens: {g['same_tokens']}), {sx:.2f}x sampled ({s['draft']}, k "
                      f"{s['k']}, {100 * s['acceptance']:.0f}% kept)")
@@ -451,7 +453,9 @@ def speculative_compiled(r: dict) -> str:
             f"verification through a frozen step over the drafted block, against plain "
             f"compiled decoding: {'; '.join(parts)}. A compiled step's cost is mostly fixed "
             f"(its kernels' launches and the host's work around them), so a draft solve of "
-            f"few field evaluations saves less of it than eagerly.")
+            f"few field evaluations saves less of it than eagerly. Where plain decoding's "
+            f"rate moved widely between rows, the machine was shared while it ran, and a "
+            f"speed-up read against the median is that uncertain.")
 
 
 def ode_kv(r: dict, results: dict) -> str | None:

@@ -21,6 +21,7 @@ prompts cut from its validation split). The speed-up target is 2.5x plain cached
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -192,7 +193,8 @@ def main() -> None:
         "setup": (f"batch 1, {' and '.join(modes)}; greedy, and sampled at temperature 0.8, top-k 40; each "
                   "row's tokens/s over every prompt, plain cached decoding timed beside it; "
                   f"the best row per model and decoding (every row below); {machine()}"),
-        "target_speedup": TARGET, "models": models, "best": best, "table": table})
+        "target_speedup": TARGET, "models": models, "best": best, "table": table,
+        "load_average": [round(x, 2) for x in os.getloadavg()[:2]]})
     print(table)
 
 
