@@ -357,6 +357,12 @@ def decoding(sec: Section, device) -> None:
                for mixer in mixers]
     for mixer, compile in graphed:
         sec.plan(_graph_row(mixer, compile), mixer=mixer, new_tokens=new, prompt=prompt_len)
+    # then self-speculative decoding through depth with both states' frozen steps replayed
+    # (Euler x 1 drafting 4 tokens; the untrained model's greedy text is repetitive, so these
+    # rows check the mechanism and time it, not a trained model's acceptance)
+    for mixer, compile in graphed:
+        sec.plan(_graph_row(mixer, compile) + "-speculative", mixer=mixer, new_tokens=new,
+                 prompt=prompt_len, draft="euler x 1, 4 tokens")
     models = {}
     # eager rows of both mixers first, then the compiled ones (each builds several graphs)
     for mixer in mixers:
@@ -484,6 +490,49 @@ def decoding(sec: Section, device) -> None:
         eager = sec.rows.get(f"{mixer}-eager", {}).get("cached_tok_s")
         if row.get("graph_tok_s") and eager:
             row["graph_vs_eager"] = row["graph_tok_s"] / eager
+        sec.finish(key)
+    for mixer, compile in graphed:
+        key = _graph_row(mixer, compile) + "-speculative"
+        if sec.done(key):
+            continue
+        m = models[mixer]
+        torch.manual_seed(1)
+        prompt = torch.randint(0, 65, (1, prompt_len), device=device)
+
+        def speculative(mixer=mixer, compile=compile):
+            from continuumlm import Draft
+            from continuumlm.decoding import Decoder
+
+            decoder = Decoder(m, compile=compile, cuda_graph=True)
+            draft = Draft("euler", 1, 4)
+            with torch.no_grad():
+                if mixer not in refs:
+                    refs[mixer] = m.generate(prompt, new, greedy=True)
+                decoder.generate(prompt, new, greedy=True, draft=draft)  # records the graphs
+                (rec,) = decoder.recorders.values() or [None]
+                before = rec.replays if rec else 0
+                sync(device)
+                t0 = time.perf_counter()
+                stream = decoder.stream(prompt, new, greedy=True, draft=draft)
+                out = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+                sync(device)
+                tok_s = new / (time.perf_counter() - t0)
+                replays = rec.replays - before if rec else 0
+            if decoder.capture_refused or not replays:
+                why = decoder.capture_refused or "none recorded"
+                raise RuntimeError(f"no graph was replayed ({why}); the row would time eager "
+                                   f"drafting")
+            s = stream.stats
+            return {"speculative_tok_s": tok_s, "graph_replays": replays,
+                    "acceptance": s.acceptance, "tokens_per_verification": s.tokens / s.rounds,
+                    "nfe_per_token": s.nfe / s.tokens,
+                    "greedy_equal_to_eager": bool(torch.equal(out, refs[mixer])),
+                    "compile_failed": decoder.compile_refused is not None}
+        sec.measure(key, "speculative", speculative)
+        row = sec.rows[key]
+        plain = sec.rows.get(_graph_row(mixer, compile), {}).get("graph_tok_s")
+        if row.get("speculative_tok_s") and plain:
+            row["speculative_vs_graphed"] = row["speculative_tok_s"] / plain
         sec.finish(key)
 
 

@@ -141,6 +141,12 @@ def decoding_table(r: dict) -> str:
             if x.get("compile_failed"):
                 said += ", compiling failed (eager units)"
             d.setdefault("equal", []).append(said)
+        if kind.endswith("graphed-speculative") and "speculative_tok_s" in x:
+            # self-speculative decoding with both states' frozen steps replayed
+            d.setdefault("spec", []).append(
+                f"{x['speculative_tok_s']:.0f} ({'compiled' if kind.startswith('compiled') else 'eager'} "
+                f"units; {100 * x['acceptance']:.0f}% kept, greedy equal: "
+                f"{'yes' if x.get('greedy_equal_to_eager') else 'no'})")
         d["status"].append(f"{kind} {_status(x)}")
     out = []
     for d in rows.values():
@@ -154,6 +160,7 @@ def decoding_table(r: dict) -> str:
                     "graphed": _num(g), "cgraphed": _num(cg),
                     "gvs": f"{max(g or 0, cg or 0) / c:.1f}x" if (g or cg) and c else "",
                     "equal": "; ".join(d.get("equal", [])),
+                    "spec": "; ".join(d.get("spec", [])),
                     "status": "; ".join(d["status"])})
     columns = [("mixer", "mixer (RK4 x 4, 4 blocks, d 128)"), ("new", "new tokens"),
                ("cached", "eager cached tok/s"), ("recompute", "recompute tok/s"),
@@ -164,6 +171,8 @@ def decoding_table(r: dict) -> str:
                     ("cgraphed", "graph replay tok/s (compiled units)"),
                     ("gvs", "best graph replay / eager"),
                     ("equal", "greedy tokens equal eager's; frozen steps replayed")]
+    if any(x["row"].endswith("-speculative") for x in _rows(r, "decoding")):
+        columns += [("spec", "self-speculative, graph replay tok/s (Euler x 1 drafting 4)")]
     return markdown_table(out, columns + [("status", "status")])
 
 
