@@ -83,6 +83,25 @@ def test_compiled_and_replayed_drafting_keep_the_tokens(mixer, how):
     assert frozen.tolist() == eager.tolist()
 
 
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+def test_a_discrete_model_drafts_through_replayed_steps(mixer):
+    """A discrete stack's first layers drafting through the frozen one-token step and its
+    whole stack verifying through the frozen block step, both recorded and replayed
+    (emulated): plain greedy decoding's tokens."""
+    from continuumlm.decoding import Decoder
+    from continuumlm.decoding.replay import EmulatedGraphRecorder
+
+    model = _noisy(small_model(mixer=mixer, num_layers=3).double())
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(5))
+    plain = model.generate(prompt, 30, greedy=True)
+    recorder = EmulatedGraphRecorder()
+    decoder = Decoder(model, min_capacity=16, cuda_graph=recorder)
+    stream = decoder.stream(prompt, 30, greedy=True, draft=Draft(layers=2, tokens="auto"))
+    got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+    assert got.tolist() == plain.tolist()
+    assert recorder.replays > 0 and 0 < stream.stats.accepted < stream.stats.drafted
+
+
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
 def test_a_discrete_model_drafts_with_its_first_layers(mixer):
     """LayerSkip's early exit as the draft: the first layers through the model's own norm and
