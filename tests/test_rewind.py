@@ -149,7 +149,7 @@ def test_a_frozen_state_cut_back_in_place_and_its_refusals():
     class Stuck(FrozenCache):
         length = 14
     state._caches[("plugin", 0)] = Stuck()
-    with pytest.raises(ValueError, match="type Stuck cannot be cut back"):
+    with pytest.raises(ValueError, match="type Stuck .*cannot be cut back"):
         state.crop(12)
     assert state.pos == 14
     cache = SeqCache()

@@ -83,6 +83,25 @@ def test_compiled_and_replayed_drafting_keep_the_tokens(mixer, how):
     assert frozen.tolist() == eager.tolist()
 
 
+def test_a_frozen_cache_without_a_crop_is_refused_before_any_token(monkeypatch):
+    """A cache type whose frozen layout has no crop of its own (a plugin's written before
+    frozen states were cut back): compiled or replayed drafting refuses it by name before
+    the first token; eager drafting still works."""
+    from continuumlm.decoding import Decoder
+    from continuumlm.decoding.replay import EmulatedGraphRecorder
+    from continuumlm.mixers.cache import FrozenCache, FrozenSeqCache
+
+    monkeypatch.setattr(FrozenSeqCache, "crop", FrozenCache.crop)
+    model = ode("softmax")
+    prompt = torch.randint(0, 37, (1, 5))
+    stream = Decoder(model, cuda_graph=EmulatedGraphRecorder()).stream(
+        prompt, 10, greedy=True, draft=Draft("euler", 1, 2))
+    with pytest.raises(ValueError, match="compile or CUDA graphs: .*FrozenSeqCache.*eagerly"):
+        next(stream)
+    assert model.generate(prompt, 10, greedy=True, draft=Draft("euler", 1, 2)).tolist() \
+        == model.generate(prompt, 10, greedy=True).tolist()
+
+
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
 def test_a_discrete_model_drafts_through_replayed_steps(mixer):
     """A discrete stack's first layers drafting through the frozen one-token step and its

@@ -23,7 +23,9 @@ field for a solver) and each model must be
   consumed in one pass, or before it) and decoded on gives what a state of that length gives
   (float64, to 1e-12): what assisted and speculative decoding need; a frozen state too, cut
   back in place and decoded on through the frozen step, eager and graph-replayed (emulated):
-  what speculative decoding through compiled or recorded draft steps needs;
+  what speculative decoding through compiled or recorded steps needs (a cache type whose
+  frozen layout has no crop of its own is not held to it; compiled speculative decoding
+  refuses it by name);
 - padded (when its mixers declare ``supports_padding``): a row padded on the left or right
   gives, at its real tokens, the logits of the row alone, in a full forward and in cached
   decoding; a mixer without padding support refuses a padded batch by name;
@@ -204,6 +206,8 @@ def _check_frozen_rewind(model, seq, prompt_len: int, graphs, atol: float) -> No
         state = model.init_state(B, rewind=n)
         model.step(seq[:, :prompt_len], state)
         fn = frozen_decoder(model, state, None, min_capacity=1, recorder=graphs)
+        if state.frozen_crop_refusal() is not None:
+            return  # a frozen layout without a crop: compiled drafting refuses it by name
 
         def on_from(m: int, st, step) -> torch.Tensor:
             out = []

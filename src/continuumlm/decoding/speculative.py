@@ -294,6 +294,9 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     last = choose(logits(seq, main)[-1])[0]  # the latest token, which no state holds yet
     if freeze_block is not None and max_new_tokens > 1:
         verify_step, verify_nfe = freeze_block(main), model.last_nfe
+        why = main.frozen_crop_refusal()  # before any token: the draft's caches are alike
+        if why is not None:
+            raise ValueError(f"draft= with compile or CUDA graphs: {why}.")
     seq.append(last)
     made = 1
     stats.tokens = made

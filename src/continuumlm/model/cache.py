@@ -109,9 +109,10 @@ class DecodeState:
                              f"{length!r}; give a length from 0 to {self.pos}.")
         if length == self.pos:
             return
+        why = self.frozen_crop_refusal()
+        if why is not None:
+            raise ValueError(why)
         for key, c in self._caches.items():
-            if isinstance(c, FrozenCache) and type(c).crop is FrozenCache.crop:
-                c.crop(length)  # refuses, naming the type
             if not hasattr(c, "crop"):
                 raise NotImplementedError(
                     f"the decoding cache {type(c).__name__} (of {key!r}) has no crop(length), "
@@ -132,6 +133,18 @@ class DecodeState:
         self.pos = length
         if self.static is not None:
             self.static.rewind(length)
+
+    def frozen_crop_refusal(self) -> str | None:
+        """Why this frozen state cannot be cut back (a cache whose frozen layout has no crop
+        of its own, e.g. a plugin's written before frozen states were cut back), or None."""
+        for key, c in self._caches.items():
+            if isinstance(c, FrozenCache) and type(c).crop is FrozenCache.crop:
+                return (f"a frozen (static) decoding cache of type {type(c).__name__} (of "
+                        f"{key!r}) cannot be cut back; decode eagerly (without compile or CUDA "
+                        f"graphs) to draft and rewind, or give the type a crop(length) that "
+                        f"works in place (mixers.deltanet_cache.FrozenDeltaNetCache keeps a "
+                        f"ring of its latest states for it)")
+        return None
 
     def freeze(self, capacity: int, device: torch.device) -> None:
         """Switch to frozen one-token steps with room for ``capacity`` tokens in all: each
