@@ -43,7 +43,8 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         result, rows = _rows(out)
         assert result["dry_run"] is True
-        assert len(rows) == 4 + 9 + 6 + 2, sorted(rows)  # kernels: two shapes x 2 lengths
+        # kernels: two shapes x 2 lengths; decoding: 8 with the graph-replayed speculative rows
+        assert len(rows) == 4 + 9 + 8 + 2, sorted(rows)
         assert rows["kernels", "wide-T130"]["H"] == 4  # the wide shape's dry-run size
         assert all(r["status"] == "done" for r in rows.values()), rows
         assert rows["kernels", "T130"]["sdpa_ms"] > 0
@@ -59,6 +60,10 @@ def test_dry_run_measures_every_section_and_can_run_again(tmp_path):
         assert graphed["compile_failed"] is False
         assert graphed["steady_ms_per_token"] > 0  # after the warm-ups and the recording
         assert graphed["frozen_logits_within_tolerance"] is True  # against the frozen step
+        for mixer in ("softmax", "deltanet"):  # both states' frozen steps replayed
+            spec = rows["decoding", f"{mixer}-graphed-speculative"]
+            assert spec["greedy_equal_to_eager"] is True and spec["graph_replays"] > 0
+            assert spec["speculative_tok_s"] > 0 and spec["speculative_vs_graphed"] > 0
         assert all(r.get("commit") == result["commit"] for r in rows.values())
         assert rows["gpt2", "ode_euler"]["depth_ms_per_evaluation"] > 0
         assert result["gpt2"]["ode_evaluation_vs_layer"] > 0
