@@ -5,7 +5,8 @@ step and per block, against the one-layer discrete model with the same parameter
 
 The losses are the trained runs' records (``continuumlm experiment ode_kv``: bench/results/
 <config>[-<tag>]_seed<N>.json, mean over the seeds found, the whole validation split, and for
-PTB the test split scored once). Everything else is measured here, one model at a time in
+PTB the test split scored once; an option is set against "evaluation" on the seeds both
+were trained with). Everything else is measured here, one model at a time in
 this process, with the thread policy's count: the decoding cache of one sequence (bytes per
 token of context, from the caches a decoding state holds after one token, and at 1,024
 tokens), eager greedy decoding (batch 1, a 8-token prompt, as many new tokens as the model's
@@ -140,6 +141,11 @@ def measure(quick: bool = False) -> dict:
                 "val_loss_sd": statistics.stdev(val) if len(val) > 1 else None,
                 "test_loss": _mean(test),
                 "test_ppl": math.exp(_mean(test)) if test else None,
+                # per seed, so that options are compared on the seeds both have
+                "val_by_seed": {str(r["seed"]): r["val_loss_full_split"] for r in runs
+                                if "val_loss_full_split" in r},
+                "test_by_seed": {str(r["seed"]): r["test_loss_full_split"] for r in runs
+                                 if "test_loss_full_split" in r},
                 "parameters": runs[0].get("parameters") if runs else model.num_parameters(),
                 "nfe": runs[0].get("nfe") if runs else None,
                 "caches": memory.caches, "bytes_per_token": memory.per_token,
@@ -167,12 +173,23 @@ def verdicts(rows: list[dict]) -> list[dict]:
             if not (ev and r and ev["val_loss"] is not None and r["val_loss"] is not None):
                 continue
             loss = "test_loss" if ev["test_loss"] is not None and r["test_loss"] else "val_loss"
-            rel = r[loss] / ev[loss] - 1
-            ppl = math.exp(r[loss] - ev[loss]) - 1
+            # on the seeds both options were trained with (a seed's loss moves by more than
+            # the differences measured here); the means over every seed when they share none
+            by_seed = loss.split("_")[0] + "_by_seed"
+            common = sorted(set(ev.get(by_seed, {})) & set(r.get(by_seed, {})))
+            if common:
+                a = _mean([ev[by_seed][k] for k in common])
+                b = _mean([r[by_seed][k] for k in common])
+            else:
+                a, b = ev[loss], r[loss]
+            rel = b / a - 1
+            ppl = math.exp(b - a) - 1
             mem = r[f"bytes_at_{CONTEXT}"] / ev[f"bytes_at_{CONTEXT}"]
             out.append({"group": group, "ode_kv": kv, "split": loss.split("_")[0],
                         "loss_change": rel, "ppl_change": ppl, "memory_ratio": mem,
-                        "seeds": [len(ev["seeds"]), len(r["seeds"])],
+                        "seeds": ([len(common)] * 2 if common
+                                  else [len(ev["seeds"]), len(r["seeds"])]),
+                        "common_seeds": [int(k) for k in common],
                         # within 1% of evaluation's loss: no more than 1% above it (a lower
                         # loss is within it too)
                         "within_target": rel <= TARGET if kv == "block" else None})
