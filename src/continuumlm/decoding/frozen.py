@@ -97,6 +97,17 @@ def capacity_for(n: int, minimum: int = 64) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+def _runner(logits, evaluate):
+    """``run(ids, state)``: the frozen step ``logits(ids, state[, evaluate])``, its units run
+    by ``evaluate`` (None: directly) under the raised recompile limit."""
+    def run(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
+        if evaluate is None:
+            return logits(ids, st)
+        with recompile_limit(RECOMPILE_LIMIT):
+            return logits(ids, st, evaluate)
+    return run
+
+
 def frozen_decoder(model, state: DecodeState, evaluate=None, min_capacity: int = 64,
                    recorder: Recorder | None = None):
     """Freeze ``state`` and return the one-token step ``fn(ids (B, 1), state) -> logits
@@ -124,11 +135,7 @@ def frozen_decoder(model, state: DecodeState, evaluate=None, min_capacity: int =
     device = model.tok_emb.weight.device
     state.freeze(capacity_for(state.pos + 1, min_capacity), device)
 
-    def run(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        if evaluate is None:
-            return model.frozen_token_logits(ids, st)
-        with recompile_limit(RECOMPILE_LIMIT):
-            return model.frozen_token_logits(ids, st, evaluate)
+    run = _runner(model.frozen_token_logits, evaluate)
 
     replay = TokenGraphs(model, recorder, run) if recorder is not None else None
 
@@ -154,11 +161,7 @@ def frozen_block_decoder(model, state: DecodeState, evaluate=None, min_capacity:
     device = model.tok_emb.weight.device
     state.freeze(capacity_for(state.pos + 1, min_capacity), device)
 
-    def run(ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        if evaluate is None:
-            return model.frozen_logits(ids, st)
-        with recompile_limit(RECOMPILE_LIMIT):
-            return model.frozen_logits(ids, st, evaluate)
+    run = _runner(model.frozen_logits, evaluate)
 
     replays: dict[int, TokenGraphs] = {}
 
