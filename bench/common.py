@@ -142,12 +142,12 @@ def timed_runs(runs: list[dict]) -> tuple[list[dict], str]:
 def expected_elastic_nfe(cfg) -> float:
     """The mean forward NFE per optimizer step of an elastic run, from its draw set (uniform
     over the allowed (solver, steps) pairs, or over each list; the model's own solve before
-    train.elastic_from), summed over its ODE blocks as the logged NFE is."""
-    from continuumlm.config.solves import solve_nfe, solve_pairs
+    train.elastic.start), summed over its ODE blocks as the logged NFE is."""
+    from continuumlm.config.elastic import solve_nfe, solve_pairs
 
     m, t = cfg.model, cfg.train
-    drawn = statistics.mean(solve_nfe(m, s, n) for s, n in solve_pairs(m, t))
-    start = min(t.elastic_from, t.max_steps)
+    drawn = statistics.mean(solve_nfe(m, s, n) for s, n in solve_pairs(m, t.elastic))
+    start = min(t.elastic.start, t.max_steps)
     own = solve_nfe(m, m.ode_solver, m.ode_steps)
     return m.num_layers * (start * own + (t.max_steps - start) * drawn) / t.max_steps
 
@@ -160,8 +160,8 @@ def forward_nfe(r: dict, cfg) -> tuple[float | None, bool]:
     else the fixed count. ``r``: the run's result JSON; ``cfg``: its config with overrides."""
     from continuumlm.registry import SOLVERS
 
-    if cfg.model.depth == "ode" and (cfg.train.ode_steps_choices
-                                     or cfg.train.ode_solver_choices):
+    if cfg.model.depth == "ode" and (cfg.train.elastic.steps
+                                     or cfg.train.elastic.solvers):
         return expected_elastic_nfe(cfg), True
     if cfg.model.depth == "ode" and not getattr(
             SOLVERS.component_class(cfg.model.ode_solver), "fixed_grid", True):
@@ -172,8 +172,12 @@ def forward_nfe(r: dict, cfg) -> tuple[float | None, bool]:
 def run_config(r: dict, *extra: str):
     """The RunConfig a result JSON's run trained with: its config file and --set options."""
     from continuumlm import load_config
+    from continuumlm.config import canonical_key
 
-    return load_config(ROOT / r["config"], [*(r.get("overrides") or []), *extra])
+    # a record keeps the spelling of its day (train.kinetic_weight): read under today's
+    sets = [*(r.get("overrides") or []), *extra]
+    return load_config(ROOT / r["config"], [f"{canonical_key(k.strip())}={v}"
+                                            for k, _, v in (o.partition("=") for o in sets)])
 
 
 def cpu_model() -> str:

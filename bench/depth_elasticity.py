@@ -35,7 +35,7 @@ MODELS = ["ode_euler", "ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode
           "ode_elastic_dial_consistency", "ode_elastic_dial_capped",
           # a recipe run with --set (bench/train_seeds.py --tag cw1.0): consistency weight 1.0
           "ode_elastic_dial_capped-cw1.0",
-          # the same recipe drawing only from step 1000 or 1500 on (train.elastic_from; seed 1)
+          # the same recipe drawing only from step 1000 or 1500 on (train.elastic.start; seed 1)
           "ode_elastic_dial_capped-cw1.0-from1000", "ode_elastic_dial_capped-cw1.0-from1500",
           # at lr 2e-3, distilled from ode_euler trained at lr 3e-3 on the same seed (with and
           # without the consistency term), and the fixed references at lr 2e-3 they are

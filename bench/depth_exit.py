@@ -7,8 +7,8 @@ Uses the checkpoints that bench/train_seeds.py left in runs/bench/ (seed 1337): 
 shared block, trained at RK4 x 4, NFE 16) and, where trained, ode_elastic and
 ode_elastic_consistency (trained across solvers and step counts, the latter with the
 shortcut-consistency term) and ode_rk4_readout (ode_rk4 trained with the read-out of every
-intermediate step supervised, train.step_readout_weight = 0.5; ode_rk4_readout_light: 0.1) and
-the distilled elastic recipe (ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3, saved with RK4 x 4).
+intermediate step supervised, train.regularize.step_readout_weight = 0.5;
+ode_rk4_readout_light: 0.1) and the distilled elastic recipe (ode_elastic_dial_capped-cw1.0-kd1.0-lr2e-3, saved with RK4 x 4).
 Each is evaluated at its trained solver with `continuumlm eval
 --exit-threshold TAU --exit-criterion C` on 400 evenly spread validation windows of 64
 characters. Rows already in the JSON are kept, so a model whose run folder is gone keeps its

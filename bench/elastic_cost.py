@@ -1,7 +1,7 @@
 """Training cost of elastic depth: seconds per optimizer step of ode_elastic,
 ode_elastic_consistency, ode_elastic_narrow, ode_elastic_upto16 and the ode_elastic_dial
 configs against ode_rk4 (fixed RK4 x 4), at equal steps; also the capped recipe with consistency
-weight 1.0, with and without a teacher (train.distill_from: its forward pass, no gradients, is
+weight 1.0, with and without a teacher (train.distill.teacher: its forward pass, no gradients, is
 part of each step's cost), and ode_euler, the teacher's config (its training is the distilled
 recipe's other cost).
 
@@ -41,11 +41,11 @@ CONFIGS = ["ode_rk4", "ode_elastic", "ode_elastic_consistency", "ode_elastic_nar
 # ode_euler at lr 3e-3 (seed 1337), trained by `continuumlm experiment elasticity`
 TEACHER = RUNS / "shakespeare_char-ode_euler-lr3e-3_seed1337"
 VARIANTS = {"ode_elastic_dial_capped-cw1.0": ("ode_elastic_dial_capped",
-                                              ["train.consistency_weight=1.0"]),
+                                              ["train.elastic.consistency_weight=1.0"]),
             "ode_elastic_dial_capped-cw1.0-kd1.0": (
-                "ode_elastic_dial_capped", ["train.consistency_weight=1.0",
-                                            f'train.distill_from="{TEACHER}"',
-                                            "train.distill_weight=1.0"]),
+                "ode_elastic_dial_capped", ["train.elastic.consistency_weight=1.0",
+                                            f'train.distill.teacher="{TEACHER}"',
+                                            "train.distill.weight=1.0"]),
             # the teacher's own training (the distilled recipe's other cost)
             "ode_euler": ("ode_euler", [])}
 ROUNDS, PER_ROUND = 6, 16
@@ -100,7 +100,7 @@ def main() -> None:
         if not finished_run(TEACHER):
             print(f"{TEACHER} is not trained (`continuumlm experiment elasticity`): the "
                   f"distilled recipe is left out")
-            entries = {k: v for k, v in entries.items() if "distill_from" not in " ".join(v[1])}
+            entries = {k: v for k, v in entries.items() if "distill.teacher" not in " ".join(v[1])}
         for i, (name, (config, sets)) in enumerate(entries.items()):
             cfg = load_config(f"configs/shakespeare_char/{config}.toml",
                               ["train.eval_interval=100000", "train.checkpoint_interval=100000",

@@ -40,7 +40,7 @@ MODELS = {"ode_euler": ("ode_euler", None, "", RATES),
           "transformer_baby": ("transformer_baby", None, "", RATES[:4])}
 REFERENCE = {"euler": "ode_euler", "rk4": "ode_rk4"}  # the fixed model trained at that solve
 ELASTIC = "elastic (cw1.0)"
-# the recipe with a teacher (train.distill_from: ode_euler at lr 3e-3, or at 5e-3, same
+# the recipe with a teacher (train.distill.teacher: ode_euler at lr 3e-3, or at 5e-3, same
 # seed), at the elastic recipe's best rate (the teacher-only variant at seed 1), and the
 # second at the teacher's rate (seed 1337). Not in the best-rate rows.
 DISTILLED = {"elastic (cw1.0 + teacher)": ("ode_elastic_dial_capped", None, "cw1.0-kd1.0-",

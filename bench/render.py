@@ -166,20 +166,35 @@ def _tokens_per_step(r: dict) -> int | None:
 
 def run_setting(r: dict, key: str, default=None):
     """A run's value of ``key`` ("train.lr"): its --set option if it ran with one, else its config
-    file's (the value as written, a string from --set), else ``default``."""
+    file's (the value as written, a string from --set), else ``default``. A key is found under
+    either spelling (train.kinetic_weight, now train.regularize.kinetic_weight): records keep
+    the spelling of their day."""
+    from continuumlm.config import canonical_key
+
+    key = canonical_key(key)
     for o in r.get("overrides") or ():
         name, _, value = o.partition("=")
-        if name == key:
+        if canonical_key(name) == key:
             return value
-    section, _, name = key.partition(".")
-    return tomllib.loads((ROOT / r["config"]).read_text()).get(section, {}).get(name, default)
+    raw = tomllib.loads((ROOT / r["config"]).read_text())
+    value = raw
+    for part in key.split("."):  # [train.regularize] kinetic_weight = ..., train.lr = ...
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is not None:
+        return value
+    section = key.partition(".")[0]
+    for name, value in raw.get(section, {}).items():  # a flat key of an earlier spelling
+        if canonical_key(f"{section}.{name}") == key:
+            return value
+    return default
 
 
 def row_overrides(r: dict) -> tuple:
     """A run's --set options, a teacher trained on the run's own seed written with `{seed}`
     (train.distill_from=..._seed1 in the run of seed 1), so the seeds of one recipe share a
     row, and the cell is what train_seeds.py takes (it fills in {seed})."""
-    return tuple(re.sub(rf"^(train\.distill_from=.*_seed){r.get('seed')}$", r"\1{seed}", o)
+    return tuple(re.sub(rf"^(train\.(?:distill_from|distill\.teacher)=.*_seed){r.get('seed')}$",
+                        r"\1{seed}", o)
                  for o in r.get("overrides") or ())
 
 
@@ -216,11 +231,14 @@ def _regularizer_runs(results: dict[str, dict]) -> list[dict]:
     ``dloss`` (relative val loss against the unregularized run), ``fewer`` (fraction of forward
     NFE saved) and ``met`` (the target: >= 40% fewer at <= 1% higher loss). Empty when there is
     nothing to compare."""
+    from continuumlm.config import canonical_key
+
     base = results.get("shakespeare_char-ode_tsit5_seed1337")
     if base is None:
         return []
     config = "configs/shakespeare_char/ode_tsit5_rnode.toml"
-    names = ("train.kinetic_weight", "train.jacobian_weight", "train.steer")
+    names = ("train.regularize.kinetic_weight", "train.regularize.jacobian_weight",
+             "train.regularize.steer")
 
     def weights(r: dict) -> tuple[float, ...]:
         return tuple(float(run_setting(r, n, 0.0)) for n in names)
@@ -229,7 +247,8 @@ def _regularizer_runs(results: dict[str, dict]) -> list[dict]:
     # compare something else); strongest weights first, STEER after the same weights without
     reg = sorted(((weights(r), r) for r in results.values()
                   if r.get("config") == config and r.get("seed") == 1337
-                  and all(o.partition("=")[0] in names for o in r.get("overrides") or [])),
+                  and all(canonical_key(o.partition("=")[0]) in names
+                          for o in r.get("overrides") or [])),
                  key=lambda wr: (-wr[0][0], -wr[0][1], wr[0][2]))
     if not reg:
         return []

@@ -9,7 +9,7 @@ exists are skipped; an interrupted run (run folder, no JSON) resumes from its ch
 --force to train a seed again from scratch (its run folder is deleted first).
 
 In --set values, {seed} is the run's seed and {runs} the folder of the runs (runs/bench), e.g.
-`--set train.distill_from={runs}/shakespeare_char-ode_euler_seed{seed}`: each seed distilled
+`--set train.distill.teacher={runs}/shakespeare_char-ode_euler_seed{seed}`: each seed distilled
 from the teacher trained on that seed. The JSON records the values as they were applied.
 """
 

@@ -211,12 +211,12 @@ def test_the_learning_rate_sweep_refuses_a_run_at_another_rate_than_its_tag(tmp_
     assert not (results / "lr_sweep.json").exists()
 
 
-def test_a_teacher_of_the_runs_own_seed_shares_the_recipe_row():
+@pytest.mark.parametrize("key", ["train.distill.teacher", "train.distill_from"])
+def test_a_teacher_of_the_runs_own_seed_shares_the_recipe_row(key):
     import render
 
-    own = {"seed": 1, "overrides": ["train.distill_from=runs/bench/t_seed1", "train.lr=2e-3"]}
-    assert render.row_overrides(own) == ("train.distill_from=runs/bench/t_seed{seed}",
-                                         "train.lr=2e-3")
+    own = {"seed": 1, "overrides": [f"{key}=runs/bench/t_seed1", "train.lr=2e-3"]}
+    assert render.row_overrides(own) == (f"{key}=runs/bench/t_seed{{seed}}", "train.lr=2e-3")
     assert render.row_overrides({**own, "seed": 2}) == tuple(own["overrides"])  # another seed's
     assert render.row_overrides({**own, "seed": 11}) == tuple(own["overrides"])
 
@@ -300,7 +300,8 @@ def test_ptb_dropout_sweep_names_each_models_best_rate_and_what_is_missing():
     assert "| **105.0** |" in render.ptb_dropout_sweep(results)[2]
 
 
-def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_the_target():
+@pytest.mark.parametrize("table", ["regularize.", ""])  # today's spelling, and the records'
+def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_the_target(table):
     import render
 
     def rec(config, val, nfe, overrides=()):
@@ -308,7 +309,7 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
                 "overrides": list(overrides), "val_loss_full_split": val,
                 "nfe_mean_last_tenth": nfe, "nfe_backward_mean_last_tenth": nfe / 2}
 
-    half = ["train.kinetic_weight=0.005", "train.jacobian_weight=0.005"]
+    half = [f"train.{table}kinetic_weight=0.005", f"train.{table}jacobian_weight=0.005"]
     results = {"shakespeare_char-ode_tsit5_rnode_seed1337": rec("ode_tsit5_rnode", 1.92, 80.0)}
     assert render.regularizer_table(results) == ""  # nothing to set it against
     results["shakespeare_char-ode_tsit5_seed1337"] = rec("ode_tsit5", 1.90, 132.0)
@@ -330,13 +331,33 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
     assert render.regularizer_verdict(results) == (
         "No setting tried meets the target (2 tried). Every setting costs more than 1%; the most "
         "saved is 39.39% fewer at +1.05% (kinetic + Jacobian, 0.01 each).")
-    results["s"] = rec("ode_tsit5_rnode", 1.905, 78.0, [*half, "train.steer=0.5"])
+    results["s"] = rec("ode_tsit5_rnode", 1.905, 78.0, [*half, f"train.{table}steer=0.5"])
     lines = render.regularizer_table(results).splitlines()
     assert "| kinetic + Jacobian, 0.005 each |" in lines[4], lines[4]  # without STEER first
     assert "| kinetic + Jacobian, 0.005 each; STEER 0.5 |" in lines[5], lines[5]
     assert "| +0.26% |" in lines[5] and "| 40.91% | met |" in lines[5]
     del results["shakespeare_char-ode_tsit5_seed1337"]
     assert render.regularizer_verdict(results) == ""
+
+
+def test_run_setting_reads_either_spelling_from_overrides_and_files(tmp_path):
+    import render
+
+    flat = tmp_path / "old.toml"  # a config file as an earlier version spelled it
+    flat.write_text("[train]\nsteer = 0.25\n")
+    assert render.run_setting({"config": str(flat)}, "train.regularize.steer") == 0.25
+
+    rnode = {"config": "configs/shakespeare_char/ode_tsit5_rnode.toml", "overrides": []}
+    assert render.run_setting(rnode, "train.kinetic_weight") == 0.01  # [train.regularize]
+    assert render.run_setting(rnode, "train.regularize.jacobian_weight") == 0.01
+    assert render.run_setting(rnode, "train.regularize.steer", 0.0) == 0.0
+    assert render.run_setting(rnode, "train.lr") == 1e-3
+    old = {**rnode, "overrides": ["train.kinetic_weight=0.005"]}  # a record of its day
+    assert render.run_setting(old, "train.regularize.kinetic_weight") == "0.005"
+    new = {**rnode, "overrides": ["train.regularize.steer=0.5"]}
+    assert render.run_setting(new, "train.steer") == "0.5"
+    assert render.run_setting({**rnode, "config": "configs/shakespeare_char/ode_rk4.toml"},
+                              "train.regularize.kinetic_weight", "none") == "none"
 
 
 def test_adaptive_solvers_keeps_the_rows_of_a_model_whose_run_is_gone():
@@ -394,10 +415,10 @@ def test_train_seeds_fills_in_each_seeds_values():
     import train_seeds
 
     applied, recorded = train_seeds.seed_sets(
-        ["train.distill_from={runs}/t_seed{seed}", "train.lr=2e-3"], 7)
-    assert applied == [f"train.distill_from={train_seeds.RUNS}/t_seed7", "train.lr=2e-3"]
+        ["train.distill.teacher={runs}/t_seed{seed}", "train.lr=2e-3"], 7)
+    assert applied == [f"train.distill.teacher={train_seeds.RUNS}/t_seed7", "train.lr=2e-3"]
     if train_seeds.RUNS.is_relative_to(train_seeds.ROOT):
-        assert recorded[0] == f"train.distill_from={train_seeds.RUNS.relative_to(train_seeds.ROOT)}/t_seed7"
+        assert recorded[0] == f"train.distill.teacher={train_seeds.RUNS.relative_to(train_seeds.ROOT)}/t_seed7"
 
 
 @pytest.mark.parametrize("norm", ["default", "seminorm"])
@@ -462,9 +483,9 @@ def test_the_nfe_of_a_varying_solve_is_its_mean_not_its_last_draw():
     assert render._nfe_cell([fixed]) == "16"
     # a --set that makes a fixed-grid config elastic is read too: RK4 x 2 or x 4, and from
     # step 1000 of 2000 on (RK4 x 4 before)
-    drawn = {**fixed, "overrides": ["train.ode_steps_choices=[2, 4]"], "nfe": 8}
+    drawn = {**fixed, "overrides": ["train.elastic.steps=[2, 4]"], "nfe": 8}
     assert render._nfe_cell([drawn]) == "~12.0"
-    late = {**drawn, "overrides": [*drawn["overrides"], "train.elastic_from=1000"]}
+    late = {**drawn, "overrides": [*drawn["overrides"], "train.elastic.start=1000"]}
     assert render._nfe_cell([late]) == "~14.0"
 
 

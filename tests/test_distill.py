@@ -1,4 +1,4 @@
-"""Distillation (train.distill_from / train.distill_weight): the term is KL(teacher || model)
+"""Distillation (train.distill.teacher / train.distill.weight): the term is KL(teacher || model)
 computed against a direct reference, the teacher stays frozen and unchanged, the term
 shrinks as the model learns, a resume repeats the run and refuses another teacher, and the
 config and tokenizer refusals."""
@@ -44,7 +44,7 @@ def teacher(corpus, tmp_path_factory):
 
 
 def kd(teacher_run, w=1.0):
-    return [f'train.distill_from="{teacher_run}"', f"train.distill_weight={w}"]
+    return [f'train.distill.teacher="{teacher_run}"', f"train.distill.weight={w}"]
 
 
 def test_the_term_is_kl_from_the_teacher_on_the_step_batch(corpus, teacher, tmp_path):
@@ -125,11 +125,11 @@ def test_a_resume_refuses_another_teacher(corpus, teacher, tmp_path):
 
 def test_refusals(corpus, teacher, tmp_path):
     with pytest.raises(ConfigError, match="go together"):
-        cfg(corpus, "train.distill_weight=1.0")
+        cfg(corpus, "train.distill.weight=1.0")
     with pytest.raises(ConfigError, match="go together"):
-        cfg(corpus, f'train.distill_from="{teacher}"')
-    with pytest.raises(ConfigError, match="distill_weight must be >= 0"):
-        cfg(corpus, f'train.distill_from="{teacher}"', "train.distill_weight=-1")
+        cfg(corpus, f'train.distill.teacher="{teacher}"')
+    with pytest.raises(ConfigError, match="distill.weight must be >= 0"):
+        cfg(corpus, f'train.distill.teacher="{teacher}"', "train.distill.weight=-1")
     with pytest.raises(ConfigError, match="cannot be loaded as the teacher"):
         Trainer(cfg(corpus, *kd(tmp_path / "nowhere")), tmp_path / "s", quiet=True)
     # a teacher trained on other text has another tokenizer

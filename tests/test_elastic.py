@@ -25,15 +25,15 @@ def elastic_cfg(corpus, *extra):
     return load_config(None, [
         "data.dataset=text", f'data.path="{corpus}"', "model.hidden_size=32",
         "model.num_heads=2", "model.num_layers=1", "model.depth=ode", "model.dropout=0.1",
-        "model.ode_dt_embedding=true", "train.ode_steps_choices=[1, 2, 4]",
-        "train.ode_solver_choices=['euler', 'rk4']", "train.batch_size=4", "train.seq_len=16",
+        "model.ode_dt_embedding=true", "train.elastic.steps=[1, 2, 4]",
+        "train.elastic.solvers=['euler', 'rk4']", "train.batch_size=4", "train.seq_len=16",
         "train.max_steps=12", "train.lr_decay_steps=12", "train.warmup_steps=2",
         "train.log_interval=1", "train.eval_interval=4", "train.eval_iters=2",
         "train.checkpoint_interval=3", "train.device=cpu", *extra])
 
 
 def test_draws_vary_and_a_resumed_run_repeats_them(tiny_corpus, tmp_path):
-    extra = ["train.consistency_weight=0.5"]
+    extra = ["train.elastic.consistency_weight=0.5"]
     Trainer(elastic_cfg(tiny_corpus, *extra), tmp_path / "full", quiet=True).run()
     Trainer(elastic_cfg(tiny_corpus, *extra, "train.max_steps=6"), tmp_path / "cut",
             quiet=True).run()
@@ -64,7 +64,7 @@ def test_draws_vary_and_a_resumed_run_repeats_them(tiny_corpus, tmp_path):
 
 def test_the_draw_is_a_function_of_seed_and_step():
     model = small_model(depth="ode", num_layers=1)
-    t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[1, 2, 4, 8]",
+    t = load_config(None, ["model.depth=ode", "train.elastic.steps=[1, 2, 4, 8]",
                            "train.seed=5"]).train
     a, b = ElasticDepth(model, t), ElasticDepth(model, t)
     assert [a.draw(s) for s in range(50)] == [b.draw(s) for s in range(50)]  # any rank, any run
@@ -73,8 +73,8 @@ def test_the_draw_is_a_function_of_seed_and_step():
 
 
 def test_consistency_every_n_steps(tiny_corpus, tmp_path):
-    every = ["train.consistency_weight=0.5", "train.consistency_every=3",
-             "train.ode_steps_choices=[1, 2]", "train.max_steps=9", "train.lr_decay_steps=9"]
+    every = ["train.elastic.consistency_weight=0.5", "train.elastic.consistency_every=3",
+             "train.elastic.steps=[1, 2]", "train.max_steps=9", "train.lr_decay_steps=9"]
     Trainer(elastic_cfg(tiny_corpus, *every), tmp_path / "every", quiet=True).run()
     events = {e["step"]: e for e in read_metrics(tmp_path / "every") if "loss" in e}
     # logged step s is optimizer step s - 1: the term on steps 0, 3, 6, where the draw has a
@@ -92,9 +92,9 @@ def test_consistency_every_n_steps(tiny_corpus, tmp_path):
 
 def test_max_nfe_draws_only_solves_within_the_cap(tiny_corpus, tmp_path):
     model = small_model(depth="ode", num_layers=1)
-    t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 8, 16]",
-                           "train.ode_solver_choices=['euler', 'rk4']",
-                           "train.ode_max_nfe=32"]).train
+    t = load_config(None, ["model.depth=ode", "train.elastic.steps=[2, 4, 8, 16]",
+                           "train.elastic.solvers=['euler', 'rk4']",
+                           "train.elastic.max_nfe=32"]).train
     e = ElasticDepth(model, t)
     draws = [e.draw(s) for s in range(400)]
     nfe = {"euler": 1, "rk4": 4}
@@ -105,8 +105,8 @@ def test_max_nfe_draws_only_solves_within_the_cap(tiny_corpus, tmp_path):
     # the consistency term's finer solve stays within the cap as well
     assert e.finer(8, "euler") == 16 and e.finer(8, "rk4") is None and e.finer(4, "rk4") == 8
     # in training: every logged solve within the cap; the term only where a finer one fits
-    Trainer(elastic_cfg(tiny_corpus, "train.ode_steps_choices=[1, 2, 4]",
-                        "train.ode_max_nfe=8", "train.consistency_weight=0.5"),
+    Trainer(elastic_cfg(tiny_corpus, "train.elastic.steps=[1, 2, 4]",
+                        "train.elastic.max_nfe=8", "train.elastic.consistency_weight=0.5"),
             tmp_path / "capped", quiet=True).run()
     events = [e for e in read_metrics(tmp_path / "capped") if "loss" in e]
     assert all(e["nfe"] <= 8 for e in events)
@@ -119,11 +119,11 @@ def test_max_nfe_draws_only_solves_within_the_cap(tiny_corpus, tmp_path):
 
 def test_consistency_max_nfe_lets_only_the_finer_solve_past_the_cap(tiny_corpus, tmp_path):
     model = small_model(depth="ode", num_layers=1)
-    sets = ["model.depth=ode", "train.ode_steps_choices=[2, 4, 8, 16]",
-            "train.ode_solver_choices=['euler', 'rk4']", "train.ode_max_nfe=32",
-            "train.consistency_weight=0.5"]
+    sets = ["model.depth=ode", "train.elastic.steps=[2, 4, 8, 16]",
+            "train.elastic.solvers=['euler', 'rk4']", "train.elastic.max_nfe=32",
+            "train.elastic.consistency_weight=0.5"]
     plain = ElasticDepth(model, load_config(None, sets).train)
-    wide = ElasticDepth(model, load_config(None, [*sets, "train.consistency_max_nfe=64"]).train)
+    wide = ElasticDepth(model, load_config(None, [*sets, "train.elastic.consistency_max_nfe=64"]).train)
     # the draws are the capped ones either way
     assert [plain.draw(s) for s in range(300)] == [wide.draw(s) for s in range(300)]
     assert ("rk4", 16) not in {wide.draw(s) for s in range(300)}
@@ -131,9 +131,9 @@ def test_consistency_max_nfe_lets_only_the_finer_solve_past_the_cap(tiny_corpus,
     assert plain.finer(8, "rk4") is None and wide.finer(8, "rk4") == 16
     assert wide.finer(4, "rk4") == 8 and wide.finer(16, "euler") is None
     # in training: a drawn rk4 x 1 (4 evaluations, the cap) gets its term from rk4 x 2 (8)
-    Trainer(elastic_cfg(tiny_corpus, "train.ode_steps_choices=[1, 2]",
-                        "train.ode_solver_choices=['euler', 'rk4']", "train.ode_max_nfe=4",
-                        "train.consistency_max_nfe=8", "train.consistency_weight=0.5"),
+    Trainer(elastic_cfg(tiny_corpus, "train.elastic.steps=[1, 2]",
+                        "train.elastic.solvers=['euler', 'rk4']", "train.elastic.max_nfe=4",
+                        "train.elastic.consistency_max_nfe=8", "train.elastic.consistency_weight=0.5"),
             tmp_path / "wide", quiet=True).run()
     events = [e for e in read_metrics(tmp_path / "wide") if "loss" in e]
     assert {(e["ode_solver"], e["ode_steps"]) for e in events} <= {
@@ -144,10 +144,10 @@ def test_consistency_max_nfe_lets_only_the_finer_solve_past_the_cap(tiny_corpus,
 
 def test_elastic_from_trains_fixed_first_then_draws_as_a_run_from_zero(tiny_corpus, tmp_path):
     model = small_model(depth="ode", num_layers=1)
-    sets = ["model.depth=ode", "train.ode_steps_choices=[1, 2, 4]",
-            "train.ode_solver_choices=['euler', 'rk4']", "train.consistency_weight=0.5"]
+    sets = ["model.depth=ode", "train.elastic.steps=[1, 2, 4]",
+            "train.elastic.solvers=['euler', 'rk4']", "train.elastic.consistency_weight=0.5"]
     zero = ElasticDepth(model, load_config(None, sets).train)
-    late = ElasticDepth(model, load_config(None, [*sets, "train.elastic_from=20"]).train)
+    late = ElasticDepth(model, load_config(None, [*sets, "train.elastic.start=20"]).train)
     base = (model.config.ode_solver, model.config.ode_steps)
     assert [late.draw(s) for s in range(20)] == [base] * 20
     assert [late.draw(s) for s in range(20, 200)] == [zero.draw(s) for s in range(20, 200)]
@@ -155,7 +155,7 @@ def test_elastic_from_trains_fixed_first_then_draws_as_a_run_from_zero(tiny_corp
     assert late.finer_at(20, "euler", 1) == zero.finer_at(20, "euler", 1) == 2
     # in training: the configured solve and no consistency term before step 6 (logged 1-6),
     # draws from there on, and a resumed run repeats it
-    extra = ["train.consistency_weight=0.5", "train.elastic_from=6"]
+    extra = ["train.elastic.consistency_weight=0.5", "train.elastic.start=6"]
     Trainer(elastic_cfg(tiny_corpus, *extra), tmp_path / "full", quiet=True).run()
     Trainer(elastic_cfg(tiny_corpus, *extra, "train.max_steps=7"), tmp_path / "cut",
             quiet=True).run()
@@ -171,7 +171,7 @@ def test_elastic_from_trains_fixed_first_then_draws_as_a_run_from_zero(tiny_corp
 
 def test_a_choice_listed_twice_is_drawn_twice_as_often():
     model = small_model(depth="ode", num_layers=1)
-    t = load_config(None, ["model.depth=ode", "train.ode_steps_choices=[2, 4, 4]"]).train
+    t = load_config(None, ["model.depth=ode", "train.elastic.steps=[2, 4, 4]"]).train
     draws = [ElasticDepth(model, t).draw(s)[1] for s in range(3000)]
     share = draws.count(4) / len(draws)
     assert abs(share - 2 / 3) < 0.03  # binomial sd 0.009
@@ -283,40 +283,40 @@ def test_dt_embedding_reading_evaluations_gives_equal_cost_solves_one_embedding(
     (["model.depth=ode", "model.ode_dt_embedding_reads=evaluation"], "has none"),
     (["model.depth=ode", "model.ode_dt_embedding=true", "model.ode_dt_embedding_reads=nfe"],
      "'step'"),
-    (["train.ode_steps_choices=[0, 2]"], "positive integers"),
-    (["train.ode_steps_choices=[]"], "is empty"),
-    (["train.consistency_every=0"], "positive integer"),
-    (["train.ode_max_nfe=0"], "positive integer"),
-    (["model.depth=ode", "train.elastic_from=5"], "elastic training starts"),
-    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.elastic_from=-1"],
+    (["train.elastic.steps=[0, 2]"], "positive integers"),
+    (["train.elastic.steps=[]"], "is empty"),
+    (["train.elastic.consistency_every=0"], "positive integer"),
+    (["train.elastic.max_nfe=0"], "positive integer"),
+    (["model.depth=ode", "train.elastic.start=5"], "elastic training starts"),
+    (["model.depth=ode", "train.elastic.steps=[2, 4]", "train.elastic.start=-1"],
      "integer >= 0"),
-    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.max_steps=10",
-      "train.elastic_from=10"], "no step would draw"),
-    (["model.depth=ode", "train.ode_max_nfe=8"], "ode_steps_choices"),
-    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.consistency_weight=0.5",
-      "train.consistency_max_nfe=8"], "set both ode_max_nfe"),
-    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.ode_max_nfe=8",
-      "train.consistency_max_nfe=8"], "set both ode_max_nfe"),
-    (["model.depth=ode", "train.ode_steps_choices=[2, 4]", "train.ode_max_nfe=8",
-      "train.consistency_weight=0.5", "train.consistency_max_nfe=4"], "at least"),
-    (["model.depth=ode", "train.ode_steps_choices=[4, 8]", "model.ode_solver=rk4",
-      "train.ode_max_nfe=8"], "allows none"),
-    (["model.depth=ode", "train.consistency_weight=0.1", "train.ode_steps_choices=[4]"],
+    (["model.depth=ode", "train.elastic.steps=[2, 4]", "train.max_steps=10",
+      "train.elastic.start=10"], "no step would draw"),
+    (["model.depth=ode", "train.elastic.max_nfe=8"], "train.elastic.steps"),
+    (["model.depth=ode", "train.elastic.steps=[2, 4]", "train.elastic.consistency_weight=0.5",
+      "train.elastic.consistency_max_nfe=8"], "set both max_nfe"),
+    (["model.depth=ode", "train.elastic.steps=[2, 4]", "train.elastic.max_nfe=8",
+      "train.elastic.consistency_max_nfe=8"], "set both max_nfe"),
+    (["model.depth=ode", "train.elastic.steps=[2, 4]", "train.elastic.max_nfe=8",
+      "train.elastic.consistency_weight=0.5", "train.elastic.consistency_max_nfe=4"], "at least"),
+    (["model.depth=ode", "train.elastic.steps=[4, 8]", "model.ode_solver=rk4",
+      "train.elastic.max_nfe=8"], "allows none"),
+    (["model.depth=ode", "train.elastic.consistency_weight=0.1", "train.elastic.steps=[4]"],
      "at least two step counts"),
-    (["train.ode_steps_choices=[1, 2]"], "depth = 'discrete' has none"),
-    (["model.depth=ode", "train.ode_solver_choices=['dopri5']"], "fixed-grid solvers"),
-    (["model.depth=ode", "train.ode_solver_choices=['nope']"], "nope"),
+    (["train.elastic.steps=[1, 2]"], "depth = 'discrete' has none"),
+    (["model.depth=ode", "train.elastic.solvers=['dopri5']"], "fixed-grid solvers"),
+    (["model.depth=ode", "train.elastic.solvers=['nope']"], "nope"),
     # the model's own solver adaptive, a fixed-grid one drawn: the regularizers' refusal of
     # fixed grids reads the solvers training integrates with
-    (["model.depth=ode", "model.ode_solver=tsit5", "train.ode_solver_choices=['rk4']",
-      "train.kinetic_weight=0.1"], "fixed-grid 'rk4'"),
+    (["model.depth=ode", "model.ode_solver=tsit5", "train.elastic.solvers=['rk4']",
+      "train.regularize.kinetic_weight=0.1"], "fixed-grid 'rk4'"),
     # every drawable solve must suit the gradient mode, or training stops at its first draw
     (["model.depth=ode", "model.ode_solver=reversible_heun", "model.ode_grad=reversible",
-      "train.ode_solver_choices=['rk4']"], "may draw ode_solver = 'rk4'"),
+      "train.elastic.solvers=['rk4']"], "may draw ode_solver = 'rk4'"),
     (["model.depth=ode", "model.ode_grad=checkpoint",
-      "train.ode_solver_choices=['rk4', 'reversible_heun']"],
+      "train.elastic.solvers=['rk4', 'reversible_heun']"],
      "may draw ode_solver = 'reversible_heun'"),
-    (["model.depth=ode", "model.ode_grad=binomial", "train.ode_steps_choices=[4, 5000]"],
+    (["model.depth=ode", "model.ode_grad=binomial", "train.elastic.steps=[4, 5000]"],
      "4096"),
     (["model.depth=ode", "model.ode_solver=dopri5", "model.ode_dt_embedding=true"],
      "fixed step size"),

@@ -1,5 +1,5 @@
-"""The ODE solve's regularizers (train.kinetic_weight, train.jacobian_weight) and STEER
-(train.steer): the integrals against references computed from the field's own evaluations,
+"""The ODE solve's regularizers (train.regularize.kinetic_weight, train.regularize.jacobian_weight) and STEER
+(train.regularize.steer): the integrals against references computed from the field's own evaluations,
 gradients equal across gradient modes (double backward through recomputation), only in
 training, logged apart and reproduced by a resumed run; config refusals."""
 
@@ -144,8 +144,8 @@ def reg_cfg(corpus, *extra):
         "data.dataset=text", f'data.path="{corpus}"', "model.hidden_size=32",
         "model.num_heads=2", "model.num_layers=1", "model.depth=ode", "model.dropout=0.1",
         "model.ode_solver=tsit5", "model.ode_rtol=1e-3", "model.ode_atol=1e-4",
-        "train.kinetic_weight=0.1",
-        "train.jacobian_weight=0.01", "train.steer=0.25", "train.batch_size=4",
+        "train.regularize.kinetic_weight=0.1",
+        "train.regularize.jacobian_weight=0.01", "train.regularize.steer=0.25", "train.batch_size=4",
         "train.seq_len=16", "train.max_steps=8", "train.lr_decay_steps=8",
         "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=4",
         "train.eval_iters=2", "train.checkpoint_interval=3", "train.device=cpu", *extra])
@@ -181,8 +181,8 @@ def test_seminorm_needs_an_adaptive_adjoint():
 
 @pytest.mark.parametrize("extra,needle", [
     (["model.depth=discrete"], "regularizes an ODE model"),
-    (["train.steer=1.0"], "must be below"),
-    (["train.kinetic_weight=-1"], ">= 0"),
+    (["train.regularize.steer=1.0"], "must be below"),
+    (["train.regularize.kinetic_weight=-1"], ">= 0"),
     (["train.compile=true"], "recompile"),
     (["model.ode_solver=rk4"], "fixed-grid 'rk4' every solve takes the same steps"),
 ])
@@ -230,11 +230,11 @@ def test_exit_refused_in_a_regularized_training_step():
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["train.ode_steps_choices=[2, 4]", "train.consistency_weight=0.5",
-      "model.ode_solver=rk4", "train.kinetic_weight=0", "train.jacobian_weight=0"],
+    (["train.elastic.steps=[2, 4]", "train.elastic.consistency_weight=0.5",
+      "model.ode_solver=rk4", "train.regularize.kinetic_weight=0", "train.regularize.jacobian_weight=0"],
      "different intervals"),
-    (["model.ode_solver=rk4", "model.ode_grad=binomial", "train.kinetic_weight=0",
-      "train.jacobian_weight=0", "train.steer=0", "train.ode_steps_choices=[2, 5000]"],
+    (["model.ode_solver=rk4", "model.ode_grad=binomial", "train.regularize.kinetic_weight=0",
+      "train.regularize.jacobian_weight=0", "train.regularize.steer=0", "train.elastic.steps=[2, 5000]"],
      "at most 4096"),
 ])
 def test_more_refusals(tiny_corpus, extra, needle):
@@ -244,7 +244,7 @@ def test_more_refusals(tiny_corpus, extra, needle):
 
 @pytest.mark.parametrize("grad", ["direct", "checkpoint"])
 def test_step_readout_is_the_readout_loss_of_every_state_between_steps(grad):
-    """train.step_readout_weight: the term is the mean cross-entropy of the read-out of the
+    """train.regularize.step_readout_weight: the term is the mean cross-entropy of the read-out of the
     states after steps 1..N-1 of every block, computed here by stepping the solver by hand;
     its gradient reaches the field (checkpointed steps too)."""
     import torch.nn.functional as F
@@ -295,8 +295,8 @@ def test_training_with_step_readout_logs_it_and_resumes_exactly(tiny_corpus, tmp
     from continuumlm.train import Trainer
     from continuumlm.train.logging import read_metrics
 
-    sets = ["model.ode_solver=rk4", "model.ode_steps=2", "train.kinetic_weight=0",
-            "train.jacobian_weight=0", "train.steer=0", "train.step_readout_weight=0.5"]
+    sets = ["model.ode_solver=rk4", "model.ode_steps=2", "train.regularize.kinetic_weight=0",
+            "train.regularize.jacobian_weight=0", "train.regularize.steer=0", "train.regularize.step_readout_weight=0.5"]
     Trainer(reg_cfg(tiny_corpus, *sets), tmp_path / "full", quiet=True).run()
     Trainer(reg_cfg(tiny_corpus, *sets, "train.max_steps=3"), tmp_path / "cut", quiet=True).run()
     Trainer(reg_cfg(tiny_corpus, *sets), tmp_path / "cut", resume=True, quiet=True).run()
@@ -315,20 +315,20 @@ def test_training_with_step_readout_logs_it_and_resumes_exactly(tiny_corpus, tmp
     (["model.ode_solver=reversible_heun", "model.ode_grad=reversible"], "is reversible"),
     (["model.ode_solver=rk4", "model.ode_grad=adjoint"], "'direct' or 'checkpoint'"),
     (["model.ode_solver=rk4", "model.ode_steps=1"], "at least two steps"),
-    (["model.ode_solver=rk4", "model.ode_steps=4", "train.ode_steps_choices=[1]"],
-     r"train.ode_steps_choices = \[1\] has none"),
-    (["model.ode_solver=rk4", "train.ode_steps_choices=[2]", "train.ode_solver_choices=[\"dopri5\"]"],
+    (["model.ode_solver=rk4", "model.ode_steps=4", "train.elastic.steps=[1]"],
+     r"train.elastic.steps = \[1\] has none"),
+    (["model.ode_solver=rk4", "train.elastic.steps=[2]", "train.elastic.solvers=[\"dopri5\"]"],
      "'dopri5' is adaptive"),
 ])
 def test_step_readout_refusals(tiny_corpus, extra, needle):
-    base = ["train.kinetic_weight=0", "train.jacobian_weight=0", "train.steer=0",
-            "train.step_readout_weight=0.1"]
+    base = ["train.regularize.kinetic_weight=0", "train.regularize.jacobian_weight=0", "train.regularize.steer=0",
+            "train.regularize.step_readout_weight=0.1"]
     with pytest.raises(ConfigError, match=needle):
         reg_cfg(tiny_corpus, *base, *extra)
     # the elastic choices are what training integrates with: an adaptive model solver is
     # not used then
-    reg_cfg(tiny_corpus, *base, "train.ode_steps_choices=[1, 2]",
-            "train.ode_solver_choices=[\"rk4\"]")
+    reg_cfg(tiny_corpus, *base, "train.elastic.steps=[1, 2]",
+            "train.elastic.solvers=[\"rk4\"]")
 
 
 @pytest.mark.parametrize("mixer", sorted(MIXERS))

@@ -150,8 +150,8 @@ def test_logged_consistency_and_regularizers_are_the_global_batch_s(two_process_
     rank's batch, as one process with the same global batch logs them (they were rank 0's)."""
     one, ddp = one_and_two_processes(
         two_process_runs, "terms", "model.depth=ode", "model.num_layers=1",
-        "model.ode_solver=euler", "model.ode_steps=2", "train.ode_steps_choices=[2, 4]",
-        "train.consistency_weight=0.5", "train.step_readout_weight=0.1", "train.max_steps=3")
+        "model.ode_solver=euler", "model.ode_steps=2", "train.elastic.steps=[2, 4]",
+        "train.elastic.consistency_weight=0.5", "train.regularize.step_readout_weight=0.1", "train.max_steps=3")
     rows = [[e for e in read_metrics(d) if "loss" in e] for d in (one, ddp)]
     for name in ("consistency", "step_readout"):
         a = [e[name] for e in rows[0] if name in e]

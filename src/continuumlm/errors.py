@@ -32,6 +32,11 @@ class TrainingError(ContinuumLMError):
     checkpoint is kept."""
 
 
+class OldSpelling(FutureWarning):
+    """A config key spelled as an earlier version did: it still loads, under its new name. The
+    CLI prints it as one line, ``note: ...``."""
+
+
 # Exit statuses of `continuumlm train` that a job script tells apart (besides 0, finished):
 USAGE_STATUS = 2      # bad input (config, data, checkpoint): fix it before running again
 DISK_STATUS = 74      # a write failed (disk full, quota, read-only, I/O error): sysexits EX_IOERR

@@ -30,13 +30,14 @@ LR2 = ["--set", "train.lr=2e-3", "--set", "train.min_lr=2e-4"]
 LR3 = ["--set", "train.lr=3e-3", "--set", "train.min_lr=3e-4"]
 LR5 = ["--set", "train.lr=5e-3", "--set", "train.min_lr=5e-4"]
 LR8 = ["--set", "train.lr=8e-3", "--set", "train.min_lr=8e-4"]
-CW1 = ("--set", "train.consistency_weight=1.0")
+CW1 = ("--set", "train.elastic.consistency_weight=1.0")
 
 
 def _teacher(lr: str) -> tuple[str, ...]:
     """A distilled run's options: its teacher is ode_euler trained at ``lr`` on the run's seed."""
-    return ("--set", f"train.distill_from={{runs}}/shakespeare_char-ode_euler-lr{lr}_seed{{seed}}",
-            "--set", "train.distill_weight=1.0")
+    return ("--set",
+            f"train.distill.teacher={{runs}}/shakespeare_char-ode_euler-lr{lr}_seed{{seed}}",
+            "--set", "train.distill.weight=1.0")
 
 
 KD, KD5 = _teacher("3e-3"), _teacher("5e-3")
@@ -103,7 +104,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_elastic_dial_consistency.toml", [1337, 1]),
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2], "--tag", "cw1.0",
-               "--set", "train.consistency_weight=1.0"),
+               "--set", "train.elastic.consistency_weight=1.0"),
         # the same recipe and its fixed-NFE references at two and three times the learning
         # rate (bench/lr_sweep.py)
         # (seed 1 first: --quick trains the first seed alone, and the distilled runs below
@@ -118,11 +119,11 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
           for c in ("ode_euler", "transformer_baby")],
         _train(f"{SH}/ode_euler.toml", [1337, 1, 2], "--tag", "lr8e-3", *LR8),  # still at 5e-3
         # the recipe at lr 2e-3 distilled from ode_euler trained at lr 3e-3 on the same seed
-        # (train.distill_from), with and without the consistency term
+        # (train.distill.teacher), with and without the consistency term
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1, 1337, 2], "--tag", "cw1.0-kd1.0-lr2e-3",
                *CW1, *KD, *LR2),
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", "kd1.0-lr2e-3",
-               "--set", "train.consistency_weight=0.0", *KD, *LR2),
+               "--set", "train.elastic.consistency_weight=0.0", *KD, *LR2),
         # the same with ode_euler at 5e-3 as the teacher (within 0.001 of its best rate, 8e-3;
         # seed 1337 first: --quick has trained only that seed at 5e-3)
         _train(f"{SH}/ode_elastic_dial_capped.toml", [1337, 1, 2], "--tag",
@@ -132,7 +133,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                "cw1.0-kd1.0t5e-3-lr5e-3", *CW1, *KD5, *LR5),
         # the recipe made elastic only from step 1000 or 1500 (RK4 x 4 before)
         *[_train(f"{SH}/ode_elastic_dial_capped.toml", [1], "--tag", f"cw1.0-from{s}", *CW1,
-                 "--set", f"train.elastic_from={s}") for s in (1000, 1500)],
+                 "--set", f"train.elastic.start={s}") for s in (1000, 1500)],
         _train(f"{SH}/ode_rk4_readout.toml", [1337]),
         _train(f"{SH}/ode_rk4_readout_light.toml", [1337]),
         Step("lr_sweep.py"),  # incremental: evaluates the newly trained elastic runs
@@ -147,12 +148,14 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_tsit5_rnode.toml", [1337]),
         # lower regularizer weights: where the loss-for-NFE trade meets the target, if anywhere
         *[_train(f"{SH}/ode_tsit5_rnode.toml", [1337], "--tag", f"w{w}",
-                 "--set", f"train.kinetic_weight={w}", "--set", f"train.jacobian_weight={w}")
+                 "--set", f"train.regularize.kinetic_weight={w}",
+                 "--set", f"train.regularize.jacobian_weight={w}")
           for w in ("0.005", "0.0025")],
         # STEER's random end time (t1 in [0.5, 1.5]) on the weight that stays within 1%
         _train(f"{SH}/ode_tsit5_rnode.toml", [1337], "--tag", "w0.005-steer0.5",
-               "--set", "train.kinetic_weight=0.005", "--set", "train.jacobian_weight=0.005",
-               "--set", "train.steer=0.5"),
+               "--set", "train.regularize.kinetic_weight=0.005",
+               "--set", "train.regularize.jacobian_weight=0.005",
+               "--set", "train.regularize.steer=0.5"),
         # the trained fields (and ode_rk4's) under Tsit5, dopri5, bosh3 and dopri8
         Step("adaptive_solvers.py", quick=False),  # reruns: rows for newly trained fields
         # which part of the backsolve adjoint's state sets its steps on these fields (why the

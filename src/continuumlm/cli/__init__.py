@@ -230,6 +230,27 @@ def _launcher_options(p: argparse.ArgumentParser) -> None:
                    "every node (default in a SLURM job: the job id and restart count)")
 
 
+def _one_line_notes() -> None:
+    """Old config spellings (``errors.OldSpelling``) print as one line, ``note: ...``; every
+    other warning as Python prints it."""
+    import warnings
+
+    from ..errors import OldSpelling
+
+    if getattr(warnings.showwarning, "continuumlm", False):
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, OldSpelling):
+            print(f"note: {message}", file=file or sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.continuumlm = True
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     in_process = argv is not None  # the Python API or a test, not the console command
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -238,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args.in_process = in_process
     if getattr(args, "threads", None) is not None and args.command in ("train", "mqar"):
         args.set = [*args.set, f"train.threads={args.threads}"]
+    _one_line_notes()
     try:
         if args.plugin:
             from ..registry import export_plugins, load_plugins

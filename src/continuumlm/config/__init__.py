@@ -10,7 +10,7 @@ from), ``components`` (the [model.NAME] tables components own, and the 0.1 names
 from .checks import reading_saved_config, setting
 from .components import LEGACY_KEYS, _configurable
 from .docs import explain, field_docs
-from .loading import dump_toml, load_config, parse_override
+from .loading import canonical_key, dump_toml, load_config, parse_override
 from .sections import (
     GRAD_MODES,
     ODE_KV,
@@ -24,6 +24,6 @@ from .sections import (
 
 __all__ = [
     "GRAD_MODES", "LEGACY_KEYS", "ODE_KV", "SECTIONS", "DataConfig", "MQARConfig", "ModelConfig",
-    "RunConfig", "TrainConfig", "_configurable", "dump_toml", "explain", "field_docs",
+    "RunConfig", "TrainConfig", "_configurable", "canonical_key", "dump_toml", "explain", "field_docs",
     "load_config", "parse_override", "reading_saved_config", "setting",
 ]

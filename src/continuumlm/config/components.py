@@ -4,10 +4,11 @@ dataclass has a [model.NAME] table; the flat names of version 0.1 are mapped ont
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OldSpelling
 from ..registry import FIELDS, MIXERS, SOLVERS
 from .checks import _in, _origin, _strict, _suggest, _validate
 
@@ -48,6 +49,10 @@ def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, 
                                   f"{leaf}{where}; keep [model.{name}] {leaf} = ... (model.{key} "
                                   f"is the older spelling).")
             table[leaf] = value
+            if _strict():
+                warnings.warn(f"model.{key} is now model.{name}.{leaf} ([model.{name}] {leaf} = "
+                              f"...){_origin(f'model.{key}', source, overridden)}; the old "
+                              f"name still loads.", OldSpelling, stacklevel=2)
         elif isinstance(value, dict):
             table = tables.setdefault(key, {})
             for leaf, v in value.items():

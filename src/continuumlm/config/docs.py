@@ -8,6 +8,7 @@ import typing
 from dataclasses import fields
 
 from .sections import SECTIONS, RunConfig
+from .train import TABLES
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -33,7 +34,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def explain(cfg: RunConfig) -> str:
     """Every setting of ``cfg`` with its value, type, default and documentation, section by
-    section, the model's component tables included (``continuumlm inspect --explain``)."""
+    section, the model's component tables and [train]'s tables included (``continuumlm inspect --explain``)."""
     lines: list[str] = []
 
     def block(title: str, obj) -> None:
@@ -41,8 +42,8 @@ def explain(cfg: RunConfig) -> str:
         hints = typing.get_type_hints(type(obj))
         lines.append(f"[{title}]")
         for f in fields(obj):
-            if f.name == "components":
-                continue
+            if f.name == "components" or dataclasses.is_dataclass(getattr(obj, f.name)):
+                continue  # a table of its own, below
             default = (f.default if f.default is not dataclasses.MISSING else
                        f.default_factory() if f.default_factory is not dataclasses.MISSING
                        else None)
@@ -61,4 +62,7 @@ def explain(cfg: RunConfig) -> str:
         if name == "model":
             for comp, obj in sorted(cfg.model.components.items()):
                 block(f"model.{comp}", obj)
+        if name == "train":
+            for table in TABLES:
+                block(f"train.{table}", getattr(cfg.train, table))
     return "\n".join(lines)

@@ -12,6 +12,9 @@ from ..errors import ConfigError
 from .checks import _origin
 from .components import LEGACY_KEYS
 from .sections import RunConfig
+from .train import LEGACY_TRAIN_KEYS
+
+LEGACY = {"model": LEGACY_KEYS, "train": LEGACY_TRAIN_KEYS}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -42,14 +45,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(f"--set {item}: [{section}] is not a table.")
-        # an override replaces the file's value under either spelling (LEGACY_KEYS)
-        canonical = LEGACY_KEYS.get(name) if section == "model" else None
-        if canonical or (section == "model" and name.count(".") == 1):
+        # an override replaces the file's value under either spelling (the legacy keys of
+        # [model] and [train]: model.cat_basis or model.continuous.basis, ...)
+        legacy = LEGACY.get(section, {})
+        canonical = legacy.get(name)
+        if canonical or (legacy and name.count(".") == 1):
             table, leaf = canonical or tuple(name.split("."))
             sub = raw[section].get(table)
             if isinstance(sub, dict):
                 sub.pop(leaf, None)
-            for old, spot in LEGACY_KEYS.items():
+            for old, spot in legacy.items():
                 if spot == (table, leaf):
                     raw[section].pop(old, None)
         table, *inner = name.split(".")
@@ -57,14 +62,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             sub = raw[section].setdefault(table, {})
             if not isinstance(sub, dict) or len(inner) > 1:
                 raise ConfigError(f"--set {item}: {section}.{table} is not a table of "
-                                  f"settings; component settings are set as "
-                                  f"model.COMPONENT.KEY=VALUE.")
+                                  f"settings; a table's settings are set as "
+                                  f"{section}.TABLE.KEY=VALUE (model.deltanet.short_conv=4, "
+                                  f"train.elastic.steps=[1, 2]).")
             sub[inner[0]] = value
         else:
             raw[section][name] = value
         overridden[key] = item
         if canonical:  # errors name the new spelling
-            overridden[f"model.{canonical[0]}.{canonical[1]}"] = item
+            overridden[f"{section}.{canonical[0]}.{canonical[1]}"] = item
     if plugins:
         model = raw.setdefault("model", {})
         if isinstance(model, dict):
@@ -77,6 +83,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ConfigError as e:
         raise ConfigError(f"{e}{_origin(str(e), where, overridden)}") from None
     return cfg
+
+
+def canonical_key(key: str) -> str:
+    """A dotted key under its current spelling (``train.ode_steps_choices`` ->
+    ``train.elastic.steps``, ``model.cat_basis`` -> ``model.continuous.basis``); any other key
+    as given. For readers of records that kept the spelling of their day."""
+    section, _, name = key.partition(".")
+    spot = LEGACY.get(section, {}).get(name)
+    return f"{section}.{spot[0]}.{spot[1]}" if spot else key
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -118,7 +118,7 @@ class ModelConfig:
     ode_dt_embedding: bool = False
     """Also condition the field on the step size dt = (ode_t1 - ode_t0) / ode_steps (a learned
     projection of a sinusoidal embedding of log2(1 / dt), zero at first), so that one field can
-    learn to serve several step counts (train.ode_steps_choices). Fixed-grid solvers only."""
+    learn to serve several step counts (train.elastic.steps). Fixed-grid solvers only."""
     ode_dt_embedding_reads: str = "step"
     """What the dt embedding reads: "step", the step size dt; or "evaluation", the spacing of
     field evaluations dt / (evaluations per step), so that solves of equal cost share it (Euler

@@ -1,5 +1,4 @@
-"""The run config that holds the sections, its checks across them, and the (solver, steps)
-pairs elastic training draws."""
+"""The run config that holds the sections, and its checks across them."""
 
 from __future__ import annotations
 
@@ -10,10 +9,10 @@ from typing import Any
 from ..errors import ConfigError
 from .checks import _in, _suggest, reading_saved_config
 from .data import DataConfig
+from .elastic import solve_nfe, solve_pairs  # noqa: F401
 from .model import ModelConfig, _build
 from .mqar import MQARConfig
-from .solves import check_training_solves, solve_nfe, solve_pairs  # noqa: F401
-from .train import TrainConfig
+from .train import TrainConfig, split_train_tables
 
 SECTIONS = ("model", "data", "train", "mqar")
 
@@ -53,6 +52,8 @@ class RunConfig:
             section = d.get(name, {})
             if not isinstance(section, dict):
                 raise ConfigError(f"[{name}]{_in(where)} must be a table of key = value pairs.")
+            if name == "train":  # flat names of earlier versions into their tables
+                section = split_train_tables(section, where, overridden)
             built[name] = _build(klass, section, name, where, overridden)
         return cls(**built)
 
@@ -69,7 +70,9 @@ class RunConfig:
     def check(self) -> None:
         """Cross-section checks that need more than one section."""
         m, t = self.model, self.train
-        check_training_solves(m, t)
+        # each [train] table checks what it asks of the model
+        t.regularize.check_model(m, t.elastic)
+        t.elastic.check_model(m)
         if m.position == "learned" and t.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "

@@ -1,14 +1,40 @@
-"""[train]: the optimization, schedule, evaluation, checkpoints and the options of elastic depth,
-distillation and the solve regularizers (TrainConfig)."""
+"""[train]: the optimization, schedule, evaluation and checkpoints (TrainConfig), holding the
+tables of elastic depth, distillation and the solve regularizers, which their own modules
+define; and the flat names earlier versions gave those settings."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from ..errors import ConfigError
-from .checks import _validate
+from ..errors import ConfigError, OldSpelling
+from .checks import _in, _origin, _strict, _suggest, _validate
+from .distill import DistillConfig
+from .elastic import ElasticConfig
+from .regularize import RegularizeConfig
+
+# The tables of [train], each owned by the module beside its dataclass.
+TABLES = {"elastic": ElasticConfig, "distill": DistillConfig, "regularize": RegularizeConfig}
+
+# [train] keys as earlier versions spelled them, flat: read from old configs, checkpoints and
+# --set, and mapped to their table (a config written by hand gets a one-line note).
+LEGACY_TRAIN_KEYS = {
+    "ode_steps_choices": ("elastic", "steps"),
+    "ode_solver_choices": ("elastic", "solvers"),
+    "ode_max_nfe": ("elastic", "max_nfe"),
+    "elastic_from": ("elastic", "start"),
+    "consistency_weight": ("elastic", "consistency_weight"),
+    "consistency_max_nfe": ("elastic", "consistency_max_nfe"),
+    "consistency_every": ("elastic", "consistency_every"),
+    "distill_from": ("distill", "teacher"),
+    "distill_weight": ("distill", "weight"),
+    "kinetic_weight": ("regularize", "kinetic_weight"),
+    "jacobian_weight": ("regularize", "jacobian_weight"),
+    "step_readout_weight": ("regularize", "step_readout_weight"),
+    "steer": ("regularize", "steer"),
+}
 
 
 @dataclass
@@ -93,134 +119,29 @@ class TrainConfig:
     hard kill loses at most that much (None: by step count only)."""
     dist_timeout_s: float = 600.0
     """Collective timeout under torchrun: a rank stuck this long fails the job instead of hanging."""
-    ode_steps_choices: list[int] | None = None
-    """Elastic depth (ODE models): each optimizer step integrates with a step count drawn from
-    this list, seeded by train.seed and the step (a resumed run and every rank draw alike);
-    every entry is equally likely, so a count listed twice is drawn twice as often;
-    evaluation and checkpoints keep model.ode_steps."""
-    ode_solver_choices: list[str] | None = None
-    """... and with a fixed-grid solver drawn from this list (model.ode_solver if unset)."""
-    ode_max_nfe: int | None = None
-    """With ode_steps_choices / ode_solver_choices: draw only the (solver, steps) pairs whose
-    solve takes at most this many field evaluations (RK4 x 16 is 64), every allowed pair
-    equally likely (each entry of the lists counted as listed); the consistency term's finer
-    solve is the next larger step count within the cap too. None: solver and step count drawn
-    independently from the two lists."""
-    consistency_weight: float = 0.0
-    """With ode_steps_choices: add this weight times KL(finer || drawn) of the next-token
-    distributions, the finer solve being the next larger step count of the choices on the same
-    batch (no gradient, dropout off); logged as "consistency" on the steps that have it."""
-    consistency_max_nfe: int | None = None
-    """With ode_max_nfe and the consistency term: the finer solve may take up to this many
-    field evaluations (at least ode_max_nfe; None: ode_max_nfe), e.g. 64 so that a drawn
-    RK4 x 8 is pulled toward RK4 x 16 although RK4 x 16 itself is never drawn. The finer solve
-    runs without gradients, so it costs about a third of a drawn solve of its size."""
-    elastic_from: int = 0
-    """With ode_steps_choices / ode_solver_choices: the first optimizer step (counted from 0)
-    that draws; every step before it integrates with model.ode_solver and model.ode_steps and
-    has no consistency term. A fixed-trained run made elastic for its last
-    max_steps - elastic_from steps; the draws from there on are the ones a run with 0 makes."""
-    distill_from: str | None = None
-    """Distillation: a trained run folder (its last checkpoint) or checkpoint folder whose model
-    is the teacher. Each micro-batch adds train.distill_weight times KL(teacher || model) of the
-    next-token distributions (the teacher in eval mode, without gradients, at its own solver
-    and step count), logged as "distill". The teacher must have this run's tokenizer; its
-    weights' digest is saved with the run, and a resume refuses a teacher that changed. With
-    elastic depth, a fixed-trained teacher pulls every drawn solve toward one good solution."""
-    distill_weight: float = 0.0
-    """The weight of the distillation term (with train.distill_from)."""
-    consistency_every: int = 1
-    """Add the consistency term on every N-th optimizer step only (steps 0, N, 2N, ...): its
-    finer solve is an extra forward pass, so N = 2 halves what the term costs."""
-    kinetic_weight: float = 0.0
-    """ODE models: add this weight times the kinetic energy of the solve, the integral of
-    ||f||^2 / hidden_size over t per token, averaged (Finlay et al. 2020): straighter
-    trajectories that adaptive solvers take in fewer steps. Adaptive solvers only (a fixed
-    grid takes the same steps whatever the field). Logged as "kinetic"."""
-    jacobian_weight: float = 0.0
-    """ODE models: add this weight times the integral of ||df/dh||_F^2 / hidden_size along the
-    solve, estimated with one Gaussian probe per forward (Hutchinson; one extra
-    vector-Jacobian product per evaluation). Adaptive solvers only, as kinetic_weight.
-    Logged as "jacobian"."""
-    step_readout_weight: float = 0.0
-    """ODE models with a fixed-grid solver: add this weight times the mean cross-entropy of the
-    read-out (final norm + head) of every intermediate solver step's state, in every block
-    (deep supervision along depth: a solve that is good at every step, which per-token exit,
-    eval --exit-threshold, needs). Needs model.ode_grad = "direct" or "checkpoint" and at
-    least two steps. Logged as "step_readout"."""
-    steer: float = 0.0
-    """ODE models: STEER (Ghosh et al. 2020) draws each training step's end time uniformly from
-    [ode_t1 - steer, ode_t1 + steer] (from the seed and the step, so a resumed run and every
-    rank draw alike); evaluation integrates to ode_t1. Must be below ode_t1 - ode_t0."""
+    elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
+    """[train.elastic]: elastic depth, the solves a step draws and the consistency term
+    (config/elastic.py)."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """[train.distill]: distillation from a trained teacher (config/distill.py)."""
+    regularize: RegularizeConfig = dataclasses.field(default_factory=RegularizeConfig)
+    """[train.regularize]: the solve's kinetic and Jacobian regularizers, the read-outs of
+    intermediate steps and STEER (config/regularize.py)."""
 
     def __post_init__(self) -> None:
-        _validate(self, "train")
+        _validate(self, "train", skip=tuple(TABLES))
         from ..threads import parse_threads
 
         self.threads = parse_threads(self.threads, "train.threads")
-        for name in ("ode_steps_choices", "ode_solver_choices"):
-            v = getattr(self, name)
-            if v is not None and not v:
-                raise ConfigError(f"train.{name} is empty; list at least one value, or leave "
-                                  f"it out.")
-        if self.ode_steps_choices is not None and not all(
-                isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 10_000
-                for n in self.ode_steps_choices):
-            raise ConfigError(f"train.ode_steps_choices must list positive integers (up to "
-                              f"10000), got {self.ode_steps_choices}.")
-        for name in ("kinetic_weight", "jacobian_weight", "steer", "step_readout_weight"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}.")
-        if not self.consistency_weight >= 0:
-            raise ConfigError(f"train.consistency_weight must be >= 0, got "
-                              f"{self.consistency_weight}.")
-        if self.ode_max_nfe is not None and not (
-                isinstance(self.ode_max_nfe, int) and not isinstance(self.ode_max_nfe, bool)
-                and self.ode_max_nfe >= 1):
-            raise ConfigError(f"train.ode_max_nfe must be a positive integer (or left out), "
-                              f"got {self.ode_max_nfe!r}.")
-        if self.ode_max_nfe is not None and not (self.ode_steps_choices
-                                                 or self.ode_solver_choices):
-            raise ConfigError("train.ode_max_nfe caps the solves that elastic training draws; "
-                              "set train.ode_steps_choices (and/or ode_solver_choices), or "
-                              "leave it out.")
-        if self.consistency_max_nfe is not None:
-            if self.ode_max_nfe is None or not self.consistency_weight > 0:
-                raise ConfigError("train.consistency_max_nfe caps the consistency term's finer "
-                                  "solve beyond train.ode_max_nfe: set both ode_max_nfe and "
-                                  "consistency_weight > 0, or leave it out.")
-            if not (isinstance(self.consistency_max_nfe, int)
-                    and not isinstance(self.consistency_max_nfe, bool)
-                    and self.consistency_max_nfe >= self.ode_max_nfe):
-                raise ConfigError(f"train.consistency_max_nfe must be an integer at least "
-                                  f"train.ode_max_nfe ({self.ode_max_nfe}), got "
-                                  f"{self.consistency_max_nfe!r}.")
-        if not (isinstance(self.elastic_from, int) and not isinstance(self.elastic_from, bool)
-                and self.elastic_from >= 0):
-            raise ConfigError(f"train.elastic_from must be an integer >= 0 (the first optimizer "
-                              f"step that draws a solve), got {self.elastic_from!r}.")
-        if self.elastic_from and not (self.ode_steps_choices or self.ode_solver_choices):
-            raise ConfigError("train.elastic_from is the step where elastic training starts; "
-                              "set train.ode_steps_choices (and/or ode_solver_choices), or "
-                              "leave it out.")
-        if self.elastic_from and self.elastic_from >= self.max_steps:
-            raise ConfigError(f"train.elastic_from ({self.elastic_from}) is not below "
-                              f"train.max_steps ({self.max_steps}): no step would draw. Lower "
-                              f"it, or leave out the elastic settings for a fixed-step run.")
-        if not self.distill_weight >= 0:
-            raise ConfigError(f"train.distill_weight must be >= 0, got {self.distill_weight}.")
-        if (self.distill_from is None) != (self.distill_weight == 0):
-            raise ConfigError(
-                "train.distill_from (the teacher's run or checkpoint folder) and "
-                "train.distill_weight (> 0) go together: set both to distill, or neither "
-                f"(got distill_from = {self.distill_from!r}, distill_weight = "
-                f"{self.distill_weight}).")
-        if not (isinstance(self.consistency_every, int) and self.consistency_every >= 1):
-            raise ConfigError(f"train.consistency_every must be a positive integer (1: every "
-                              f"step), got {self.consistency_every!r}.")
-        if self.consistency_weight > 0 and len(set(self.ode_steps_choices or [])) < 2:
-            raise ConfigError("train.consistency_weight pulls a coarse solve toward a finer one: "
-                              "it needs train.ode_steps_choices with at least two step counts.")
+        for name, klass in TABLES.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):  # TrainConfig(**asdict(cfg)), a --set, JSON
+                setattr(self, name, build_table(klass, value, f"train.{name}"))
+            elif not isinstance(value, klass):
+                raise ConfigError(f"[train.{name}] must be a table of key = value pairs, got "
+                                  f"{type(value).__name__} {value!r}.")
+        self.elastic.check_train(self)
+        self.regularize.check_train(self)
         bad = [s for s in self.requeue_signals if s not in ("SIGUSR1", "SIGUSR2")]
         if bad:
             raise ConfigError(f"train.requeue_signals may list SIGUSR1 and SIGUSR2, got "
@@ -229,3 +150,38 @@ class TrainConfig:
         if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
             raise ConfigError(f"train.checkpoint_minutes must be positive (or left out), got "
                               f"{self.checkpoint_minutes}.")
+
+
+def build_table(klass, value: dict[str, Any], where: str):
+    """One [train.NAME] table's dataclass from its dict, unknown keys refused by name."""
+    known = {f.name for f in dataclasses.fields(klass)}
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"unknown key {where}.{key}{_suggest(key, known)}; valid keys of "
+                              f"[{where}] are: {', '.join(sorted(known))}.")
+    return klass(**value)
+
+
+def split_train_tables(d: dict[str, Any], source: str | None,
+                       overridden: dict[str, str] | None) -> dict[str, Any]:
+    """[train] as read (TOML, JSON or --set), with the flat names of earlier versions
+    (LEGACY_TRAIN_KEYS) moved into their tables. A config written by hand (not a saved run's)
+    that uses one gets a one-line note (an ``OldSpelling`` warning) naming the new spelling."""
+    out = {k: (dict(v) if k in TABLES and isinstance(v, dict) else v) for k, v in d.items()
+           if k not in LEGACY_TRAIN_KEYS}
+    for old in (k for k in d if k in LEGACY_TRAIN_KEYS):
+        name, leaf = LEGACY_TRAIN_KEYS[old]
+        table = out.setdefault(name, {})
+        if not isinstance(table, dict):
+            continue  # refused when the table is built
+        if leaf in table:
+            where = _origin(f"train.{old}", source, overridden) or _in(source)
+            raise ConfigError(f"train.{old} and train.{name}.{leaf} both set {leaf}{where}; "
+                              f"keep [train.{name}] {leaf} = ... (train.{old} is the older "
+                              f"spelling).")
+        table[leaf] = d[old]
+        if _strict():
+            where = _origin(f"train.{old}", source, overridden)
+            warnings.warn(f"train.{old} is now train.{name}.{leaf} ([train.{name}] {leaf} = "
+                          f"...){where}; the old name still loads.", OldSpelling, stacklevel=2)
+    return out

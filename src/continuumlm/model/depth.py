@@ -439,8 +439,8 @@ class ODEStack(nn.Module):
             if self.extras is not None and self.training:
                 raise ValueError("per-token exit is an inference setting; it cannot run in a "
                                  "training step that regularizes the solve or moves its end "
-                                 "time (train.kinetic_weight, jacobian_weight, steer): call "
-                                 "model.set_exit(None) before training.")
+                                 "time (train.regularize: kinetic_weight, jacobian_weight, "
+                                 "steer): call model.set_exit(None) before training.")
         for block in self.blocks:
             x = block(x, state, self.exit, self.extras, padding, evaluate)
             if self.record is not None:

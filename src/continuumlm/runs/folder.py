@@ -79,14 +79,15 @@ def clear_unstarted_run(out: Path, cfg, first_save: int, why: str) -> bool:
     in, as the trainer records them) and its metrics log no step past ``first_save`` (a run
     that did had a checkpoint, since removed: the trainer refuses the folder). Anyone else's
     files are left for the trainer to refuse. Returns whether the files were removed."""
-    from ..config import load_config
+    from ..config import load_config, reading_saved_config
     from ..errors import ContinuumLMError
 
     saved_path = Path(out) / CONFIG
     if not saved_path.is_file() or any((Path(out) / n).exists() for n in (LEGACY_STATE, RESULT)):
         return False
     try:
-        saved = load_config(saved_path)
+        with reading_saved_config():  # a run's own file (an older version's names say nothing)
+            saved = load_config(saved_path)
     except (ContinuumLMError, ValueError):
         return False
     now = dataclasses.replace(cfg, data=absolute_data_path(cfg.data))

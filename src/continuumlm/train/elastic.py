@@ -1,8 +1,8 @@
-"""Elastic depth: an ODE model trained with a solver and step count drawn per optimizer step
-(``train.ode_steps_choices``, ``train.ode_solver_choices``), and the shortcut-consistency term
-(``train.consistency_weight``) that pulls the drawn solve's next-token distribution toward a
-finer solve of the same batch. Also the solve's regularizers (``train.kinetic_weight``,
-``train.jacobian_weight``) and STEER's drawn end time (``train.steer``): :class:`SolveRegularizers`.
+"""Elastic depth ([train.elastic], config/elastic.py): an ODE model trained with a solver and
+step count drawn per optimizer step, and the shortcut-consistency term that pulls the drawn
+solve's next-token distribution toward a finer solve of the same batch. Also the solve's
+regularizers and STEER's drawn end time ([train.regularize], config/regularize.py):
+:class:`SolveRegularizers`.
 
 The draw is a function of (train.seed, step) only, so a resumed run draws what the
 uninterrupted one drew and every rank of a job draws alike, with no state to save. The model
@@ -19,29 +19,30 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config.solves import solve_nfe, solve_pairs
+from ..config.elastic import solve_nfe, solve_pairs
 
 
 class ElasticDepth:
     def __init__(self, model, t):
         self.model = model
-        self.steps = list(t.ode_steps_choices or [])
-        self.solvers = list(t.ode_solver_choices or [])
-        self.weight = float(t.consistency_weight)
-        self.every = int(t.consistency_every)
-        self.start = int(t.elastic_from)
+        self.steps = list(t.elastic.steps or [])
+        self.solvers = list(t.elastic.solvers or [])
+        self.weight = float(t.elastic.consistency_weight)
+        self.every = int(t.elastic.consistency_every)
+        self.start = int(t.elastic.start)
         self.seed = int(t.seed)
         self.base = (model.config.ode_solver, model.config.ode_steps)
         self.enabled = bool(self.steps or self.solvers)
-        self.cap = t.ode_max_nfe
+        self.cap = t.elastic.max_nfe
         # the consistency term's finer solve (no gradient) may go beyond the draws' cap
-        self.finer_cap = t.consistency_max_nfe if t.consistency_max_nfe is not None else self.cap
+        fine = t.elastic.consistency_max_nfe
+        self.finer_cap = fine if fine is not None else self.cap
         # with a cap, (solver, steps) is drawn as a pair from the allowed ones
-        self.pairs = solve_pairs(model.config, t) if self.cap is not None else None
+        self.pairs = solve_pairs(model.config, t.elastic) if self.cap is not None else None
 
     def draw(self, step: int) -> tuple[str, int]:
         """(solver, steps) of optimizer step ``step`` (counted from 0); the model's own before
-        ``train.elastic_from``."""
+        ``train.elastic.start``."""
         if step < self.start:
             return self.base
         rng = np.random.default_rng([self.seed, step, 0xE1A5])
@@ -54,7 +55,7 @@ class ElasticDepth:
 
     def finer(self, steps: int, solver: str | None = None) -> int | None:
         """The next larger step count of the choices (within consistency_max_nfe, else
-        ode_max_nfe, for ``solver``)."""
+        max_nfe, for ``solver``)."""
         larger = sorted(n for n in set(self.steps) if n > steps)
         if self.finer_cap is not None and solver is not None:
             larger = [n for n in larger
@@ -80,7 +81,7 @@ class ElasticDepth:
         """Next-token log-probabilities of the finer solve (``logits_of()``: the batch's
         logits as the task's objective computes them; no gradient, dropout off), or None
         when there is no consistency term, none at optimizer step ``step`` (counted from 0;
-        ``train.consistency_every``) or no finer step count than ``steps``."""
+        ``train.elastic.consistency_every``) or no finer step count than ``steps``."""
         fine = self.finer_at(step, solver, steps)
         if fine is None:
             return None
@@ -109,9 +110,10 @@ class SolveRegularizers:
 
     def __init__(self, model, t):
         self.model = model
-        self.kinetic, self.jacobian = float(t.kinetic_weight), float(t.jacobian_weight)
-        self.readout = float(t.step_readout_weight)
-        self.steer, self.seed = float(t.steer), int(t.seed)
+        r = t.regularize
+        self.kinetic, self.jacobian = float(r.kinetic_weight), float(r.jacobian_weight)
+        self.readout = float(r.step_readout_weight)
+        self.steer, self.seed = float(r.steer), int(t.seed)
         self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.readout)
 
     def end_time(self, step: int) -> float | None:
