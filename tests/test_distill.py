@@ -52,17 +52,17 @@ def test_the_term_is_kl_from_the_teacher_on_the_step_batch(corpus, teacher, tmp_
     x, y = copy.deepcopy(tr.sampler).next(0)  # the batch the first step draws
     student = copy.deepcopy(tr.model).eval()  # dropout 0: train mode computes the same
     t_model, _, _ = load_model_and_tokenizer(teacher, "last")
-    before = {k: v.clone() for k, v in tr.teacher.model.state_dict().items()}
+    before = {k: v.clone() for k, v in tr.objective.teacher.model.state_dict().items()}
     tr.train_step()
     with torch.no_grad():
         p = F.log_softmax(t_model.eval()(x, y)[0].double(), -1)
         q = F.log_softmax(student(x, y)[0].double(), -1)
     want = (p.exp() * (p - q)).sum(-1).mean().item()
-    assert want > 0.01 and tr.last_distill == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert want > 0.01 and tr.objective.distill == pytest.approx(want, rel=1e-5, abs=1e-6)
     # the teacher is frozen: no gradient, weights unchanged, still in eval mode
-    assert all(p.grad is None and not p.requires_grad for p in tr.teacher.model.parameters())
-    assert all(torch.equal(before[k], v) for k, v in tr.teacher.model.state_dict().items())
-    assert not tr.teacher.model.training
+    assert all(p.grad is None and not p.requires_grad for p in tr.objective.teacher.model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in tr.objective.teacher.model.state_dict().items())
+    assert not tr.objective.teacher.model.training
 
 
 def test_the_gradient_adds_the_weighted_kl(corpus, teacher, tmp_path):

@@ -1,4 +1,5 @@
-"""Which device a run uses and in which precision: ``train.device`` and ``train.dtype``."""
+"""Which device a run uses and in which precision (``train.device``, ``train.dtype``), and the
+compiled forward that falls back to eager (``train.compile``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 
 
 def pick_device(name: str, given_by: str = "train.device") -> torch.device:
@@ -91,3 +92,29 @@ def keep_freed_memory() -> bool:
     _kept_freed_memory = bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1)) and bool(
         mallopt(_M_MMAP_MAX, 0))
     return _kept_freed_memory
+
+
+class CompiledOrEager:
+    """``module`` through torch.compile; if compiling fails (at wrap time or, as usual, at the
+    first call), one warning and eager calls from then on. ``error``: why it fell back."""
+
+    def __init__(self, module):
+        self.module, self.error = module, None
+        try:
+            self.compiled = torch.compile(module)
+        except Exception as e:  # noqa: BLE001 - any backend failure means "run eagerly"
+            self._failed(e)
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                self._failed(e)
+        return self.module(*args, **kwargs)
+
+    def _failed(self, e: Exception) -> None:
+        self.compiled = None
+        self.error = f"{type(e).__name__}: {first_line(e)[:300]}"
+        print(f"warning: torch.compile failed ({self.error}); training continues without "
+              f"compiling (set train.compile = false to silence this).", file=sys.stderr)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import sys
@@ -19,7 +18,6 @@ from ..errors import (
     ConfigError,
     DiskError,
     TrainingError,
-    first_line,
 )
 from ..model.lm import LanguageModel, check_memory
 from ..ode import ODESolverError, solver_errors
@@ -28,13 +26,18 @@ from ..runs.folder import CONFIG, LAST, continue_command, disk_error
 from ..threads import ThreadPolicy
 from . import distributed as D
 from .checkpointer import Checkpointer
-from .device import autocast_for, keep_freed_memory, pick_device, resolve_dtype  # noqa: F401 - pick_device: public here too
+from .device import (  # noqa: F401 - pick_device: public here too
+    CompiledOrEager,
+    autocast_for,
+    keep_freed_memory,
+    pick_device,
+    resolve_dtype,
+)
 from .diagnose import first_non_finite
-from .distill import Teacher
-from .elastic import ElasticDepth, SolveRegularizers
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
 from .logging import MetricsLogger, ProgressLines
-from .optim import lr_at, make_optimizer
+from .objective import StepObjective
+from .optim import lr_at, make_optimizer, moved_horizon_warning, schedule_warnings
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
 from .signals import StopSignals
 from .stateful import (
@@ -90,20 +93,8 @@ class Trainer:
                                          fsdp=t.strategy == "fsdp" and self.dist.enabled)
         self.ckpt_root = self.checkpointer.root
         self.main = self.dist.is_main
-        if self.main and t.min_lr > t.lr:
-            print(f"warning: train.min_lr ({t.min_lr}) is larger than train.lr ({t.lr}), so the "
-                  f"cosine schedule raises the learning rate from lr to min_lr instead of "
-                  f"decaying it; set train.min_lr below lr (e.g. lr / 10) if that is not what "
-                  f"you want.", file=sys.stderr)
-        horizon = t.lr_decay_steps or t.max_steps
-        if self.main and 0 < min(horizon, t.max_steps) <= t.warmup_steps:
-            end = (f"the end of the cosine decay (train."
-                   f"{'lr_decay_steps' if t.lr_decay_steps else 'max_steps'} = {horizon})"
-                   if horizon <= t.max_steps else f"train.max_steps ({t.max_steps})")
-            print(f"warning: train.warmup_steps ({t.warmup_steps}) is not below {end}, so the "
-                  f"learning rate only climbs toward train.lr, with no cosine decay; set "
-                  f"train.warmup_steps to a fraction of the run (e.g. a tenth) if that is not "
-                  f"what you want.", file=sys.stderr)
+        for warning in schedule_warnings(t) if self.main else ():
+            print(warning, file=sys.stderr)
         self.device = pick_device(device_name)
         self.checkpointer.device = self.device
         self.amp = autocast_for(self.device, t.dtype)
@@ -134,16 +125,10 @@ class Trainer:
         if state is not None and not sharded:
             load_weights(self.model, self.resumed_from, self.device)
         self.wrapped = D.wrap(self.model, t.strategy, self.dist, self.device)
-        self.compile_error: str | None = None  # why torch.compile fell back to eager, if it did
-        self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
+        self.forward = CompiledOrEager(self.wrapped) if t.compile else self.wrapped
         self.optimizer = make_optimizer(self.model, t, self.device.type)
-        self.elastic = ElasticDepth(self.model, t)
-        self.teacher = Teacher(t, self.tokenizer, self.device, state)
-        self.last_distill: float | None = None
-        self.solve_reg = SolveRegularizers(self.model, t)
-        self.last_regularizers: dict[str, float] = {}
-        self.last_draw: tuple[str, int] | None = None
-        self.last_consistency = math.nan
+        # the loss and the terms of [train.elastic], [train.distill] and [train.regularize]
+        self.objective = StepObjective(self.model, t, self.tokenizer, self.device, state)
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=resolve_dtype(self.device, t.dtype) == "float16")
         self.sampler = self.task.sampler(t, self.dist)
@@ -167,7 +152,12 @@ class Trainer:
                     f"= {t.max_steps}; raise train.max_steps (e.g. --set train.max_steps="
                     f"{self.step * 2}) to train further.")
             if t.lr_decay_steps is None and self.dist.is_main:
-                self._warn_moved_horizon(t)
+                from ..runs.checkpoint import load_run_config
+
+                moved = moved_horizon_warning(load_run_config(self.resumed_from).train, t,
+                                              self.step)
+                if moved:
+                    print(moved, file=sys.stderr, flush=True)
         self.signals = StopSignals(requeue=t.requeue_signals)
         self.log_failure: DiskError | None = None
         self.evaluator = self.task.evaluator(t, self.device, self.amp, self.dist, self.fsdp)
@@ -189,32 +179,6 @@ class Trainer:
             self.logger = _NullLogger()
         self.dist.barrier()
 
-    def _compile(self, module):
-        """torch.compile ``module``; if compiling fails (at wrap time or, as usual, at the first
-        call), warn once and run eagerly from then on."""
-        try:
-            compiled = torch.compile(module)
-        except Exception as e:  # noqa: BLE001 - any backend failure means "run eagerly"
-            self._compile_failed(e)
-            return module
-
-        def forward(*args, **kwargs):
-            if self.forward is not module:
-                try:
-                    return compiled(*args, **kwargs)
-                except Exception as e:  # noqa: BLE001
-                    self._compile_failed(e)
-                    self.forward = module
-            return module(*args, **kwargs)
-
-        return forward
-
-    def _compile_failed(self, e: Exception) -> None:
-        self.compile_error = f"{type(e).__name__}: {first_line(e)[:300]}"
-        print(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)[:300]}); training "
-              f"continues without compiling (set train.compile = false to silence this).",
-              file=sys.stderr)
-
     def _load_shards(self, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -225,6 +189,11 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
 
     # ------------------------------------------------------------------ pieces
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why torch.compile fell back to eager, if it did."""
+        return getattr(self.forward, "error", None)
 
     # where the run is (train/stateful.Progress, what a checkpoint restores)
     step = property(lambda self: self.progress.step,
@@ -249,7 +218,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "task": {"name": self.task.name, **self.task.state()},
             **self.task.trainer_state(),
-            **self.teacher.state(),
+            **self.objective.state(),
         }
         if not self.fsdp:  # FSDP keeps the optimizer state in the shards
             state["optimizer"] = self.optimizer.state_dict()
@@ -263,22 +232,6 @@ class Trainer:
         if self.model.config.depth != "ode":
             return {}
         return {"nfe_backward": self.model.last_backward_nfe}
-
-    def _solve_fields(self) -> dict:
-        """What an elastic run logs beside the loss: the logged step's solver and step count,
-        and its consistency term (when it has one); a regularized one, its regularizers
-        (unweighted) and STEER's end time."""
-        out: dict = dict(self.last_regularizers)
-        if self.last_distill is not None:
-            out["distill"] = self.last_distill
-        if self.solve_reg.steer:
-            out["ode_t1"] = self.solve_reg.end_time(self.step - 1)
-        if self.last_draw is None:
-            return out
-        out.update({"ode_solver": self.last_draw[0], "ode_steps": self.last_draw[1]})
-        if self.elastic.weight > 0 and self.last_consistency is not None:
-            out["consistency"] = self.last_consistency  # not on steps without the term
-        return out
 
     def _log(self, event: dict) -> None:
         """Log on rank 0; a failed write is kept and stops the run at the next step boundary,
@@ -303,46 +256,19 @@ class Trainer:
         return self.evaluator(self.model)
 
     def train_step(self) -> tuple[float, float]:
-        with self.solve_reg.at(self.step):
-            if not self.elastic.enabled:
-                return self._train_step(None)
-            self.last_draw = self.elastic.draw(self.step)
-            with self.elastic.at(*self.last_draw):
-                return self._train_step(self.last_draw)
-
-    def _warn_moved_horizon(self, t) -> None:
-        """Without train.lr_decay_steps the cosine ends at max_steps: a resume that changes
-        max_steps moves it, and the learning rate jumps. Said, never refused."""
-        from ..runs.checkpoint import load_run_config
-
-        saved = load_run_config(self.resumed_from).train
-        horizon = saved.lr_decay_steps or saved.max_steps
-        if horizon == t.max_steps:
-            return
-        before = copy.copy(t)  # the saved schedule, without validating the rest again
-        object.__setattr__(before, "lr_decay_steps", horizon)
-        print(f"warning: --resume with train.max_steps = {t.max_steps} and no "
-              f"train.lr_decay_steps: the learning rate's cosine now ends at step {t.max_steps}, "
-              f"not {horizon}, so at step {self.step} it jumps from "
-              f"{lr_at(self.step, before):.3g} to {lr_at(self.step, t):.3g}. Set "
-              f"train.lr_decay_steps = {horizon} to keep the schedule.", file=sys.stderr,
-              flush=True)
+        with self.objective.at(self.step) as draw:
+            return self._train_step(draw)
 
     def _train_step(self, draw: tuple[str, int] | None) -> tuple[float, float]:
+        """One optimizer step; ``draw``: the (solver, steps) elastic training drew for it."""
         t = self.cfg.train
         lr = lr_at(self.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # The step's metrics stay on the device until one read after clipping: a .item() per
         # micro-batch, the penalty and the gradient norm each made the host wait for the GPU.
-        # float64 (not on MPS, which lacks it), so the sum is the one Python floats gave.
-        acc = torch.float32 if self.device.type == "mps" else torch.float64
-        total = torch.zeros((), dtype=acc, device=self.device)
-        consistency = torch.zeros((), dtype=acc, device=self.device)
-        distill = torch.zeros((), dtype=acc, device=self.device)
-        compared = False  # whether this step has a consistency term
-        reg_names = ("kinetic", "jacobian", "step_readout")
-        reg_sums = torch.zeros(len(reg_names), dtype=acc, device=self.device)
+        terms = self.objective
+        terms.begin()
         # regularizers (the continuous mixer's Sobolev term) are annealed as in CAT, over the
         # learning rate's decay horizon (so extending a run with a fixed lr_decay_steps keeps it)
         anneal = max(0.2, 1.0 - self.step / (t.lr_decay_steps or t.max_steps))
@@ -354,26 +280,8 @@ class Trainer:
                 # gradients are all-reduced only on the last micro-step
                 with D.no_grad_sync(self.wrapped, self.model, sync=j == t.grad_accum - 1):
                     with self.amp:
-                        target = (self.elastic.target(
-                            lambda x=x, y=y: self.task.forward(self.forward, x, y)[0], *draw,
-                            self.step) if draw else None)
-                        compared = compared or target is not None
-                        taught = (self.teacher.target(self.task, x, y) if self.teacher.enabled
-                                  else None)
-                        logits, loss = self.task.forward(self.forward, x, y)
-                        penalty = self.model.penalty()
-                        objective = loss + anneal * penalty
-                        if target is not None:
-                            kl = self.elastic.consistency(logits, target)
-                            objective = objective + self.elastic.weight * kl
-                            consistency += kl.detach().to(acc)
-                        if taught is not None:  # the same KL, toward the teacher
-                            kd = self.elastic.consistency(logits, taught)
-                            objective = objective + self.teacher.weight * kd
-                            distill += kd.detach().to(acc)
-                        for name, term in self.solve_reg.terms(y).items():
-                            objective = objective + self.solve_reg.weight(name) * term
-                            reg_sums[reg_names.index(name)] += term.detach().to(acc)
+                        loss, penalty, objective = terms.micro_batch(
+                            self.task, self.forward, x, y, draw, self.step, anneal)
                     # Each micro-batch backpropagates its own mean loss; the sum is divided by
                     # grad_accum below. Scaling the loss instead would change the gradient an
                     # adaptive adjoint solve sees (its atol is absolute), so grad_accum and the
@@ -384,18 +292,11 @@ class Trainer:
                 if self.dist.enabled:  # the other ranks wait in the gradient all-reduce
                     raise TrainingError(f"rank {self.dist.rank}, step {self.step + 1}: {e}") from None
                 solver_error = str(e)
-                total = torch.full((), math.nan, dtype=acc, device=self.device)
+                terms.failed()
                 break
-            total += loss.detach().to(acc)
-        penalty = (penalty.detach().to(acc) if solver_error is None
-                   else torch.full((), math.nan, dtype=acc, device=self.device))
+            terms.add_loss(loss)
         if self.dist.enabled:  # on the device: no wait for the host
-            # the logged terms are the global batch's, as the loss is (the elastic draw, and
-            # so whether a consistency term ran, is the same on every rank)
-            stats = torch.cat([torch.stack([total, consistency, distill]), reg_sums])
-            D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
-            stats = stats / self.dist.world_size
-            total, consistency, distill, reg_sums = stats[0], stats[1], stats[2], stats[3:]
+            terms.all_reduce(self.dist)
         if t.grad_accum > 1:
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -409,14 +310,8 @@ class Trainer:
         # the step's one host synchronisation: whether to apply the update depends on it
         # (with no gradient at all, e.g. a solver error in the first micro-batch, the norm is
         # a CPU zero: hence the device too)
-        summed, self.last_penalty, grad_norm, cons, kd_sum, *regs = torch.cat(
-            [torch.stack([total, penalty, grad_norm.detach().to(device=self.device, dtype=acc),
-                          consistency, distill]), reg_sums]).tolist()
-        self.last_consistency = cons / t.grad_accum if compared else None
-        self.last_distill = kd_sum / t.grad_accum if self.teacher.enabled else None
-        self.last_regularizers = {n: v / t.grad_accum for n, v in zip(reg_names, regs)
-                                  if self.solve_reg.weight(n) > 0}
-        loss_value = summed / t.grad_accum
+        loss_value, grad_norm = terms.read(penalty if solver_error is None else None,
+                                           grad_norm, t.grad_accum)
         # read before a bad step's diagnostic forward (first_non_finite) overwrites them
         self.last_step_nfe = {"nfe": self.model.last_nfe, **self._backward_nfe()}
         # fp16: an overflowing gradient is the scaler's business (it skips and lowers the scale)
@@ -534,8 +429,8 @@ class Trainer:
                     tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                     self._log({"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t),
                                      "grad_norm": grad_norm, "tokens_per_s": tps,
-                                     "penalty": self.last_penalty, **self.last_step_nfe,
-                                     **self._solve_fields()})
+                                     "penalty": self.objective.penalty, **self.last_step_nfe,
+                                     **self.objective.fields(self.step)})
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr_at(self.step - 1, t):.2e}",
                                     tok_s=f"{tps:.0f}", threads=self.threads.choice.threads)
                     window_start, window_steps = time.perf_counter(), 0

@@ -1,0 +1,129 @@
+"""A training step's objective and the terms it logs: the task's loss, the model's own penalty
+(the continuous mixer's Sobolev term, annealed), and the optional terms of [train.elastic] (the
+consistency KL toward a finer solve), [train.distill] (the KL toward a teacher) and
+[train.regularize] (the solve's integrals, and STEER's end time), each summed over the step's
+micro-batches on the device, all-reduced under torchrun, and read once per step."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from . import distributed as D
+from .distill import Teacher
+from .elastic import ElasticDepth, SolveRegularizers
+
+REGULARIZERS = ("kinetic", "jacobian", "step_readout")
+
+
+class StepObjective:
+    """What each micro-batch of a step adds to the loss, and what the step logs of it."""
+
+    def __init__(self, model, t, tokenizer, device: torch.device, state: dict | None):
+        self.model = model
+        self.elastic = ElasticDepth(model, t)
+        self.teacher = Teacher(t, tokenizer, device, state)
+        self.solve_reg = SolveRegularizers(model, t)
+        self.device = device
+        # float64 (not on MPS, which lacks it), so the sums are the ones Python floats gave
+        self.acc = torch.float32 if device.type == "mps" else torch.float64
+        # the last step's (solver, steps) drawn, its terms as logged and its penalty
+        self.draw: tuple[str, int] | None = None
+        self.consistency: float | None = math.nan
+        self.distill: float | None = None
+        self.regularizers: dict[str, float] = {}
+        self.penalty = math.nan
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of it (the teacher's digest)."""
+        return self.teacher.state()
+
+    @contextlib.contextmanager
+    def at(self, step: int):
+        """The model solving as optimizer step ``step`` draws and regularizes it, for the step
+        only; yields the draw (None for a run that does not draw)."""
+        with self.solve_reg.at(step):
+            if not self.elastic.enabled:
+                yield None
+                return
+            self.draw = self.elastic.draw(step)
+            with self.elastic.at(*self.draw):
+                yield self.draw
+
+    def begin(self) -> None:
+        """Zero the step's sums (on the device: no wait for the host until :meth:`read`)."""
+        zero = torch.zeros((), dtype=self.acc, device=self.device)
+        self.total, self.kl, self.kd = zero, zero.clone(), zero.clone()
+        self.reg_sums = torch.zeros(len(REGULARIZERS), dtype=self.acc, device=self.device)
+        self.compared = False  # whether this step has a consistency term
+
+    def micro_batch(self, task, forward, x, y, draw, step: int, anneal: float):
+        """One micro-batch's (loss, penalty, objective), its terms added to the step's sums."""
+        target = (self.elastic.target(lambda: task.forward(forward, x, y)[0], *draw, step)
+                  if draw else None)
+        self.compared = self.compared or target is not None
+        taught = self.teacher.target(task, x, y) if self.teacher.enabled else None
+        logits, loss = task.forward(forward, x, y)
+        penalty = self.model.penalty()
+        objective = loss + anneal * penalty
+        if target is not None:
+            kl = self.elastic.consistency(logits, target)
+            objective = objective + self.elastic.weight * kl
+            self.kl += kl.detach().to(self.acc)
+        if taught is not None:  # the same KL, toward the teacher
+            kd = self.elastic.consistency(logits, taught)
+            objective = objective + self.teacher.weight * kd
+            self.kd += kd.detach().to(self.acc)
+        for name, term in self.solve_reg.terms(y).items():
+            objective = objective + self.solve_reg.weight(name) * term
+            self.reg_sums[REGULARIZERS.index(name)] += term.detach().to(self.acc)
+        return loss, penalty, objective
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.total += loss.detach().to(self.acc)
+
+    def failed(self) -> None:
+        """The step's loss is not a number (an adaptive solve gave up)."""
+        self.total = torch.full((), math.nan, dtype=self.acc, device=self.device)
+
+    def all_reduce(self, dist) -> None:
+        """The logged terms of the global batch, as the loss is (the elastic draw, and so
+        whether a consistency term ran, is the same on every rank)."""
+        stats = torch.cat([torch.stack([self.total, self.kl, self.kd]), self.reg_sums])
+        D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
+        stats = stats / dist.world_size
+        self.total, self.kl, self.kd, self.reg_sums = stats[0], stats[1], stats[2], stats[3:]
+
+    def read(self, penalty: torch.Tensor | None, grad_norm: torch.Tensor,
+             grad_accum: int) -> tuple[float, float]:
+        """The step's one host synchronisation: (mean loss, gradient norm) as floats, the
+        logged terms kept (``penalty`` None: the step failed before it had one)."""
+        nan = torch.full((), math.nan, dtype=self.acc, device=self.device)
+        penalty = nan if penalty is None else penalty.detach().to(self.acc)
+        summed, self.penalty, norm, kl, kd, *regs = torch.cat(
+            [torch.stack([self.total, penalty,
+                          grad_norm.detach().to(device=self.device, dtype=self.acc),
+                          self.kl, self.kd]), self.reg_sums]).tolist()
+        self.consistency = kl / grad_accum if self.compared else None
+        self.distill = kd / grad_accum if self.teacher.enabled else None
+        self.regularizers = {n: v / grad_accum for n, v in zip(REGULARIZERS, regs)
+                             if self.solve_reg.weight(n) > 0}
+        return summed / grad_accum, norm
+
+    def fields(self, step: int) -> dict:
+        """What a step's log line holds of it: a regularized run's regularizers (unweighted),
+        distillation's term and STEER's end time; an elastic run's solver and step count, and
+        its consistency term on the steps that have it. ``step``: the steps taken."""
+        out: dict = dict(self.regularizers)
+        if self.distill is not None:
+            out["distill"] = self.distill
+        if self.solve_reg.steer:
+            out["ode_t1"] = self.solve_reg.end_time(step - 1)
+        if self.draw is None:
+            return out
+        out.update({"ode_solver": self.draw[0], "ode_steps": self.draw[1]})
+        if self.elastic.weight > 0 and self.consistency is not None:
+            out["consistency"] = self.consistency
+        return out
