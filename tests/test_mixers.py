@@ -485,7 +485,7 @@ def test_attention_with_unequal_widths_equals_the_explicit_softmax(dq, dv):
     """continuous attention's SDPA with query/key and value widths that differ (zero-padded to
     the wider for the fused kernels) equals softmax(q k^T) v written out, causal and masked,
     on a length that is not a power of two."""
-    from continuumlm.mixers.continuous import _sdpa_any_dims
+    from continuumlm.mixers.spectral import sdpa_any_dims as _sdpa_any_dims
 
     torch.manual_seed(0)
     q, k = torch.randn(2, 3, 37, dq, dtype=torch.float64), torch.randn(2, 3, 37, dq, dtype=torch.float64)

@@ -69,22 +69,6 @@ from .cache import FrozenCache, FrozenSeqCache, KVCache, SeqCache
 from .padding import Padding, mix
 
 
-def _sdpa_any_dims(q, k, v, mask, is_causal: bool) -> torch.Tensor:
-    """Scaled-dot-product attention (scale 1) whose query/key width differs from the values'
-    (the kernel's n_freq, or head_dim + n_freq in bias mode, against head_dim): the narrower
-    side is zero-padded to the wider, which changes no product or sum, because the fused
-    kernels need equal widths and the fallback forms the full T x T matrix (6x slower at 5000
-    tokens on a CPU, measured)."""
-    dq, dv = q.shape[-1], v.shape[-1]
-    if dq > dv:
-        v = torch.nn.functional.pad(v, (0, dq - dv))
-    elif dv > dq:
-        q, k = (torch.nn.functional.pad(t, (0, dv - dq)) for t in (q, k))
-    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                         is_causal=is_causal, scale=1.0)
-    return y[..., :dv]
-
-
 class ValueCache(SeqCache):
     """The projected values of every token so far, (B, H, T, D)."""
 
@@ -310,40 +294,27 @@ class ContinuousAttention(nn.Module):
             if self.relative:
                 y = self._relative_sdpa(q, k, v.to(q.dtype), q_pos, mask, offset)
             else:
-                y = _sdpa_any_dims(q, k, v.to(q.dtype), mask, is_causal)
+                y = spectral.sdpa_any_dims(q, k, v.to(q.dtype), mask, is_causal)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
 
     def _relative_sdpa(self, q, k, v, q_pos, mask, offset: int | None) -> torch.Tensor:
-        """SDPA with the relative prior as an additive mask. For queries at the consecutive
-        positions offset..offset+Tq-1 the (Tq, keys) bias is Toeplitz: it is a strided view of
-        one row of 2 * keys values against the keys in reverse order (SDPA does not depend on
-        the keys' order), so no (H, Tq, keys) index or gather is built (at 5,000 tokens that
-        took 1.6 s of a 2 s call). ``query_chunk`` queries at a time bound what SDPA forms.
-        The static decoding step (a position tensor, a fixed buffer with ``mask``) gathers."""
+        """SDPA with the relative prior as an additive mask: for queries at consecutive
+        positions a Toeplitz view of one row of priors (spectral.toeplitz_sdpa); the static
+        decoding step (a position tensor, a fixed buffer with ``mask``) gathers."""
         if offset is None:
             bias = self._relative_bias(q_pos, k.shape[2], q.dtype)
             if mask is not None:
                 bias = bias.masked_fill(~mask, float("-inf"))
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias,
                                                                     scale=1.0)
+        # the prior at the signed distances -(n - 1)..: row[m] is the one at m - (n - 1)
         n, Tq = k.shape[2], q.shape[2]
-        # row[m] is the prior at the signed distance m - (n - 1); against the reversed keys,
-        # query i (at offset + i) and reversed key r (key n - 1 - r) read row[offset + i + r]
         signed = torch.arange(offset + Tq + n - 1, device=q.device) - (n - 1)
         row = self.distance_prior(signed.abs()).to(q.dtype)
         if self.causal:
             row = row.masked_fill(signed < 0, float("-inf"))
-        row = row.contiguous()
-        k, v = k.flip(2), v.flip(2)
-        outs = []
-        for i in range(0, Tq, self.query_chunk):
-            c = min(self.query_chunk, Tq - i)
-            bias = row.as_strided((1, row.shape[0], c, n), (0, row.shape[1], 1, 1),
-                                  row.storage_offset() + offset + i)
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, i:i + c], k, v, attn_mask=bias, scale=1.0))
-        return torch.cat(outs, dim=2)
+        return spectral.toeplitz_sdpa(q, k, v, row, offset, self.query_chunk)
 
     # ------------------------------------------------------------------ padded batches
 
@@ -384,24 +355,9 @@ class ContinuousAttention(nn.Module):
         far, each row's nodes counted from its first real token."""
         B, T, C = x.shape
         first = padding.keys.long().argmax(1)                           # (B,) first real token
-        L = v.shape[2]
-        outs = []
-        for i in range(0, T, self.query_chunk):  # bounds the gathered (B, H, Tc, Q, D)
-            pos = padding.positions[:, i:i + self.query_chunk]          # (B, Tc)
-            Tc = pos.shape[1]
-            p, lo, hi, alpha = self.quadrature(pos.reshape(-1), L)      # (H, B*Tc, Q), (B*Tc, Q)
-            H, Q = p.shape[0], p.shape[-1]
-            p, alpha = p.view(H, B, Tc, Q), alpha.view(B, Tc, Q)
-            at = (first[:, None, None] + torch.stack([lo, hi]).view(2, B, Tc, Q)).clamp(max=L - 1)
-            w = torch.stack([p * (1 - alpha), p * alpha]).to(v.dtype)
-            y = 0
-            for j in range(2):  # the values each node reads, gathered per row
-                idx = at[j].view(B, 1, Tc * Q, 1).expand(B, H, Tc * Q, self.head_dim)
-                vals = torch.gather(v, 2, idx).view(B, H, Tc, Q, self.head_dim)
-                y = y + torch.einsum("hbtq,bhtqd->bhtd", w[j], vals)
-            outs.append(y)
-        y = torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, C)
-        return self.dropout(self.out_proj(y))
+        y = spectral.padded_gathered(v, self.quadrature, padding.positions, first,
+                                     self.query_chunk)
+        return self.dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
 
     def _padded_exact(self, x: torch.Tensor, cache, padding: Padding) -> torch.Tensor:
         B, T, C = x.shape
@@ -426,7 +382,7 @@ class ContinuousAttention(nn.Module):
                     q, k, v.to(dt), attn_mask=bias.masked_fill(~mask, float("-inf")),
                     scale=1.0)
             else:
-                y = _sdpa_any_dims(q, k, v.to(dt), mask, False)
+                y = spectral.sdpa_any_dims(q, k, v.to(dt), mask, False)
         y = y.to(x.dtype).transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.out_proj(y))
 
