@@ -33,7 +33,7 @@ from common import RESULTS, ROOT, RUNS, cpu_model, replace_json
 
 from continuumlm.config import load_config
 from continuumlm.experiments import run_child
-from continuumlm.train.mqar import fresh_recall, progress, recall_by_distance
+from continuumlm.train.mqar_results import fresh_recall, progress, recall_by_distance
 
 # the package as a module of this interpreter: a machine with the source tree on PYTHONPATH
 # and no install (bench/gpu_mqar_sweep.sh on a GPU machine) has no continuumlm script

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import continuumlm.train.mqar_results as R
 from conftest import run_cli
 from continuumlm.data.mqar import mqar_batch
 
@@ -151,21 +152,21 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert torch.load(tmp_path / "cut" / "checkpoints" / "last" / "trainer_state.pt",
                       weights_only=True)["step"] == 4
     # the interrupted run leaves a record of how far it got, marked unfinished
-    part = M.progress(tmp_path / "cut")
+    part = R.progress(tmp_path / "cut")
     assert not part["complete"] and not part["stopped_early"]
     assert part["steps"] == 4 and part["history"] == full["history"][:1]
     assert part["parameters"] == full["parameters"] and part["accuracy"] == full["history"][0][1]
     assert json.loads((tmp_path / "cut" / "result.json").read_text())["complete"] is False
-    assert M.progress(tmp_path / "nothing") is None
-    assert M.progress(tmp_path / "cut", _mqar_cfg())["steps"] == 4
+    assert R.progress(tmp_path / "nothing") is None
+    assert R.progress(tmp_path / "cut", _mqar_cfg())["steps"] == 4
     with pytest.raises(ValueError, match="other settings"):
-        M.progress(tmp_path / "cut", _mqar_cfg("train.lr=0.5"))
+        R.progress(tmp_path / "cut", _mqar_cfg("train.lr=0.5"))
     resumed = M.run_mqar(_mqar_cfg(), tmp_path / "cut", quiet=True)
     assert resumed["history"] == full["history"] and resumed["steps"] == 8
-    assert resumed["complete"] and M.progress(tmp_path / "cut") == resumed
+    assert resumed["complete"] and R.progress(tmp_path / "cut") == resumed
     # a run that ended but died before writing its record is reported complete from its state
     (tmp_path / "cut" / "result.json").unlink()
-    again = M.progress(tmp_path / "cut")
+    again = R.progress(tmp_path / "cut")
     assert again["complete"] and again["steps"] == 8 and again["history"] == full["history"]
 
     def losses(d):
@@ -213,7 +214,7 @@ def test_mqar_snapshot_records_unfinished_runs(tmp_path, monkeypatch):
     assert rec["steps"] == 8 and rec["complete"] is False and rec["overrides"] == sets
     # recall by distance: every held-out query in one bucket, together the recorded accuracy
     buckets = rec["recall_by_distance"]
-    assert [b["from"] for b in buckets] == list(M.DISTANCE_EDGES) and buckets[-1]["to"] is None
+    assert [b["from"] for b in buckets] == list(R.DISTANCE_EDGES) and buckets[-1]["to"] is None
     assert sum(b["queries"] for b in buckets) == 32 * 4
     hits = sum(b["accuracy"] * b["queries"] for b in buckets if b["queries"])
     assert hits / (32 * 4) == pytest.approx(rec["accuracy"], abs=1e-9)
@@ -344,9 +345,9 @@ def test_a_run_of_the_standalone_loop_is_adopted_and_continues_exactly(tmp_path,
 
     run = _legacy_run(tmp_path, drop_key)
     g = _golden()["softmax"]
-    part = M.progress(run, _mqar_cfg())
+    part = R.progress(run, _mqar_cfg())
     assert part["steps"] == 4 and not part["complete"] and part["history"] == g["history"][:1]
-    assert M.recall_by_distance(run)["step"] == 4
+    assert R.recall_by_distance(run)["step"] == 4
     with pytest.raises(ValueError, match="other settings"):
         M.run_mqar(_mqar_cfg("train.lr=0.5"), run, quiet=True)
     assert not (run / "checkpoints").exists()
@@ -354,7 +355,7 @@ def test_a_run_of_the_standalone_loop_is_adopted_and_continues_exactly(tmp_path,
     assert r["steps"] == 8 and r["complete"] and r["history"] == g["history"]
     assert [[e["step"], e["loss"]] for e in read_metrics(run) if "loss" in e] == g["losses"]
     assert (run / "state.pt").exists()  # kept: nothing of the old run is lost
-    assert M.progress(run) == r and M.fresh_recall(run)["step"] == 8
+    assert R.progress(run) == r and R.fresh_recall(run)["step"] == 8
 
 
 def test_an_mqar_checkpoint_is_refused_by_eval_with_a_reason(tmp_path):
@@ -399,7 +400,7 @@ def test_fresh_recall_scores_the_final_model_on_unseen_sequences(tmp_path):
 
     cfg = _mqar_cfg()
     r = M.run_mqar(cfg, tmp_path / "f", quiet=True)
-    fresh = M.fresh_recall(tmp_path / "f")
+    fresh = R.fresh_recall(tmp_path / "f")
     assert fresh["step"] == r["steps"] == 8
     x, y = M._test_set(cfg, M.FRESH_OFFSET)
     held, train = M._test_set(cfg)[0], M.train_set(cfg)[0]
@@ -504,8 +505,8 @@ def test_the_evaluated_checkpoint_survives_pruning(tmp_path, monkeypatch):
     root = tmp_path / "run" / "checkpoints"
     assert (root / "last").resolve().name == "step-00000007"
     assert (root / "evaluated").resolve().name == "step-00000004"
-    assert M.progress(tmp_path / "run")["steps"] == 4
-    assert M.recall_by_distance(tmp_path / "run")["step"] == 4
+    assert R.progress(tmp_path / "run")["steps"] == 4
+    assert R.recall_by_distance(tmp_path / "run")["step"] == 4
 
 
 def test_a_run_continues_only_with_the_process_count_it_was_trained_with(tmp_path):
@@ -607,9 +608,9 @@ def test_a_saved_run_is_scored_on_this_machines_best_device_in_the_runs_precisio
         asked.append(dtype)
         return D.autocast_for(device, dtype)
 
-    monkeypatch.setattr(M, "pick_device", pick)
-    monkeypatch.setattr(M, "autocast_for", autocast)
-    assert M.recall_by_distance(tmp_path / "run")["step"] == r["steps"]
-    assert M.fresh_recall(tmp_path / "run")["step"] == r["steps"]
+    monkeypatch.setattr(R, "pick_device", pick)
+    monkeypatch.setattr(R, "autocast_for", autocast)
+    assert R.recall_by_distance(tmp_path / "run")["step"] == r["steps"]
+    assert R.fresh_recall(tmp_path / "run")["step"] == r["steps"]
     assert asked == ["auto", "bf16", "auto", "bf16"]
 
