@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from continuumlm import ConfigError, LanguageModel, ModelConfig, load_config
-from continuumlm.model.depth import SolveExtras
+from continuumlm.model.extras import SolveExtras
 from continuumlm.ode.solvers import TABLEAUS
 from continuumlm.registry import MIXERS
 

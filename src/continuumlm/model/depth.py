@@ -12,9 +12,7 @@ for the rest of that block. See :func:`continuumlm.model.exit.solve_with_exit` f
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -24,13 +22,13 @@ from ..errors import ConfigError
 from ..mixers.cache import Written
 from ..mixers.padding import Padding, mix, remember, takes_memory
 from ..nn import MLP, freeze_dropout, make_norm
-from ..nn.twice import twice_differentiable
 from ..ode import AdaptiveSolver, integrate
 from ..ode.grad import refusal as grad_refusal
 from ..ode.solvers import grid
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
 from .exit import EXIT_CRITERIA, ExitRule, check_exit_solver, solve_with_exit  # noqa: F401 - importable here as before
+from .extras import SolveExtras, augmented  # noqa: F401 - SolveExtras: importable here too
 from .ode_kv import StepMemory, kv_refusal, memory_step
 
 log = logging.getLogger("continuumlm")
@@ -40,20 +38,6 @@ def checkpoint(fn, *args):
     """Activation checkpointing of one layer or block (non-reentrant, which keeps the
     gradients of inputs that need none and the forward's random state)."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-
-@dataclass(frozen=True)
-class SolveExtras:
-    """Training-time additions to every ODE block's solve (set by the trainer, used only in
-    training mode): the kinetic energy integral of ||f||^2 / C and the Hutchinson estimate of
-    the Jacobian's squared Frobenius norm / C (one Gaussian probe per forward) along the solve,
-    per token (Finlay et al. 2020, "How to train your neural ODE"), and STEER's end time for
-    this step (Ghosh et al. 2020)."""
-
-    kinetic: bool = False
-    jacobian: bool = False
-    t1: float | None = None
-    readout: bool = False  # keep the state after every step but the last (step_states)
 
 
 class TransformerBlock(nn.Module):
@@ -251,7 +235,7 @@ class ODEBlock(nn.Module):
             params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
             C = x.shape[-1]
             if extras is not None and (extras.kinetic or extras.jacobian):
-                f, x = self._augmented(f, x, extras)
+                f, x = augmented(f, x, extras)
             observe = None
             if extras is not None and extras.readout:
                 def observe(n: int, h: torch.Tensor) -> None:
@@ -296,37 +280,6 @@ class ODEBlock(nn.Module):
             x = x + self.mlp(self.norm_mlp(x))
         return x
 
-    def _augmented(self, f, x: torch.Tensor, extras: SolveExtras):
-        """(f, x) of the solve with the regularizers' integrals as extra channels, so that
-        every solver and gradient mode integrates them along with h."""
-        C = x.shape[-1]
-        probe = torch.randn_like(x) if extras.jacobian else None
-        k = int(extras.kinetic) + int(extras.jacobian)
-
-        # the Jacobian term is differentiated twice: the mixers' kernels without a second
-        # derivative (fused attention, chunkwise DeltaNet) give way to forms that have one
-        kernels = twice_differentiable if probe is not None else contextlib.nullcontext
-
-        def f_aug(t, z):
-            outer = torch.is_grad_enabled()  # off where a solve runs without a graph
-            # the Jacobian term needs a graph even then; the slice is taken inside it, since
-            # a view taken without one would hide its base from torch.autograd.grad
-            with torch.enable_grad() if probe is not None else contextlib.nullcontext(), \
-                    kernels():
-                h = z[..., :C]
-                if probe is not None and not h.requires_grad:
-                    h = h.detach().requires_grad_(True)
-                dh = f(t, h)
-                rates = []
-                if extras.kinetic:
-                    rates.append(dh.pow(2).mean(-1, keepdim=True))
-                if probe is not None:  # probe^T (df/dh): one vector-Jacobian product
-                    vjp = torch.autograd.grad(dh, h, probe, create_graph=outer)[0]
-                    rates.append(vjp.pow(2).mean(-1, keepdim=True))
-            out = torch.cat([dh, *rates], -1)
-            return out if outer else out.detach()
-
-        return f_aug, torch.cat([x, x.new_zeros(*x.shape[:-1], k)], -1)
 
 def _steps_compiled(solver) -> bool:
     """Whether a frozen state's compiled decoding runs this solver a step at a time: a

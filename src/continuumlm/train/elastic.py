@@ -128,7 +128,7 @@ class SolveRegularizers:
         if not self.enabled:
             yield
             return
-        from ..model.depth import SolveExtras
+        from ..model.extras import SolveExtras
 
         self.model.depth.extras = SolveExtras(kinetic=self.kinetic > 0,
                                               jacobian=self.jacobian > 0,
