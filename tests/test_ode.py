@@ -458,7 +458,8 @@ def test_a_forward_between_forward_and_backward_changes_no_gradient(grad):
 
 
 @pytest.mark.parametrize("solver,grad,needle", [
-    ("rk4", "reversible", "reversible solver"), ("rk4", "adjiont", "unknown gradient mode"),
+    ("rk4", "reversible", "reversible solver"),
+    ("rk4", "adjiont", r"ode_grad = 'adjiont' is not available \(did you mean 'adjoint'"),
     ("dopri5", "binomial", "fixed-grid"), ("dopri5", "reversible", "reversible solver"),
     ("rk2_gated", "adjoint", "'adjoint' works with")])
 def test_integrate_refuses_a_mode_its_solver_lacks(solver, grad, needle):
@@ -468,3 +469,26 @@ def test_integrate_refuses_a_mode_its_solver_lacks(solver, grad, needle):
     with pytest.raises(ValueError, match=needle):
         integrate(lambda t, h: torch.tanh(lin(h)), torch.randn(2, 8, requires_grad=True), 0.0,
                   1.0, SOLVERS[solver](cfg), 2, grad, tuple(lin.parameters()))
+
+
+def test_the_gradient_modes_are_a_registry_with_their_own_refusals():
+    """model.ode_grad names an entry of registry.GRADS; each mode states which solvers it
+    refuses, and the config check and integrate() read the same statement."""
+    from continuumlm.config import GRAD_MODES
+    from continuumlm.ode.grad import refusal
+    from continuumlm.registry import GRADS
+
+    assert set(GRADS) == {"direct", "checkpoint", "binomial", "adjoint", "reversible"}
+    assert GRAD_MODES is GRADS and "adjoint" in GRAD_MODES
+    table = {(grad, solver): refusal(solver, grad, adaptive, reversible, 8) is None
+             for grad in GRADS
+             for solver, adaptive, reversible in (("rk4", False, False), ("euler", False, False),
+                                                  ("tsit5", True, False),
+                                                  ("reversible_heun", False, True))}
+    assert [k for k, ok in table.items() if not ok] == [
+        ("checkpoint", "reversible_heun"), ("binomial", "tsit5"),
+        ("binomial", "reversible_heun"), ("adjoint", "reversible_heun"),
+        ("reversible", "rk4"), ("reversible", "euler"), ("reversible", "tsit5")]
+    assert refusal("rk4", "binomial", False, False, 10**9) is not None  # past its plan
+    with pytest.raises(ConfigError, match="ode_grad = 'revers' is not available"):
+        ModelConfig(depth="ode", ode_grad="revers")

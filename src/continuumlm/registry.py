@@ -149,6 +149,8 @@ DEPTHS = Registry("depth", "model.depth", ("continuumlm.model.depth",), public=F
 # sits above the model and reads it through its decoding interface, so the model names it
 # here rather than importing it
 DECODERS = Registry("decoder", "decoder", ("continuumlm.decoding",), public=False)
+# how gradients pass through a solve (model.ode_grad): each mode with the solvers it refuses
+GRADS = Registry("gradient mode", "model.ode_grad", ("continuumlm.ode.grad",), public=False)
 REGISTRIES = {"mixer": MIXERS, "field": FIELDS, "solver": SOLVERS, "depth": DEPTHS}
 
 

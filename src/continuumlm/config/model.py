@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS, load_plugins
+from ..registry import DEPTHS, FIELDS, GRADS, MIXERS, SOLVERS, load_plugins
 from .checks import (
     ODE_TIME_LIMIT,
     _origin,
@@ -225,7 +225,7 @@ class ModelConfig:
 MODEL_KEYS.update(f.name for f in fields(ModelConfig))
 
 
-GRAD_MODES = ("direct", "adjoint", "checkpoint", "binomial", "reversible")
+GRAD_MODES = GRADS  # model.ode_grad's names: the gradient modes registered in ode/grad.py
 ODE_KV = ("evaluation", "step", "block")  # model.ode_kv: what the mixers' memory comes from
 
 
@@ -235,10 +235,8 @@ def _check_selectors(cfg: ModelConfig) -> None:
                             (SOLVERS, cfg.ode_solver)):
         if value not in registry:
             raise ConfigError(registry.unknown_message(value))
-    if cfg.ode_grad not in GRAD_MODES:
-        raise ConfigError(f"model.ode_grad = {cfg.ode_grad!r} is not available"
-                          f"{_suggest(cfg.ode_grad, GRAD_MODES)}; available: "
-                          f"{', '.join(sorted(GRAD_MODES))}.")
+    if cfg.ode_grad not in GRADS:
+        raise ConfigError(GRADS.unknown_message(cfg.ode_grad))
     checker = getattr(DEPTHS[cfg.depth], "check_config", None)
     if checker is not None:
         checker(cfg)

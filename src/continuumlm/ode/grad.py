@@ -1,4 +1,5 @@
-"""One entry point, ``integrate``, for every solver and gradient mode.
+"""One entry point, ``integrate``, for every solver and gradient mode; the gradient modes, each
+registered by its ``model.ode_grad`` name (``registry.GRADS``) with the solvers it refuses:
 
 - ``direct``: autograd through every solver operation (memory grows with steps);
 - ``checkpoint``: each step is recomputed in backward (torch.utils.checkpoint), only the states
@@ -17,10 +18,139 @@ import logging
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..registry import GRADS
 from .adaptive import ADAPTIVE_METHODS, ADJOINT_FIXED, AdaptiveSolver, odeint_call
 from .binomial import MAX_STEPS as MAX_BINOMIAL_STEPS
 from .binomial import default_checkpoints, integrate_binomial
 from .solvers import grid
+
+
+class GradMode:
+    """One way for gradients to pass through a solve, registered in ``registry.GRADS`` under
+    its ``model.ode_grad`` name: which solvers it refuses (:meth:`refusal`, one sentence with
+    the way out), how a fixed-grid solve runs with it when a gradient is needed (:meth:`fixed`),
+    and what an adaptive solve does for it (``adaptive_backward``: "adjoint", the backsolve;
+    "checkpoint", the accepted steps replayed; None, autograd through the solver).
+    ``keeps_steps``: the states between fixed-grid steps stay in the graph (``observe``)."""
+
+    adaptive_backward: str | None = None
+    keeps_steps = False
+
+    def refusal(self, solver: str, adaptive: bool, reversible: bool,
+                steps: int | None) -> str | None:
+        return None
+
+    def fixed(self, solver, f, h0, t0: float, t1: float, times, dt, params, steps: int,
+              checkpoints: int, observe, where: str) -> torch.Tensor:
+        return _steps(solver.step, f, h0, times, dt, observe)
+
+
+def _steps(step, f, h0, times, dt, observe) -> torch.Tensor:
+    """The fixed grid's steps one after another; ``observe(n, h)`` after every one but the last."""
+    h = h0
+    for n, t in enumerate(times):
+        h = step(f, t, h, dt)
+        if observe is not None and n + 1 < len(times):
+            observe(n, h)
+    return h
+
+
+@GRADS.register("direct")
+class Direct(GradMode):
+    """Autograd through every solver operation (memory grows with the steps)."""
+
+    keeps_steps = True
+
+
+@GRADS.register("checkpoint")
+class Checkpointed(GradMode):
+    """Each fixed-grid step recomputed in the backward (only step-boundary states stored); an
+    adaptive solve's accepted steps recorded and replayed (aca.py). Exact gradients."""
+
+    adaptive_backward = "checkpoint"
+    keeps_steps = True
+
+    def refusal(self, solver, adaptive, reversible, steps):
+        if reversible:
+            return (f"ode_grad = 'checkpoint' is not implemented for {solver!r}: use ode_grad "
+                    f"= 'reversible' (exact gradients, memory constant in the steps, less "
+                    f"than checkpointing stores) or 'direct'.")
+        return None
+
+    def fixed(self, solver, f, h0, t0, t1, times, dt, params, steps, checkpoints, observe,
+              where):
+        def step(f, t, h, dt):
+            return checkpoint(solver.step, f, t, h, dt, use_reentrant=False)
+
+        return _steps(step, f, h0, times, dt, observe)
+
+
+@GRADS.register("binomial")
+class Binomial(GradMode):
+    """Binomial checkpointing (binomial.py): ``checkpoints`` states kept, the rest recomputed
+    on the Revolve schedule; exact gradients, memory independent of the steps."""
+
+    def refusal(self, solver, adaptive, reversible, steps):
+        if reversible:
+            return (f"ode_grad = 'binomial' is not implemented for {solver!r}: use ode_grad = "
+                    f"'reversible' (exact gradients, memory constant in the steps, less than "
+                    f"checkpointing stores) or 'direct'.")
+        if adaptive:
+            return ("ode_grad = 'binomial' needs a fixed-grid solver (its schedule is planned "
+                    "from the number of steps); with an adaptive solver use 'checkpoint' (the "
+                    "accepted steps replayed: exact gradients), 'adjoint' or 'direct'.")
+        if steps is not None and steps > MAX_BINOMIAL_STEPS:
+            return (f"ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} steps, not "
+                    f"ode_steps = {steps}; use 'checkpoint'.")
+        return None
+
+    def fixed(self, solver, f, h0, t0, t1, times, dt, params, steps, checkpoints, observe,
+              where):
+        return integrate_binomial(lambda i, h: solver.step(f, times[i], h, dt), h0, steps,
+                                  checkpoints or default_checkpoints(steps), params)
+
+
+@GRADS.register("adjoint")
+class Adjoint(GradMode):
+    """torchdiffeq's backsolve adjoint: memory constant in the steps, the gradient of the
+    continuous ODE (off from the computed steps' by the discretization error)."""
+
+    adaptive_backward = "adjoint"
+
+    def refusal(self, solver, adaptive, reversible, steps):
+        if not (adaptive or solver in ADJOINT_FIXED):
+            return (f"ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and "
+                    f"the adaptive solvers, not {solver!r}; use ode_grad = 'direct' or "
+                    f"'checkpoint' (or 'reversible' with reversible_heun).")
+        return None
+
+    def fixed(self, solver, f, h0, t0, t1, times, dt, params, steps, checkpoints, observe,
+              where):
+        method = ADJOINT_FIXED[solver.tableau.name]
+        _warn_low_order_adjoint(solver.tableau)
+
+        # only h(t1) is returned and stored; the grid fixes the number of steps exactly (a
+        # step_size can round into an extra step). The adjoint calls it again on the reversed,
+        # negated interval, so it is built from the interval it is given.
+        def grid_constructor(func, y0, t):
+            return torch.linspace(float(t[0]), float(t[-1]), steps + 1, dtype=t.dtype,
+                                  device=t.device)
+
+        return odeint_call(f, h0, t0, t1, method, True, params, where,
+                           options={"grid_constructor": grid_constructor})
+
+
+@GRADS.register("reversible")
+class Reversible(GradMode):
+    """The reversible Heun backward, which rebuilds the states from the final one
+    (reversible.py): exact gradients, memory constant in the steps."""
+
+    def refusal(self, solver, adaptive, reversible, steps):
+        if not reversible:
+            return (f"ode_grad = 'reversible' needs an algebraically reversible solver, and "
+                    f"{solver!r} is not; use ode_solver = 'reversible_heun' (or another "
+                    f"ode_grad: direct, checkpoint, adjoint).")
+        return None
 
 
 def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, grad: str,
@@ -32,53 +162,33 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
     but the last, in the graph (fixed-grid solvers, ``direct`` or ``checkpoint`` only: the
     other modes keep no graph of the steps)."""
     _check_mode(solver, grad)
+    mode = GRADS[grad]()
     needs_grad = torch.is_grad_enabled() and (h0.requires_grad or any(p.requires_grad for p in params))
     if observe is not None and (isinstance(solver, AdaptiveSolver)
                                 or getattr(solver, "reversible", False)
-                                or grad not in ("direct", "checkpoint")):
+                                or not mode.keeps_steps):
         raise ValueError(f"the states between solver steps are kept only by a fixed-grid, "
                          f"non-reversible solver with ode_grad 'direct' or 'checkpoint' "
                          f"(here {getattr(solver, 'method', type(solver).__name__)!s}, "
                          f"{grad!r}).")
     if isinstance(solver, AdaptiveSolver):
-        return odeint_call(f, h0, t0, t1, solver.method, grad == "adjoint" and needs_grad, params,
+        backward = mode.adaptive_backward if needs_grad else None
+        return odeint_call(f, h0, t0, t1, solver.method, backward == "adjoint", params,
                            where, options={"max_num_steps": solver.max_steps},
-                           checkpoint=grad == "checkpoint" and needs_grad,
+                           checkpoint=backward == "checkpoint",
                            rtol=solver.rtol, atol=solver.atol,
                            adjoint_norm=getattr(solver, "adjoint_norm", "default"))
     dt = (t1 - t0) / steps
     times = grid(t0, t1, steps)
     if getattr(solver, "reversible", False):  # reversible Heun, or a plugin's reversible solver
-        if grad not in ("direct", "reversible"):  # never a silent switch to direct backprop
-            raise ValueError(f"ode_grad = {grad!r} is not implemented for a reversible solver; "
-                             f"use 'reversible' or 'direct'.")
+        # (the refusals let only 'direct' and 'reversible' through: never a silent switch)
         if grad == "reversible" and needs_grad:
             return solver.integrate_reversible(f, h0, times, dt, params)
         return solver.integrate_direct(f, h0, times, dt)
-    if grad == "adjoint" and needs_grad:
-        method = ADJOINT_FIXED[solver.tableau.name]
-        _warn_low_order_adjoint(solver.tableau)
-        # only h(t1) is returned and stored; the grid fixes the number of steps exactly (a
-        # step_size can round into an extra step). The adjoint calls it again on the reversed,
-        # negated interval, so it is built from the interval it is given.
-        def grid_constructor(func, y0, t):
-            return torch.linspace(float(t[0]), float(t[-1]), steps + 1, dtype=t.dtype,
-                                  device=t.device)
-
-        return odeint_call(f, h0, t0, t1, method, True, params, where,
-                           options={"grid_constructor": grid_constructor})
-    if grad == "binomial" and needs_grad:
-        return integrate_binomial(lambda i, h: solver.step(f, times[i], h, dt), h0, steps,
-                                  checkpoints or default_checkpoints(steps), params)
-    h = h0
-    for n, t in enumerate(times):
-        if grad == "checkpoint" and needs_grad:
-            h = checkpoint(solver.step, f, t, h, dt, use_reentrant=False)
-        else:
-            h = solver.step(f, t, h, dt)
-        if observe is not None and n + 1 < len(times):
-            observe(n, h)
-    return h
+    if not needs_grad:
+        return _steps(solver.step, f, h0, times, dt, observe)
+    return mode.fixed(solver, f, h0, t0, t1, times, dt, params, steps, checkpoints, observe,
+                      where)
 
 
 _WARNED_ADJOINT: set[str] = set()
@@ -103,33 +213,12 @@ def refusal(solver: str, grad: str, adaptive: bool, reversible: bool,
             steps: int | None = None) -> str | None:
     """Why the solver named ``solver`` (adaptive, reversible: its protocol's class attributes)
     cannot be integrated with gradient mode ``grad`` over ``steps`` steps, in one sentence
-    with the way out; None when it can. The one statement of these rules: the model's config
-    check (``ODEStack.check_config``, which elastic training's drawn solves go through too)
-    and :func:`integrate` both read it."""
-    from ..config.sections import GRAD_MODES
-
-    if grad not in GRAD_MODES:
-        return f"unknown gradient mode {grad!r}: use one of {', '.join(GRAD_MODES)}."
-    if grad == "reversible" and not reversible:
-        return (f"ode_grad = 'reversible' needs an algebraically reversible solver, and "
-                f"{solver!r} is not; use ode_solver = 'reversible_heun' (or another ode_grad: "
-                f"direct, checkpoint, adjoint).")
-    if grad == "adjoint" and not (adaptive or solver in ADJOINT_FIXED):
-        return (f"ode_grad = 'adjoint' works with {', '.join(sorted(ADJOINT_FIXED))} and the "
-                f"adaptive solvers, not {solver!r}; use ode_grad = 'direct' or 'checkpoint' "
-                f"(or 'reversible' with reversible_heun).")
-    if grad in ("checkpoint", "binomial") and reversible:
-        return (f"ode_grad = {grad!r} is not implemented for {solver!r}: use ode_grad = "
-                f"'reversible' (exact gradients, memory constant in the steps, less than "
-                f"checkpointing stores) or 'direct'.")
-    if grad == "binomial" and adaptive:
-        return ("ode_grad = 'binomial' needs a fixed-grid solver (its schedule is planned from "
-                "the number of steps); with an adaptive solver use 'checkpoint' (the accepted "
-                "steps replayed: exact gradients), 'adjoint' or 'direct'.")
-    if grad == "binomial" and steps is not None and steps > MAX_BINOMIAL_STEPS:
-        return (f"ode_grad = 'binomial' plans at most {MAX_BINOMIAL_STEPS} steps, not "
-                f"ode_steps = {steps}; use 'checkpoint'.")
-    return None
+    with the way out; None when it can. Each mode states its own rules above; the model's
+    config check (``ODEStack.check_config``, which elastic training's drawn solves go through
+    too) and :func:`integrate` both read them here."""
+    if grad not in GRADS:
+        return GRADS.unknown_message(grad)
+    return GRADS[grad]().refusal(solver, adaptive, reversible, steps)
 
 
 def _check_mode(solver, grad: str) -> None:
