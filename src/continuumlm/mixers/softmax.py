@@ -93,8 +93,9 @@ class SoftmaxAttention(nn.Module):
         that stopped integrating early (per-token exit) leaves for later tokens to read, and
         the memory of a solver step or block (``model.ode_kv``; :meth:`read` attends to it)."""
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        k, v = qkv[1], qkv[2]
+        # the keys' and values' rows of the fused projection alone (no queries are asked for)
+        kv = linear_rows(self.qkv, x, C, 3 * C).view(B, T, 2, self.num_heads, self.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
         if isinstance(cache, FrozenCache):
             if self.rope is not None:
                 k = self.rope.at(k, cache.static.pos)
