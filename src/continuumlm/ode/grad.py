@@ -55,6 +55,12 @@ def _steps(step, f, h0, times, dt, observe) -> torch.Tensor:
     return h
 
 
+def _not_for_reversible(grad: str, solver: str) -> str:
+    return (f"ode_grad = {grad!r} is not implemented for {solver!r}: use ode_grad = "
+            f"'reversible' (exact gradients, memory constant in the steps, less than "
+            f"checkpointing stores) or 'direct'.")
+
+
 @GRADS.register("direct")
 class Direct(GradMode):
     """Autograd through every solver operation (memory grows with the steps)."""
@@ -71,11 +77,7 @@ class Checkpointed(GradMode):
     keeps_steps = True
 
     def refusal(self, solver, adaptive, reversible, steps):
-        if reversible:
-            return (f"ode_grad = 'checkpoint' is not implemented for {solver!r}: use ode_grad "
-                    f"= 'reversible' (exact gradients, memory constant in the steps, less "
-                    f"than checkpointing stores) or 'direct'.")
-        return None
+        return _not_for_reversible("checkpoint", solver) if reversible else None
 
     def fixed(self, solver, f, h0, t0, t1, times, dt, params, steps, checkpoints, observe,
               where):
@@ -92,9 +94,7 @@ class Binomial(GradMode):
 
     def refusal(self, solver, adaptive, reversible, steps):
         if reversible:
-            return (f"ode_grad = 'binomial' is not implemented for {solver!r}: use ode_grad = "
-                    f"'reversible' (exact gradients, memory constant in the steps, less than "
-                    f"checkpointing stores) or 'direct'.")
+            return _not_for_reversible("binomial", solver)
         if adaptive:
             return ("ode_grad = 'binomial' needs a fixed-grid solver (its schedule is planned "
                     "from the number of steps); with an adaptive solver use 'checkpoint' (the "
