@@ -31,7 +31,7 @@ import torch
 from common import RESULTS, RUNS, machine, markdown_table, write_json
 
 from continuumlm import LanguageModel
-from continuumlm.config import load_config
+from continuumlm.config import load_config, reading_saved_config
 from continuumlm.threads import ThreadPolicy
 
 SH = "configs/shakespeare_char"
@@ -79,7 +79,8 @@ def model_config(stem: str, config: str, sets: list[str], runs: list[dict]):
     for r in runs:
         folder = RUNS / f"{stem}_seed{r['seed']}"
         if (folder / "config.toml").is_file():
-            return load_config(folder / "config.toml").model
+            with reading_saved_config():  # a run's own file, as its version wrote it
+                return load_config(folder / "config.toml").model
     run = load_config(config, sets)
     vocab = 65 if run.data.tokenizer == "char" else (run.data.vocab_size or 10000)
     return dataclasses.replace(run.model, vocab_size=vocab)

@@ -124,6 +124,20 @@ def _origin(message: str, source: str | None, overridden: dict[str, str] | None)
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def note_old_spelling(moved: list[tuple[str, str]], source: str | None,
+                      overridden: dict[str, str] | None) -> None:
+    """One line (an ``OldSpelling`` warning, which the CLI prints as ``note: ...``) for the
+    keys of one section that a config or --set spelled as an earlier version did: ``moved``
+    holds (old, new) dotted names."""
+    import warnings
+
+    from ..errors import OldSpelling
+
+    where = _origin(" ".join(old for old, _ in moved), source, overridden)
+    names = ", ".join(f"{old} is now {new}" for old, new in moved)
+    warnings.warn(f"{names}{where}; the old names still load.", OldSpelling, stacklevel=3)
+
+
 def _validate(obj, section: str, skip: tuple[str, ...] = ()) -> None:
     """Types, and bounds: a component's Config declares its own (``setting``); the sections
     here use the tables at the top of this module, keyed by field name."""

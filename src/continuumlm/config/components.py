@@ -4,13 +4,12 @@ dataclass has a [model.NAME] table; the flat names of version 0.1 are mapped ont
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import fields
 from typing import Any
 
-from ..errors import ConfigError, OldSpelling
+from ..errors import ConfigError
 from ..registry import FIELDS, MIXERS, SOLVERS
-from .checks import _in, _origin, _strict, _suggest, _validate
+from .checks import _in, _origin, _strict, _suggest, _validate, note_old_spelling
 
 # the plain [model] keys (filled in by sections.py): a component table may not shadow them
 MODEL_KEYS: set[str] = set()
@@ -36,7 +35,7 @@ def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, 
     """[model] as read (TOML, JSON or --set): plain keys stay; tables ([model.NAME]) and the
     flat names of earlier versions (LEGACY_KEYS) go into ``components`` as dicts, built into
     each component's Config by ``_build_components``."""
-    plain, tables = {}, {}
+    plain, tables, moved = {}, {}, []
     for key, value in d.items():
         if key == "components":  # ModelConfig(components=...) as a dict, e.g. asdict(cfg)
             plain[key] = value
@@ -49,10 +48,7 @@ def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, 
                                   f"{leaf}{where}; keep [model.{name}] {leaf} = ... (model.{key} "
                                   f"is the older spelling).")
             table[leaf] = value
-            if _strict():
-                warnings.warn(f"model.{key} is now model.{name}.{leaf} ([model.{name}] {leaf} = "
-                              f"...){_origin(f'model.{key}', source, overridden)}; the old "
-                              f"name still loads.", OldSpelling, stacklevel=2)
+            moved.append((f"model.{key}", f"model.{name}.{leaf}"))
         elif isinstance(value, dict):
             table = tables.setdefault(key, {})
             for leaf, v in value.items():
@@ -64,6 +60,8 @@ def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, 
                 table[leaf] = v
         else:
             plain[key] = value
+    if moved and _strict():
+        note_old_spelling(moved, source, overridden)
     if tables:
         given = plain.get("components", {})
         plain["components"] = {**(given if isinstance(given, dict) else {}), **tables}

@@ -5,12 +5,11 @@ define; and the flat names earlier versions gave those settings."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ConfigError, OldSpelling
-from .checks import _in, _origin, _strict, _suggest, _validate
+from ..errors import ConfigError
+from .checks import _in, _origin, _strict, _suggest, _validate, note_old_spelling
 from .distill import DistillConfig
 from .elastic import ElasticConfig
 from .regularize import RegularizeConfig
@@ -166,9 +165,10 @@ def split_train_tables(d: dict[str, Any], source: str | None,
                        overridden: dict[str, str] | None) -> dict[str, Any]:
     """[train] as read (TOML, JSON or --set), with the flat names of earlier versions
     (LEGACY_TRAIN_KEYS) moved into their tables. A config written by hand (not a saved run's)
-    that uses one gets a one-line note (an ``OldSpelling`` warning) naming the new spelling."""
+    that uses any gets one line naming the new spellings (``checks.note_old_spelling``)."""
     out = {k: (dict(v) if k in TABLES and isinstance(v, dict) else v) for k, v in d.items()
            if k not in LEGACY_TRAIN_KEYS}
+    moved = []
     for old in (k for k in d if k in LEGACY_TRAIN_KEYS):
         name, leaf = LEGACY_TRAIN_KEYS[old]
         table = out.setdefault(name, {})
@@ -180,8 +180,7 @@ def split_train_tables(d: dict[str, Any], source: str | None,
                               f"keep [train.{name}] {leaf} = ... (train.{old} is the older "
                               f"spelling).")
         table[leaf] = d[old]
-        if _strict():
-            where = _origin(f"train.{old}", source, overridden)
-            warnings.warn(f"train.{old} is now train.{name}.{leaf} ([train.{name}] {leaf} = "
-                          f"...){where}; the old name still loads.", OldSpelling, stacklevel=2)
+        moved.append((f"train.{old}", f"train.{name}.{leaf}"))
+    if moved and _strict():
+        note_old_spelling(moved, source, overridden)
     return out
