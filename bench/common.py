@@ -169,15 +169,22 @@ def forward_nfe(r: dict, cfg) -> tuple[float | None, bool]:
     return r.get("nfe") or cfg.model.num_layers, False
 
 
+def canonical_overrides(overrides) -> tuple:
+    """--set options with each key under today's spelling (records keep the spelling of their
+    day: train.consistency_weight is train.elastic.consistency_weight), to tell recipes apart."""
+    from continuumlm.config import canonical_key
+
+    return tuple(f"{canonical_key(k.strip())}={v}" for k, _, v in
+                 (o.partition("=") for o in overrides or ()))
+
+
 def run_config(r: dict, *extra: str):
     """The RunConfig a result JSON's run trained with: its config file and --set options."""
     from continuumlm import load_config
-    from continuumlm.config import canonical_key
 
     # a record keeps the spelling of its day (train.kinetic_weight): read under today's
-    sets = [*(r.get("overrides") or []), *extra]
-    return load_config(ROOT / r["config"], [f"{canonical_key(k.strip())}={v}"
-                                            for k, _, v in (o.partition("=") for o in sets)])
+    return load_config(ROOT / r["config"],
+                       list(canonical_overrides([*(r.get("overrides") or []), *extra])))
 
 
 def cpu_model() -> str:

@@ -54,7 +54,7 @@ ROUNDS, PER_ROUND = 6, 16
 def kinds(trainer, total: int) -> dict[tuple, list[int]]:
     """The steps 0..total-1 of a run grouped by what a step costs: its drawn (solver, steps)
     and whether it has the consistency term's finer solve."""
-    e = trainer.elastic
+    e = trainer.objective.elastic
     out: dict[tuple, list[int]] = {}
     for k in range(total):
         draw = e.draw(k) if e.enabled else None

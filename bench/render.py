@@ -24,6 +24,7 @@ from common import (
     RESULTS,
     ROOT,
     SHARED_CORES,
+    canonical_overrides,
     forward_nfe,
     markdown_table,
     run_config,
@@ -98,10 +99,11 @@ def elastic_screening_table(results: dict) -> str:
              if sum(1 for r in runs if r["config"] == c and not r.get("tag")) > 1}
     groups = defaultdict(list)  # recipe (config and overrides) -> its runs
     for r in sorted(runs, key=lambda r: (r["config"], r.get("tag") or "", str(r["seed"]))):
-        if r.get("tag") or r["config"] in multi:
-            groups[config_cell(r["config"], row_overrides(r))].append(r)
+        if r.get("tag") or r["config"] in multi:  # a recipe under either spelling
+            groups[(r["config"], canonical_overrides(row_overrides(r)))].append(r)
     rows = []
-    for cell, group in groups.items():
+    for group in groups.values():
+        cell = config_cell(group[0]["config"], row_overrides(group[0]))
         gaps = []
         for r in group:
             base = ref.get((r["seed"], shared(r)))
@@ -361,10 +363,12 @@ def training_table(results: dict[str, dict], folder: str, test: bool = False,
                                  f"{r['split']} split under val_loss_full_split "
                                  f"(train_seeds.py --split); the tables read the validation "
                                  f"split. Move that JSON out of the results folder.")
-            groups[(r["config"], row_overrides(r))].append(r)
+            groups[(r["config"], canonical_overrides(row_overrides(r)))].append(r)
     rows = []
-    for (config, overrides), runs in sorted(groups.items()):
+    # rows in the order of the options as the records spell them
+    for runs in sorted(groups.values(), key=lambda g: (g[0]["config"], row_overrides(g[0]))):
         runs.sort(key=lambda r: r["seed"])
+        config, overrides = runs[0]["config"], row_overrides(runs[0])
         timed, mark = timed_runs(runs)
         tps = statistics.mean(r["tokens_per_s_median"] for r in timed)
         per_step = _tokens_per_step(runs[0])

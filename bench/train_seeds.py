@@ -29,6 +29,7 @@ from common import (
     RESULTS,
     RUNS,
     OtherLoad,
+    canonical_overrides,
     checkpoint_step,
     cpu_model,
     other_settings,
@@ -86,7 +87,9 @@ def main() -> None:
         run = RUNS / f"{name}_seed{seed}"
         if dest.exists() and not args.force:
             old = json.loads(dest.read_text())
-            if (old.get("config"), old.get("overrides", [])) != (args.config, args.set):
+            # (a record keeps the spelling of its day: compared under today's)
+            if (old.get("config"), canonical_overrides(old.get("overrides", []))) != \
+                    (args.config, canonical_overrides(args.set)):
                 sys.exit(f"{dest} records {old.get('config')} with --set options "
                          f"{old.get('overrides', [])}, not {args.set}: pass --tag TAG to keep "
                          f"both results (its runs and JSON are named {name}-TAG_seedN), or "

@@ -340,6 +340,15 @@ def test_regularizer_table_sets_each_weight_against_the_unregularized_run_and_th
     assert render.regularizer_verdict(results) == ""
 
 
+def test_a_recipe_is_the_same_under_either_spelling():
+    from common import canonical_overrides
+
+    old = ["train.consistency_weight=1.0", "train.elastic_from=1000", "train.lr=2e-3"]
+    new = ["train.elastic.consistency_weight=1.0", "train.elastic.start=1000", "train.lr=2e-3"]
+    assert canonical_overrides(old) == canonical_overrides(new) == tuple(new)
+    assert canonical_overrides(["model.cat_basis=cheb"]) == ("model.continuous.basis=cheb",)
+
+
 def test_run_setting_reads_either_spelling_from_overrides_and_files(tmp_path):
     import render
 
@@ -370,6 +379,26 @@ def test_adaptive_solvers_keeps_the_rows_of_a_model_whose_run_is_gone():
     assert rows == recorded[:2] + new  # the rerun model's fresh rows replace its old ones
     assert missing == ["ode_tsit5_rnode"]
     assert A.keep_recorded(new, [], recorded) == (new, [])
+
+
+def test_elastic_cost_groups_a_trainers_steps_by_their_draw(tiny_corpus, tmp_path):
+    """What a step costs is read from the trainer's elastic draws: (solver, steps) and whether
+    the consistency term's finer solve runs."""
+    import elastic_cost
+
+    from continuumlm import load_config
+    from continuumlm.train import Trainer
+
+    cfg = load_config(None, [
+        "data.dataset=text", f'data.path="{tiny_corpus}"', "model.hidden_size=16",
+        "model.num_heads=2", "model.num_layers=1", "model.depth=ode", "train.device=cpu",
+        "train.elastic.steps=[1, 2]", "train.elastic.consistency_weight=0.5",
+        "train.batch_size=2", "train.seq_len=8", "train.max_steps=8"])
+    tr = Trainer(cfg, tmp_path / "run", quiet=True)
+    found = elastic_cost.kinds(tr, 8)
+    assert sorted(k for ks in found.values() for k in ks) == list(range(8))
+    for (draw, finer), steps in found.items():
+        assert draw == tr.objective.elastic.draw(steps[0]) and finer == (draw[1] == 1)
 
 
 def test_elastic_cost_marks_the_rows_timed_apart():

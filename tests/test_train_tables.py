@@ -228,3 +228,13 @@ def test_an_old_run_with_flat_keys_evaluates_and_resumes_exactly(tiny_corpus, tm
 
     assert sorted(events(cut)) == list(range(1, 9))
     assert events(cut) == events(full)
+
+
+def test_an_old_key_beside_a_built_table_is_refused():
+    """from_dict with a table already built (a dataclass) and a flat key of an earlier
+    spelling beside it: refused by name, never dropped."""
+    d = {"model": {"depth": "ode"}, "train": {"elastic": ElasticConfig(steps=[2, 4]),
+                                             "consistency_weight": 0.5}}
+    with pytest.raises(ConfigError, match=r"train.consistency_weight is given beside a built "
+                                          r"\[train.elastic\] table"):
+        RunConfig.from_dict(d, saved=True)

@@ -161,7 +161,8 @@ def solve_nfe(model_config, solver: str, steps: int) -> int:
 def solve_pairs(model_config, elastic: ElasticConfig) -> list[tuple[str, int]]:
     """The (solver, steps) pairs that elastic training may draw: every pair of the two lists,
     less those over ``max_nfe`` when it is set, in list order (an entry listed twice counts
-    twice)."""
+    twice). ``elastic``: [train.elastic], or the TrainConfig holding it (as before)."""
+    elastic = getattr(elastic, "elastic", elastic)
     solvers = list(elastic.solvers or [model_config.ode_solver])
     steps = list(elastic.steps or [model_config.ode_steps])
     return [(s, n) for s in solvers for n in steps

@@ -172,8 +172,11 @@ def split_train_tables(d: dict[str, Any], source: str | None,
     for old in (k for k in d if k in LEGACY_TRAIN_KEYS):
         name, leaf = LEGACY_TRAIN_KEYS[old]
         table = out.setdefault(name, {})
+        if dataclasses.is_dataclass(table):  # the table built already, an old key beside it
+            raise ConfigError(f"train.{old} is given beside a built [train.{name}] table"
+                              f"{_in(source)}; set {leaf} in the table instead.")
         if not isinstance(table, dict):
-            continue  # refused when the table is built
+            continue  # refused when the table is built ("must be a table")
         if leaf in table:
             where = _origin(f"train.{old}", source, overridden) or _in(source)
             raise ConfigError(f"train.{old} and train.{name}.{leaf} both set {leaf}{where}; "

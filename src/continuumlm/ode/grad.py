@@ -181,7 +181,9 @@ def integrate(f, h0: torch.Tensor, t0: float, t1: float, solver, steps: int, gra
     dt = (t1 - t0) / steps
     times = grid(t0, t1, steps)
     if getattr(solver, "reversible", False):  # reversible Heun, or a plugin's reversible solver
-        # (the refusals let only 'direct' and 'reversible' through: never a silent switch)
+        if grad not in ("direct", "reversible"):  # never a silent switch to direct backprop
+            raise ValueError(f"ode_grad = {grad!r} is not implemented for a reversible solver; "
+                             f"use 'reversible' or 'direct'.")
         if grad == "reversible" and needs_grad:
             return solver.integrate_reversible(f, h0, times, dt, params)
         return solver.integrate_direct(f, h0, times, dt)
