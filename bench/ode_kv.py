@@ -58,6 +58,12 @@ MODELS = [
         ("discrete, 1 layer", "shakespeare_char-deltanet-1layer", f"{SH}/deltanet.toml",
          ["model.num_layers=1"]),
     ]),
+    ("PTB, DeltaNet", [
+        *[(kv, f"ptb-ode_deltanet-kv-{kv}", "configs/ptb/ode_deltanet.toml",
+           [f"model.ode_kv={kv}"]) for kv in ("evaluation", "step", "block")],
+        ("discrete, 1 layer", "ptb-deltanet-1layer", "configs/ptb/deltanet.toml",
+         ["model.num_layers=1"]),
+    ]),
 ]
 TARGET = 0.01  # "block" within 1% of "evaluation"
 CONTEXT = 1024

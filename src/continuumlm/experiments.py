@@ -177,7 +177,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
     ]),
     "ode_kv": ("Decoding memory that does not grow with the solve (model.ode_kv): the "
                "mixers' memory per evaluation, per solver step or per block, RK4 x 4, softmax "
-               "on Tiny Shakespeare and PTB and DeltaNet on Tiny Shakespeare, against the "
+               "on Tiny Shakespeare and PTB and DeltaNet on Tiny Shakespeare and PTB, against the "
                "one-layer discrete model with the same parameters and cache (the evaluation "
                "rows of softmax are the shakespeare and ptb experiments' ode_rk4 runs)", [
         # one seed of each first, then the other seeds (an experiment resumes where it stopped)
@@ -211,6 +211,13 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[_train(f"{SH}/ode_deltanet.toml", [1, 2], "--tag", f"rk4x4-kv-{kv}",
                  "--set", "model.ode_steps=4", "--set", f"model.ode_kv={kv}")
           for kv in ("evaluation", "block", "step")],
+        # DeltaNet on PTB: seed 42 of each option, the one-layer discrete model, the other seeds
+        *[_train("configs/ptb/ode_deltanet.toml", [42], "--tag", f"kv-{kv}", "--also-test",
+                 "--set", f"model.ode_kv={kv}") for kv in ("evaluation", "block", "step")],
+        _train("configs/ptb/deltanet.toml", [42, 1, 2], "--tag", "1layer", "--also-test",
+               "--set", "model.num_layers=1"),
+        *[_train("configs/ptb/ode_deltanet.toml", [1, 2], "--tag", f"kv-{kv}", "--also-test",
+                 "--set", f"model.ode_kv={kv}") for kv in ("evaluation", "block", "step")],
         Step("ode_kv.py", quick=False, output="ode_kv"),  # cache bytes, decoding, training speed
     ]),
     "mqar": ("Multi-query associative recall (Zoology): softmax, DeltaNet, ODE-DeltaNet at 16 "
