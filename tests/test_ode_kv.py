@@ -125,6 +125,29 @@ def test_continuous_kernel_reads_only_memory():
     torch.testing.assert_close(_read(mx, x, m, mx.cache_factory()), mx(m), rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("kernel", ["absolute", "relative"])
+def test_continuous_bias_write_and_read_project_their_half_alone(kernel, monkeypatch):
+    """CAT's bias mode projects content queries and keys with one fused projection: a write
+    computes the keys' rows of it alone, a read the queries' rows alone (never the whole
+    projection), and the result is the write + read of the whole projection's halves."""
+    from continuumlm.mixers import continuous
+
+    mx = _mixer("continuous", {}, {"continuous": {"mode": "bias", "kernel": kernel}})
+    x, m = torch.randn(2, 2, 9, 16, dtype=torch.float64).unbind(0)
+    want = _read(mx, x, m, mx.cache_factory())
+    rows, real = [], continuous.linear_rows
+    monkeypatch.setattr(continuous, "linear_rows",
+                        lambda lin, t, a, b: rows.append((a, b)) or real(lin, t, a, b))
+    monkeypatch.setattr(mx.qk, "forward",
+                        lambda t: pytest.fail("the whole q/k projection was computed"))
+    cache = mx.cache_factory()
+    remember(mx, m, cache, None)
+    assert rows == [(16, 32)]  # the keys' rows
+    got = mix(mx, x, Written(cache), None)
+    assert rows == [(16, 32), (0, 16)]  # then the queries'
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
 def _block(kv, solver="rk4", steps=2, mixer="softmax", seed=0, **kw):
     model = small_model(seed, depth="ode", field="sequential", num_layers=1, mixer=mixer,
                         ode_solver=solver, ode_steps=steps, ode_kv=kv, position="learned", **kw)

@@ -62,7 +62,7 @@ import torch.nn as nn
 
 from ..config import setting
 from ..errors import ConfigError
-from ..nn import SharedDropout, make_linear
+from ..nn import SharedDropout, linear_rows, make_linear
 from ..registry import register_mixer
 from . import spectral
 from .cache import FrozenCache, FrozenSeqCache, KVCache, SeqCache
@@ -237,28 +237,43 @@ class ContinuousAttention(nn.Module):
             bias = bias.masked_fill(d < 0, float("-inf"))
         return bias.unsqueeze(0)
 
-    def _keys(self, x: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dt):
+    def _keys(self, x: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dt,
+              part: str = "qk"):
         """Queries and keys of the exact (SDPA) forms, (B, H, T, F [+ D]) in ``dt`` (the
-        content ones alone, (B, H, T, D), with the relative kernel)."""
+        content ones alone, (B, H, T, D), with the relative kernel). ``part`` "q" or "k"
+        computes that one alone and gives None for the other: a memory read needs the queries
+        only, a write the keys only (in bias mode, their rows of the fused projection)."""
         B, T, _ = x.shape
+        q = k = cq = ck = None
+        if self.mode == "bias":  # the content part, from the fused projection (queries first)
+            if part == "qk":
+                qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+                cq, ck = qk[0].to(dt) * self.head_dim ** -0.5, qk[1].to(dt)
+            else:  # one half: its rows of the projection alone
+                C, i = self.num_heads * self.head_dim, "qk".index(part)
+                c = linear_rows(self.qk, x, i * C, (i + 1) * C).view(
+                    B, T, self.num_heads, self.head_dim).transpose(1, 2).to(dt)
+                cq, ck = (c * self.head_dim ** -0.5, None) if part == "q" else (None, c)
         if self.relative:
-            qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            return qk[0].to(dt) * self.head_dim ** -0.5, qk[1].to(dt)
+            return cq, ck
         with torch.autocast(x.device.type, enabled=False):
             if q_pos.dim() == 2:  # each row its own positions (B, T): a padded batch
-                q = torch.einsum("btf,hfg->bhtg", self.phi(q_pos.to(dt) / self.scale),
-                                 self.coef.to(dt))                      # (B, H, Tq, F)
-                k = self.phi(k_pos.to(dt) / self.scale)[:, None].expand(
-                    -1, self.num_heads, -1, -1)                          # (B, H, Tk, F)
+                if "q" in part:
+                    q = torch.einsum("btf,hfg->bhtg", self.phi(q_pos.to(dt) / self.scale),
+                                     self.coef.to(dt))                  # (B, H, Tq, F)
+                if "k" in part:
+                    k = self.phi(k_pos.to(dt) / self.scale)[:, None].expand(
+                        -1, self.num_heads, -1, -1)                      # (B, H, Tk, F)
             else:
-                a = torch.einsum("if,hfg->hig", self.phi(q_pos.to(dt) / self.scale),
-                                 self.coef.to(dt))                      # (H, Tq, F)
-                q = a.unsqueeze(0).expand(B, -1, -1, -1)
-                k = self.phi(k_pos.to(dt) / self.scale).expand(B, self.num_heads, -1, -1)
+                if "q" in part:
+                    a = torch.einsum("if,hfg->hig", self.phi(q_pos.to(dt) / self.scale),
+                                     self.coef.to(dt))                  # (H, Tq, F)
+                    q = a.unsqueeze(0).expand(B, -1, -1, -1)
+                if "k" in part:
+                    k = self.phi(k_pos.to(dt) / self.scale).expand(B, self.num_heads, -1, -1)
         if self.mode == "bias":
-            qk = self.qk(x).view(B, T, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            q = torch.cat([qk[0].to(dt) * self.head_dim ** -0.5, q], -1)
-            k = torch.cat([qk[1].to(dt), k], -1)
+            q = torch.cat([cq, q], -1) if q is not None else None
+            k = torch.cat([ck, k], -1) if k is not None else None
         return q, k
 
     def _exact(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
@@ -504,7 +519,7 @@ class ContinuousAttention(nn.Module):
             pos = padding.positions
         else:
             pos = torch.arange(cache.length, cache.length + T, device=m.device)
-        k = self._keys(m, pos, pos, dt)[1]
+        k = self._keys(m, pos, pos, dt, "k")[1]
         cache.write(k, v.to(dt)) if frozen else cache.append(k, v.to(dt))
 
     def read(self, x: torch.Tensor, cache, padding: Padding | None = None) -> torch.Tensor:
@@ -518,7 +533,7 @@ class ContinuousAttention(nn.Module):
             if not self.exact:
                 return self._frozen_quadrature_out(x, cache.buffers[0], q_pos)
             dt = torch.promote_types(self.coef.dtype, torch.float32)
-            q = self._keys(x, q_pos, q_pos, dt)[0]
+            q = self._keys(x, q_pos, q_pos, dt, "q")[0]
             k, v = cache.buffers
             return self._exact_out(x, q, k, v, q_pos, cache.static.mask, False, None)
         offset = cache.length - T
@@ -527,13 +542,13 @@ class ContinuousAttention(nn.Module):
             if not self.exact:
                 return self._padded_quadrature(x, cache.contents()[0], padding)
             dt = torch.promote_types(self.coef.dtype, torch.float32)
-            q = self._keys(x, padding.positions, padding.positions, dt)[0]
+            q = self._keys(x, padding.positions, padding.positions, dt, "q")[0]
             return self._padded_exact_attend(x, q, *cache.contents(), padding)
         if not self.exact:
             return self._quadrature_out(x, cache.contents()[0], offset)
         dt = torch.promote_types(self.coef.dtype, torch.float32)
         q_pos = torch.arange(offset, offset + T, device=x.device)
-        q = self._keys(x, q_pos, q_pos, dt)[0]
+        q = self._keys(x, q_pos, q_pos, dt, "q")[0]
         k, v = cache.contents()
         return self._exact_attend(x, q, k, v, q_pos, offset)
 
