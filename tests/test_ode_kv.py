@@ -262,6 +262,30 @@ def test_cache_memory_does_not_grow_with_the_solve():
     assert dn["evaluation"].fixed == 8 * dn["block"].fixed > 0
 
 
+@pytest.mark.parametrize("conv", [0, 4])
+@pytest.mark.parametrize("kv", ["step", "block"])
+def test_deltanet_memory_lets_go_of_the_prompt(kv, conv):
+    """A DeltaNet memory cache holds its state (and convolution history) alone once a solve
+    has read it: after a 20-token prompt no cache keeps the prompt's keys, values and write
+    strengths, and the tokens decoded next are the full forward's."""
+    from continuumlm.mixers.deltanet_cache import DeltaNetCache
+
+    model = small_model(depth="ode", mixer="deltanet", num_layers=2, ode_solver="rk4",
+                        ode_steps=2, ode_kv=kv,
+                        components={"deltanet": {"short_conv": conv}}).double().eval()
+    idx = torch.randint(0, 37, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx)[0]
+        state = model.init_state(2)
+        model.step(idx[:, :20], state)
+        caches = [c for c in state._caches.values() if isinstance(c, DeltaNetCache)]
+        assert len(caches) == 2 * (2 if kv == "step" else 1)
+        assert all(c.memory is None and c.state is not None for c in caches)
+        cached = torch.stack([model.step(idx[:, t:t + 1], state)[0] for t in range(20, 24)], 1)
+        assert all(c.memory is None for c in caches)
+    torch.testing.assert_close(cached, full[:, 20:], rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(ode_grad="adjoint"), "adjoint"),
     (dict(ode_solver="reversible_heun", ode_grad="reversible"), "reversible"),

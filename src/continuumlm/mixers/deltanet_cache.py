@@ -66,6 +66,13 @@ class DeltaNetCache:
             self.state = delta_rule_state(mem.k, mem.v, mem.beta, mem.start)
             mem.pending = False
 
+    def release(self) -> None:
+        """Let go of the latest write's tokens once every read of its step or block is done
+        (the ODE block calls this after its solve): the state takes them in, so the cache
+        holds the state and history alone, whatever the prompt's length."""
+        self.settle()
+        self.memory = None
+
     def start(self):
         """The state an extension starts from (for :meth:`record`), taken before it changes."""
         self.settle()

@@ -174,12 +174,14 @@ class ODEBlock(nn.Module):
         kv = cfg.ode_kv
         # ode_kv "step" / "block": the cache of the current step or block, holding its memory
         written: list[Written | None] = [None]
+        held: list = []  # the decoding state's memory caches this solve wrote
 
         def memory_cache(where) -> Written:
             """The cache of a step or block, new for a forward without a decoding state."""
             if state is None:
                 return Written(factory())
-            return Written(state.cache(("ode", key, *where), factory))
+            held.append(state.cache(("ode", key, *where), factory))
+            return Written(held[-1])
 
         def remember_at(t, h: torch.Tensor, where) -> None:
             w = memory_cache(where)
@@ -274,6 +276,14 @@ class ODEBlock(nn.Module):
             x, self.last_token_nfe = solve_with_exit(
                 self.cfg, self.solver, f, None if kv != "evaluation" else write, x, exit_rule,
                 state is not None, at_step)
+        if held and not torch.is_grad_enabled():
+            # every read of the memory is done: a cache that keeps the written tokens beside
+            # its state (DeltaNet's, until the next write) lets go of them (a backward pass
+            # would replay the reads: kept while grad is on)
+            for cache in held:
+                release = getattr(cache, "release", None)
+                if release is not None:
+                    release()
         self.last_nfe = calls[0]
         self._calls = calls  # evaluations made later (by a backward pass) still count here
         if self.field.post_mlp:
