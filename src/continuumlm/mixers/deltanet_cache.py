@@ -66,7 +66,7 @@ class DeltaNetCache:
             self.state = delta_rule_state(mem.k, mem.v, mem.beta, mem.start)
             mem.pending = False
 
-    def release(self) -> None:
+    def release_memory(self) -> None:
         """Let go of the latest write's tokens once every read of its step or block is done
         (the ODE block calls this after its solve): the state takes them in, so the cache
         holds the state and history alone, whatever the prompt's length."""

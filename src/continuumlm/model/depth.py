@@ -281,7 +281,7 @@ class ODEBlock(nn.Module):
             # its state (DeltaNet's, until the next write) lets go of them (a backward pass
             # would replay the reads: kept while grad is on)
             for cache in held:
-                release = getattr(cache, "release", None)
+                release = getattr(cache, "release_memory", None)
                 if release is not None:
                     release()
         self.last_nfe = calls[0]
