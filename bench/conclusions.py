@@ -480,15 +480,18 @@ def ode_kv(r: dict, results: dict) -> str | None:
         f" ({', '.join(missed)})" if missed else "") + (
         "" if {"Tiny Shakespeare", "PTB"} <= corpora else "; not yet met on both corpora")
     steps = [v for v in verdicts if v["ode_kv"] == "step"]
-    # the trade: step keeps 4 times block's cache (RK4's stages per step); it is the better
-    # one where its loss is the lower of the two
-    block_of = {b["group"]: b["loss_change"] for b in blocks}
-    lower = [v for v in steps if v["loss_change"] < block_of.get(v["group"], -math.inf)]
+    # the trade: step keeps more cache than block (RK4: 4 times); it is the better one where
+    # its loss is the lower of the two
+    block_of = {b["group"]: b for b in blocks}
+    lower = [v for v in steps
+             if v["group"] in block_of and v["loss_change"] < block_of[v["group"]]["loss_change"]]
     not_lower = [v["group"] for v in steps if v["group"] in block_of and v not in lower]
-    by = ", ".join(f"{v['group']} (by {100 * (block_of[v['group']] - v['loss_change']):.2f} "
-                   f"points)" for v in lower)
+    by = ", ".join(
+        f"{v['group']} (by {100 * (block_of[v['group']]['loss_change'] - v['loss_change']):.2f} "
+        f"points, at {v['memory_ratio'] / block_of[v['group']]['memory_ratio']:.3g} times "
+        f"block's cache)" for v in lower)
     trade = "; ".join(
-        ([f"a lower loss than block's, at 4 times its cache, on {by}"]
+        ([f"a lower loss than block's on {by}"]
          if lower else []) +
         ([f"no lower than block's on {', '.join(not_lower)}, where block is the better trade"]
          if not_lower else []))
