@@ -559,15 +559,19 @@ def test_harness_scores_a_word_vocabulary_with_unk(tiny_corpus, tmp_path, monkey
 
 def test_a_character_model_exports_without_an_end_of_text_token(tiny_corpus, tmp_path):
     """A character vocabulary defines no end-of-text token: the exported model generates to
-    max_new_tokens through newlines (it stopped at the first one), reads a text after a
-    newline (its bos, the harness's prefix) and pads with it."""
+    max_new_tokens through newlines (it stopped at the first one: its generation config names
+    no end), reads a text after a newline (its bos, the harness's prefix) and pads with it.
+    The tokenizer names the newline as its eos for the stock tools that read one there
+    (lm-eval's generate_until, ``pad_token = eos_token``)."""
     out = exported_run(tiny_corpus, tmp_path, tokenizer="char")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     newline = tok.convert_tokens_to_ids("\n")
-    assert tok.eos_token is None and hf.config.eos_token_id is None
-    assert hf.generation_config.eos_token_id is None
+    assert hf.config.eos_token_id is None and hf.generation_config.eos_token_id is None
+    assert tok.eos_token == "\n" and tok.eos_token_id == newline
     assert hf.config.bos_token_id == newline == tok.pad_token_id == tok.bos_token_id
+    tok.pad_token = tok.eos_token  # the batching idiom keeps a pad token
+    assert tok.pad_token_id == newline
     assert tok("ab")["input_ids"] == tok.convert_tokens_to_ids(["a", "b"])  # no bos added
     prompt = tok("the cat", return_tensors="pt")
     new = hf.generate(**prompt, max_new_tokens=40, do_sample=False)[0, prompt.input_ids.shape[1]:]

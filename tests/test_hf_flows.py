@@ -443,3 +443,107 @@ def test_the_decoding_state_is_named_as_the_installed_transformers_names_it():
         nxt = hf(input_ids=x[:, :1], **{name: state})
         assert getattr(nxt, CACHE_FIELD) is state and state.get_seq_length() == 6 + (
             name == "past_key_values")
+
+
+_STOCK_TASKS = """\
+task: stock_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 1.0
+---
+task: stock_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{prompt}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: 0
+metric_list:
+  - metric: acc
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.mark.slow
+def test_stock_lm_eval_runs_generate_until_on_a_character_model(tiny_corpus, tmp_path):
+    """lm-evaluation-harness's own command line (``lm_eval --model hf``, trust_remote_code) on
+    an exported character model: a generate_until task (it ended in "TypeError: 'None' is not
+    an instance of 'Sequence'": lm-eval decodes the tokenizer's eos as its stop string) and a
+    log-likelihood task, each sample's answer the same at batch sizes 1 and 8."""
+    pytest.importorskip("lm_eval")
+    out = exported_run(tiny_corpus, tmp_path, tokenizer="char")
+    lines = [x for x in tiny_corpus.read_text().splitlines() if len(x) > 12][:10]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": x[:4 + i], "answer": x[4 + i:8 + i],
+                                        "choices": [x[4 + i:10], " the mat", " a"]}) + "\n"
+                            for i, x in enumerate(lines)))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for i, doc in enumerate(_STOCK_TASKS.format(data=data).split("---\n")):
+        (tasks / f"stock_{i}.yaml").write_text(doc)
+    exe = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    samples = {}
+    for bs in (1, 8):
+        r = subprocess.run([exe, "--model", "hf", "--model_args",
+                            f"pretrained={out},trust_remote_code=True", "--tasks",
+                            "stock_gen,stock_choice", "--include_path", str(tasks), "--device",
+                            "cpu", "--batch_size", str(bs), "--log_samples", "--output_path",
+                            str(tmp_path / f"out{bs}")], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                             "HF_DATASETS_OFFLINE": "1",
+                                             "HF_HOME": str(tmp_path / "hf_home")})
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = {}
+        for f in sorted((tmp_path / f"out{bs}").rglob("samples_*.jsonl")):
+            rows = [json.loads(x) for x in f.read_text().splitlines()]
+            got[f.name.split("_20")[0]] = [(row["doc_id"], row["resps"]) for row in rows]
+        assert len(got) == 2, got.keys()
+        samples[bs] = got
+    gen = next(v for k, v in samples[1].items() if "stock_gen" in k)
+    assert len(gen) == len(lines) and all(isinstance(r[0][0], str) for _, r in gen)
+    for k, rows in samples[1].items():
+        other = samples[8][k]
+        if "stock_gen" in k:
+            assert other == rows
+        else:  # log-likelihoods: the same to float tolerance, the same greedy flags
+            for (d1, r1), (d8, r8) in zip(rows, other):
+                assert d1 == d8
+                for a, b in zip(r1, r8):
+                    assert abs(float(a[0][0]) - float(b[0][0])) < 1e-4 and a[0][1] == b[0][1]
+
+
+def test_the_pipeline_batches_a_character_model_with_the_eos_pad_idiom(tiny_corpus, tmp_path):
+    """``pipe.tokenizer.pad_token = pipe.tokenizer.eos_token``, the everyday batching idiom,
+    keeps a pad token on an exported character model, and the batched pipeline gives each
+    prompt what it gives alone, max_new_tokens long (no end token stops it)."""
+    import transformers
+
+    out = exported_run(tiny_corpus, tmp_path, tokenizer="char")
+    pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True,
+                                 device="cpu")
+    pipe.tokenizer.pad_token = pipe.tokenizer.eos_token
+    assert pipe.tokenizer.pad_token_id is not None
+    prompts = ["the c", "a", "the mat "]
+    kw = dict(max_new_tokens=20, do_sample=False, return_full_text=False)
+    alone = [pipe(p, **kw)[0]["generated_text"] for p in prompts]
+    batched = [r[0]["generated_text"] for r in pipe(prompts, batch_size=3, **kw)]
+    assert batched == alone
+    ids = pipe.tokenizer(prompts[0], return_tensors="pt").input_ids
+    new = pipe.model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:]
+    assert len(new) == 20

@@ -14,7 +14,10 @@ decorators a user's package uses::
         def extend(self, x, cache): ...  # k >= 1 new tokens through its cache
         def extend_frozen(self, x, cache): ...  # one token, the cache's frozen layout
 
-(a mixer without ``extend`` takes ``forward(x, cache=None)`` for all three, as before.)
+(a mixer without ``extend`` takes ``forward(x, cache=None)`` for all three, as before; one
+with ``cache_factory = None`` keeps no decoding cache: it trains and evaluates, generation
+recomputes the context with ``use_cache=False`` / ``--no-cache``, and decoding with caches is
+refused by its name.)
 
 The built-ins live in modules that this one never imports at load time (it stays free of
 torch, so the command line answers ``--help`` at once): the first lookup in a registry imports

@@ -19,6 +19,8 @@ field for a solver) and each model must be
   cache)`` throughout); that
   path, recorded once and replayed as a CUDA graph is (emulated on the CPU), gives its
   logits bit for bit (without per-token exit, whose decisions are made on the host);
+  (a mixer with no decoding cache, ``cache_factory = None``: generation by recomputing
+  gives the full forward's argmax, and decoding with caches is refused by naming it);
 - rewindable: a decoding state cut back to an earlier length (inside a block of tokens
   consumed in one pass, or before it) and decoded on gives what a state of that length gives
   (float64, to 1e-12): what assisted and speculative decoding need; a frozen state too, cut
@@ -257,11 +259,12 @@ def _check_frozen_rewind(model, seq, prompt_len: int, graphs, atol: float) -> No
                                      f"tokens: {msg}")
 
 
-def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:
+def check_padding(model: LanguageModel, atol: float = 1e-5, cached: bool = True) -> None:
     """For a model whose mixers support padding (``supports_padding``): a row padded on the
     left or on the right gives, at its real tokens, the logits of the same sequence alone, in
     a full forward and in cached decoding (a left-padded prompt, then one token per step).
-    A model whose mixer has no padding support must refuse a padded batch by name."""
+    A model whose mixer has no padding support must refuse a padded batch by name.
+    ``cached=False``: the full forward alone (a mixer without a decoding cache)."""
     g = torch.Generator().manual_seed(1)
     # weights away from their initialization (a short convolution starts as the identity,
     # which hides what its history holds)
@@ -295,6 +298,8 @@ def check_padding(model: LanguageModel, atol: float = 1e-5) -> None:
                 torch.testing.assert_close(
                     out[i, where], alone[i], rtol=0, atol=atol,
                     msg=lambda m, side=side: f"a {side}-padded row != the row alone: {m}")
+        if not cached:
+            return
         # cached decoding after a left-padded prompt, three more tokens one at a time; after a
         # right-padded one (pads between a row's tokens) a mixer either gets it right or
         # refuses it by name
@@ -347,9 +352,38 @@ def check_size_ignores_steps(**kw) -> None:
     assert len(set(sizes.values())) == 1, f"parameter count depends on ode_steps: {sizes}"
 
 
+def check_cacheless_decoding(model: LanguageModel, prompt: torch.Tensor, n_new: int) -> None:
+    """A model with a mixer that keeps no decoding cache (``cache_factory = None``): greedy
+    generation by recomputing gives the argmax of a full forward token by token, and cached
+    generation and ``step()`` through a state are refused by naming the mixer and the way
+    out (``use_cache=False``)."""
+    names = model.cacheless_mixers()
+    out = model.generate(prompt, n_new, greedy=True, use_cache=False)
+    ref = prompt
+    with torch.no_grad():
+        for _ in range(n_new):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref), "generation by recomputing != the full forward's argmax"
+    for attempt in (lambda: model.generate(prompt, 2, greedy=True),
+                    lambda: model.step(prompt, model.init_state(prompt.shape[0]))):
+        try:
+            attempt()
+        except ValueError as e:
+            assert all(n in str(e) for n in names) and "use_cache=False" in str(e), \
+                f"cached decoding of a cacheless mixer was refused unclearly: {e}"
+        else:
+            raise AssertionError(f"the mixer {names} has no decoding cache, and decoding "
+                                 f"with caches was not refused")
+
+
 def _check_model(kw: dict, fixed_grid: bool = True) -> None:
     model = small_model(**kw)
-    if fixed_grid:
+    if fixed_grid and model.cacheless_mixers():  # decodes only by recomputing
+        check_causal(model)
+        check_cacheless_decoding(model, torch.randint(0, SMALL["vocab_size"], (2, 5)), 6)
+        if model.config.mode == "decoder":
+            check_padding(model, cached=False)
+    elif fixed_grid:
         check_causal(model)
         check_cached_decoding(model, torch.randint(0, SMALL["vocab_size"], (2, 5)), 12)
         if model.config.mode == "decoder":

@@ -104,6 +104,11 @@ def _cache_memory(model, as_dict: bool = False):
     """The decoding cache per sequence (``LanguageModel.cache_memory``) as a line, or a dict;
     None for a model that decodes without caches."""
     memory = model.cache_memory()
+    cacheless = model.cacheless_mixers()
+    if cacheless:
+        names = ", ".join(map(repr, cacheless))
+        return ({"none": f"the mixer {names} has no decoding cache"} if as_dict else
+                f"decoding cache: none (the mixer {names} has no decoding cache)")
     if memory is None:
         return None
     blocks = model.config.num_layers

@@ -59,13 +59,17 @@ def text_start(tok) -> tuple[str | None, int | None]:
 
 
 def special_tokens(tok) -> dict:
+    """The tokenizer's named tokens. A character vocabulary names its newline as both bos and
+    eos: bos, the token lm-evaluation-harness reads a text after (its prefix), never added to
+    an encoding; eos, the end of text that stock tools read off the tokenizer (lm-eval's
+    ``generate_until`` decodes it as a stop string, ``pad_token = eos_token`` is the batching
+    idiom), while the model's generation config names none, so ``generate`` and the pipeline
+    run to ``max_new_tokens`` through newlines."""
     eos, _ = end_of_text(tok)
     start, _ = text_start(tok)
     out = {"eos_token": eos} if eos is not None else {}
     if eos is None and start is not None:
-        # the token lm-evaluation-harness reads a text after (its prefix: bos, else eos);
-        # never added to an encoding
-        out.update(bos_token=start, add_bos_token=False)
+        out.update(bos_token=start, eos_token=start, add_bos_token=False)
     if isinstance(tok, WordTokenizer) or getattr(tok, "unk_id", None) is not None:
         out["unk_token"] = tok.UNK
     return out

@@ -88,6 +88,9 @@ class DecodeState:
             if self.static is not None:
                 raise RuntimeError(f"a frozen decoding state has no cache for {key!r}; it "
                                    f"was frozen before that evaluation ever ran.")
+            if factory is None:  # LanguageModel.check_cacheable names the mixer first
+                raise ValueError(f"no decoding cache for {key!r}: its mixer has none "
+                                 f"(cache_factory is None); decode with use_cache=False.")
             c = factory()
             if self.rewind and hasattr(c, "keep_rewind"):
                 c.keep_rewind(self.rewind)

@@ -276,12 +276,30 @@ class LanguageModel(nn.Module):
         be cut back (``state.crop(length)``) by at least this many of its latest tokens."""
         return DecodeState(batch_size, rewind)
 
+    def cacheless_mixers(self) -> list[str]:
+        """The mixers of this model that keep no decoding cache (a plugin's ``cache_factory =
+        None``): such a model decodes only by recomputing the context (``use_cache=False``)."""
+        return sorted({self.config.mixer for m in self.modules()
+                       if m is not self and hasattr(m, "cache_factory")
+                       and m.cache_factory is None})
+
+    def check_cacheable(self, what: str = "decoding with caches") -> None:
+        """A ValueError naming the mixer when this model has one without a decoding cache."""
+        names = self.cacheless_mixers()
+        if names:
+            raise ValueError(
+                f"{what} needs every mixer's decoding cache, and the mixer "
+                f"{', '.join(map(repr, names))} has no decoding cache (its cache_factory is "
+                f"None); decode by recomputing the context instead: use_cache=False "
+                f"(--no-cache on the command line).")
+
     @torch.no_grad()
     def cache_memory(self) -> CacheMemory | None:
         """What decoding keeps per sequence (bytes per token and fixed bytes, in this model's
         dtype and cache layout), measured on a state after one token; None for a model that
-        does not decode with caches (an adaptive solver recomputes)."""
-        if not getattr(self.depth, "exact_cache", True):
+        does not decode with caches (an adaptive solver recomputes; a mixer without a cache,
+        :meth:`cacheless_mixers`)."""
+        if not getattr(self.depth, "exact_cache", True) or self.cacheless_mixers():
             return None
         device = next(self.parameters()).device
         state = self.init_state(1)
@@ -305,6 +323,8 @@ class LanguageModel(nn.Module):
         if state.static is not None:
             raise ValueError("this decoding state is frozen for generate(compile=True)'s one-token "
                              "steps; start a new one with init_state() to use step().")
+        if not state:  # the first tokens of this state: every mixer must keep a cache
+            self.check_cacheable("step() through a decoding state")
         h = self.hidden_states(idx, state)
         return self.lm_head(h[:, -1]), state
 
