@@ -73,6 +73,7 @@ class RunConfig:
         # each [train] table checks what it asks of the model
         t.regularize.check_model(m, t.elastic)
         t.elastic.check_model(m)
+        t.any_depth.check_model(m, t.elastic)
         if m.position == "learned" and t.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from .any_depth import AnyDepthConfig
 from .checks import _in, _origin, _strict, _suggest, _validate, note_old_spelling
 from .distill import DistillConfig
 from .elastic import ElasticConfig
 from .regularize import RegularizeConfig
 
 # The tables of [train], each owned by the module beside its dataclass.
-TABLES = {"elastic": ElasticConfig, "distill": DistillConfig, "regularize": RegularizeConfig}
+TABLES = {"elastic": ElasticConfig, "distill": DistillConfig, "regularize": RegularizeConfig,
+          "any_depth": AnyDepthConfig}
 
 # [train] keys as earlier versions spelled them, flat: read from old configs, checkpoints and
 # --set, and mapped to their table (a config written by hand gets a one-line note).
@@ -126,6 +128,9 @@ class TrainConfig:
     regularize: RegularizeConfig = dataclasses.field(default_factory=RegularizeConfig)
     """[train.regularize]: the solve's kinetic and Jacobian regularizers, the read-outs of
     intermediate steps and STEER (config/regularize.py)."""
+    any_depth: AnyDepthConfig = dataclasses.field(default_factory=AnyDepthConfig)
+    """[train.any_depth]: the coarse solves that learn from the model's own solve in the same
+    step (config/any_depth.py)."""
 
     def __post_init__(self) -> None:
         _validate(self, "train", skip=tuple(TABLES))

@@ -1,6 +1,7 @@
 """A training step's objective and the terms it logs: the task's loss, the model's own penalty
 (the continuous mixer's Sobolev term, annealed), and the optional terms of [train.elastic] (the
-consistency KL toward a finer solve), [train.distill] (the KL toward a teacher) and
+consistency KL toward a finer solve), [train.any_depth] (coarse solves taught by the own
+solve), [train.distill] (the KL toward a teacher) and
 [train.regularize] (the solve's integrals, and STEER's end time), each summed over the step's
 micro-batches on the device, all-reduced under torchrun, and read once per step."""
 
@@ -12,10 +13,12 @@ import math
 import torch
 
 from . import distributed as D
+from .any_depth import AnyDepth
 from .distill import Teacher
 from .elastic import ElasticDepth, SolveRegularizers
 
 REGULARIZERS = ("kinetic", "jacobian", "step_readout")
+ANY_DEPTH = ("kl", "lm", "top1")  # [train.any_depth]'s terms, logged as any_depth_NAME
 
 
 class StepObjective:
@@ -26,6 +29,7 @@ class StepObjective:
         self.elastic = ElasticDepth(model, t)
         self.teacher = Teacher(t, tokenizer, device, state)
         self.solve_reg = SolveRegularizers(model, t)
+        self.any_depth = AnyDepth(model, t)
         self.device = device
         # float64 (not on MPS, which lacks it), so the sums are the ones Python floats gave
         self.acc = torch.float32 if device.type == "mps" else torch.float64
@@ -34,6 +38,7 @@ class StepObjective:
         self.consistency: float | None = math.nan
         self.distill: float | None = None
         self.regularizers: dict[str, float] = {}
+        self.any_depth_terms: dict[str, float] = {}
         self.penalty = math.nan
 
     def state(self) -> dict:
@@ -57,7 +62,9 @@ class StepObjective:
         zero = torch.zeros((), dtype=self.acc, device=self.device)
         self.total, self.kl, self.kd = zero, zero.clone(), zero.clone()
         self.reg_sums = torch.zeros(len(REGULARIZERS), dtype=self.acc, device=self.device)
+        self.any_sums = torch.zeros(len(ANY_DEPTH), dtype=self.acc, device=self.device)
         self.compared = False  # whether this step has a consistency term
+        self.taught_drafts = False  # whether this step trained coarse solves (any_depth)
 
     def micro_batch(self, task, forward, x, y, draw, step: int, anneal: float):
         """One micro-batch's (loss, penalty, objective), its terms added to the step's sums."""
@@ -79,6 +86,14 @@ class StepObjective:
         for name, term in self.solve_reg.terms(y).items():
             objective = objective + self.solve_reg.weight(name) * term
             self.reg_sums[REGULARIZERS.index(name)] += term.detach().to(self.acc)
+        self.step_index = step
+        if self.any_depth.enabled:  # after the own solve: its logits are the target
+            drafts = self.any_depth.terms(lambda: task.forward(forward, x, y), logits, step)
+            if drafts:
+                self.taught_drafts = True
+                objective = objective + self.any_depth.objective(drafts)
+                for name, term in drafts.items():
+                    self.any_sums[ANY_DEPTH.index(name)] += term.detach().to(self.acc)
         return loss, penalty, objective
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -95,6 +110,7 @@ class StepObjective:
         D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
         stats = stats / dist.world_size
         self.total, self.kl, self.kd, self.reg_sums = stats[0], stats[1], stats[2], stats[3:]
+        # (any_depth refuses several processes: its sums stay this rank's)
 
     def read(self, penalty: torch.Tensor | None, grad_norm: torch.Tensor,
              grad_accum: int) -> tuple[float, float]:
@@ -102,10 +118,18 @@ class StepObjective:
         logged terms kept (``penalty`` None: the step failed before it had one)."""
         nan = torch.full((), math.nan, dtype=self.acc, device=self.device)
         penalty = nan if penalty is None else penalty.detach().to(self.acc)
-        summed, self.penalty, norm, kl, kd, *regs = torch.cat(
+        summed, self.penalty, norm, kl, kd, *rest = torch.cat(
             [torch.stack([self.total, penalty,
                           grad_norm.detach().to(device=self.device, dtype=self.acc),
-                          self.kl, self.kd]), self.reg_sums]).tolist()
+                          self.kl, self.kd]), self.reg_sums, self.any_sums]).tolist()
+        regs, drafts = rest[:len(REGULARIZERS)], rest[len(REGULARIZERS):]
+        self.any_depth_terms = ({f"any_depth_{n}": v / grad_accum
+                                 for n, v in zip(ANY_DEPTH, drafts)
+                                 if n != "top1" or self.any_depth.top1_weight > 0}
+                                if self.taught_drafts else {})
+        if self.taught_drafts:
+            self.any_depth_terms["any_depth_drafts"] = [f"{a}:{b}" for a, b in
+                                                        self.any_depth.drawn(self.step_index)]
         self.consistency = kl / grad_accum if self.compared else None
         self.distill = kd / grad_accum if self.teacher.enabled else None
         self.regularizers = {n: v / grad_accum for n, v in zip(REGULARIZERS, regs)
@@ -116,7 +140,7 @@ class StepObjective:
         """What a step's log line holds of it: a regularized run's regularizers (unweighted),
         distillation's term and STEER's end time; an elastic run's solver and step count, and
         its consistency term on the steps that have it. ``step``: the steps taken."""
-        out: dict = dict(self.regularizers)
+        out: dict = {**self.regularizers, **self.any_depth_terms}
         if self.distill is not None:
             out["distill"] = self.distill
         if self.solve_reg.steer:

@@ -1,0 +1,119 @@
+"""[train.any_depth]: one run that teaches its coarse solves from its own solve (AnyDepthConfig,
+implemented by ``train/any_depth.AnyDepth``): in every optimizer step the model's own solve
+(model.ode_solver x model.ode_steps, the one it is evaluated and deployed with) gives the
+language-model loss, and its next-token distribution, with no gradient through it, is the
+target of a KL term for coarse solves drawn from a list. No teacher from a second run.
+
+A solve is spelled ``SOLVER:STEPS`` (``euler:1``, ``rk4:1``), as ``eval --agreement`` and
+``generate --draft-solver/--draft-steps`` read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import ConfigError
+from ..registry import SOLVERS
+from .checks import _validate
+
+
+def parse_solve(text: str, where: str) -> tuple[str, int]:
+    """``"euler:2"`` -> ("euler", 2); a ConfigError naming ``where`` otherwise."""
+    solver, sep, steps = str(text).partition(":")
+    if not sep or not solver or not steps.strip().isdigit() or int(steps) < 1:
+        raise ConfigError(f"{where}: {text!r} is not a solve; write SOLVER:STEPS with a positive "
+                          f"step count, e.g. 'euler:1' or 'rk4:2'.")
+    return solver.strip(), int(steps)
+
+
+@dataclass
+class AnyDepthConfig:
+    """Self-distillation across depths: the coarse solves drawn, their weights."""
+
+    run_config_section: ClassVar[bool] = True  # validated by name-keyed tables (checks.py)
+
+    drafts: list[str] | None = None
+    """ODE models: the coarse solves (SOLVER:STEPS, fixed-grid solvers without weights of
+    their own) that learn from the model's own solve. Each micro-batch runs the own solve (the
+    language-model loss) and then `draws` of these on the same batch, each adding `weight`
+    times KL(own || coarse) of the next-token distributions, the own distribution detached."""
+    draws: int = 1
+    """How many of `drafts` each optimizer step trains (drawn without replacement from
+    (train.seed, step), so a resumed run and every rank draw alike); at most len(drafts)."""
+    weight: float = 1.0
+    """The weight of each drawn coarse solve's KL term (logged as "any_depth_kl", the mean
+    over the drawn solves)."""
+    lm_weight: float = 0.0
+    """The coarse solves also take the language-model loss (cross-entropy against the data)
+    with this weight; 0: they learn from the own solve alone."""
+    top1_weight: float = 0.0
+    """A top-1-oriented term: this weight times the cross-entropy of each coarse solve
+    against the own solve's greedy token (what speculative decoding needs to agree on)."""
+    every: int = 1
+    """Add the terms on every N-th optimizer step only (steps 0, N, 2N, ...)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.drafts)
+
+    def solves(self) -> list[tuple[str, int]]:
+        return [parse_solve(d, "train.any_depth.drafts") for d in self.drafts or []]
+
+    def __post_init__(self) -> None:
+        _validate(self, "train.any_depth")
+        if self.drafts is not None and not self.drafts:
+            raise ConfigError("train.any_depth.drafts is empty; list at least one coarse solve "
+                              "(e.g. ['euler:1', 'rk4:1']), or leave it out.")
+        solves = self.solves()
+        if len(set(solves)) != len(solves):
+            raise ConfigError(f"train.any_depth.drafts lists a solve twice: {self.drafts}.")
+        for name in ("weight", "lm_weight", "top1_weight"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"train.any_depth.{name} must be >= 0, got "
+                                  f"{getattr(self, name)}.")
+        if not self.every >= 1:
+            raise ConfigError(f"train.any_depth.every must be a positive integer (1: every "
+                              f"step), got {self.every!r}.")
+        if self.enabled and not 1 <= self.draws <= len(solves):
+            raise ConfigError(f"train.any_depth.draws must be between 1 and the number of "
+                              f"drafts ({len(solves)}), got {self.draws!r}.")
+        if self.enabled and not (self.weight or self.lm_weight or self.top1_weight):
+            raise ConfigError("train.any_depth: weight, lm_weight and top1_weight are all 0, "
+                              "so the drafts would learn nothing; set one above 0, or leave "
+                              "out drafts.")
+
+    def check_model(self, m, elastic=None) -> None:
+        """What the coarse solves ask of the model (``m``: the ModelConfig)."""
+        if not self.enabled:
+            return
+        if m.depth != "ode":
+            raise ConfigError(f"train.any_depth.drafts are coarse solves of an ODE model; "
+                              f"model.depth = {m.depth!r} has none. Use depth = 'ode', or leave "
+                              f"[train.any_depth] out.")
+        if elastic is not None and elastic.enabled:
+            raise ConfigError("train.any_depth and train.elastic.steps/solvers both change "
+                              "the solve per step; the any-depth recipe trains the model's own "
+                              "solve and the drafts together. Use one of them.")
+        from .model import _check_selectors
+
+        if m.ode_solver == "rk2_gated":
+            raise ConfigError("train.any_depth: the model's own solver rk2_gated has weights "
+                              "of its own, which a draft's solver would not have; use another "
+                              "model.ode_solver.")
+        for solver, steps in self.solves():
+            if solver not in SOLVERS:
+                raise ConfigError(f"train.any_depth.drafts: {SOLVERS.unknown_message(solver)}")
+            cls = SOLVERS.component_class(solver)
+            if not getattr(cls, "fixed_grid", True) or solver == "rk2_gated":
+                raise ConfigError(f"train.any_depth.drafts may list fixed-grid solvers without "
+                                  f"weights of their own (euler, midpoint, heun, rk4, ...); got "
+                                  f"{solver!r}.")
+            if (solver, steps) == (m.ode_solver, m.ode_steps):
+                raise ConfigError(f"train.any_depth.drafts lists {solver}:{steps}, the model's "
+                                  f"own solve; list coarser solves only.")
+            try:
+                _check_selectors(dataclasses.replace(m, ode_solver=solver, ode_steps=steps))
+            except ConfigError as e:
+                raise ConfigError(f"train.any_depth.drafts: {solver}:{steps} cannot be taken "
+                                  f"by this model: {e}") from None

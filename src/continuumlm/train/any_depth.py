@@ -1,0 +1,80 @@
+"""Any-depth training ([train.any_depth], config/any_depth.py): the model's own solve gives the
+language-model loss, and its next-token distribution (detached) teaches coarse solves of the
+same weights, drawn per optimizer step, on the same batch: a KL term toward it, optionally the
+language-model loss and a cross-entropy against its greedy token. One run, no teacher.
+
+The draw is a function of (train.seed, step) only, as elastic depth's is, so a resumed run
+draws what the uninterrupted one drew. A coarse solve runs with ``LanguageModel.set_solver``
+switched for its forward and switched back after it: evaluation and checkpoints see the
+model's own solve."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+
+class AnyDepth:
+    def __init__(self, model, t):
+        self.model = model
+        cfg = t.any_depth
+        self.enabled = cfg.enabled
+        self.solves = cfg.solves()
+        self.draws, self.every, self.seed = int(cfg.draws), int(cfg.every), int(t.seed)
+        self.weight, self.lm_weight = float(cfg.weight), float(cfg.lm_weight)
+        self.top1_weight = float(cfg.top1_weight)
+        if self.enabled and torch.distributed.is_available() \
+                and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # DDP reduces gradients for one forward per backward; a coarse solve's forward
+            # through the same wrapped module before the backward is not that
+            raise ConfigError("train.any_depth runs several forwards of the model per "
+                              "backward, which the multi-process (DDP/FSDP) trainer does not "
+                              "reduce; train it in one process, or leave [train.any_depth] "
+                              "out.")
+
+    def drawn(self, step: int) -> list[tuple[str, int]]:
+        """The coarse solves optimizer step ``step`` trains (none off the `every` grid)."""
+        if not self.enabled or step % self.every != 0:
+            return []
+        rng = np.random.default_rng([self.seed, step, 0xA11D])
+        pick = rng.choice(len(self.solves), size=self.draws, replace=False)
+        return [self.solves[int(i)] for i in sorted(pick)]
+
+    def terms(self, logits_of, own_logits: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+        """The step's terms, unweighted and averaged over the drawn solves: "kl" (KL(own ||
+        coarse) per position), "lm" (the coarse solves' own loss) and "top1" (cross-entropy
+        against the own solve's greedy token); ``logits_of()``: (logits, loss) of the batch
+        as the task computes them, with the model's solve as it is set."""
+        solves = self.drawn(step)
+        if not solves:
+            return {}
+        target = F.log_softmax(own_logits.detach().float(), -1)
+        greedy = target.argmax(-1)
+        base = (self.model.config.ode_solver, self.model.config.ode_steps)
+        own_nfe = self.model.depth.last_nfe
+        kl = lm = top1 = 0.0
+        for solver, steps in solves:
+            self.model.set_solver(solver, steps)
+            try:
+                logits, loss = logits_of()
+            finally:
+                self.model.set_solver(*base)
+            logp = F.log_softmax(logits.float(), -1)
+            kl = kl + (target.exp() * (target - logp)).sum(-1).mean()
+            lm = lm + loss
+            if self.top1_weight > 0:
+                top1 = top1 + F.nll_loss(logp.reshape(-1, logp.shape[-1]), greedy.reshape(-1))
+        # the step's logged NFE stays the own solve's (the drafts are named in the log)
+        self.model.depth.last_nfe = own_nfe
+        n = len(solves)
+        out = {"kl": kl / n, "lm": lm / n}
+        if self.top1_weight > 0:
+            out["top1"] = top1 / n
+        return out
+
+    def objective(self, terms: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (self.weight * terms["kl"] + self.lm_weight * terms["lm"]
+                + self.top1_weight * terms.get("top1", 0.0))

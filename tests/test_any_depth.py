@@ -1,0 +1,99 @@
+"""[train.any_depth]: coarse solves taught by the model's own solve in the same step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import write_tiny_corpus
+from continuumlm.config import load_config
+from continuumlm.errors import ConfigError
+from continuumlm.train.any_depth import AnyDepth
+
+BASE = ["model.hidden_size=16", "model.num_heads=2", "model.num_layers=1", "model.depth=ode",
+        "model.ode_solver=rk4", "model.ode_steps=2", "model.max_seq_len=16",
+        "train.batch_size=2", "train.seq_len=8", "train.max_steps=3", "train.eval_interval=3",
+        "train.eval_iters=1", "train.device=cpu", "train.warmup_steps=1"]
+
+
+def config(*extra):
+    return load_config(None, [*BASE, *extra])
+
+
+@pytest.mark.parametrize("sets, match", [
+    (['train.any_depth.drafts=["euler"]'], "SOLVER:STEPS"),
+    (['train.any_depth.drafts=["euler:0"]'], "SOLVER:STEPS"),
+    (['train.any_depth.drafts=[]'], "empty"),
+    (['train.any_depth.drafts=["euler:1","euler:1"]'], "twice"),
+    (['train.any_depth.drafts=["euler:1"]', "train.any_depth.draws=2"], "draws"),
+    (['train.any_depth.drafts=["rk4:2"]'], "own solve"),
+    (['train.any_depth.drafts=["dopri5:1"]'], "fixed-grid"),
+    (['train.any_depth.drafts=["eulr:1"]'], "euler"),
+    (['train.any_depth.drafts=["euler:1"]', "train.any_depth.weight=0"], "learn nothing"),
+    (['train.any_depth.drafts=["euler:1"]', "model.depth=discrete"], "depth = 'ode'"),
+    (['train.any_depth.drafts=["euler:1"]', "train.elastic.steps=[1,2]"], "one of them"),
+    (["train.any_depth.drafs=1"], "did you mean 'drafts'"),
+])
+def test_bad_settings_are_refused_by_name(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        config(*sets)
+
+
+def test_draws_are_a_function_of_seed_and_step():
+    cfg = config('train.any_depth.drafts=["euler:1","euler:2","rk4:1"]', "train.any_depth.draws=2",
+                 "train.any_depth.every=2")
+    model = torch.nn.Module()
+    a, b = AnyDepth(model, cfg.train), AnyDepth(model, cfg.train)
+    assert [a.drawn(s) for s in range(8)] == [b.drawn(s) for s in range(8)]
+    assert all(a.drawn(s) == [] for s in (1, 3, 5))
+    drawn = [a.drawn(s) for s in range(0, 40, 2)]
+    assert all(len(d) == 2 and len(set(d)) == 2 for d in drawn)
+    assert {x for d in drawn for x in d} == {("euler", 1), ("euler", 2), ("rk4", 1)}
+
+
+def test_the_terms_are_the_kl_toward_the_own_solve_with_gradients_to_the_draft_only():
+    """terms(): KL(own || coarse) with the own solve detached, the coarse solve's loss and the
+    cross-entropy against the own greedy token, each equal to a hand computation; the model's
+    solve is its own again afterwards."""
+    from continuumlm.testing import small_model
+
+    cfg = config('train.any_depth.drafts=["euler:1"]', "train.any_depth.top1_weight=1")
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=2).train()
+    x = torch.randint(0, 37, (2, 8))
+    y = torch.randint(0, 37, (2, 8))
+    own, _ = model(x, y)
+    terms = AnyDepth(model, cfg.train).terms(lambda: model(x, y), own, 0)
+    assert (model.config.ode_solver, model.config.ode_steps) == ("rk4", 2)
+    model.set_solver("euler", 1)
+    coarse, coarse_loss = model(x, y)
+    model.set_solver("rk4", 2)
+    p, logq = F.softmax(own.detach(), -1), F.log_softmax(coarse, -1)
+    kl = (p * (p.log() - logq)).sum(-1).mean()
+    torch.testing.assert_close(terms["kl"], kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(terms["lm"], coarse_loss)
+    top1 = F.nll_loss(logq.reshape(-1, 37), own.argmax(-1).reshape(-1))
+    torch.testing.assert_close(terms["top1"], top1, rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(terms["kl"], [own], allow_unused=True)
+    assert g is None  # nothing flows into the own solve through its target
+
+
+def test_a_run_logs_the_terms_and_keeps_its_own_solve(tmp_path):
+    from continuumlm.train import Trainer
+
+    corpus = write_tiny_corpus(tmp_path / "tiny.txt")
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{corpus}"', *BASE,
+                             'train.any_depth.drafts=["euler:1","rk4:1"]',
+                             "train.any_depth.lm_weight=0.5"])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert steps and all(r["nfe"] == 8 for r in steps)  # RK4 x 2: the own solve's NFE
+    assert all(r["any_depth_kl"] >= 0 and r["any_depth_lm"] > 0 and len(r["any_depth_drafts"]) == 1
+               for r in steps)
+    assert "any_depth_top1" not in steps[0]
+    saved = load_config(tmp_path / "run" / "config.toml")
+    assert saved.train.any_depth.drafts == ["euler:1", "rk4:1"]
+    assert (saved.model.ode_solver, saved.model.ode_steps) == ("rk4", 2)
