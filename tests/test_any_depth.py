@@ -97,3 +97,70 @@ def test_a_run_logs_the_terms_and_keeps_its_own_solve(tmp_path):
     saved = load_config(tmp_path / "run" / "config.toml")
     assert saved.train.any_depth.drafts == ["euler:1", "rk4:1"]
     assert (saved.model.ode_solver, saved.model.ode_steps) == ("rk4", 2)
+
+
+def _reference_agreement(model, data, context, solve):
+    """Window by window, position by position: the obviously-correct count."""
+    from continuumlm.data import eval_batches
+
+    own = (model.config.ode_solver, model.config.ode_steps)
+    same = total = 0
+    kl = 0.0
+    for x, y in eval_batches(data, context, 3):
+        for b in range(x.shape[0]):
+            a = model(x[b:b + 1])[0][0].double()
+            model.set_solver(*solve)
+            c = model(x[b:b + 1])[0][0].double()
+            model.set_solver(*own)
+            for t in range(x.shape[1]):
+                if y[b, t] < 0:
+                    continue
+                p, q = a[t].softmax(-1), c[t].softmax(-1)
+                same += int(a[t].argmax() == c[t].argmax())
+                kl += float((p * (p.log() - q.log())).sum())
+                total += 1
+    return same / total, kl / total, total
+
+
+@torch.no_grad()
+def test_agreement_equals_a_position_by_position_count():
+    from continuumlm.eval.agreement import agreement
+    from continuumlm.testing import small_model
+
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=2, vocab_size=5).eval()
+    with torch.no_grad():  # weights away from the initialization: the solves differ
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    data = torch.randint(0, 5, (101,))  # 101: a tail window with already-scored targets
+    got = agreement(model, data, 12, [("euler", 1), ("rk4", 2)], torch.device("cpu"),
+                    batch_tokens=36)
+    same, kl, n = _reference_agreement(model, data, 12, ("euler", 1))
+    assert got["euler:1"]["positions"] == n == 100
+    assert got["euler:1"]["agreement"] == pytest.approx(same)
+    assert got["euler:1"]["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
+    assert 0 < same < 1  # the check has something to count
+    assert got["rk4:2"]["agreement"] == 1.0 and got["rk4:2"]["kl"] == pytest.approx(0, abs=1e-6)
+    assert (model.config.ode_solver, model.config.ode_steps) == ("rk4", 2)
+
+
+def test_eval_agreement_from_the_command_line(tmp_path):
+    from conftest import run_cli
+    from continuumlm.train import Trainer
+
+    corpus = write_tiny_corpus(tmp_path / "tiny.txt")
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{corpus}"', *BASE,
+                             "train.max_steps=1", "train.eval_interval=1"])
+    Trainer(cfg, tmp_path / "run", quiet=True).run()
+    r = run_cli("eval", "--checkpoint", tmp_path / "run", "--which", "last", "--agreement", "euler:1,rk4:1",
+                "--json", "--max-windows", "4")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["agreement"]) == set(out["agreement_kl"]) == {"euler:1", "rk4:1"}
+    assert all(0 <= v <= 1 for v in out["agreement"].values())
+    r = run_cli("eval", "--checkpoint", tmp_path / "run", "--which", "last", "--agreement", "euler:1",
+                "--max-windows", "4")
+    assert r.returncode == 0 and "greedy same" in r.stdout and "euler:1" in r.stdout, r.stderr
+    for bad, match in (("euler", "SOLVER:STEPS"), ("eulr:1", "euler"),
+                       ("dopri5:1", "dopri5")):
+        r = run_cli("eval", "--checkpoint", tmp_path / "run", "--which", "last", "--agreement", bad)
+        assert r.returncode == 2 and match in r.stderr, (bad, r.stderr)

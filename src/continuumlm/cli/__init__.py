@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "solver instead (no retraining)")
     e.add_argument("--ode-steps", type=_positive_int, help="... and/or this many steps")
     _exit_arguments(e)
+    e.add_argument("--agreement", metavar="SOLVES", help="ODE models: for each coarse solve "
+                   "(comma-separated SOLVER:STEPS, e.g. euler:1,euler:2,rk4:1), the fraction "
+                   "of the split's positions where its greedy token equals the model's own "
+                   "solve's (teacher-forced) and the mean KL between them, at the first "
+                   "context length")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     h = sub.add_parser("harness", parents=[plugin, threads], help="score a checkpoint with "

@@ -40,9 +40,16 @@ def cmd_eval(args) -> int:
         raise UsageError(f"--split {args.split}: this corpus has the splits "
                          f"{', '.join(s for s in data.splits if s != 'train')}.")
     contexts = args.context_lengths or [run.train.seq_len]
+    solves = _agreement_solves(model, args)
     chosen = threads.apply()
     rows = evaluate_contexts(model, data.splits[args.split], contexts, tok.kind == "char", device,
                              max_windows=args.max_windows)
+    agreed = None
+    if solves:
+        from ..eval.agreement import agreement
+
+        agreed = agreement(model, data.splits[args.split], contexts[0], solves, device,
+                           max_windows=args.max_windows)
     if args.json:
         cfg = model.config
         print(json.dumps({"checkpoint": str(ckpt), "split": args.split, "depth": cfg.depth,
@@ -58,6 +65,9 @@ def cmd_eval(args) -> int:
                           "exit": ({"threshold": args.exit_threshold,
                                     "criterion": args.exit_criterion}
                                    if args.exit_threshold is not None else None),
+                          **({"agreement": {k: v["agreement"] for k, v in agreed.items()},
+                              "agreement_kl": {k: v["kl"] for k, v in agreed.items()},
+                              "agreement_context": contexts[0]} if agreed else {}),
                           "results": rows}, indent=2))
         return 0
     print(f"{ckpt} — {args.split} split, {len(data.splits[args.split]):,} tokens")
@@ -78,7 +88,54 @@ def cmd_eval(args) -> int:
     if exiting:
         print(f"per-token exit: {args.exit_criterion} < {args.exit_threshold:g}; full depth is "
               f"{_full_nfe(model)} field evaluations per token")
+    if agreed:
+        own = f"{model.config.ode_solver}:{model.config.ode_steps}"
+        print(f"agreement with the own solve ({own}), teacher-forced at context {contexts[0]}, "
+              f"{next(iter(agreed.values()))['positions']:,} positions:")
+        print(f"{'draft':>10} {'NFE':>5} {'greedy same':>12} {'KL(own||draft)':>15}")
+        for (solver, steps), (name, a) in zip(solves, agreed.items()):
+            nfe = _solve_nfe(model, solver, steps)
+            print(f"{name:>10} {nfe:>5} {a['agreement']:>12.4f} {a['kl']:>15.4f}")
     return 0
+
+
+def _agreement_solves(model, args) -> list[tuple[str, int]]:
+    """--agreement's solves, checked against the model before anything is evaluated."""
+    if not args.agreement:
+        return []
+    from ..config.any_depth import parse_solve
+    from ..errors import ConfigError
+
+    if args.exit_threshold is not None:
+        raise UsageError("--agreement compares whole solves; drop --exit-threshold (per-token "
+                         "exit), or evaluate the two apart.")
+    if model.config.depth != "ode":
+        raise UsageError("--agreement compares coarse solves with an ODE model's own solve; "
+                         "this model has discrete depth.")
+    if not getattr(model.depth, "exact_cache", True):
+        raise UsageError(f"--agreement compares fixed-grid solves; the model's own solve "
+                         f"({model.config.ode_solver}) is adaptive.")
+    solves = []
+    own = (model.config.ode_solver, model.config.ode_steps, model.config.ode_grad)
+    for text in args.agreement.split(","):
+        try:
+            solver, steps = parse_solve(text, "--agreement")
+            model.set_solver(solver, steps, ode_grad="direct")
+            if not getattr(model.depth, "exact_cache", True):
+                raise ValueError(f"{solver} is adaptive; a draft is a fixed-grid solve "
+                                 f"(euler, midpoint, heun, rk4, ...)")
+        except (ConfigError, ValueError) as e:
+            raise UsageError(f"--agreement {text.strip()!r}: {e}") from None
+        finally:
+            model.set_solver(*own)
+        solves.append((solver, steps))
+    return solves
+
+
+def _solve_nfe(model, solver: str, steps: int) -> int:
+    from ..config.elastic import solve_nfe
+
+    return model.config.num_layers * solve_nfe(model.config, solver, steps)
 
 
 def _depth_text(model, trained) -> str:

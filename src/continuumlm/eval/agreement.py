@@ -1,0 +1,42 @@
+"""How often a coarse solve of an ODE model agrees with the model's own solve: teacher-forced
+over a split's windows, the fraction of scored positions where the coarse solve's greedy token
+equals the own solve's, and the mean KL(own || coarse) of their next-token distributions. The
+figure speculative decoding through depth lives on (a greedy draft is kept where they agree)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..data import eval_batches
+
+
+@torch.no_grad()
+def agreement(model, data: torch.Tensor, context: int, solves: list[tuple[str, int]],
+              device: torch.device, batch_tokens: int = 16384,
+              max_windows: int | None = None) -> dict[str, dict]:
+    """{"SOLVER:STEPS": {"agreement": fraction, "kl": mean nats, "positions": n}} for each of
+    ``solves``, against the model's solve as it is set (the windows of ``eval``: every target
+    scored once)."""
+    model.eval()
+    own = (model.config.ode_solver, model.config.ode_steps, model.config.ode_grad)
+    same = {s: 0 for s in solves}
+    kl = {s: 0.0 for s in solves}
+    count = 0
+    try:
+        for x, y in eval_batches(data, context, max(1, batch_tokens // context), max_windows):
+            x, y = x.to(device), y.to(device)
+            scored = y >= 0
+            model.set_solver(*own)
+            ref = F.log_softmax(model(x)[0].float()[scored], -1)
+            greedy = ref.argmax(-1)
+            count += int(scored.sum())
+            for s in solves:
+                model.set_solver(*s, ode_grad="direct")  # no gradients here
+                logq = F.log_softmax(model(x)[0].float()[scored], -1)
+                same[s] += int((logq.argmax(-1) == greedy).sum())
+                kl[s] += float((ref.exp() * (ref - logq)).sum())
+    finally:
+        model.set_solver(*own)
+    return {f"{a}:{b}": {"agreement": same[(a, b)] / count, "kl": kl[(a, b)] / count,
+                         "positions": count} for a, b in solves}
