@@ -40,11 +40,14 @@ demo: $(VENV)/.installed
 	$(BIN)/continuumlm eval --checkpoint runs/demo
 	$(BIN)/continuumlm generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 1
 
+# pytest-xdist: one worker per core (each test runs torch on one thread: tests/conftest.py);
+# PYTEST_WORKERS=0 runs in this process
+PYTEST_WORKERS ?= auto
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
 
 test-slow: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow -n $(PYTEST_WORKERS)
 
 # transformers' own model tests (ModelTesterMixin, ConfigTester) against continuumlm.hf, in four
 # configurations and with each attention mask of HF_SUITE_MASKS (ones, padded, random). The test

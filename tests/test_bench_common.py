@@ -17,6 +17,7 @@ common = pytest.importorskip("common")
 SPIN = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < {}: pass"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(common.machine_busy_seconds() is None, reason="needs Linux /proc/stat")
 def test_other_load_leaves_out_the_run_itself_and_counts_other_work():
     with common.OtherLoad() as idle:
@@ -562,6 +563,7 @@ def test_a_score_on_a_few_windows_is_not_shown_as_the_whole_split():
     assert render._tokens_per_step({**r, "overrides": ["train.batch_size=24"]}) == 2 * base
 
 
+@pytest.mark.slow
 def test_the_committed_results_page_is_what_the_renderer_writes(tmp_path):
     """docs/results.md and the README's findings are generated: rendering the committed JSONs
     gives them exactly, with every figure the page links."""
@@ -658,6 +660,7 @@ def test_render_refuses_without_matplotlib(tmp_path):
     assert not (tmp_path / "docs" / "results.md").exists()
 
 
+@pytest.mark.slow
 def test_a_render_into_other_folders_leaves_the_readme_alone(tmp_path):
     """A --quick experiment renders its records into another docs folder: the repository's
     README (its findings) is written only by a render of the repository's own records."""

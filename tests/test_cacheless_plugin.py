@@ -4,19 +4,41 @@ recomputing; cached generation is refused by name with the way out."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "plugins"))
-import continuumlm_cacheless_plugin  # noqa: E402,F401  (registers running_mean)
+from conftest import run_cli
+from continuumlm import ModelConfig
+from continuumlm.model.lm import LanguageModel
+from continuumlm.registry import MIXERS
+from continuumlm.testing import check_component
 
-from conftest import run_cli  # noqa: E402
-from continuumlm import ModelConfig  # noqa: E402
-from continuumlm.model.lm import LanguageModel  # noqa: E402
-from continuumlm.testing import check_component  # noqa: E402
+PLUGINS = str(Path(__file__).parent / "plugins")
+MODULE = "continuumlm_cacheless_plugin"
+
+
+@pytest.fixture(autouse=True)
+def running_mean(monkeypatch):
+    """The plugin imported (registering running_mean) for the test alone: the registry and
+    sys.modules are put back after it, so the tests that iterate over the registered mixers
+    never see it."""
+    from continuumlm import registry
+
+    monkeypatch.syspath_prepend(PLUGINS)
+    # what `--plugin` leaves in this process (the exported module list, the loaded ones)
+    monkeypatch.setenv(registry.PLUGINS_ENV, os.environ.get(registry.PLUGINS_ENV, ""))
+    monkeypatch.setattr(registry, "_loaded_plugins", list(registry._loaded_plugins))
+    assert "softmax" in MIXERS  # the built-ins loaded first, as for a real plugin
+    monkeypatch.setitem(MIXERS._entries, "running_mean", None)  # removed again afterwards
+    del MIXERS._entries["running_mean"]
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    yield importlib.import_module(MODULE)
+    sys.modules.pop(MODULE, None)
 
 
 def test_the_cacheless_mixer_keeps_every_invariant_it_can():

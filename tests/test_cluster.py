@@ -100,6 +100,7 @@ def test_resume_auto_refuses_another_runs_folder(tiny_corpus, tmp_path):
 
 # ------------------------------------------------------------------ scheduler signals
 
+@pytest.mark.slow
 def test_sigusr1_saves_exits_75_and_resume_auto_reproduces_the_run(reference, tmp_path):  # noqa: F811
     cfg, ref = reference
     out = tmp_path / "usr1"

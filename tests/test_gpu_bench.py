@@ -265,6 +265,7 @@ def test_the_most_valuable_rows_run_first_and_the_budgets_fit_the_deadline():
     assert f"BENCH_DEADLINE={gpu_bench.DEADLINE}" in script
 
 
+@pytest.mark.slow
 def test_a_section_dies_with_a_killed_bench(tmp_path):
     """SIGKILL of the bench's parent (a backstop timeout's last resort) leaves no section
     running on the device: the section asked the kernel to end it with its parent."""
@@ -305,6 +306,7 @@ def test_a_section_dies_with_a_killed_bench(tmp_path):
         raise AssertionError("the section outlived its parent")
 
 
+@pytest.mark.slow
 def test_a_resumed_bench_keeps_the_done_rows_and_measures_the_rest(tmp_path):
     """gpu_check.sh --resume (gpu_bench.py --resume): a second command on the GPU completes what
     the first left, keeping its finished rows as they are; each run is listed."""
@@ -350,6 +352,7 @@ def test_a_resumed_bench_keeps_the_done_rows_and_measures_the_rest(tmp_path):
     assert p.returncode == 2 and "no " in p.stderr and "none.json" in p.stderr
 
 
+@pytest.mark.slow
 def test_collecting_the_cuda_tests_compiles_nothing(tmp_path):
     """gpu_check.sh runs `pytest -m cuda tests`: collecting the suite must not compile (a
     compile probe in a skipif ran at collection and held a bare GPU machine past the tests'

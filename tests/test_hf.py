@@ -361,6 +361,7 @@ def test_export_refuses_a_folder_in_use(tiny_corpus, tmp_path):
     assert r.returncode == 2 and "not an empty folder" in r.stderr
 
 
+@pytest.mark.slow
 def test_harness_command_agrees_with_eval(tiny_corpus, tmp_path, monkeypatch):
     """`continuumlm harness`: lm-eval's own command-line path (--model hf, trust_remote_code, a
     local task) on the run's validation split; its bits per byte equal continuumlm eval's
@@ -464,6 +465,7 @@ def test_solver_overrides_keep_the_exported_config(tiny_corpus, tmp_path):
         ContinuumLMForCausalLM.from_pretrained(str(tmp_path / "no" / "such" / "folder"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corpus,split,tokenizer", [("tinyshakespeare", "val", "char"),
                                                     ("ptb", "test", "word")])
 def test_shipped_task_yamls_score_the_split_continuumlm_scores(data_dir, tmp_path, monkeypatch,
@@ -533,6 +535,7 @@ def test_word_vocabulary_with_one_character_words_exports(tmp_path):
     assert hf_tokenizer(tok).encode(text).ids == tok.encode(text)
 
 
+@pytest.mark.slow
 def test_harness_scores_a_word_vocabulary_with_unk(tiny_corpus, tmp_path, monkeypatch):
     """A capped word vocabulary maps rare words to <unk>: the harness scores the text the ids
     decode to (rare words spelled <unk>, as Penn Treebank's files are), which encodes back to

@@ -220,6 +220,7 @@ def test_gradient_checkpointing_keeps_the_gradients(depth):
     assert not hf.is_gradient_checkpointing
 
 
+@pytest.mark.slow
 def test_save_after_remote_code_load_is_complete_in_a_fresh_process(tmp_path):
     """Export, load with trust_remote_code in a process that never imports continuumlm.hf,
     save again there, and load that with trust_remote_code in another fresh process."""

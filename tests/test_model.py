@@ -126,6 +126,7 @@ def test_static_cache_write_and_advance():
     torch.testing.assert_close(bigger.buffers[0][..., :4, :], torch.cat([k, new], 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
 def test_compiled_decoding_equals_eager(mixer):
     """generate(compile=True): one torch.compile graph of one solver step serves every step of
@@ -175,6 +176,7 @@ def test_compiled_decoding_equals_eager(mixer):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["discrete", "time_embedding", "exit", "rk2_gated",
                                   "reversible"])
 def test_compiled_decoding_of_other_depths(case):
@@ -252,6 +254,7 @@ def test_compile_failure_decodes_eagerly(monkeypatch, caplog):
     copy.deepcopy(m)  # nothing compiled is stored on the model
 
 
+@pytest.mark.slow
 def test_running_out_of_graphs_decodes_eagerly(monkeypatch, caplog):
     """Dynamo refuses to compile past its graph limit (under fullgraph, by raising): that model
     warns once and decodes eagerly, with the same tokens. A second batch size needs a graph

@@ -184,6 +184,7 @@ def test_mqar_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
         M.run_mqar(_mqar_cfg("train.lr=0.5"), tmp_path / "cut", quiet=True)
 
 
+@pytest.mark.slow
 def test_mqar_snapshot_records_unfinished_runs(tmp_path, monkeypatch):
     """bench/mqar_runs.py --snapshot: records an interrupted run as unfinished, keeps a record
     from further along, and refuses a run made with other settings."""

@@ -183,6 +183,7 @@ def _hold_in_child(out: Path, env=None) -> subprocess.Popen:
     return p
 
 
+@pytest.mark.slow
 def test_one_job_per_run_folder_and_a_dead_holder_never_blocks(tmp_path):
     out = tmp_path / "run"
     holder = _hold_in_child(out)
@@ -203,6 +204,7 @@ def test_one_job_per_run_folder_and_a_dead_holder_never_blocks(tmp_path):
     child.wait()
 
 
+@pytest.mark.slow
 def test_ranks_of_the_holding_job_pass_the_check(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
@@ -234,6 +236,7 @@ def _training_in(cfg: Path, out: Path):
         job.wait()
 
 
+@pytest.mark.slow
 def test_a_second_training_job_in_a_busy_folder_exits_2_at_once(tiny_corpus, tmp_path):
     cfg = write_cfg(tmp_path, tiny_corpus, steps=100000, ckpt=1000)
     out = tmp_path / "busy"
@@ -370,6 +373,7 @@ def test_one_launcher_per_node_under_srun_is_accepted(monkeypatch, tmp_path):
         _start_job(args, tmp_path / "run", "train")
 
 
+@pytest.mark.slow
 def test_a_lock_file_removed_by_its_holder_is_taken_afresh(tmp_path):
     """release_all removes a folder (and its lock file) that a refused command created; a
     process that opened the old file meanwhile must not hold a lock on a deleted file while a
@@ -392,6 +396,7 @@ def test_a_lock_file_removed_by_its_holder_is_taken_afresh(tmp_path):
         holder.wait()
 
 
+@pytest.mark.slow
 def test_a_second_job_with_nproc_leaves_a_running_jobs_folder_alone(tiny_corpus, tmp_path):
     """The one-node launcher takes the lock before --resume auto may clear anything: a second
     job with --nproc 2 into a folder a single process is training stops with 2 and removes
@@ -407,6 +412,7 @@ def test_a_second_job_with_nproc_leaves_a_running_jobs_folder_alone(tiny_corpus,
         assert first.poll() is None  # still training
 
 
+@pytest.mark.slow
 def test_signals_in_quick_succession_during_start_up_end_the_command_once(tiny_corpus,
                                                                           tmp_path):
     """A rank that gets the scheduler's signal directly and again from its launcher, or a
@@ -425,6 +431,7 @@ def test_signals_in_quick_succession_during_start_up_end_the_command_once(tiny_c
         assert "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_a_launcher_waiting_at_its_rendezvous_answers_signals(tiny_corpus, tmp_path):
     """One of two --nnodes launchers whose peer never comes: SIGTERM ends it with 143 and a
     requeue signal with 75, at once, instead of both being ignored until the rendezvous

@@ -76,6 +76,7 @@ def reference(tmp_path_factory):
     return cfg, losses(d / "ref")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
     cfg, ref = reference
     out = tmp_path / "killed"
@@ -105,6 +106,7 @@ def signal_during_training(cfg, out: Path, sig: int, after_steps: int = 7):
     return p.returncode, stdout, stderr
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
     cfg, ref = reference
     out = tmp_path / "term"

@@ -73,6 +73,7 @@ def two_process_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_the_same_global_batch(two_process_runs):
     assert_same_weights(weights(two_process_runs["one"]), weights(two_process_runs["ddp"]))
     a, b = losses(two_process_runs["one"]), losses(two_process_runs["ddp"])
@@ -80,6 +81,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(two_process_
     assert a == pytest.approx(b, abs=1e-5)  # rank 0 logs the mean over both ranks
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes(two_process_runs):
     ddp = two_process_runs["ddp"]
     assert len(read_metrics(ddp)) == len([e for e in read_metrics(two_process_runs["one"])])
@@ -89,6 +91,7 @@ def test_only_rank_zero_writes(two_process_runs):
     assert state["rank_cuda_rng"] == [None, None]  # per-rank CUDA generators, on CUDA only
 
 
+@pytest.mark.slow
 def test_two_process_resume_continues_the_same_losses(two_process_runs):
     tmp, corpus = two_process_runs["tmp"], two_process_runs["corpus"]
     cut = tmp / "cut"
@@ -175,6 +178,7 @@ def test_fsdp_continuous_mixer_with_sobolev_penalty_matches_one_process(two_proc
     assert_same_weights(weights(one), weights(sharded))
 
 
+@pytest.mark.slow
 def test_adaptive_adjoint_gradients_do_not_depend_on_how_the_batch_is_split(two_process_runs):
     """An adaptive adjoint solve picks its steps from the size of the gradient it carries back
     (its atol is absolute). Scaling each micro-batch's loss by 1/grad_accum made two processes
@@ -264,6 +268,7 @@ def test_an_export_that_cannot_write_leaves_the_checkpoint_as_it_was(two_process
     assert_same_weights(weights(run_dir), weights(two_process_runs["ddp"]))
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_job_with_its_error(two_process_runs, tmp_path):
     """Rank 0 cannot write its run folder (a file stands where a folder must be); rank 1 waits
     for it at a collective. The job must end non-zero with rank 0's message, not hang."""
@@ -281,6 +286,7 @@ def test_nproc_reports_a_bad_config_once_with_status_2(tiny_corpus, tmp_path):
     assert r.returncode == 2 and "strategy" in r.stderr and "launching" not in r.stdout
 
 
+@pytest.mark.slow
 def test_a_divergence_under_nproc_is_reported_once(tiny_corpus, tmp_path):
     """Every rank decides to stop on the same all-reduced loss; rank 0 alone says so, and the
     job exits with the status of a user error, without the launcher's traceback."""
@@ -315,6 +321,7 @@ def _compile_works() -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_compiled_forward_matches_eager():
     # probed here, not in a skipif: a probe at collection compiles for every pytest run, even
     # one that selects nothing of this module (on a bare GPU machine it held collection >60 s)

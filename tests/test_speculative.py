@@ -53,7 +53,7 @@ def test_greedy_tokens_over_many_refused_drafts(mixer):
 
 
 @pytest.mark.parametrize("mixer", ["softmax", "deltanet", "continuous"])
-@pytest.mark.parametrize("how", ["compile", "graphs"])
+@pytest.mark.parametrize("how", [pytest.param("compile", marks=pytest.mark.slow), "graphs"])
 def test_compiled_and_replayed_drafting_keep_the_tokens(mixer, how):
     """The draft's tokens through the frozen one-token step, compiled (``compile=True``) or
     recorded and replayed (``cuda_graph``, emulated on the CPU), the draft state cut back in

@@ -461,6 +461,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_keep_freed_memory_stops_large_tensors_faulting_in_again():
     def faults(mode):

@@ -18,6 +18,8 @@ from continuumlm.config.regularize import RegularizeConfig
 from continuumlm.config.train import LEGACY_TRAIN_KEYS, TABLES
 from continuumlm.errors import OldSpelling
 
+OLD_TABLES = {t for t, _ in LEGACY_TRAIN_KEYS.values()}  # the tables earlier versions spelled flat
+
 # one value for each old key that a config accepts on its own or with its partners
 OLD = {
     "elastic": {"ode_steps_choices": [2, 4], "ode_solver_choices": ["euler", "rk4"],
@@ -34,8 +36,12 @@ def _toml(values: dict) -> str:
 
 
 def test_every_old_key_has_a_table_field_and_back():
-    fields = {(t, f.name) for t, klass in TABLES.items() for f in dataclasses.fields(klass)}
-    assert set(LEGACY_TRAIN_KEYS.values()) == fields  # every table field had a flat name
+    # every field of the tables that earlier versions spelled flat had a flat name (a table
+    # added since, [train.any_depth], never had one)
+    fields = {(t, f.name) for t, klass in TABLES.items() if t in OLD_TABLES
+              for f in dataclasses.fields(klass)}
+    assert set(LEGACY_TRAIN_KEYS.values()) == fields
+    assert OLD_TABLES == {"elastic", "distill", "regularize"}
     assert {k for table in OLD.values() for k in table} | {"kinetic_weight",
                                                            "jacobian_weight",
                                                            "steer"} == set(LEGACY_TRAIN_KEYS)
@@ -175,7 +181,11 @@ def _flat(d: dict) -> dict:
     """A config dict with [train]'s tables spelled as earlier versions wrote them, flat."""
     train = dict(d["train"])
     for table in TABLES:
-        for leaf, value in train.pop(table).items():
+        values = train.pop(table)
+        if table not in OLD_TABLES:  # a table earlier versions did not write
+            assert values == dataclasses.asdict(TABLES[table]())  # left at its defaults
+            continue
+        for leaf, value in values.items():
             train[next(k for k, s in LEGACY_TRAIN_KEYS.items() if s == (table, leaf))] = value
     return {**d, "train": train}
 

@@ -54,6 +54,7 @@ def test_the_mixer_setting_is_its_own_table_and_checked():
         ModelConfig.from_dict({"mixer": "causal_conv", "causal_conv": {"kernal": 2}})
 
 
+@pytest.mark.slow
 def test_a_run_trained_with_the_plugin_needs_no_flag_afterwards(tmp_path):
     """train --plugin saves the module in model.plugins; eval and generate in a fresh process
     (where nothing has imported the plugin) find its components from the checkpoint."""
