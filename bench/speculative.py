@@ -145,6 +145,8 @@ def main() -> None:
                          "drafts and verification through compiled frozen steps; writes "
                          "speculative_compiled.json), against plain cached decoding of the "
                          "same mode")
+    ap.add_argument("--out", help="the record's name in bench/results/ (default: speculative, "
+                                  "or speculative_compiled with --mode compiled)")
     args = ap.parse_args()
     modes = [args.mode]
     drafts = [(d.split("x")[0], int(d.split("x")[1])) for d in args.drafts.split(",")]
@@ -185,10 +187,12 @@ def main() -> None:
                                  ("--prompt-len", args.prompt_len, 64),
                                  ("--new-tokens", args.new_tokens, 512),
                                  ("--drafts", args.drafts, ap.get_default("drafts")),
-                                 ("--mode", args.mode, "eager")):
+                                 ("--mode", args.mode, "eager"),
+                                 ("--out", args.out, None)):
         if value != default:
             command += f" {flag} {value}"
-    write_json("speculative" if args.mode == "eager" else "speculative_compiled", {
+    out = args.out or ("speculative" if args.mode == "eager" else "speculative_compiled")
+    write_json(out, {
         "command": command,
         "setup": (f"batch 1, {' and '.join(modes)}; greedy, and sampled at temperature 0.8, top-k 40; each "
                   "row's tokens/s over every prompt, plain cached decoding timed beside it; "

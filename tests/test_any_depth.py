@@ -164,3 +164,65 @@ def test_eval_agreement_from_the_command_line(tmp_path):
                        ("dopri5:1", "dopri5")):
         r = run_cli("eval", "--checkpoint", tmp_path / "run", "--which", "last", "--agreement", bad)
         assert r.returncode == 2 and match in r.stderr, (bad, r.stderr)
+
+
+@pytest.mark.parametrize("grad", ["direct", "checkpoint", "binomial"])  # exact discrete gradients
+def test_truncated_backprop_is_the_gradient_through_the_last_steps(grad):
+    """backprop_steps = m: the same forward (loss) as the whole solve, and the gradient of an
+    obviously-correct reference: the first n - m Euler steps taken by hand without autograd,
+    the last m with it."""
+    from continuumlm.model.extras import SolveExtras
+    from continuumlm.testing import small_model
+
+    model = small_model(depth="ode", ode_solver="euler", ode_steps=5, num_layers=1,
+                        ode_grad=grad, dropout=0.0).train()
+    x = torch.randint(0, 37, (2, 6))
+    y = torch.randint(0, 37, (2, 6))
+    full = model(x, y)[1]
+    model.depth.extras = SolveExtras(backprop_steps=2)
+    try:
+        loss = model(x, y)[1]
+    finally:
+        model.depth.extras = None
+    torch.testing.assert_close(loss, full)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(loss, params, allow_unused=True)
+
+    block = model.depth.blocks[0]
+    field = block.field
+
+    def reference():
+        h = model.drop(model.tok_emb(x) + (model.pos_emb(torch.arange(6)) if model.pos_emb
+                                           is not None else 0))
+        dt = 1 / 5
+        field.dt = dt
+        with torch.no_grad():
+            for k in range(3):
+                h = h + dt * field(k * dt, h)
+        h = h.detach()
+        for k in range(3, 5):
+            h = h + dt * field(k * dt, h)
+        if field.post_mlp:
+            h = h + block.mlp(block.norm_mlp(h))
+        logits = model.lm_head(model.norm_f(h))
+        return F.cross_entropy(logits.reshape(-1, 37), y.reshape(-1))
+
+    ref = reference()
+    torch.testing.assert_close(ref, loss, rtol=1e-5, atol=1e-6)
+    want = torch.autograd.grad(ref, params, allow_unused=True)
+    for name, a, b in zip([n for n, p in model.named_parameters() if p.requires_grad], got, want):
+        if b is None:
+            assert a is None or not a.any(), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_truncation_config_refusals():
+    with pytest.raises(ConfigError, match="positive integer"):
+        config("train.any_depth.backprop_steps=0")
+    with pytest.raises(ConfigError, match="adaptive"):
+        config("train.any_depth.backprop_steps=2", "model.ode_solver=dopri5")
+    with pytest.raises(ConfigError, match="depth = 'discrete'"):
+        config("train.any_depth.backprop_steps=2", "model.depth=discrete")
+    cfg = config("train.any_depth.backprop_steps=1", "train.elastic.steps=[1,2,4]")
+    assert cfg.train.any_depth.backprop_steps == 1 and not cfg.train.any_depth.enabled

@@ -52,6 +52,11 @@ class AnyDepthConfig:
     against the own solve's greedy token (what speculative decoding needs to agree on)."""
     every: int = 1
     """Add the terms on every N-th optimizer step only (steps 0, N, 2N, ...)."""
+    backprop_steps: int | None = None
+    """Truncated backpropagation through depth: each ODE block's solve runs its first
+    n - backprop_steps solver steps without autograd and backpropagates through the last
+    backprop_steps alone (all of them when the solve has no more). Composes with drawn step
+    counts (train.elastic.steps) and with the drafts here. None: through every step."""
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +80,10 @@ class AnyDepthConfig:
         if not self.every >= 1:
             raise ConfigError(f"train.any_depth.every must be a positive integer (1: every "
                               f"step), got {self.every!r}.")
+        if self.backprop_steps is not None and not (
+                isinstance(self.backprop_steps, int) and self.backprop_steps >= 1):
+            raise ConfigError(f"train.any_depth.backprop_steps must be a positive integer (or "
+                              f"left out), got {self.backprop_steps!r}.")
         if self.enabled and not 1 <= self.draws <= len(solves):
             raise ConfigError(f"train.any_depth.draws must be between 1 and the number of "
                               f"drafts ({len(solves)}), got {self.draws!r}.")
@@ -84,7 +93,10 @@ class AnyDepthConfig:
                               "out drafts.")
 
     def check_model(self, m, elastic=None) -> None:
-        """What the coarse solves ask of the model (``m``: the ModelConfig)."""
+        """What the coarse solves and the truncation ask of the model (``m``: the
+        ModelConfig)."""
+        if self.backprop_steps is not None:
+            self._check_truncation(m, elastic)
         if not self.enabled:
             return
         if m.depth != "ode":
@@ -117,3 +129,18 @@ class AnyDepthConfig:
             except ConfigError as e:
                 raise ConfigError(f"train.any_depth.drafts: {solver}:{steps} cannot be taken "
                                   f"by this model: {e}") from None
+
+    def _check_truncation(self, m, elastic) -> None:
+        if m.depth != "ode":
+            raise ConfigError(f"train.any_depth.backprop_steps truncates an ODE model's "
+                              f"solve; model.depth = {m.depth!r} has none. Leave it out.")
+        solvers = {m.ode_solver, *((elastic.solvers or []) if elastic is not None else [])}
+        for solver in solvers:
+            cls = SOLVERS.component_class(solver) if solver in SOLVERS else None
+            if cls is not None and (not getattr(cls, "fixed_grid", True)
+                                    or getattr(cls, "reversible", False)):
+                raise ConfigError(f"train.any_depth.backprop_steps cuts a fixed-grid solve "
+                                  f"at a step; {solver!r} is "
+                                  f"{'adaptive' if not getattr(cls, 'fixed_grid', True) else 'reversible'}"
+                                  f". Use a fixed-grid, non-reversible solver, or leave it "
+                                  f"out.")

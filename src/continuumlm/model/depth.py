@@ -250,7 +250,19 @@ class ODEBlock(nn.Module):
                     remember_at(t, h, ("step", round((t - cfg.ode_t0) / dt)))
 
                 solver = StepMemory(solver, at_step)
-            x = integrate(f, x, cfg.ode_t0, t1, solver, cfg.ode_steps,
+            t0, steps = cfg.ode_t0, cfg.ode_steps
+            tail = extras.backprop_steps if extras is not None else None
+            if tail is not None and tail < steps and torch.is_grad_enabled():
+                # truncated backpropagation through depth: the first steps without autograd,
+                # the same grid (t0 + k dt), and the graph from the state they reach
+                head, t0 = steps - tail, cfg.ode_t0 + (steps - tail) * (t1 - cfg.ode_t0) / steps
+                with torch.no_grad():
+                    x = integrate(f, x, cfg.ode_t0, t0, solver, head, "direct", params,
+                                  where=f"ODE block {self.index}", observe=observe)
+                if observe is not None:
+                    observe(head - 1, x)
+                x, steps = x.detach(), tail
+            x = integrate(f, x, t0, t1, solver, steps,
                           cfg.ode_grad, params, where=f"ODE block {self.index}",
                           checkpoints=cfg.ode_checkpoints, observe=observe)
             if x.shape[-1] != cfg.hidden_size:  # the integrals ride along as extra channels

@@ -18,13 +18,15 @@ class SolveExtras:
     """Training-time additions to every ODE block's solve (set by the trainer, used only in
     training mode): the kinetic energy integral of ||f||^2 / C and the Hutchinson estimate of
     the Jacobian's squared Frobenius norm / C (one Gaussian probe per forward) along the solve,
-    per token (Finlay et al. 2020, "How to train your neural ODE"), and STEER's end time for
-    this step (Ghosh et al. 2020)."""
+    per token (Finlay et al. 2020, "How to train your neural ODE"), STEER's end time for
+    this step (Ghosh et al. 2020), and truncated backpropagation through depth (the first
+    steps of a solve without autograd, the last ``backprop_steps`` with it)."""
 
     kinetic: bool = False
     jacobian: bool = False
     t1: float | None = None
     readout: bool = False  # keep the state after every step but the last (step_states)
+    backprop_steps: int | None = None  # only the last N solver steps in the graph (truncated)
 
 
 def augmented(f, x: torch.Tensor, extras: SolveExtras):

@@ -114,7 +114,9 @@ class SolveRegularizers:
         self.kinetic, self.jacobian = float(r.kinetic_weight), float(r.jacobian_weight)
         self.readout = float(r.step_readout_weight)
         self.steer, self.seed = float(r.steer), int(t.seed)
-        self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.readout)
+        self.backprop_steps = t.any_depth.backprop_steps  # truncated backprop through depth
+        self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.readout
+                            or self.backprop_steps)
 
     def end_time(self, step: int) -> float | None:
         if not self.steer:
@@ -132,7 +134,8 @@ class SolveRegularizers:
 
         self.model.depth.extras = SolveExtras(kinetic=self.kinetic > 0,
                                               jacobian=self.jacobian > 0,
-                                              t1=self.end_time(step), readout=self.readout > 0)
+                                              t1=self.end_time(step), readout=self.readout > 0,
+                                              backprop_steps=self.backprop_steps)
         try:
             yield
         finally:

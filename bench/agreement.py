@@ -1,0 +1,113 @@
+"""Agreement and loss against a draft's field evaluations: how often each coarse solve of a
+trained ODE model gives the own solve's greedy token (teacher-forced, the validation windows
+``continuumlm eval`` scores), the mean KL(own || draft), and the loss of the coarse solve.
+
+    python bench/agreement.py --model ode_rk4=runs/agreement/ode_rk4_s1337 \
+        --model ode_any_depth=runs/any_depth/s1337,runs/any_depth/s1,runs/any_depth/s2
+
+writes bench/results/agreement.json: per model and seed (each its best checkpoint) the own
+solve's loss, and for each draft (``--drafts``, SOLVER:STEPS) its field evaluations, loss,
+agreement and KL; the table gives the means over the seeds given. Rows of a model already in
+the JSON are replaced; the other models' rows are kept, so a model can be added later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from common import RESULTS, machine, markdown_table, write_json
+
+from continuumlm.config.any_depth import parse_solve
+from continuumlm.config.elastic import solve_nfe
+from continuumlm.data import prepare_data
+from continuumlm.eval.agreement import agreement
+from continuumlm.eval.perplexity import evaluate_contexts
+from continuumlm.runs import load_model_and_tokenizer
+from continuumlm.runs.checkpoint import load_run_config
+
+DRAFTS = "euler:1,euler:2,euler:4,rk4:1,rk4:2"
+
+
+def measure(run: str, drafts: list[tuple[str, int]], max_windows: int) -> dict:
+    model, tok, ckpt = load_model_and_tokenizer(run, "best")
+    cfg = load_run_config(ckpt)
+    split = prepare_data(cfg.data, tok).splits["val"]
+    context = cfg.train.seq_len
+    device = torch.device("cpu")
+    own = (model.config.ode_solver, model.config.ode_steps)
+
+    def loss_at(solver, steps):
+        model.set_solver(solver, steps, ode_grad="direct")
+        try:
+            [row] = evaluate_contexts(model, split, [context], False, device,
+                                      max_windows=max_windows)
+        finally:
+            model.set_solver(*own)
+        return row["loss"]
+
+    agreed = agreement(model, split, context, drafts, device, max_windows=max_windows)
+    layers = model.config.num_layers
+    return {"run": run, "own": f"{own[0]}:{own[1]}",
+            "own_nfe": layers * solve_nfe(model.config, *own), "own_loss": loss_at(*own),
+            "positions": next(iter(agreed.values()))["positions"],
+            "drafts": [{"draft": f"{s}:{n}", "nfe": layers * solve_nfe(model.config, s, n),
+                        "loss": loss_at(s, n), **{k: agreed[f"{s}:{n}"][k]
+                                                   for k in ("agreement", "kl")}}
+                       for s, n in drafts]}
+
+
+def table(models: dict) -> tuple[list[dict], str]:
+    rows = []
+    for name, seeds in models.items():
+        for i, d in enumerate(seeds[0]["drafts"]):
+            per = [s["drafts"][i] for s in seeds]
+            rows.append({"model": name, "seeds": len(seeds), "draft": d["draft"],
+                         "nfe": d["nfe"],
+                         "own_loss": round(statistics.mean(s["own_loss"] for s in seeds), 4),
+                         "loss": round(statistics.mean(p["loss"] for p in per), 4),
+                         "agreement": round(statistics.mean(p["agreement"] for p in per), 4),
+                         "agreement_min": round(min(p["agreement"] for p in per), 4),
+                         "kl": round(statistics.mean(p["kl"] for p in per), 4)})
+    return rows, markdown_table(rows, [
+        ("model", "model"), ("seeds", "seeds"), ("draft", "draft solve"),
+        ("nfe", "field evaluations"), ("loss", "draft val loss"),
+        ("own_loss", "own-solve val loss"), ("agreement", "greedy agreement"),
+        ("agreement_min", "... lowest seed"), ("kl", "KL(own || draft)")])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True, metavar="NAME=RUN[,RUN...]",
+                    help="a model's name and its run folders (one per seed)")
+    ap.add_argument("--drafts", default=DRAFTS)
+    ap.add_argument("--max-windows", type=int, default=400,
+                    help="validation windows, evenly spread (default 400)")
+    args = ap.parse_args()
+    drafts = [parse_solve(d, "--drafts") for d in args.drafts.split(",")]
+    path = RESULTS / "agreement.json"
+    models = json.loads(path.read_text())["models"] if path.is_file() else {}
+    commands = json.loads(path.read_text()).get("commands", []) if path.is_file() else []
+    for spec in args.model:
+        name, _, runs = spec.partition("=")
+        models[name] = [measure(r, drafts, args.max_windows) for r in runs.split(",")]
+        for seed in models[name]:
+            print(name, seed["run"], json.dumps(seed["drafts"]), flush=True)
+    command = ("python bench/agreement.py " + " ".join(f"--model {m}" for m in args.model)
+               + (f" --drafts {args.drafts}" if args.drafts != DRAFTS else "")
+               + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""))
+    rows, text = table(models)
+    write_json("agreement", {
+        "commands": [*commands, command],
+        "setup": (f"teacher-forced on {args.max_windows} evenly spread validation windows of "
+                  f"each run's training context, its best checkpoint; agreement: the fraction "
+                  f"of positions where the draft's greedy token equals the own solve's; "
+                  f"{machine()}"),
+        "models": models, "rows": rows, "table": text})
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
