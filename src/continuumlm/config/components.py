@@ -9,63 +9,15 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..registry import FIELDS, MIXERS, SOLVERS
-from .checks import _in, _origin, _strict, _suggest, _validate, note_old_spelling
+from .checks import _strict, _suggest, _validate
+from .legacy import OLD_NAMES
 
 # the plain [model] keys (filled in by sections.py): a component table may not shadow them
 MODEL_KEYS: set[str] = set()
 
 
-# Settings of the built-in components as earlier versions spelled them, flat in [model]: read
-# from old configs, checkpoints and --set, and mapped to the component's own table.
-LEGACY_KEYS = {
-    "deltanet_short_conv": ("deltanet", "short_conv"),
-    "cat_basis": ("continuous", "basis"),
-    "cat_n_freq": ("continuous", "n_freq"),
-    "cat_n_quad": ("continuous", "n_quad"),
-    "cat_sob_lambda": ("continuous", "sob_lambda"),
-    "cat_length": ("continuous", "length"),
-    "cat_quadrature": ("continuous", "quadrature"),
-    "cat_panel": ("continuous", "panel"),
-    "cat_mode": ("continuous", "mode"),
-    "cat_kernel": ("continuous", "kernel"),
-}
-
-
-def _split_component_tables(d: dict[str, Any], source, overridden) -> dict[str, Any]:
-    """[model] as read (TOML, JSON or --set): plain keys stay; tables ([model.NAME]) and the
-    flat names of earlier versions (LEGACY_KEYS) go into ``components`` as dicts, built into
-    each component's Config by ``_build_components``."""
-    plain, tables, moved = {}, {}, []
-    for key, value in d.items():
-        if key == "components":  # ModelConfig(components=...) as a dict, e.g. asdict(cfg)
-            plain[key] = value
-        elif key in LEGACY_KEYS:
-            name, leaf = LEGACY_KEYS[key]
-            table = tables.setdefault(name, {})
-            if leaf in table:
-                where = _origin(f"model.{key}", source, overridden)
-                raise ConfigError(f"model.{key} and model.{name}.{leaf} both set {name}'s "
-                                  f"{leaf}{where}; keep [model.{name}] {leaf} = ... (model.{key} "
-                                  f"is the older spelling).")
-            table[leaf] = value
-            moved.append((f"model.{key}", f"model.{name}.{leaf}"))
-        elif isinstance(value, dict):
-            table = tables.setdefault(key, {})
-            for leaf, v in value.items():
-                if leaf in table:
-                    old = next(k for k, t in LEGACY_KEYS.items() if t == (key, leaf))
-                    raise ConfigError(f"model.{old} and model.{key}.{leaf} both set {key}'s "
-                                      f"{leaf}{_in(source)}; keep [model.{key}] {leaf} = ... "
-                                      f"(model.{old} is the older spelling).")
-                table[leaf] = v
-        else:
-            plain[key] = value
-    if moved and _strict():
-        note_old_spelling(moved, source, overridden)
-    if tables:
-        given = plain.get("components", {})
-        plain["components"] = {**(given if isinstance(given, dict) else {}), **tables}
-    return plain
+# the settings of the built-in components as version 0.1 spelled them, flat in [model]
+LEGACY_KEYS = OLD_NAMES["model"]
 
 
 def _configurable() -> dict[str, type]:

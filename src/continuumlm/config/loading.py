@@ -10,11 +10,8 @@ import tomllib
 
 from ..errors import ConfigError
 from .checks import _origin
-from .components import LEGACY_KEYS
+from .legacy import OLD_NAMES as LEGACY
 from .sections import RunConfig
-from .train import LEGACY_TRAIN_KEYS
-
-LEGACY = {"model": LEGACY_KEYS, "train": LEGACY_TRAIN_KEYS}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

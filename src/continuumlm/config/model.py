@@ -19,13 +19,8 @@ from .checks import (
     _validate,
     reading_saved_config,
 )
-from .components import (
-    MODEL_KEYS,
-    _build_components,
-    _component_class,
-    _configurable,
-    _split_component_tables,
-)
+from .components import MODEL_KEYS, _build_components, _component_class, _configurable
+from .legacy import split_tables
 
 
 @dataclass
@@ -36,6 +31,7 @@ class ModelConfig:
     """
 
     run_config_section: ClassVar[bool] = True  # validated by name-keyed tables (checks.py)
+    tables_field: ClassVar[str] = "components"  # every [model.NAME] table goes in here
 
     vocab_size: int = 0
     """Number of token ids; 0 means "take it from the tokenizer" (filled in by the trainer)."""
@@ -244,11 +240,12 @@ def _check_selectors(cfg: ModelConfig) -> None:
 
 def _build(klass, d: dict[str, Any], section: str, source: str | None = None,
            overridden: dict[str, str] | None = None):
-    names = {f.name for f in fields(klass)}
-    if klass is ModelConfig:
-        d, names = _split_component_tables(d, source, overridden), names - {"components"}
+    # a section whose tables are gathered in one field (ModelConfig.components) names it
+    nest = getattr(klass, "tables_field", None)
+    names = {f.name for f in fields(klass)} - {nest}
+    d = split_tables(section, d, source, overridden, nest)  # the old flat names too
     for key in d:
-        if key == "components" and klass is ModelConfig:
+        if key == nest:
             continue
         if key not in names:
             where = _origin(f"{section}.{key}", source, overridden)

@@ -12,7 +12,7 @@ from .data import DataConfig
 from .elastic import solve_nfe, solve_pairs  # noqa: F401
 from .model import ModelConfig, _build
 from .mqar import MQARConfig
-from .train import TrainConfig, split_train_tables
+from .train import TrainConfig
 
 SECTIONS = ("model", "data", "train", "mqar")
 
@@ -52,8 +52,6 @@ class RunConfig:
             section = d.get(name, {})
             if not isinstance(section, dict):
                 raise ConfigError(f"[{name}]{_in(where)} must be a table of key = value pairs.")
-            if name == "train":  # flat names of earlier versions into their tables
-                section = split_train_tables(section, where, overridden)
             built[name] = _build(klass, section, name, where, overridden)
         return cls(**built)
 

@@ -10,32 +10,18 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from .any_depth import AnyDepthConfig
-from .checks import _in, _origin, _strict, _suggest, _validate, note_old_spelling
+from .checks import _suggest, _validate
 from .distill import DistillConfig
 from .elastic import ElasticConfig
+from .legacy import OLD_NAMES
 from .regularize import RegularizeConfig
 
 # The tables of [train], each owned by the module beside its dataclass.
 TABLES = {"elastic": ElasticConfig, "distill": DistillConfig, "regularize": RegularizeConfig,
           "any_depth": AnyDepthConfig}
 
-# [train] keys as earlier versions spelled them, flat: read from old configs, checkpoints and
-# --set, and mapped to their table (a config written by hand gets a one-line note).
-LEGACY_TRAIN_KEYS = {
-    "ode_steps_choices": ("elastic", "steps"),
-    "ode_solver_choices": ("elastic", "solvers"),
-    "ode_max_nfe": ("elastic", "max_nfe"),
-    "elastic_from": ("elastic", "start"),
-    "consistency_weight": ("elastic", "consistency_weight"),
-    "consistency_max_nfe": ("elastic", "consistency_max_nfe"),
-    "consistency_every": ("elastic", "consistency_every"),
-    "distill_from": ("distill", "teacher"),
-    "distill_weight": ("distill", "weight"),
-    "kinetic_weight": ("regularize", "kinetic_weight"),
-    "jacobian_weight": ("regularize", "jacobian_weight"),
-    "step_readout_weight": ("regularize", "step_readout_weight"),
-    "steer": ("regularize", "steer"),
-}
+# [train] keys as earlier versions spelled them, flat (config/legacy.py moves them)
+LEGACY_TRAIN_KEYS = OLD_NAMES["train"]
 
 
 @dataclass
@@ -164,31 +150,3 @@ def build_table(klass, value: dict[str, Any], where: str):
             raise ConfigError(f"unknown key {where}.{key}{_suggest(key, known)}; valid keys of "
                               f"[{where}] are: {', '.join(sorted(known))}.")
     return klass(**value)
-
-
-def split_train_tables(d: dict[str, Any], source: str | None,
-                       overridden: dict[str, str] | None) -> dict[str, Any]:
-    """[train] as read (TOML, JSON or --set), with the flat names of earlier versions
-    (LEGACY_TRAIN_KEYS) moved into their tables. A config written by hand (not a saved run's)
-    that uses any gets one line naming the new spellings (``checks.note_old_spelling``)."""
-    out = {k: (dict(v) if k in TABLES and isinstance(v, dict) else v) for k, v in d.items()
-           if k not in LEGACY_TRAIN_KEYS}
-    moved = []
-    for old in (k for k in d if k in LEGACY_TRAIN_KEYS):
-        name, leaf = LEGACY_TRAIN_KEYS[old]
-        table = out.setdefault(name, {})
-        if dataclasses.is_dataclass(table):  # the table built already, an old key beside it
-            raise ConfigError(f"train.{old} is given beside a built [train.{name}] table"
-                              f"{_in(source)}; set {leaf} in the table instead.")
-        if not isinstance(table, dict):
-            continue  # refused when the table is built ("must be a table")
-        if leaf in table:
-            where = _origin(f"train.{old}", source, overridden) or _in(source)
-            raise ConfigError(f"train.{old} and train.{name}.{leaf} both set {leaf}{where}; "
-                              f"keep [train.{name}] {leaf} = ... (train.{old} is the older "
-                              f"spelling).")
-        table[leaf] = d[old]
-        moved.append((f"train.{old}", f"train.{name}.{leaf}"))
-    if moved and _strict():
-        note_old_spelling(moved, source, overridden)
-    return out
