@@ -5,7 +5,7 @@ One cached token: ``Decoder.stream`` (decoder.py) picks a path and runs ``token_
 ``DecodeState`` by the token just chosen: eager, ``model.step`` -> depth -> each field
 evaluation -> ``mixer.extend(x, cache)`` (k >= 1 tokens; k > 1 verifies drafts, speculative.py);
 frozen (frozen.py), the state fixed to buffers of one capacity with its position in tensors,
-``model.frozen_token_logits(ids, state, evaluate)`` -> depth, which runs each repeating unit
+``model.frozen_logits(ids, state, evaluate)`` -> depth, which runs each repeating unit
 (a solver step, a layer) through the evaluator (``Compiled``: torch.compile; None: eager) ->
 ``mixer.extend_frozen(x, cache)``. Graph replay (replay.py) records that whole frozen step
 once per capacity and replays it (CUDA graphs; the CPU emulation in tests), behind one

@@ -4,7 +4,7 @@ evaluator that runs its repeating unit compiled.
 
 An *evaluator* is ``evaluate(module, *args) -> module(*args)``: the depth runs every unit
 that repeats (an ODE block's solver step, a discrete layer) through the one it is given
-(``LanguageModel.frozen_token_logits(ids, state, evaluate)``). ``None`` runs them directly
+(``LanguageModel.frozen_logits(ids, state, evaluate)``). ``None`` runs them directly
 (eager); :class:`Compiled` runs them through ``torch.compile``.
 """
 
@@ -135,7 +135,10 @@ def frozen_decoder(model, state: DecodeState, evaluate=None, min_capacity: int =
     device = model.tok_emb.weight.device
     state.freeze(capacity_for(state.pos + 1, min_capacity), device)
 
-    run = _runner(model.frozen_token_logits, evaluate)
+    def last(ids, st, *evaluate):  # the one token's logits, (B, vocab)
+        return model.frozen_logits(ids, st, *evaluate)[:, -1]
+
+    run = _runner(last, evaluate)
 
     replay = TokenGraphs(model, recorder, run) if recorder is not None else None
 

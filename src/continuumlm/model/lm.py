@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from ..atomic import atomic_folder
 from ..config import ModelConfig
-from ..config.components import model_settings
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..mixers.padding import Padding
 from ..nn import make_norm
 from ..registry import DECODERS, DEPTHS, SOLVERS
@@ -25,11 +24,12 @@ from .cache import CacheMemory, DecodeState
 
 # importing depth registers the built-in depths
 from .exit import ExitRule, check_exit_solver
+from .weights import CONFIG_FILE, MODEL_TYPE, WEIGHTS_FILE, load_weights, read_model_config
 
 log = logging.getLogger("continuumlm")
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+# the model folder's files (model/weights.py reads them): importable from here as before
+__all__ = ["CONFIG_FILE", "MODEL_TYPE", "WEIGHTS_FILE", "LanguageModel", "load_weights"]
 
 
 class LanguageModel(nn.Module):
@@ -358,25 +358,15 @@ class LanguageModel(nn.Module):
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     @torch.no_grad()
-    def frozen_token_logits(self, idx: torch.Tensor, state: DecodeState,
-                            evaluate=None) -> torch.Tensor:
-        """One token (B, 1) through a frozen state (``state.freeze``): logits (B, vocab). No
-        Python value read here depends on the position, so a compiled graph of it serves
-        every token. ``evaluate(module, *args)``: how the depth runs each unit that repeats
-        (a solver step, a layer; see :mod:`continuumlm.decoding.frozen`), None: directly.
-        The caller moves the state on with ``state.advance()``."""
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(state.static.pos)
-        x = self.depth(x, state) if evaluate is None else self.depth(x, state, evaluate=evaluate)
-        return self.lm_head(self.norm_f(x)[:, -1])
-
-    @torch.no_grad()
     def frozen_logits(self, idx: torch.Tensor, state: DecodeState,
                       evaluate=None) -> torch.Tensor:
-        """The static step's ``width`` tokens (B, width) through a frozen state: logits (B,
-        width, vocab), each token's (the verifying pass of speculative decoding). As
-        :meth:`frozen_token_logits` otherwise."""
+        """The static step's ``width`` tokens (B, width) through a frozen state
+        (``state.freeze``): logits (B, width, vocab), each token's (one token: the decoding
+        step; several: speculative decoding's verifying pass). No Python value read here
+        depends on the position, so a compiled graph of it serves every token.
+        ``evaluate(module, *args)``: how the depth runs each unit that repeats (a solver step,
+        a layer; see :mod:`continuumlm.decoding.frozen`), None: directly. The caller moves the
+        state on with ``state.advance()``."""
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(state.static.pos)
@@ -399,24 +389,7 @@ class LanguageModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu"):
-        directory = Path(directory)
-        cfg_path = directory / CONFIG_FILE
-        for p in (cfg_path, directory / WEIGHTS_FILE):
-            if not p.is_file():
-                raise CheckpointError(f"{p} is missing; a model folder holds {CONFIG_FILE} and "
-                                      f"{WEIGHTS_FILE} (written by save_pretrained or training).")
-        try:
-            cfg_dict = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON ({e}); the file is corrupt.") from None
-        if not isinstance(cfg_dict, dict):
-            raise CheckpointError(f"{cfg_path} does not hold a JSON object of model settings.")
-        if "model_type" in cfg_dict:  # beside the settings: transformers' keys
-            if cfg_dict["model_type"] != MODEL_TYPE:
-                raise CheckpointError(f"{cfg_path} describes a {cfg_dict['model_type']!r} model, "
-                                      f"not a ContinuumLM one.")
-            cfg_dict = model_settings(cfg_dict)
-        cfg = ModelConfig.from_dict(cfg_dict, source=str(cfg_path), saved=True)
+        cfg = read_model_config(directory)
         device = torch.device(map_location)
         check_memory(cfg, device if device.type in ("cpu", "cuda") else "cpu", training=False)
         model = cls(cfg)
@@ -427,42 +400,11 @@ class LanguageModel(nn.Module):
         return model
 
 
-MODEL_TYPE = "continuumlm"  # the model_type of config.json, for transformers' Auto classes
-
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
     """Half-precision logits in float32 for the cross-entropy; float32 and float64 as they are
     (a float64 model's loss stays float64, so gradient checks through it keep its precision)."""
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
-def load_weights(model: LanguageModel, directory: str | Path) -> None:
-    """Read ``model.safetensors`` of ``directory`` into ``model`` (built on the CPU from the
-    folder's config), strictly: a tensor missing, extra or of another shape is an error."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_model
-
-    directory = Path(directory)
-    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not w_path.is_file():
-        raise CheckpointError(f"{w_path} is missing; a model folder holds {CONFIG_FILE} and "
-                              f"{WEIGHTS_FILE} (written by save_pretrained or training).")
-    try:
-        # read on the CPU, where the model was built (load_model copies into its parameters)
-        missing, unexpected = load_model(model, str(w_path), strict=False, device="cpu")
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        # torch lists every mismatched tensor on its own line: name the first and the count
-        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
-        detail = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines
-                      else type(e).__name__)
-        more = sum(x.startswith("size mismatch") for x in lines) - 1
-        detail += f" (and {more} more)" if more > 0 else ""
-        raise CheckpointError(f"cannot read weights from {w_path}: {detail}. The file is "
-                              f"corrupt, truncated or belongs to a different configuration "
-                              f"than {cfg_path}.") from None
-    if missing or unexpected:
-        raise CheckpointError(f"{w_path} does not match {cfg_path}: missing tensors "
-                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}.")
 
 
 def check_memory(cfg: ModelConfig, device: torch.device | str = "cpu", training: bool = True,

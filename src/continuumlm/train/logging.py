@@ -131,3 +131,13 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60} min {seconds % 60:02d} s"
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class NullLogger:
+    """What ranks other than 0 log to: nothing."""
+
+    def log(self, event: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig
-from ..data import BatchSampler, Dataset, changed_splits, corpus_name, prepare_data
+from ..data import (
+    BatchSampler,
+    Dataset,
+    changed_splits,
+    corpus_name,
+    load_tokenizer,
+    prepare_data,
+)
 from ..errors import ConfigError, DataError
 from .evaluation import Evaluator
 
@@ -130,3 +137,14 @@ class LanguageModelingTask:
 
     def on_end(self, trainer, summary: dict) -> None:
         pass
+
+
+def language_modeling(cfg: RunConfig, out: Path, resumed_from: Path | None,
+                      state: dict | None) -> LanguageModelingTask:
+    """The default task: next-token prediction on ``[data]``'s corpus (a resumed run reads its
+    own tokenizer)."""
+    tokenizer = load_tokenizer(resumed_from) if resumed_from else None
+    return LanguageModelingTask(cfg, out, resumed_from, state, tokenizer)
+
+
+language_modeling.name = LanguageModelingTask.name

@@ -12,7 +12,6 @@ import torch
 from tqdm import tqdm
 
 from ..config import RunConfig, dump_toml
-from ..data import load_tokenizer
 from ..data.batches import stream_seed
 from ..errors import (
     ConfigError,
@@ -35,7 +34,7 @@ from .device import (  # noqa: F401 - pick_device: public here too
 )
 from .diagnose import first_non_finite
 from .evaluation import evaluate_loss  # noqa: F401 - public here too
-from .logging import MetricsLogger, ProgressLines
+from .logging import MetricsLogger, NullLogger, ProgressLines
 from .objective import StepObjective
 from .optim import lr_at, make_optimizer, moved_horizon_warning, schedule_warnings
 from .resume import find_resumable, open_run_folder  # noqa: F401 - find_resumable: public here
@@ -49,28 +48,7 @@ from .stateful import (
     restore,
     sharded_checkpoint,
 )
-from .tasks import Evaluation, LanguageModelingTask
-
-
-class _NullLogger:
-    """What ranks other than 0 log to: nothing."""
-
-    def log(self, event: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def language_modeling(cfg: RunConfig, out: Path, resumed_from: Path | None,
-                      state: dict | None) -> LanguageModelingTask:
-    """The default task: next-token prediction on ``[data]``'s corpus (a resumed run reads its
-    own tokenizer)."""
-    tokenizer = load_tokenizer(resumed_from) if resumed_from else None
-    return LanguageModelingTask(cfg, out, resumed_from, state, tokenizer)
-
-
-language_modeling.name = LanguageModelingTask.name
+from .tasks import Evaluation, language_modeling
 
 
 class Trainer:
@@ -176,7 +154,7 @@ class Trainer:
                 raise disk_error(CONFIG, self.out / CONFIG, e, self.out,
                                  task=self.task.name) from None
         else:
-            self.logger = _NullLogger()
+            self.logger = NullLogger()
         self.dist.barrier()
 
     def _load_shards(self, path: Path) -> None:
