@@ -19,17 +19,16 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from ..errors import ConfigError
-from ..mixers.cache import Written
-from ..mixers.padding import Padding, mix, remember, takes_memory
+from ..mixers.padding import Padding, mix, takes_memory
 from ..nn import MLP, freeze_dropout, make_norm
-from ..ode import AdaptiveSolver, integrate
+from ..ode import AdaptiveSolver
 from ..ode.grad import refusal as grad_refusal
-from ..ode.solvers import grid
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
 from .cache import DecodeState
 from .exit import EXIT_CRITERIA, ExitRule, check_exit_solver, solve_with_exit  # noqa: F401 - importable here as before
 from .extras import SolveExtras, augmented  # noqa: F401 - SolveExtras: importable here too
-from .ode_kv import StepMemory, kv_refusal, memory_step
+from .ode_kv import kv_refusal
+from .solve import Solve
 
 log = logging.getLogger("continuumlm")
 
@@ -135,186 +134,19 @@ class ODEBlock(nn.Module):
     def _solve(self, x: torch.Tensor, state: DecodeState | None, exit_rule: ExitRule | None,
                extras: SolveExtras | None, padding: Padding | None,
                evaluate=None) -> torch.Tensor:
-        for d in self._dropouts:
-            d.reset()  # one dropout mask per forward, shared by every step and stage
-        calls = [0]
-        field, key, factory = self.field, self.index, self.field.mixer.cache_factory
-        cfg = self.cfg
-        extras = extras if (extras is not None and self.training) else None
-        t1 = extras.t1 if extras is not None and extras.t1 is not None else cfg.ode_t1
-        dt = (t1 - cfg.ode_t0) / cfg.ode_steps  # read by a dt embedding
-        if cfg.ode_dt_embedding_reads == "evaluation":  # the spacing of field evaluations
-            dt /= self.solver.evals_per_step
-        # this forward's dropout masks (drawn at its first evaluation) and dt live with its own
-        # closures: a backward pass that evaluates f again (checkpoint, binomial, adjoint,
-        # reversible) sees them even if another forward ran in between and reset the modules
-        masks: list = [None] * len(self._dropouts)
-        # dropout that draws masks (training): each evaluation restores this forward's masks
-        dropouts = [d for d in self._dropouts if d.active()]
-        # ``evaluate`` (a frozen decoding state's evaluator, a compiled call): the plain solve
-        # below runs each solver step through it; per-token exit and reversible solvers, each
-        # field evaluation
-
-        def evaluation(fn, t: float, h: torch.Tensor, n: int):
-            # per evaluation only what can change (Module.__setattr__ costs microseconds, and
-            # a decoded token makes dozens of evaluations)
-            if field.dt != dt:
-                field.dt = dt
-            if dropouts:
-                for d, mask in zip(self._dropouts, masks):
-                    d._mask = mask
-            if evaluate is not None:
-                out = evaluate(fn, t, h, cache_of(n))
-            else:
-                out = mix(fn, h, cache_of(n), padding, t)
-            if dropouts:
-                masks[:] = [d._mask for d in self._dropouts]
-            return out
-
-        kv = cfg.ode_kv
-        # ode_kv "step" / "block": the cache of the current step or block, holding its memory
-        written: list[Written | None] = [None]
-        held: list = []  # the decoding state's memory caches this solve wrote
-
-        def memory_cache(where) -> Written:
-            """The cache of a step or block, new for a forward without a decoding state."""
-            if state is None:
-                return Written(factory())
-            held.append(state.cache(("ode", key, *where), factory))
-            return Written(held[-1])
-
-        def remember_at(t, h: torch.Tensor, where) -> None:
-            w = memory_cache(where)
-            remember(field.mixer, field.mixer_input(t, h[..., :cfg.hidden_size]), w.cache,
-                     padding)
-            written[0] = w
-
-        def cache_of(n: int):
-            if kv != "evaluation":
-                return written[0]
-            return state.cache(("ode", key, n), factory) if state is not None else None
-
-        def f(t: float, h: torch.Tensor) -> torch.Tensor:
-            n = calls[0]
-            calls[0] += 1
-            return evaluation(field, t, h, n)
-
-        field.dt = dt
-        self.last_token_nfe = None
-        self.last_regularizers = {}
-        self.step_states = []
-        if (evaluate is not None and exit_rule is None and not dropouts
-                and _steps_compiled(self.solver)):
-            # a frozen, compiled decoding state: a solver step (its stages' evaluations and
-            # the solver's combinations) is the compiled unit, one graph for every step of
-            # every block; each step gets its stages' caches in order (dropout drawing masks
-            # goes through evaluation() below, which restores this forward's masks)
-            per_step = int(self.solver.evals_per_step)
-            step_dt = (t1 - cfg.ode_t0) / cfg.ode_steps
-            # t as a tensor: one graph for every step's time, not one per value. On the
-            # state's device, made at the first frozen step and kept with the state, so a
-            # recorded graph reads it in place (a host tensor would be a copy from pageable
-            # memory inside the capture)
-            at = ("ode_grid", cfg.ode_t0, t1, cfg.ode_steps, x.device)
-            if at not in state.shared:
-                state.shared[at] = torch.tensor(grid(cfg.ode_t0, t1, cfg.ode_steps),
-                                                dtype=torch.float64, device=x.device)
-            times = state.shared[at]
-            for s in range(cfg.ode_steps):
-                if kv == "evaluation":
-                    caches = tuple(cache_of(s * per_step + i) for i in range(per_step))
-                    x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt, caches)
-                elif kv == "step" or s == 0:  # the memory written at the step's start
-                    written[0] = memory_cache(("step", s) if kv == "step" else ("block",))
-                    x = evaluate(memory_step, self.solver, field, times[s], x, step_dt,
-                                 written[0])
-                else:
-                    x = evaluate(_solver_step, self.solver, field, times[s], x, step_dt,
-                                 (written[0],) * per_step)
-            calls[0] = cfg.ode_steps * per_step
+        """One solve of the block (model/solve.py): frozen compiled decoding a solver step at
+        a time, the plain integration, or per-token exit."""
+        run = Solve(self, state, extras, padding, evaluate)
+        if run.frozen_steps(exit_rule):
+            x = run.frozen(x)
         elif exit_rule is None:
-            # what f and the solver read (rk2_gated's gate is the solver's)
-            params = tuple(self.field.parameters()) + tuple(self.solver.parameters())
-            C = x.shape[-1]
-            if extras is not None and (extras.kinetic or extras.jacobian):
-                f, x = augmented(f, x, extras)
-            observe = None
-            if extras is not None and extras.readout:
-                def observe(n: int, h: torch.Tensor) -> None:
-                    self.step_states.append(h[..., :C])
-            solver = self.solver
-            if kv == "block":
-                remember_at(cfg.ode_t0, x, ("block",))
-            elif kv == "step":
-                def at_step(t: float, h: torch.Tensor, dt: float) -> None:
-                    remember_at(t, h, ("step", round((t - cfg.ode_t0) / dt)))
-
-                solver = StepMemory(solver, at_step)
-            t0, steps = cfg.ode_t0, cfg.ode_steps
-            tail = extras.backprop_steps if extras is not None else None
-            if tail is not None and tail < steps and torch.is_grad_enabled():
-                # truncated backpropagation through depth: the first steps without autograd,
-                # the same grid (t0 + k dt), and the graph from the state they reach
-                head, t0 = steps - tail, cfg.ode_t0 + (steps - tail) * (t1 - cfg.ode_t0) / steps
-                with torch.no_grad():
-                    x = integrate(f, x, cfg.ode_t0, t0, solver, head, "direct", params,
-                                  where=f"ODE block {self.index}", observe=observe)
-                if observe is not None:
-                    observe(head - 1, x)
-                x, steps = x.detach(), tail
-            x = integrate(f, x, t0, t1, solver, steps,
-                          cfg.ode_grad, params, where=f"ODE block {self.index}",
-                          checkpoints=cfg.ode_checkpoints, observe=observe)
-            if x.shape[-1] != cfg.hidden_size:  # the integrals ride along as extra channels
-                C = cfg.hidden_size
-                names = [n for n in ("kinetic", "jacobian") if getattr(extras, n)]
-                self.last_regularizers = {n: x[..., C + i].mean() for i, n in enumerate(names)}
-                x = x[..., :C]
+            x = run.plain(x)
         else:
-            at_step = None
-            if kv == "block":
-                remember_at(cfg.ode_t0, x, ("block",))
-            elif kv == "step":
-                def at_step(t: float, h: torch.Tensor, dt: float) -> None:
-                    remember_at(t, h, ("step", round((t - cfg.ode_t0) / dt)))
-
-            def write(t: float, h: torch.Tensor) -> torch.Tensor:
-                n = calls[0]
-                calls[0] += 1
-                # a plugin field without write(): evaluate it whole, keep the cache writes
-                evaluation(getattr(field, "write", field), t, h, n)
-                return torch.zeros_like(h)
-
-            x, self.last_token_nfe = solve_with_exit(
-                self.cfg, self.solver, f, None if kv != "evaluation" else write, x, exit_rule,
-                state is not None, at_step)
-        if held and not torch.is_grad_enabled():
-            # every read of the memory is done: a cache that keeps the written tokens beside
-            # its state (DeltaNet's, until the next write) lets go of them (a backward pass
-            # would replay the reads: kept while grad is on)
-            for cache in held:
-                release = getattr(cache, "release_memory", None)
-                if release is not None:
-                    release()
-        self.last_nfe = calls[0]
-        self._calls = calls  # evaluations made later (by a backward pass) still count here
+            x = run.with_exit(x, exit_rule)
+        x = run.finish(x)
         if self.field.post_mlp:
             x = x + self.mlp(self.norm_mlp(x))
         return x
-
-
-def _steps_compiled(solver) -> bool:
-    """Whether a frozen state's compiled decoding runs this solver a step at a time: a
-    fixed-grid explicit step (the protocol's ``step`` and ``evals_per_step``), not a
-    reversible one (whose coupled states live in its own integration loop)."""
-    return (getattr(solver, "fixed_grid", True) and not getattr(solver, "reversible", False)
-            and hasattr(solver, "step") and isinstance(solver.evals_per_step, int))
-
-
-def _solver_step(solver, field, t: torch.Tensor, h: torch.Tensor, dt: float, caches: tuple):
-    """One solver step whose k-th field evaluation reads and extends ``caches[k]``."""
-    stage = iter(caches)
-    return solver.step(lambda tt, hh: field(tt, hh, next(stage)), t, h, dt)
 
 
 _WARNED: set[str] = set()  # adaptive solvers whose non-causality was announced
