@@ -30,9 +30,9 @@ import sys
 from pathlib import Path
 
 from common import RESULTS, ROOT, RUNS, cpu_model, replace_json
+from experiment import run_child
 
 from continuumlm.config import load_config
-from continuumlm.experiments import run_child
 from continuumlm.train.mqar_results import fresh_recall, progress, recall_by_distance
 
 # the package as a module of this interpreter: a machine with the source tree on PYTHONPATH

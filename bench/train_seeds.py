@@ -35,9 +35,9 @@ from common import (
     other_settings,
     replace_json,
 )
+from experiment import run_child
 
 from continuumlm.cli import main as cli_main
-from continuumlm.experiments import run_child
 from continuumlm.runs.checkpoint import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]

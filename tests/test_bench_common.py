@@ -72,7 +72,8 @@ def test_ctrl_c_lets_the_training_child_finish_saving(tmp_path):
              f"pathlib.Path({str(saved)!r}).touch()\n")
     # (the default handler first: a shell's background job starts with SIGINT ignored)
     parent = (f"import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              f"from continuumlm.experiments import run_child\n"
+              f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'bench')!r})\n"
+              f"from experiment import run_child\n"
               f"try:\n    run_child([sys.executable, '-c', {child!r}])\n"
               f"except KeyboardInterrupt:\n    sys.exit(130)\n")
     p = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)

@@ -26,7 +26,7 @@ LAYERS = [
     {"eval"},
     {"train"},
     {"replay"},                 # the CPU emulation's old import path (decoding.replay)
-    {"testing", "experiments", "cli", "__init__", "__main__", "hf"},  # entry points, adapters
+    {"testing", "cli", "__init__", "__main__", "hf"},  # entry points, adapters
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

@@ -553,7 +553,10 @@ def test_experiment_quick_runs_end_to_end(data_dir, tmp_path):
 
 
 def test_experiment_command_lists():
-    from continuumlm.experiments import EXPERIMENTS, ORDER, commands
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from experiment import EXPERIMENTS, ORDER, commands
 
     assert set(ORDER) == set(EXPERIMENTS)
     full = commands("shakespeare", quick=False)

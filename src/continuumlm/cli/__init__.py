@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("experiment", parents=[plugin], help="run an experiment behind docs/results.md (in a "
                        "repository checkout) and regenerate the page")
     r.add_argument("name", nargs="?", help="shakespeare, elasticity, regularizers, "
-                   "cat_protocol, ptb, ptb_std, mqar, bench, or all (--list describes them)")
+                   "cat_protocol, ptb, ptb_std, ode_kv, any_depth, mqar, bench, or all (--list "
+                   "describes them; the table is the checkout's bench/experiment.py)")
     r.add_argument("--quick", action="store_true", help="smoke-test size, into runs/quick/")
     r.add_argument("--quick-dir", help="where --quick writes (default runs/quick)")
     r.add_argument("--list", action="store_true", help="list the experiments and their commands")

@@ -1,4 +1,6 @@
-"""``continuumlm experiment NAME [--quick]``: run one of the experiments behind docs/results.md.
+"""The experiments behind docs/results.md, this repository's: ``python bench/experiment.py NAME
+[--quick] [--redo] [--quick-dir DIR]`` (or ``continuumlm experiment NAME``, which finds this
+file in the checkout it is run from), ``--list`` for the table.
 
 Each experiment is a list of benchmark commands from the repository's ``bench/`` folder; every
 training run writes one JSON into ``bench/results/`` and is skipped when that JSON exists, and
@@ -20,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ContinuumLMError
+from continuumlm.errors import ContinuumLMError
 
 SH = "configs/shakespeare_char"
 QUICK_TRAIN = ["train.max_steps=6", "train.eval_interval=3", "train.eval_iters=2",
@@ -230,6 +232,15 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         *[Step("mqar_sweep.py", [f"configs/mqar/{n}.toml"], quick=False)
           for n in ("softmax_kv64", "ode_deltanet_kv64", "ode_deltanet_kv64_mixed")],
     ]),
+    "any_depth": ("One model trained to be turned (train.any_depth): ode_rk4's model with its "
+                  "coarse solves taught by its own solve in the same step, and the models its "
+                  "agreement is compared with (ode_rk4's are the shakespeare experiment's)", [
+        _train(f"{SH}/ode_any_depth.toml", [1337, 1, 2]),
+        _train(f"{SH}/ode_any_depth.toml", [1337], "--tag", "top1-0.5",
+               "--set", "train.any_depth.top1_weight=0.5"),
+        _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "bp1",
+               "--set", "train.any_depth.backprop_steps=1"),
+    ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
               "steps, decoding, 1 vs 2 processes and compile, kept freed memory on CPU, threads "
               "quiet and loaded, MFU, corpora at scale, HF generate", [
@@ -240,7 +251,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
     ]),
 }
 ORDER = ["shakespeare", "elasticity", "regularizers", "cat_protocol", "ptb", "ptb_std", "ode_kv",
-         "mqar", "bench"]
+         "any_depth", "mqar", "bench"]
 
 
 def run_child(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -262,14 +273,7 @@ def run_child(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def find_repo(start: Path | None = None) -> Path:
-    here = (start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if (d / "bench" / "train_seeds.py").is_file() and (d / "configs").is_dir():
-            return d
-    raise ContinuumLMError(
-        f"`continuumlm experiment` runs the benchmark scripts and configs of a ContinuumLM "
-        f"checkout, and none was found at or above {here}; cd into the repository first.")
+REPO = Path(__file__).resolve().parents[1]  # the checkout this file is in
 
 
 def commands(name: str, quick: bool, done: set[str] = frozenset()) -> list[list[str]]:
@@ -303,7 +307,7 @@ def run_experiment(name: str, quick: bool = False, repo: Path | None = None,
     if unknown:
         raise ContinuumLMError(f"unknown experiment {unknown[0]!r}; choose one of "
                                f"{', '.join(ORDER)} or 'all' (`continuumlm experiment --list`).")
-    repo = repo or find_repo()
+    repo = repo or REPO
     env = dict(os.environ)
     if quick:
         base = Path(quick_dir) if quick_dir else repo / "runs" / "quick"
@@ -331,3 +335,39 @@ def run_experiment(name: str, quick: bool = False, repo: Path | None = None,
         if r.returncode != 0:
             raise ContinuumLMError(f"rendering {page} failed (exit status {r.returncode}).")
     return page
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python bench/experiment.py",
+                                 description="run an experiment behind docs/results.md")
+    ap.add_argument("name", nargs="?", help=f"{', '.join(ORDER)} or all")
+    ap.add_argument("--quick", action="store_true", help="smoke-test size, into runs/quick/")
+    ap.add_argument("--quick-dir", help="where --quick writes (default runs/quick)")
+    ap.add_argument("--redo", action="store_true", help="run benchmarks whose JSON exists")
+    ap.add_argument("--list", action="store_true", help="list the experiments and commands")
+    args = ap.parse_args(argv)
+    if args.list or not args.name:
+        for n in ORDER:
+            print(f"{n}: {EXPERIMENTS[n][0]}")
+            for c in commands(n, args.quick):
+                print("    python bench/" + " ".join(c))
+        return 0
+    if args.quick_dir and not args.quick:
+        print("error: --quick-dir goes with --quick; full-size results always go to "
+              "bench/results and docs/.", file=sys.stderr)
+        return 2
+    try:
+        page = run_experiment(args.name, quick=args.quick, redo=args.redo,
+                              quick_dir=Path(args.quick_dir).resolve() if args.quick_dir
+                              else None)
+    except ContinuumLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"results page: {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
