@@ -99,8 +99,10 @@ def main() -> None:
                + (f" --drafts {args.drafts}" if args.drafts != DRAFTS else "")
                + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""))
     rows, text = table(models)
+    commands = list(dict.fromkeys([*commands, command]))
     write_json("agreement", {
-        "commands": [*commands, command],
+        "command": " && ".join(commands),  # each model's as measured
+        "commands": commands,
         "setup": (f"teacher-forced on {args.max_windows} evenly spread validation windows of "
                   f"each run's training context, its best checkpoint; agreement: the fraction "
                   f"of positions where the draft's greedy token equals the own solve's; "

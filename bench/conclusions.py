@@ -509,3 +509,26 @@ def ode_kv(r: dict, results: dict) -> str | None:
     return (f"Memory from the block's input: {'; '.join(said(v) for v in blocks)}{step_text}. "
             f"Target (block within {100 * target:.0f}% of the loss at 1/16 of the cache, RK4 x "
             f"4, both corpora): {verdict}.{retrained}")
+
+
+def agreement(r: dict, results: dict) -> str | None:
+    """Greedy agreement of the coarse solves with the own solve: the any-depth recipe against
+    the model trained for its own solve alone, at the cheapest draft and at RK4 x 1."""
+    rows = {(x["model"], x["draft"]): x for x in r.get("rows", [])}
+    if ("ode_any_depth", "euler:1") not in rows or ("ode_rk4", "euler:1") not in rows:
+        return None
+    parts = []
+    for draft in ("euler:1", "rk4:1"):
+        a, b = rows.get(("ode_rk4", draft)), rows.get(("ode_any_depth", draft))
+        if a and b:
+            parts.append(f"{draft.replace(':', ' x ')} ({b['nfe']} field evaluations) from "
+                         f"{100 * a['agreement']:.0f}% to {100 * b['agreement']:.0f}%")
+    own_a = rows[("ode_rk4", "euler:1")]["own_loss"]
+    own_b = rows[("ode_any_depth", "euler:1")]["own_loss"]
+    seeds = rows[("ode_any_depth", "euler:1")]["seeds"]
+    return (f"Teaching the coarse solves the own solve's next-token distribution in the same "
+            f"step (train.any_depth) raises their greedy agreement with it, "
+            f"{' and '.join(parts)} of the validation positions (RK4 x 4 trained alone, seed "
+            f"1337, against the recipe, {seeds} seed{'s' * (seeds != 1)}), for "
+            f"{own_b - own_a:+.4f} in the own solve's validation loss "
+            f"({own_a:.4f} to {own_b:.4f}).")

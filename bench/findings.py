@@ -348,3 +348,35 @@ def replace_block(readme: str, lines: list[str]) -> str:
     head, rest = readme.split(START, 1)
     _, tail = rest.split(END, 1)
     return head + "\n".join(lines) + tail
+
+
+def any_depth(results: dict) -> str | None:
+    r = results.get("agreement")
+    rows = {(x["model"], x["draft"]): x for x in (r or {}).get("rows", [])}
+    if ("ode_any_depth", "euler:1") not in rows or ("ode_rk4", "euler:1") not in rows:
+        return None
+    a1, b1 = rows[("ode_rk4", "euler:1")], rows[("ode_any_depth", "euler:1")]
+    a4, b4 = rows.get(("ode_rk4", "rk4:1")), rows.get(("ode_any_depth", "rk4:1"))
+    spec = ""
+    s = results.get("speculative_any_depth")
+    m = next((m for m in (s or {}).get("models", []) if "any_depth" in m["name"]), None)
+    if m is not None:
+        (g, gx, _), (sm, sx, _) = (speculative_best(m, d) for d in ("greedy", "sampled"))
+        target = s.get("target_speedup", 2.5)
+        spec = (f"; self-speculative decoding on it runs at {gx:.2f}x plain cached decoding "
+                f"greedy ({g['draft']} drafts, {100 * g['acceptance']:.0f}% kept) and {sx:.2f}x "
+                f"sampled ({sm['draft']}, {100 * sm['acceptance']:.0f}% kept; target {target}x: "
+                f"{'met' if max(gx, sx) >= target else 'missed'})")
+    rk4 = (f", RK4 x 1 from {100 * a4['agreement']:.0f}% to {100 * b4['agreement']:.0f}%"
+           if a4 and b4 else "")
+    return (f"**One run teaches the coarse solves to agree with the model's own solve**: "
+            f"with train.any_depth (a KL term toward the RK4 x 4 solve's own distribution for "
+            f"a drawn Euler x 1, Euler x 2 or RK4 x 1 solve, no teacher run) the greedy token "
+            f"of Euler x 1 matches RK4 x 4's at {100 * b1['agreement']:.0f}% of positions "
+            f"against {100 * a1['agreement']:.0f}% for the model trained for RK4 x 4 "
+            f"alone{rk4}, for {b1['own_loss'] - a1['own_loss']:+.4f} in the own solve's "
+            f"validation loss (Tiny Shakespeare, {b1['seeds']} seeds){spec} (2 CPU cores). "
+            f"[Any depth]({PAGE}#one-model-trained-to-be-turned)")
+
+
+FINDINGS.insert(FINDINGS.index(speculative) + 1, any_depth)

@@ -667,6 +667,7 @@ BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
                   ("mixer_step", "Training step by mixer at equal depth and NFE"),
                   ("decode_speed", "Decoding: cached vs recompute"),
                   ("speculative", "Self-speculative decoding through depth"),
+                  ("agreement", "One model trained to be turned"),
                   ("ode_kv", "Decoding memory that does not grow with the solve"),
                   ("depth_elasticity", "Anytime depth"),
                   ("depth_exit", "Per-token adaptive depth"),
@@ -854,6 +855,14 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                     conclusion=conclusions.speculative_compiled(compiled),
                     rows=ablation("speculative_compiled", command=compiled["command"],
                                   tables="\n\n".join(tables)))
+        if key == "agreement" and results.get("speculative_any_depth"):
+            spec = results["speculative_any_depth"]
+            tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
+                      for m in spec.get("models", [])]
+            notes += page.fill("results/agreement", command=spec["command"],
+                               setup=spec["setup"], table=speculative_table(spec),
+                               rows=ablation("speculative_any_depth", command=spec["command"],
+                                             tables="\n\n".join(tables)))
         said = getattr(conclusions, key)
         conclusion = said(r) if key in ("ode_cost", "ode_memory", "deltanet_kernels",
                                         "mixer_step") else said(r, results)

@@ -85,3 +85,54 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     targets = [t for _, t in _imports(probe, Path("mixers/probe.py"))]
     assert targets == ["continuumlm.model.cache", "continuumlm.mixers.cache"]
     assert RANK[_part(targets[0])] > RANK["mixers"]
+
+
+# A registry lookup (``MIXERS[name]``, ``name in SOLVERS``, ...) loads and calls the modules that
+# fill the registry (continuumlm/registry.py: each registry's built-ins): a dependency no import
+# statement shows. These are the parts each registry's built-ins live in.
+REGISTRY_PARTS = {"MIXERS": "mixers", "FIELDS": "model", "SOLVERS": "ode", "DEPTHS": "model",
+                  "GRADS": "ode", "DECODERS": "decoding"}
+# The upward dependencies through registries, each declared with its reason; any other is an
+# upward import in disguise and fails.
+LATE_BOUND = {
+    ("registry", "mixers"): "the registries themselves name the modules that fill them",
+    ("registry", "model"): "(the same)",
+    ("registry", "ode"): "(the same)",
+    ("registry", "decoding"): "(the same)",
+    ("config", "mixers"): "a config's names are checked against the registered components "
+                          "(plugins included), which is what makes them components",
+    ("config", "model"): "(fields and depths, the same)",
+    ("config", "ode"): "(solvers and gradient modes, the same)",
+    ("model", "decoding"): "LanguageModel.generate / generate_stream, a convenience for users: "
+                           "the model names the decoder (DECODERS['default']), the decoder "
+                           "reads the model through its decoding interface only, and every "
+                           "other caller uses continuumlm.decoding directly",
+}
+
+
+def _registry_lookups(path: Path) -> set[str]:
+    """The registries a file reads (names imported from continuumlm.registry and used)."""
+    tree = ast.parse(path.read_text())
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").split(".")[-1] == "registry" for a in node.names}
+    if path.name == "registry.py" and path.parent == ROOT:
+        imported |= set(REGISTRY_PARTS)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return imported & used & set(REGISTRY_PARTS)
+
+
+def test_registry_lookups_point_down_or_are_declared():
+    """The layering sees registry lookups as the imports they are: an upward one is either
+    declared in LATE_BOUND, with its reason, or a failure; and every declared one is used."""
+    seen, wrong = set(), []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        me = _part("continuumlm." + ".".join(rel.parts))
+        for name in _registry_lookups(path):
+            there = REGISTRY_PARTS[name]
+            if RANK[there] > RANK[me]:
+                seen.add((me, there))
+                if (me, there) not in LATE_BOUND:
+                    wrong.append(f"{rel}.py ({me}) reads {name}, filled by {there}")
+    assert not wrong, "registry lookups that point up a layer, undeclared:\n" + "\n".join(wrong)
+    assert set(LATE_BOUND) == seen, f"declared but no longer used: {set(LATE_BOUND) - seen}"
