@@ -226,3 +226,41 @@ def test_truncation_config_refusals():
         config("train.any_depth.backprop_steps=2", "model.depth=discrete")
     cfg = config("train.any_depth.backprop_steps=1", "train.elastic.steps=[1,2,4]")
     assert cfg.train.any_depth.backprop_steps == 1 and not cfg.train.any_depth.enabled
+
+
+def test_the_gate_learns_whether_each_step_already_has_the_final_greedy_token(tmp_path):
+    """gate_loss: the binary cross-entropy of the gate on the own solve's states between steps
+    against 'its read-out's greedy token is the final one', computed by hand; only the gate's
+    weights get a gradient from it; a run logs it."""
+    from continuumlm.model.extras import SolveExtras
+    from continuumlm.testing import small_model
+    from continuumlm.train import Trainer
+
+    cfg = config("model.exit_gate=true", "train.any_depth.gate_weight=1.0")
+    model = small_model(depth="ode", ode_solver="euler", ode_steps=3, num_layers=1,
+                        exit_gate=True).train()
+    x = torch.randint(0, 37, (2, 7))
+    model.depth.extras = SolveExtras(readout=True)
+    try:
+        logits, _ = model(x)
+    finally:
+        model.depth.extras = None
+    states = model.depth.last_step_states
+    assert len(states) == 2  # after steps 1 and 2 of 3
+    loss = AnyDepth(model, cfg.train).gate_loss(logits)
+    final = logits.argmax(-1)
+    ref = torch.stack([F.binary_cross_entropy_with_logits(
+        model.exit_gate(model.norm_f(h)).squeeze(-1),
+        (model.lm_head(model.norm_f(h)).argmax(-1) == final).float()) for h in states]).mean()
+    torch.testing.assert_close(loss, ref)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters()], allow_unused=True)
+    named = dict(zip([n for n, _ in model.named_parameters()], grads))
+    assert named["exit_gate.weight"] is not None
+    assert all(g is None for n, g in named.items() if not n.startswith("exit_gate."))
+
+    corpus = write_tiny_corpus(tmp_path / "tiny.txt")
+    run_cfg = load_config(None, ["data.dataset=text", f'data.path="{corpus}"', *BASE,
+                                 "model.exit_gate=true", "train.any_depth.gate_weight=1.0"])
+    Trainer(run_cfg, tmp_path / "run", quiet=True).run()
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["any_depth_gate"] > 0 for r in rows if "loss" in r)

@@ -28,6 +28,8 @@ def ode_model(**kw) -> LanguageModel:
         for blk in m.depth.blocks:
             if blk.field.time is not None:
                 blk.field.time.proj.weight.normal_(0, 0.3)
+        if m.exit_gate is not None:  # a gate whose decisions differ between tokens
+            m.exit_gate.weight.normal_(0, 1.0)
     return m
 
 
@@ -71,6 +73,7 @@ def test_threshold_zero_is_full_depth_and_inf_is_one_step(mixer):
 
 
 COMBOS = ([dict(mixer=mx, criterion=c) for mx in sorted(MIXERS) for c in ("state", "kl")]
+          + [dict(mixer=mx, criterion="gate", exit_gate=True) for mx in sorted(MIXERS)]
           + [dict(ode_solver=s) for s in ("euler", "midpoint", "heun", "rk4_38", "rk2_gated")]
           + [dict(field=f) for f in ("attention", "parallel")]
           + [dict(position="rope"), dict(ode_dt_embedding=True, ode_steps=3),
@@ -196,3 +199,41 @@ def test_a_copied_model_exits_on_its_own_head():
     c = copy.deepcopy(m)
     assert c.depth.exit.readout.__self__ is c
     pickle.dumps(m)
+
+
+def test_the_gate_criterion_needs_a_gate_and_reads_it():
+    """--exit-criterion gate on a model without model.exit_gate is refused by name; with one,
+    a token stops after the first step at which 1 - sigmoid(gate) falls below tau, as a
+    step-by-step reference computes it."""
+    m = ode_model(num_layers=1)
+    with pytest.raises(ValueError, match="no.*gate|has none"):
+        m.set_exit(0.5, "gate")
+    m = ode_model(num_layers=1, exit_gate=True)
+    idx = torch.randint(0, V, (2, 9))
+    tau = partial_threshold(m, "gate", idx)
+    m.set_exit(tau, "gate")
+    with torch.no_grad():
+        m(idx)
+        got = m.last_token_nfe
+        # reference: the full solve's states step by step, the first step whose gate says stop
+        blk = m.depth.blocks[0]
+        h = m.drop(m.tok_emb(idx))
+        states, dt = [], 0.25
+        blk.field.dt = dt
+        for k in range(4):
+            h = blk.solver.step(lambda t, x: blk.field(t, x), k * dt, h, dt)
+            states.append(h)
+        stop = torch.full(idx.shape, 4)
+        for k in range(3, 0, -1):  # after step k (1..3) the token may stop
+            settled = (1 - torch.sigmoid(m.gate_logits(states[k - 1]))) < tau
+            stop = torch.where(settled, torch.full_like(stop, k), stop)
+    assert torch.equal(got, stop.to(got.dtype) * 4)
+
+
+def test_gate_config_refusals():
+    from continuumlm import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="exit_gate.*depth"):
+        load_config(None, ["model.exit_gate=true"])
+    with pytest.raises(ConfigError, match="model.exit_gate = true"):
+        load_config(None, ["model.depth=ode", "train.any_depth.gate_weight=1.0"])

@@ -79,10 +79,11 @@ def _exit_arguments(parser) -> None:
                         help="per-token adaptive depth (ODE models with a fixed-grid solver): "
                              "a token whose state has settled after a solver step (criterion "
                              "below TAU) stops integrating for the rest of its block")
-    parser.add_argument("--exit-criterion", choices=("state", "kl"), default="state",
+    parser.add_argument("--exit-criterion", choices=("state", "kl", "gate"), default="state",
                         help="state: relative change of the token's state over the step; kl: "
                              "KL between the next-token distributions read out before and after "
-                             "it (default: state)")
+                             "it; gate: 1 - the model's learned halting gate (model.exit_gate) "
+                             "(default: state)")
 
 
 def _apply_exit(model, args) -> None:

@@ -52,6 +52,12 @@ class AnyDepthConfig:
     against the own solve's greedy token (what speculative decoding needs to agree on)."""
     every: int = 1
     """Add the terms on every N-th optimizer step only (steps 0, N, 2N, ...)."""
+    gate_weight: float = 0.0
+    """Train the model's halting gate (model.exit_gate) with this weight: after each solver
+    step but the last of the own solve, the gate reads the (detached) state and learns, by
+    binary cross-entropy, whether its read-out's greedy token already equals the own solve's
+    (the gate alone learns from it: the model is unchanged by it). Logged as
+    "any_depth_gate"."""
     backprop_steps: int | None = None
     """Truncated backpropagation through depth: each ODE block's solve runs its first
     n - backprop_steps solver steps without autograd and backpropagates through the last
@@ -73,7 +79,7 @@ class AnyDepthConfig:
         solves = self.solves()
         if len(set(solves)) != len(solves):
             raise ConfigError(f"train.any_depth.drafts lists a solve twice: {self.drafts}.")
-        for name in ("weight", "lm_weight", "top1_weight"):
+        for name in ("weight", "lm_weight", "top1_weight", "gate_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"train.any_depth.{name} must be >= 0, got "
                                   f"{getattr(self, name)}.")
@@ -97,6 +103,10 @@ class AnyDepthConfig:
         ModelConfig)."""
         if self.backprop_steps is not None:
             self._check_truncation(m, elastic)
+        if self.gate_weight > 0 and not m.exit_gate:
+            raise ConfigError("train.any_depth.gate_weight trains the model's halting gate, "
+                              "and this model has none: set model.exit_gate = true, or leave "
+                              "gate_weight out.")
         if not self.enabled:
             return
         if m.depth != "ode":

@@ -127,6 +127,12 @@ class ModelConfig:
     (one with fewer, of the fewest), so the field stays one it was trained as, and Euler or
     RK4 with ever more steps converges to the solution of that field's ODE instead of reading
     an embedding no step trained (None: every step size read as it is)."""
+    exit_gate: bool = False
+    """ODE models: a per-token halting gate, a linear read of the normalized state that gives
+    the probability that a token's greedy prediction after a solver step is already the full
+    solve's (CALM's calibrated confidence). Trained beside the model by
+    train.any_depth.gate_weight; used by per-token exit with criterion "gate" (eval/generate
+    --exit-criterion gate --exit-threshold TAU: a token stops once 1 - gate < TAU)."""
     # not part of a config's identity: a run resumed with its plugin given otherwise (an extra
     # --plugin, an entry point) is the same run
     plugins: list[str] = dataclasses.field(default_factory=list, compare=False)
@@ -186,6 +192,10 @@ class ModelConfig:
             raise ConfigError("model.ode_dt_embedding_reads says what the dt embedding reads, "
                               "and this model has none: set model.ode_dt_embedding = true, or "
                               "leave ode_dt_embedding_reads out.")
+        if self.exit_gate and self.depth != "ode":
+            raise ConfigError(f"model.exit_gate halts a token between an ODE block's solver "
+                              f"steps; model.depth = {self.depth!r} has none. Leave exit_gate "
+                              f"out, or set depth = 'ode'.")
         _check_selectors(self)
         self.components = _build_components(self)
 

@@ -11,7 +11,7 @@ import torch
 
 from ..ode.solvers import grid
 
-EXIT_CRITERIA = ("state", "kl")
+EXIT_CRITERIA = ("state", "kl", "gate")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,10 @@ class ExitRule:
 
     - ``"state"``: the relative change of its state over the step, ||h_(n+1) - h_n|| / ||h_n||;
     - ``"kl"``: KL(p_(n+1) || p_n) between the next-token distributions read out (final norm and
-      head) from its states before and after the step; costs one read-out per step and token.
+      head) from its states before and after the step; costs one read-out per step and token;
+    - ``"gate"``: 1 - sigmoid(gate(h_(n+1))), the model's learned halting gate's probability
+      that the token's greedy prediction would still change (``model.exit_gate``, trained by
+      ``train.any_depth.gate_weight``); costs one linear read per step and token.
 
     A criterion reads only the token's own state, which depends only on its prefix, so the
     decoder stays exactly causal and cached decoding equals recompute at the same threshold.
@@ -33,6 +36,7 @@ class ExitRule:
     threshold: float
     criterion: str = "state"
     readout: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gate: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.criterion not in EXIT_CRITERIA:
@@ -44,12 +48,18 @@ class ExitRule:
                              f"every token after its first step), got {self.threshold!r}.")
         if self.criterion == "kl" and self.readout is None:
             raise ValueError("the 'kl' exit criterion needs a read-out (h -> logits).")
+        if self.criterion == "gate" and self.gate is None:
+            raise ValueError("the 'gate' exit criterion needs the model's halting gate "
+                             "(model.exit_gate).")
 
     def settled(self, h_old: torch.Tensor, h_new: torch.Tensor, old_logp):
         """(bool (B, T): the criterion is below the threshold, the read-out of h_new or None)."""
         if self.criterion == "state":
             change = (h_new - h_old).float().norm(dim=-1)
             crit = change / h_old.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+            return crit < self.threshold, None
+        if self.criterion == "gate":
+            crit = 1 - torch.sigmoid(self.gate(h_new).float())
             return crit < self.threshold, None
         logp = self.log_probs(h_new)
         crit = (logp.exp() * (logp - old_logp)).sum(-1)

@@ -52,6 +52,8 @@ class LanguageModel(nn.Module):
         self.depth = DEPTHS[cfg.depth](cfg)
         self.norm_f = make_norm(cfg.hidden_size, cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # model.exit_gate: P(a step's greedy token is the full solve's), read from norm_f(h)
+        self.exit_gate = nn.Linear(cfg.hidden_size, 1) if cfg.exit_gate else None
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
@@ -118,13 +120,25 @@ class LanguageModel(nn.Module):
             raise ValueError("per-token exit needs depth = 'ode'; a discrete stack has no "
                              "solver steps to stop early.")
         check_exit_solver(self.depth.blocks[0].solver, self.config.ode_solver)
+        if criterion == "gate" and self.exit_gate is None:
+            raise ValueError("the 'gate' exit criterion reads the model's halting gate, and "
+                             "this model has none: train one with model.exit_gate = true and "
+                             "train.any_depth.gate_weight > 0, or use criterion 'state' or "
+                             "'kl'.")
         # a bound method, not a closure: a copy (deepcopy) reads its own head, and it pickles
-        self.depth.exit = ExitRule(float(threshold), criterion, readout=self._exit_readout)
+        self.depth.exit = ExitRule(float(threshold), criterion, readout=self._exit_readout,
+                                   gate=self.gate_logits if self.exit_gate is not None
+                                   else None)
         self.depth.exit_totals = [0, 0]
 
     def _exit_readout(self, h: torch.Tensor) -> torch.Tensor:
         """The logits the "kl" exit criterion compares between steps."""
         return self.lm_head(self.norm_f(h))
+
+    def gate_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The halting gate's logit for states ``h`` (..., C): sigmoid of it is the
+        probability that their greedy token is already the full solve's (model.exit_gate)."""
+        return self.exit_gate(self.norm_f(h)).squeeze(-1)
 
     def penalty(self) -> torch.Tensor:
         """Sum of the regularizers that mixers expose (added to the loss by the trainer)."""

@@ -26,6 +26,7 @@ class AnyDepth:
         self.draws, self.every, self.seed = int(cfg.draws), int(cfg.every), int(t.seed)
         self.weight, self.lm_weight = float(cfg.weight), float(cfg.lm_weight)
         self.top1_weight = float(cfg.top1_weight)
+        self.gate_weight = float(cfg.gate_weight)
         if self.enabled and torch.distributed.is_available() \
                 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # DDP reduces gradients for one forward per backward; a coarse solve's forward
@@ -74,6 +75,27 @@ class AnyDepth:
         if self.top1_weight > 0:
             out["top1"] = top1 / n
         return out
+
+    def gate_loss(self, own_logits: torch.Tensor) -> torch.Tensor | None:
+        """The halting gate's binary cross-entropy over the own solve's states between steps
+        (``model.depth.last_step_states``, read before any draft's forward replaces them): the
+        label is whether the state's greedy token already equals the own solve's. The gate
+        reads detached normalized states, so only its own weights learn from this."""
+        if self.gate_weight <= 0:
+            return None
+        model = self.model
+        states = model.depth.last_step_states
+        if not states:  # a one-step solve has no state between steps
+            return model.exit_gate.weight.new_zeros(())
+        final = own_logits.detach().argmax(-1)
+        losses = []
+        with torch.no_grad():
+            feats = [model.norm_f(h.detach()) for h in states]
+            labels = [(model.lm_head(f).argmax(-1) == final).float() for f in feats]
+        for f, label in zip(feats, labels):
+            logit = model.exit_gate(f).squeeze(-1).float()
+            losses.append(F.binary_cross_entropy_with_logits(logit, label))
+        return torch.stack(losses).mean()
 
     def objective(self, terms: dict[str, torch.Tensor]) -> torch.Tensor:
         return (self.weight * terms["kl"] + self.lm_weight * terms["lm"]

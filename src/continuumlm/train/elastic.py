@@ -115,7 +115,9 @@ class SolveRegularizers:
         self.readout = float(r.step_readout_weight)
         self.steer, self.seed = float(r.steer), int(t.seed)
         self.backprop_steps = t.any_depth.backprop_steps  # truncated backprop through depth
-        self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.readout
+        # the states between steps: the step read-outs' and the halting gate's (any_depth)
+        self.keep_states = self.readout > 0 or t.any_depth.gate_weight > 0
+        self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.keep_states
                             or self.backprop_steps)
 
     def end_time(self, step: int) -> float | None:
@@ -134,7 +136,7 @@ class SolveRegularizers:
 
         self.model.depth.extras = SolveExtras(kinetic=self.kinetic > 0,
                                               jacobian=self.jacobian > 0,
-                                              t1=self.end_time(step), readout=self.readout > 0,
+                                              t1=self.end_time(step), readout=self.keep_states,
                                               backprop_steps=self.backprop_steps)
         try:
             yield

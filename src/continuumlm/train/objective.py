@@ -18,7 +18,7 @@ from .distill import Teacher
 from .elastic import ElasticDepth, SolveRegularizers
 
 REGULARIZERS = ("kinetic", "jacobian", "step_readout")
-ANY_DEPTH = ("kl", "lm", "top1")  # [train.any_depth]'s terms, logged as any_depth_NAME
+ANY_DEPTH = ("kl", "lm", "top1", "gate")  # [train.any_depth]'s terms, logged as any_depth_NAME
 
 
 class StepObjective:
@@ -65,6 +65,7 @@ class StepObjective:
         self.any_sums = torch.zeros(len(ANY_DEPTH), dtype=self.acc, device=self.device)
         self.compared = False  # whether this step has a consistency term
         self.taught_drafts = False  # whether this step trained coarse solves (any_depth)
+        self.gated = False  # whether this step trained the halting gate (any_depth)
 
     def micro_batch(self, task, forward, x, y, draw, step: int, anneal: float):
         """One micro-batch's (loss, penalty, objective), its terms added to the step's sums."""
@@ -87,6 +88,11 @@ class StepObjective:
             objective = objective + self.solve_reg.weight(name) * term
             self.reg_sums[REGULARIZERS.index(name)] += term.detach().to(self.acc)
         self.step_index = step
+        gate = self.any_depth.gate_loss(logits)  # the own solve's states, before any draft's
+        if gate is not None:
+            objective = objective + self.any_depth.gate_weight * gate
+            self.any_sums[ANY_DEPTH.index("gate")] += gate.detach().to(self.acc)
+            self.gated = True
         if self.any_depth.enabled:  # after the own solve: its logits are the target
             drafts = self.any_depth.terms(lambda: task.forward(forward, x, y), logits, step)
             if drafts:
@@ -123,10 +129,10 @@ class StepObjective:
                           grad_norm.detach().to(device=self.device, dtype=self.acc),
                           self.kl, self.kd]), self.reg_sums, self.any_sums]).tolist()
         regs, drafts = rest[:len(REGULARIZERS)], rest[len(REGULARIZERS):]
-        self.any_depth_terms = ({f"any_depth_{n}": v / grad_accum
-                                 for n, v in zip(ANY_DEPTH, drafts)
-                                 if n != "top1" or self.any_depth.top1_weight > 0}
-                                if self.taught_drafts else {})
+        logged = {"top1": self.taught_drafts and self.any_depth.top1_weight > 0,
+                  "gate": self.gated, "kl": self.taught_drafts, "lm": self.taught_drafts}
+        self.any_depth_terms = {f"any_depth_{n}": v / grad_accum
+                                for n, v in zip(ANY_DEPTH, drafts) if logged[n]}
         if self.taught_drafts:
             self.any_depth_terms["any_depth_drafts"] = [f"{a}:{b}" for a, b in
                                                         self.any_depth.drawn(self.step_index)]
