@@ -71,7 +71,10 @@ def table(models: dict) -> tuple[list[dict], str]:
                          "agreement": round(statistics.mean(p["agreement"] for p in per), 4),
                          "agreement_min": round(min(p["agreement"] for p in per), 4),
                          "kl": round(statistics.mean(p["kl"] for p in per), 4)})
-    return rows, markdown_table(rows, [
+    shown = [{**r, **{k: f"{r[k]:.4f}" for k in ("own_loss", "loss", "kl")},
+              **{k: f"{100 * r[k]:.1f}%" for k in ("agreement", "agreement_min")}}
+             for r in rows]
+    return rows, markdown_table(shown, [
         ("model", "model"), ("seeds", "seeds"), ("draft", "draft solve"),
         ("nfe", "field evaluations"), ("loss", "draft val loss"),
         ("own_loss", "own-solve val loss"), ("agreement", "greedy agreement"),
