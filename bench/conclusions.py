@@ -532,3 +532,43 @@ def agreement(r: dict, results: dict) -> str | None:
             f"1337, against the recipe, {seeds} seed{'s' * (seeds != 1)}), for "
             f"{own_b - own_a:+.4f} in the own solve's validation loss "
             f"({own_a:.4f} to {own_b:.4f}).")
+
+
+def gate_exit(r: dict, results: dict) -> str | None:
+    """The most evaluations the learned gate saves within 0.5% of full depth's loss, against
+    the state criterion's on the same model."""
+    rows = r.get("rows", [])
+    full = next((x for x in rows if x["criterion"] == "full"), None)
+    if full is None:
+        return None
+
+    def best(criterion):
+        ok = [x for x in rows if x["criterion"] == criterion
+              and x["val_loss"] <= full["val_loss"] * 1.005]
+        return max(ok, key=lambda x: x["fewer_evaluations"]) if ok else None
+
+    def saves(x) -> str:
+        if x is None:
+            return "saves nothing"
+        return (f"saves {x['fewer_evaluations']:.2f}x field evaluations (tau {x['tau']}, "
+                f"{x['loss_change']})")
+
+    return (f"Within 0.5% of full depth's loss, exiting through the learned gate "
+            f"{saves(best('gate'))} and the state criterion {saves(best('state'))} on the "
+            f"same any-depth model.")
+
+
+def truncated_backprop(r: dict, results: dict) -> str | None:
+    rows = r.get("rows", [])
+    one = next((x for x in rows if x["steps"] == 4 and x["backprop_steps"] == 1), None)
+    if one is None:
+        return None
+    text = (f"Backpropagating through the last of 4 RK4 steps takes {one['peak_vs_all']:.2f}x "
+            f"the peak memory and {one['time_vs_all']:.2f}x the time of a training step "
+            f"through all four")
+    losses = r.get("losses")
+    if losses:
+        text += (f"; trained that way, ode_rk4.toml reaches a validation loss of "
+                 f"{losses['val_loss']:.4f} against {losses['reference_val_loss']:.4f} "
+                 f"through every step")
+    return text + "."
