@@ -78,7 +78,7 @@ def table(models: dict) -> tuple[list[dict], str]:
         ("model", "model"), ("seeds", "seeds"), ("draft", "draft solve"),
         ("nfe", "field evaluations"), ("loss", "draft val loss"),
         ("own_loss", "own-solve val loss"), ("agreement", "greedy agreement"),
-        ("agreement_min", "... lowest seed"), ("kl", "KL(own || draft)")])
+        ("agreement_min", "... lowest seed"), ("kl", "KL(own, draft)")])
 
 
 def main() -> None:

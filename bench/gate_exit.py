@@ -21,7 +21,7 @@ from continuumlm.runs import load_model_and_tokenizer
 from continuumlm.runs.checkpoint import load_run_config
 
 GRID = [("gate", t) for t in (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)] + \
-       [("state", t) for t in (0.05, 0.02, 0.01, 0.005)]
+       [("state", t) for t in (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)]
 
 
 def main() -> None:
