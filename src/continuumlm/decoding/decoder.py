@@ -105,7 +105,9 @@ class Decoder:
             raise ValueError("compile=True compiles the cached one-token step, and "
                              "use_cache=False (--no-cache) recomputes the whole context "
                              "instead: drop one of them.")
-        if use_cache:  # a mixer without a decoding cache: refused by name, with the way out
+        if use_cache and getattr(model.depth, "exact_cache", True):
+            # a mixer without a decoding cache: refused by name, with the way out (an
+            # adaptive solve recomputes anyway, below)
             model.check_cacheable("generation with caches (use_cache=True)")
         if threads is not None and not isinstance(threads, ThreadPolicy):
             threads = ThreadPolicy(threads, "decoding")  # a bad count raises here
