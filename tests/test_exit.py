@@ -237,3 +237,6 @@ def test_gate_config_refusals():
         load_config(None, ["model.exit_gate=true"])
     with pytest.raises(ConfigError, match="model.exit_gate = true"):
         load_config(None, ["model.depth=ode", "train.any_depth.gate_weight=1.0"])
+    with pytest.raises(ConfigError, match="gate_weight.*'direct' or 'checkpoint'"):
+        load_config(None, ["model.depth=ode", "model.exit_gate=true", "model.ode_grad=adjoint",
+                           "train.any_depth.gate_weight=1.0"])

@@ -107,6 +107,11 @@ class AnyDepthConfig:
             raise ConfigError("train.any_depth.gate_weight trains the model's halting gate, "
                               "and this model has none: set model.exit_gate = true, or leave "
                               "gate_weight out.")
+        if self.gate_weight > 0 and m.ode_grad not in ("direct", "checkpoint"):
+            # the gate reads the states between solver steps, which these modes keep
+            raise ConfigError(f"train.any_depth.gate_weight reads the states between solver "
+                              f"steps, which model.ode_grad = 'direct' or 'checkpoint' keep; "
+                              f"not {m.ode_grad!r}.")
         if not self.enabled:
             return
         if m.depth != "ode":

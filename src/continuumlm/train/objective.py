@@ -116,7 +116,8 @@ class StepObjective:
         D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
         stats = stats / dist.world_size
         self.total, self.kl, self.kd, self.reg_sums = stats[0], stats[1], stats[2], stats[3:]
-        # (any_depth refuses several processes: its sums stay this rank's)
+        # (the any_depth sums stay this rank's: its drafts refuse several processes, and its
+        # gate term is logged as rank 0 computed it; its gradient is reduced as any other)
 
     def read(self, penalty: torch.Tensor | None, grad_norm: torch.Tensor,
              grad_accum: int) -> tuple[float, float]:
