@@ -29,6 +29,50 @@ from continuumlm.runs import load_model_and_tokenizer
 from continuumlm.runs.checkpoint import load_run_config
 
 DRAFTS = "euler:1,euler:2,euler:4,rk4:1,rk4:2"
+SH = "configs/shakespeare_char"
+# how each run folder the page's record reads was trained (--train trains the missing ones,
+# each resumable: continuumlm train --out FOLDER --resume auto ARGS)
+TRAINED = {
+    "runs/agreement/ode_rk4_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337",
+    "runs/agreement/ode_elastic_dial_s1337": f"--config {SH}/ode_elastic_dial.toml "
+                                             f"--set train.seed=1337",
+    "runs/agreement/ode_euler_lr5e-3_s1337": f"--config {SH}/ode_euler.toml --set train.seed=1337 "
+                                             f"--set train.lr=5e-3 --set train.min_lr=5e-4",
+    "runs/agreement/distilled_s1337": (
+        f"--config {SH}/ode_elastic_dial_capped.toml --set train.seed=1337 "
+        f"--set train.elastic.consistency_weight=1.0 "
+        f"--set train.distill.teacher=runs/agreement/ode_euler_lr5e-3_s1337 "
+        f"--set train.distill.weight=1.0 --set train.lr=2e-3 --set train.min_lr=2e-4"),
+    **{f"runs/any_depth/ode_any_depth_s{s}": f"--config {SH}/ode_any_depth.toml "
+                                             f"--set train.seed={s}" for s in (1337, 1, 2)},
+    "runs/agreement/any_depth_top1_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                           f"train.seed=1337 --set train.any_depth.top1_weight=0.5",
+    # bench/gate_exit.py's and bench/truncated_backprop.py's runs
+    "runs/agreement/any_depth_gate_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                           f"train.seed=1337 --set model.exit_gate=true --set "
+                                           f"train.any_depth.gate_weight=1.0",
+    "runs/agreement/ode_rk4_bp1_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
+                                        f"--set train.any_depth.backprop_steps=1",
+}
+
+
+def train_missing(runs: list[str]) -> None:
+    """Train (or finish) each run folder of ``runs`` that TRAINED knows, in order (the
+    distilled model's teacher before it)."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = os.path.join(os.path.dirname(sys.executable), "continuumlm")
+    wanted = set(runs)
+    if "runs/agreement/distilled_s1337" in wanted:  # its teacher first
+        wanted.add("runs/agreement/ode_euler_lr5e-3_s1337")
+    for run, how in TRAINED.items():
+        if run in wanted and not (Path(run) / "checkpoints" / "best").exists():
+            subprocess.run([cli, "train", "--out", run, "--resume", "auto", "--quiet",
+                            *shlex.split(how)], check=True)
 
 
 def measure(run: str, drafts: list[tuple[str, int]], max_windows: int) -> dict:
@@ -88,8 +132,13 @@ def main() -> None:
     ap.add_argument("--drafts", default=DRAFTS)
     ap.add_argument("--max-windows", type=int, default=400,
                     help="validation windows, evenly spread (default 400)")
+    ap.add_argument("--train", action="store_true",
+                    help="first train the run folders given that TRAINED knows and lack a "
+                         "checkpoint (resumable)")
     args = ap.parse_args()
     drafts = [parse_solve(d, "--drafts") for d in args.drafts.split(",")]
+    if args.train:
+        train_missing([r for spec in args.model for r in spec.partition("=")[2].split(",")])
     path = RESULTS / "agreement.json"
     models = json.loads(path.read_text())["models"] if path.is_file() else {}
     commands = json.loads(path.read_text()).get("commands", []) if path.is_file() else []
