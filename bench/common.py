@@ -37,6 +37,30 @@ def rss_now_kb() -> int:
     return 0
 
 
+def training_step_peak(model, x, timed: int = 1) -> tuple[float, float]:
+    """(peak MB, seconds) of one forward+backward of ``model`` on ``x`` (targets ``x``) in a
+    fresh process: the peak resident set growth over the size just before it (after a warm-up
+    step on a 2-token input that loads every module), and the fastest of that step and
+    ``timed`` more (allocator warm)."""
+    import resource
+    import time
+
+    _, loss = model(x[:1, :2], x[:1, :2])  # warm-up: imports and one-off allocations
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    before_kb = rss_now_kb()
+    seconds = float("inf")
+    for i in range(1 + timed):
+        model.zero_grad()
+        t0 = time.perf_counter()
+        _, loss = model(x, x)
+        loss.backward()
+        seconds = min(seconds, time.perf_counter() - t0)
+        if i == 0:
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (peak_kb - before_kb) / 1024, seconds
+
+
 def checkpoint_step(run: Path, which: str = "last") -> int | None:
     """The step of the run's ``last`` (or ``best``) checkpoint, read from the folder it points
     to (step-NNNNNNNN); None without one."""

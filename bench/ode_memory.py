@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 
-from common import OtherLoad, markdown_table, rss_now_kb, write_json
+from common import OtherLoad, markdown_table, training_step_peak, write_json
 
 MODES = [("direct", "euler"), ("checkpoint", "euler"), ("binomial", "euler"),
          ("adjoint", "euler"), ("direct", "reversible_heun"), ("reversible", "reversible_heun")]
@@ -40,23 +38,9 @@ def child(mode: str, solver: str, steps: int) -> None:
                       ode_grad=mode)
     model = LanguageModel(cfg)
     x = torch.randint(0, 65, (12, 64))
-    _, loss = model(x[:1, :2], x[:1, :2])  # warm-up: imports and one-off allocations
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    before_kb = rss_now_kb()
-    t0 = time.perf_counter()
-    _, loss = model(x, x)
-    loss.backward()
-    seconds = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mb, seconds = training_step_peak(model, x, timed=1)
     nfe, backward_nfe = model.last_nfe, model.last_backward_nfe
-    # a second, timed step (allocator warm) for the time column
-    model.zero_grad()
-    t0 = time.perf_counter()
-    _, loss = model(x, x)
-    loss.backward()
-    seconds = min(seconds, time.perf_counter() - t0)
-    print(json.dumps({"peak_mb": (peak_kb - before_kb) / 1024, "seconds": seconds, "nfe": nfe,
+    print(json.dumps({"peak_mb": peak_mb, "seconds": seconds, "nfe": nfe,
                       "backward_nfe": backward_nfe, "recompute": backward_nfe / nfe}))
 
 

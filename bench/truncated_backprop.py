@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 
-from common import OtherLoad, markdown_table, rss_now_kb, write_json
+from common import OtherLoad, markdown_table, training_step_peak, write_json
 
 POINTS = [(4, None), (4, 2), (4, 1), (16, None), (16, 4), (16, 1)]
 
@@ -39,22 +37,8 @@ def child(steps: int, tail: int | None) -> None:
     model = LanguageModel(cfg).train()
     model.depth.extras = SolveExtras(backprop_steps=tail)
     x = torch.randint(0, 65, (12, 64))
-    _, loss = model(x[:1, :2], x[:1, :2])  # warm-up: imports and one-off allocations
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    before_kb = rss_now_kb()
-    t0 = time.perf_counter()
-    _, loss = model(x, x)
-    loss.backward()
-    seconds = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for _ in range(2):  # more timed steps (allocator warm): the fastest
-        model.zero_grad()
-        t0 = time.perf_counter()
-        _, loss = model(x, x)
-        loss.backward()
-        seconds = min(seconds, time.perf_counter() - t0)
-    print(json.dumps({"peak_mb": (peak_kb - before_kb) / 1024, "seconds": seconds}))
+    peak_mb, seconds = training_step_peak(model, x, timed=2)
+    print(json.dumps({"peak_mb": peak_mb, "seconds": seconds}))
 
 
 def best_val(run: str) -> float:
