@@ -24,7 +24,6 @@ from continuumlm.config.any_depth import parse_solve
 from continuumlm.config.elastic import solve_nfe
 from continuumlm.data import prepare_data
 from continuumlm.eval.agreement import agreement
-from continuumlm.eval.perplexity import evaluate_contexts
 from continuumlm.runs import load_model_and_tokenizer
 from continuumlm.runs.checkpoint import load_run_config
 
@@ -83,23 +82,14 @@ def measure(run: str, drafts: list[tuple[str, int]], max_windows: int) -> dict:
     device = torch.device("cpu")
     own = (model.config.ode_solver, model.config.ode_steps)
 
-    def loss_at(solver, steps):
-        model.set_solver(solver, steps, ode_grad="direct")
-        try:
-            [row] = evaluate_contexts(model, split, [context], False, device,
-                                      max_windows=max_windows)
-        finally:
-            model.set_solver(*own)
-        return row["loss"]
-
     agreed = agreement(model, split, context, drafts, device, max_windows=max_windows)
     layers = model.config.num_layers
+    first = next(iter(agreed.values()))
     return {"run": run, "own": f"{own[0]}:{own[1]}",
-            "own_nfe": layers * solve_nfe(model.config, *own), "own_loss": loss_at(*own),
-            "positions": next(iter(agreed.values()))["positions"],
+            "own_nfe": layers * solve_nfe(model.config, *own), "own_loss": first["own_loss"],
+            "positions": first["positions"],
             "drafts": [{"draft": f"{s}:{n}", "nfe": layers * solve_nfe(model.config, s, n),
-                        "loss": loss_at(s, n), **{k: agreed[f"{s}:{n}"][k]
-                                                   for k in ("agreement", "kl")}}
+                        **{k: agreed[f"{s}:{n}"][k] for k in ("loss", "agreement", "kl")}}
                        for s, n in drafts]}
 
 

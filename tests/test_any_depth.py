@@ -105,7 +105,7 @@ def _reference_agreement(model, data, context, solve):
 
     own = (model.config.ode_solver, model.config.ode_steps)
     same = total = 0
-    kl = 0.0
+    kl = own_ce = ce = 0.0
     for x, y in eval_batches(data, context, 3):
         for b in range(x.shape[0]):
             a = model(x[b:b + 1])[0][0].double()
@@ -118,8 +118,10 @@ def _reference_agreement(model, data, context, solve):
                 p, q = a[t].softmax(-1), c[t].softmax(-1)
                 same += int(a[t].argmax() == c[t].argmax())
                 kl += float((p * (p.log() - q.log())).sum())
+                own_ce -= float(p[y[b, t]].log())
+                ce -= float(q[y[b, t]].log())
                 total += 1
-    return same / total, kl / total, total
+    return same / total, kl / total, total, ce / total, own_ce / total
 
 
 @torch.no_grad()
@@ -134,8 +136,10 @@ def test_agreement_equals_a_position_by_position_count():
     data = torch.randint(0, 5, (101,))  # 101: a tail window with already-scored targets
     got = agreement(model, data, 12, [("euler", 1), ("rk4", 2)], torch.device("cpu"),
                     batch_tokens=36)
-    same, kl, n = _reference_agreement(model, data, 12, ("euler", 1))
+    same, kl, n, ce, own_ce = _reference_agreement(model, data, 12, ("euler", 1))
     assert got["euler:1"]["positions"] == n == 100
+    assert got["euler:1"]["loss"] == pytest.approx(ce, rel=1e-5)
+    assert got["euler:1"]["own_loss"] == pytest.approx(own_ce, rel=1e-5)
     assert got["euler:1"]["agreement"] == pytest.approx(same)
     assert got["euler:1"]["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
     assert 0 < same < 1  # the check has something to count

@@ -15,13 +15,16 @@ from ..data import eval_batches
 def agreement(model, data: torch.Tensor, context: int, solves: list[tuple[str, int]],
               device: torch.device, batch_tokens: int = 16384,
               max_windows: int | None = None) -> dict[str, dict]:
-    """{"SOLVER:STEPS": {"agreement": fraction, "kl": mean nats, "positions": n}} for each of
-    ``solves``, against the model's solve as it is set (the windows of ``eval``: every target
-    scored once)."""
+    """{"SOLVER:STEPS": {"agreement": fraction, "kl": mean nats, "loss": the draft's mean
+    cross-entropy, "own_loss": the own solve's, "positions": n}} for each of ``solves``,
+    against the model's solve as it is set (the windows of ``eval``: every target scored
+    once). Each solve runs once per window: the losses come from the same logits."""
     model.eval()
     own = (model.config.ode_solver, model.config.ode_steps, model.config.ode_grad)
     same = {s: 0 for s in solves}
     kl = {s: 0.0 for s in solves}
+    nll = {s: 0.0 for s in solves}
+    own_nll = 0.0
     count = 0
     try:
         for x, y in eval_batches(data, context, max(1, batch_tokens // context), max_windows):
@@ -29,14 +32,18 @@ def agreement(model, data: torch.Tensor, context: int, solves: list[tuple[str, i
             scored = y >= 0
             model.set_solver(*own)
             ref = F.log_softmax(model(x)[0].float()[scored], -1)
+            target = y[scored]
             greedy = ref.argmax(-1)
+            own_nll += float(F.nll_loss(ref, target, reduction="sum"))
             count += int(scored.sum())
             for s in solves:
                 model.set_solver(*s, ode_grad="direct")  # no gradients here
                 logq = F.log_softmax(model(x)[0].float()[scored], -1)
                 same[s] += int((logq.argmax(-1) == greedy).sum())
                 kl[s] += float((ref.exp() * (ref - logq)).sum())
+                nll[s] += float(F.nll_loss(logq, target, reduction="sum"))
     finally:
         model.set_solver(*own)
     return {f"{a}:{b}": {"agreement": same[(a, b)] / count, "kl": kl[(a, b)] / count,
+                         "loss": nll[(a, b)] / count, "own_loss": own_nll / count,
                          "positions": count} for a, b in solves}

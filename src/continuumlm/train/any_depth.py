@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .elastic import ElasticDepth
 
 
 class AnyDepth:
@@ -64,7 +65,7 @@ class AnyDepth:
             finally:
                 self.model.set_solver(*base)
             logp = F.log_softmax(logits.float(), -1)
-            kl = kl + (target.exp() * (target - logp)).sum(-1).mean()
+            kl = kl + ElasticDepth.consistency(logits, target)
             lm = lm + loss
             if self.top1_weight > 0:
                 top1 = top1 + F.nll_loss(logp.reshape(-1, logp.shape[-1]), greedy.reshape(-1))
