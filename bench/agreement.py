@@ -31,21 +31,28 @@ DRAFTS = "euler:1,euler:2,euler:4,rk4:1,rk4:2"
 SH = "configs/shakespeare_char"
 # how each run folder the page's record reads was trained (--train trains the missing ones,
 # each resumable: continuumlm train --out FOLDER --resume auto ARGS)
+SEEDS = (1337, 1, 2)
 TRAINED = {
-    "runs/agreement/ode_rk4_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337",
-    "runs/agreement/ode_elastic_dial_s1337": f"--config {SH}/ode_elastic_dial.toml "
-                                             f"--set train.seed=1337",
-    "runs/agreement/ode_euler_lr5e-3_s1337": f"--config {SH}/ode_euler.toml --set train.seed=1337 "
-                                             f"--set train.lr=5e-3 --set train.min_lr=5e-4",
-    "runs/agreement/distilled_s1337": (
-        f"--config {SH}/ode_elastic_dial_capped.toml --set train.seed=1337 "
+    **{f"runs/agreement/ode_rk4_s{s}": f"--config {SH}/ode_rk4.toml --set train.seed={s}"
+       for s in SEEDS},
+    **{f"runs/agreement/ode_elastic_dial_s{s}": f"--config {SH}/ode_elastic_dial.toml "
+                                                f"--set train.seed={s}" for s in SEEDS},
+    **{f"runs/agreement/ode_euler_lr5e-3_s{s}": f"--config {SH}/ode_euler.toml --set "
+                                                f"train.seed={s} --set train.lr=5e-3 "
+                                                f"--set train.min_lr=5e-4" for s in SEEDS},
+    **{f"runs/agreement/distilled_s{s}": (
+        f"--config {SH}/ode_elastic_dial_capped.toml --set train.seed={s} "
         f"--set train.elastic.consistency_weight=1.0 "
-        f"--set train.distill.teacher=runs/agreement/ode_euler_lr5e-3_s1337 "
-        f"--set train.distill.weight=1.0 --set train.lr=2e-3 --set train.min_lr=2e-4"),
+        f"--set train.distill.teacher=runs/agreement/ode_euler_lr5e-3_s{s} "
+        f"--set train.distill.weight=1.0 --set train.lr=2e-3 --set train.min_lr=2e-4")
+       for s in SEEDS},
     **{f"runs/any_depth/ode_any_depth_s{s}": f"--config {SH}/ode_any_depth.toml "
                                              f"--set train.seed={s}" for s in (1337, 1, 2)},
     "runs/agreement/any_depth_top1_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                            f"train.seed=1337 --set train.any_depth.top1_weight=0.5",
+    "runs/agreement/any_depth_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                             f"train.seed=1337 --set train.lr=2e-3 "
+                                             f"--set train.min_lr=2e-4",
     # bench/gate_exit.py's and bench/truncated_backprop.py's runs
     "runs/agreement/any_depth_gate_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                            f"train.seed=1337 --set model.exit_gate=true --set "
@@ -66,8 +73,9 @@ def train_missing(runs: list[str]) -> None:
 
     cli = os.path.join(os.path.dirname(sys.executable), "continuumlm")
     wanted = set(runs)
-    if "runs/agreement/distilled_s1337" in wanted:  # its teacher first
-        wanted.add("runs/agreement/ode_euler_lr5e-3_s1337")
+    for s in SEEDS:  # a distilled model's teacher first
+        if f"runs/agreement/distilled_s{s}" in wanted:
+            wanted.add(f"runs/agreement/ode_euler_lr5e-3_s{s}")
     for run, how in TRAINED.items():
         if run in wanted and not (Path(run) / "checkpoints" / "best").exists():
             subprocess.run([cli, "train", "--out", run, "--resume", "auto", "--quiet",

@@ -1,4 +1,4 @@
-"""ContinuumLM command line: train, eval, generate, mqar, inspect, export, experiment.
+"""ContinuumLM command line: train, eval, generate, serve, mqar, inspect, export, experiment.
 
 Every user error (bad config, missing file, bad flag) exits with status 2 and a one-paragraph
 message on stderr, without a traceback.
@@ -23,6 +23,7 @@ from .common import (
 from .data import cmd_inspect, cmd_prepare
 from .experiment import cmd_experiment
 from .models import cmd_eval, cmd_export, cmd_generate, cmd_harness
+from .serving import add_serve_parser, cmd_serve
 from .training import cmd_mqar, cmd_train, launch_torchrun
 
 __all__ = ["main", "build_parser", "launch_torchrun", "UsageError"]
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self-speculative decoding of a discrete model: its first N layers "
                         "(through its own final norm and head) draft, all of them verify")
     _exit_arguments(g)
+    add_serve_parser(sub, [plugin, threads])
     return p
 
 
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
                     "mqar": cmd_mqar, "inspect": cmd_inspect, "export": cmd_export,
                     "prepare": cmd_prepare, "harness": cmd_harness,
-                    "experiment": cmd_experiment}
+                    "experiment": cmd_experiment, "serve": cmd_serve}
         return commands[args.command](args)
     except ContinuumLMError as e:
         from ..train.distributed import env_from_environment

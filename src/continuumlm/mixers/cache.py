@@ -256,6 +256,32 @@ class SeqCache:
         if self.buffers is not None:
             self.buffers = [b.index_select(0, index.to(b.device)) for b in self.buffers]
 
+    def pad_left(self, n: int) -> None:
+        """Put ``n`` empty positions before every token (zeros, which the state's padding
+        marks as pads): a row joining a longer batch (continuous batching,
+        ``DecodeState.stack``)."""
+        if n and self.buffers is not None:
+            self.buffers = [torch.cat([b.new_zeros(*b.shape[:-2], n, b.shape[-1]),
+                                       b[..., :self.length, :]], dim=-2) for b in self.buffers]
+        self.length += n
+
+    def drop_leading(self, n: int) -> None:
+        """Forget the first ``n`` positions (pads of every row: ``DecodeState.drop_leading``);
+        the rest is copied, so the dropped positions' memory is freed."""
+        if n and self.buffers is not None:
+            self.buffers = [b[..., n:self.length, :].clone() for b in self.buffers]
+        self.length -= n
+
+    @classmethod
+    def stack_rows(cls, caches: list[SeqCache]) -> SeqCache:
+        """One cache holding the rows of ``caches`` (of equal lengths) in order."""
+        out = cls()
+        out.length = caches[0].length
+        if caches[0].buffers is not None:
+            out.buffers = [torch.cat([c.buffers[i][..., :out.length, :] for c in caches])
+                           for i in range(len(caches[0].buffers))]
+        return out
+
     def rewind_floor(self) -> int:
         return 0  # every token's entries are kept
 

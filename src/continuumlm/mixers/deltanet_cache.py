@@ -120,6 +120,31 @@ class DeltaNetCache:
         self.conv = {n: h.index_select(0, index.to(h.device)) for n, h in self.conv.items()}
         self.log = RewindLog(self.log.tokens)  # its rows are the old ones: cut back no further
 
+    def pad_left(self, n: int) -> None:
+        """``n`` pads before every token (``DecodeState.stack``): a pad writes nothing to the
+        state and feeds zeros to the short convolution, so only the length changes."""
+        self.settle()
+        self.memory = None
+        self.length += n
+        self.log = RewindLog(self.log.tokens)  # its positions are the old ones
+
+    def drop_leading(self, n: int) -> None:
+        """Forget the first ``n`` positions (pads of every row): only the length changes."""
+        self.pad_left(-n)
+
+    @classmethod
+    def stack_rows(cls, caches: list[DeltaNetCache]) -> DeltaNetCache:
+        """One cache holding the rows of ``caches`` (of equal lengths) in order."""
+        for c in caches:
+            c.settle()
+        out = cls()
+        out.length = caches[0].length
+        out.log = RewindLog(caches[0].log.tokens)
+        if caches[0].state is not None:
+            out.state = torch.cat([c.state for c in caches])
+        out.conv = {n: torch.cat([c.conv[n] for c in caches]) for n in caches[0].conv}
+        return out
+
     def update(self, state: torch.Tensor, T: int) -> None:
         self.state, self.length = state, self.length + T
 

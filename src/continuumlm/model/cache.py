@@ -72,6 +72,80 @@ class DecodeState:
             self.keys = self.keys.index_select(0, index.to(self.keys.device))
         self.batch_size = int(index.shape[0])
 
+    @classmethod
+    def stack(cls, states: list[DecodeState]) -> DecodeState:
+        """One state holding the rows of ``states`` in order, each shorter one padded on the
+        left to the longest (its padding mask marks the pads, so every row decodes on as it
+        would alone): how a request joins a running batch (continuous batching, see
+        :mod:`continuumlm.serve`). The states must come from the same solve, hold the same
+        caches, and be eager (not frozen) with nothing kept for cutting back."""
+        first = states[0]
+        for s in states:
+            if s.static is not None:
+                raise ValueError("a frozen (static) decoding state cannot be stacked.")
+            if s.solve != first.solve or s._caches.keys() != first._caches.keys():
+                raise ValueError(f"decoding states of different solves ({first.solve} and "
+                                 f"{s.solve}) or caches cannot be stacked into one batch.")
+        for key, c in first._caches.items():
+            missing = [m for m in ("pad_left", "stack_rows") if not hasattr(c, m)]
+            if missing:
+                raise NotImplementedError(
+                    f"the decoding cache {type(c).__name__} (of {key!r}) has no "
+                    f"{' or '.join(missing)}, so rows of different lengths cannot share its "
+                    f"batch (continuous batching); give the cache type pad_left(n), "
+                    f"drop_leading(n) and a classmethod stack_rows(caches) "
+                    f"(continuumlm.mixers.cache.SeqCache has them).")
+        length = max(s.pos for s in states)
+        keys = []
+        for s in states:
+            n = length - s.pos
+            for c in s._caches.values():
+                c.pad_left(n)
+            real = s.keys if s.keys is not None else torch.ones(
+                s.batch_size, s.pos, dtype=torch.bool, device=s._device())
+            s.keys = torch.cat([real.new_zeros(s.batch_size, n), real], 1)
+            keys.append(s.keys)
+            s.pos = length  # (a state given twice is padded once)
+        out = cls(sum(s.batch_size for s in states), first.rewind)
+        out.pos, out.solve, out.shared = length, first.solve, first.shared
+        for key, c in first._caches.items():
+            out._caches[key] = type(c).stack_rows([s._caches[key] for s in states])
+            if isinstance(getattr(out._caches[key], "shared", None), dict):
+                out._caches[key].shared = out.shared
+        keys = torch.cat(keys)
+        out.keys = None if bool(keys.all()) else keys
+        return out
+
+    def leading_pads(self) -> int:
+        """How many of the first positions are pads in every row (what
+        :meth:`drop_leading` can drop)."""
+        if self.keys is None or self.keys.shape[1] == 0:
+            return 0
+        real = self.keys.any(0)
+        return int(real.float().argmax()) if bool(real.any()) else self.pos
+
+    def drop_leading(self, n: int) -> None:
+        """Forget the first ``n`` positions, pads in every row (after the rows that were
+        longest leave a batch): the caches shrink and every row decodes on as before."""
+        if n == 0:
+            return
+        if not 0 < n <= self.leading_pads():
+            raise ValueError(f"the first {n} positions are not pads in every row.")
+        for c in self._caches.values():
+            c.drop_leading(n)
+        self.keys = self.keys[:, n:]
+        self.pos -= n
+        if bool(self.keys.all()):
+            self.keys = None
+
+    def _device(self) -> torch.device:
+        for c in self._caches.values():
+            for t in (getattr(c, "buffers", None) or []):
+                return t.device
+            if getattr(c, "state", None) is not None:
+                return c.state.device
+        return torch.device("cpu") if self.keys is None else self.keys.device
+
     def check_solve(self, config) -> None:
         """Record the (ode_solver, ode_steps) that builds this state's caches, and refuse
         another: the caches are kept per solver stage, and another solver or step count

@@ -1,0 +1,14 @@
+"""Serving a trained model over HTTP: ``continuumlm serve`` (OpenAI's completion API,
+streamed or not, many clients decoded together, the depth chosen per request).
+
+- :mod:`.engine`: continuous batching on the model's own thread, exact per row;
+- :mod:`.protocol`: the request bodies and their checks;
+- :mod:`.app`: the FastAPI application (``pip install 'continuumlm[serve]'``);
+- :mod:`.server`: the command (uvicorn, draining on SIGTERM and SIGINT).
+
+See docs/serving.md.
+"""
+
+from .engine import Depth, Engine, Event, QueueFull, Request, Sampling
+
+__all__ = ["Depth", "Engine", "Event", "QueueFull", "Request", "Sampling"]

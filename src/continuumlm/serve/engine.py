@@ -1,0 +1,455 @@
+"""The serving engine: many requests decoded together, joining and leaving a running batch at
+token boundaries (continuous batching), each row with its own exact caches.
+
+One thread owns the model. Each turn of its loop it
+
+1. admits waiting requests (first come, first served) while the running rows number fewer
+   than ``max_batch``: each prompt is consumed alone (batch 1, the request's own solve) and
+   the row's first token is drawn from that pass;
+2. steps every group of rows once: the rows of one *depth* (solver, steps, per-token exit)
+   share a :class:`~continuumlm.model.cache.DecodeState` and one batched forward; a row that
+   joins is stacked into its group's state, padded on the left to the longest row
+   (``DecodeState.stack``), so it decodes on exactly as it would alone (the padding
+   invariant), and a row that leaves is dropped from the state (``reorder``), whose leading
+   positions that are pads in every remaining row are then freed (``drop_leading``);
+3. advances every self-speculative request (``draft``; batch 1 by its nature) by one token.
+
+Groups take turns (round robin): with several depths running, a token of each group costs the
+sum of the groups' steps. A request's tokens are those it gets alone: greedy, the same tokens;
+sampled, the same draws (each row draws from its own generator, seeded by the request's
+``seed``, with the same calls as ``generate``); up to logits that tie within float rounding,
+which a batch may sum in another order than a single row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..decoding.sampling import sample_next
+from ..model.cache import DecodeState
+from .text import TextOut
+
+log = logging.getLogger("continuumlm")
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` rows already (HTTP 429)."""
+
+
+class Closed(Exception):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Depth:
+    """How a row's tokens are solved; rows of one depth share a batch. ``solver``/``steps``:
+    the ODE solve (None for a discrete model); ``exit``: (criterion, threshold) of per-token
+    exit, or None."""
+
+    solver: str | None = None
+    steps: int | None = None
+    exit: tuple[str, float] | None = None
+
+    def describe(self) -> str:
+        text = f"{self.solver} x {self.steps}" if self.solver else "discrete"
+        if self.exit:
+            text += f", exit {self.exit[0]} < {self.exit[1]:g}"
+        return text
+
+
+@dataclass
+class Sampling:
+    """A row's token choice: greedy (argmax), or a draw from its own generator."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def generator(self, index: int, device) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:  # choice i of a request draws as a request with seed + i alone
+            g.manual_seed((self.seed + index) % 2**64)
+        return g
+
+
+@dataclass
+class Event:
+    """What a request's sink receives. ``kind``: "token" (a generated token: ``token``, its
+    ``text`` delta, ``logprob`` and ``top`` when asked), "prompt" (echo: the prompt's tokens,
+    their log-probabilities when asked), "done" (``finish_reason``, ``nfe``: field
+    evaluations the row's tokens took), or "error" (``message``)."""
+
+    kind: str
+    index: int = 0
+    token: int | None = None
+    text: str = ""
+    logprob: float | None = None
+    top: dict | None = None
+    finish_reason: str | None = None
+    nfe: int = 0
+    tokens: list | None = None
+    logprobs: list | None = None
+    message: str = ""
+    count: int = 0  # "done": the tokens the row produced (an end-of-text token included)
+
+
+@dataclass
+class Request:
+    """One request: ``prompts`` (token ids each), ``n`` rows per prompt (choice index =
+    prompt * n + j), decoded with ``depth``; ``sink(event)`` is called from the engine's
+    thread. ``draft``: a :class:`continuumlm.decoding.Draft` (self-speculative; one row)."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    sink: Callable[[Event], None]
+    depth: Depth = Depth()
+    sampling: Sampling = field(default_factory=Sampling)
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    eos_id: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    draft: object | None = None
+    cancelled: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.n
+
+    def cancel(self) -> None:
+        """Free the request's rows at the next token (a client that went away)."""
+        self.cancelled = True
+
+
+class Row:
+    """One sequence being generated: its request, its choice index, what it has produced."""
+
+    def __init__(self, request: Request, index: int, tokenizer, device) -> None:
+        self.request, self.index = request, index
+        self.generator = request.sampling.generator(index % request.n, device)
+        self.out = TextOut(tokenizer, request.stop)
+        self.count = 0  # tokens produced
+        self.nfe = 0
+        self.pending: int | None = None  # the latest token, which no state holds yet
+        self.done = False
+
+    def choose(self, logits: torch.Tensor) -> int:
+        s = self.request.sampling
+        return int(sample_next(logits[None], s.temperature, s.top_k, s.top_p, s.greedy,
+                               self.generator)[0])
+
+    def take(self, token: int, logits: torch.Tensor | None, nfe: int) -> None:
+        """Hand the row's next token to its request; finish the row when it is its last."""
+        req = self.request
+        self.count += 1
+        self.nfe += nfe
+        if req.eos_id is not None and token == req.eos_id:
+            self.finish("stop")
+            return
+        text, stopped = self.out.add(token)
+        logprob = top = None
+        if req.logprobs is not None and logits is not None:
+            logprob, top = token_logprobs(logits, token, req.logprobs)
+        req.sink(Event("token", self.index, token=token, text=text, logprob=logprob, top=top))
+        if stopped:
+            self.finish("stop")
+        elif self.count >= req.max_tokens:
+            self.finish("length")
+        else:
+            self.pending = token
+
+    def finish(self, reason: str) -> None:
+        rest = self.out.flush()
+        if rest:
+            self.request.sink(Event("token", self.index, text=rest))
+        self.done = True
+        self.request.sink(Event("done", self.index, finish_reason=reason, nfe=self.nfe,
+                                count=self.count))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, dict[int, float]]:
+    """The token's log-probability under the model's distribution (the raw logits' log
+    softmax, before temperature and filtering) and the ``k`` most probable tokens'."""
+    lp = torch.log_softmax(logits.double(), -1)
+    top = {}
+    if k:
+        values, ids = lp.topk(min(k, lp.shape[-1]))
+        top = {int(i): float(v) for i, v in zip(ids, values)}
+    return float(lp[token]), top
+
+
+class Group:
+    """The rows of one depth and their shared decoding state."""
+
+    def __init__(self, depth: Depth) -> None:
+        self.depth = depth
+        self.rows: list[Row] = []
+        self.state: DecodeState | None = None
+
+
+class Engine:
+    """Decodes the requests given to :meth:`submit` on a thread of its own (:meth:`start`);
+    see the module's text. ``default`` is the depth of a request that names none."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 32, max_queue: int = 256,
+                 threads=None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.threads = threads
+        self.device = next(model.parameters()).device
+        self.waiting: deque[Request] = deque()
+        self.groups: dict[Depth, Group] = {}
+        self.solos: list[tuple[Request, Row, object]] = []
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.turns = 0
+        cfg = model.config
+        self.ode = cfg.depth == "ode"
+        self.default = Depth(cfg.ode_solver, cfg.ode_steps) if self.ode else Depth()
+        model.eval()
+
+    # ------------------------------------------------------------------ the other threads'
+
+    def submit(self, request: Request) -> None:
+        with self.cond:
+            if self.closing:
+                raise Closed("the server is shutting down")
+            queued = sum(r.rows for r in self.waiting)
+            if queued + request.rows > self.max_queue:
+                raise QueueFull(f"the queue holds {queued} rows waiting for a place in the "
+                                f"batch, and {request.rows} more would pass --max-queue "
+                                f"{self.max_queue}; retry later")
+            self.waiting.append(request)
+            self.cond.notify()
+
+    def start(self) -> Engine:
+        self.thread = threading.Thread(target=self._run, name="continuumlm-engine", daemon=True)
+        self.thread.start()
+        return self
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish every admitted and waiting request, then stop the thread."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    @property
+    def running(self) -> int:
+        return sum(len(g.rows) for g in self.groups.values()) + len(self.solos)
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {"running": self.running, "waiting": sum(r.rows for r in self.waiting),
+                    "groups": {g.depth.describe(): len(g.rows) for g in self.groups.values()},
+                    "turns": self.turns}
+
+    # ------------------------------------------------------------------ the engine's thread
+
+    def _run(self) -> None:
+        if self.threads is not None:
+            self.threads.apply()
+        try:
+            while True:
+                with self.cond:
+                    while not (self.waiting or self.running or self.closing):
+                        self.cond.wait()
+                    if self.closing and not (self.waiting or self.running):
+                        return
+                if self.threads is not None:
+                    self.threads.poll()
+                self.turn()
+        except BaseException as e:  # noqa: BLE001 - kept for the server to report
+            self.error = e
+            log.exception("serving engine stopped")
+            self._fail_all(f"the serving engine stopped: {e}")
+            raise
+
+    @torch.inference_mode()
+    def turn(self) -> None:
+        """One turn: admit, step every group once, advance every speculative request."""
+        self.turns += 1
+        self._admit()
+        for group in list(self.groups.values()):
+            self._step(group)
+        for solo in list(self.solos):
+            self._advance(solo)
+
+    def _use(self, depth: Depth) -> None:
+        m = self.model
+        if self.ode and (m.config.ode_solver, m.config.ode_steps) != (depth.solver, depth.steps):
+            m.set_solver(depth.solver, depth.steps, ode_grad="direct")
+        if depth.exit is None:
+            m.set_exit(None)
+        else:
+            m.set_exit(depth.exit[1], depth.exit[0])
+
+    def _nfe(self, row: int) -> int:
+        per_token = self.model.last_token_nfe
+        return int(per_token[row, -1]) if per_token is not None else self.model.last_nfe
+
+    def _admit(self) -> None:
+        while True:
+            with self.cond:
+                if not self.waiting:
+                    return
+                req = self.waiting[0]
+                if req.cancelled:
+                    self.waiting.popleft()
+                    continue
+                if self.running and self.running + req.rows > self.max_batch:
+                    return
+                self.waiting.popleft()
+            try:
+                self._start(req)
+            except Exception as e:  # noqa: BLE001 - a request the model refuses: its error
+                log.exception("request failed at its prompt")
+                req.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+
+    def _start(self, req: Request) -> None:
+        if req.draft is not None:
+            self._start_draft(req)
+            return
+        self._use(req.depth)
+        group = self.groups.get(req.depth) or Group(req.depth)
+        states, rows = [], []
+        for p, prompt in enumerate(req.prompts):
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            state = self.model.init_state(1)
+            h = self.model.hidden_states(ids, state)
+            nfe = self._nfe(0)
+            if req.echo:
+                logits = self.model.lm_head(h[0]) if req.logprobs is not None else None
+                req.sink(Event("prompt", p, tokens=prompt,
+                               logprobs=prompt_logprobs(logits, prompt, req.logprobs)))
+            last = self.model.lm_head(h[:, -1])[0]  # as generate's (1, vocab) read-out
+            for j in range(req.n):
+                row = Row(req, p * req.n + j, self.tokenizer, self.device)
+                if req.max_tokens == 0:
+                    row.finish("length")
+                    continue
+                row.take(row.choose(last), last, nfe)
+                if not row.done:
+                    rows.append(row)
+                    states.append(state)
+        if not rows:
+            return
+        parts = ([group.state] if group.state is not None else []) + states
+        group.state = DecodeState.stack(parts) if len(parts) > 1 else parts[0]
+        group.rows += rows
+        with self.cond:
+            self.groups[req.depth] = group
+
+    def _step(self, group: Group) -> None:
+        self._drop_finished(group)
+        if not group.rows:
+            with self.cond:
+                del self.groups[group.depth]
+            return
+        self._use(group.depth)
+        ids = torch.tensor([[r.pending] for r in group.rows], dtype=torch.long,
+                           device=self.device)
+        try:
+            logits = self.model.step(ids, group.state)[0]
+        except Exception as e:  # noqa: BLE001 - fail this group's requests, keep serving
+            log.exception("decoding step failed")
+            for r in group.rows:
+                r.request.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+            with self.cond:
+                del self.groups[group.depth]
+            return
+        for i, row in enumerate(group.rows):
+            row.take(row.choose(logits[i]), logits[i], self._nfe(i))
+        self._drop_finished(group)
+        if not group.rows:  # its state is let go now, not at the next turn
+            with self.cond:
+                del self.groups[group.depth]
+
+    def _drop_finished(self, group: Group) -> None:
+        keep = [i for i, r in enumerate(group.rows)
+                if not r.done and not r.request.cancelled]
+        if len(keep) == len(group.rows):
+            return
+        group.rows = [group.rows[i] for i in keep]
+        if not keep:
+            group.state = None
+            return
+        group.state.reorder(torch.tensor(keep, device=self.device))
+        group.state.drop_leading(group.state.leading_pads())
+
+    def _start_draft(self, req: Request) -> None:
+        from ..decoding import Decoder
+
+        self._use(req.depth)
+        row = Row(req, 0, self.tokenizer, self.device)
+        s = req.sampling
+        ids = torch.tensor(req.prompts, dtype=torch.long, device=self.device)
+        stream = Decoder(self.model).stream(
+            ids, req.max_tokens, s.temperature, s.top_k, s.top_p, s.greedy,
+            generator=row.generator, draft=req.draft)
+        if req.echo:
+            req.sink(Event("prompt", 0, tokens=req.prompts[0], logprobs=None))
+        if req.max_tokens == 0:
+            row.finish("length")
+            return
+        with self.cond:
+            self.solos.append((req, row, iter(stream)))
+
+    def _advance(self, solo) -> None:
+        req, row, stream = solo
+        if not req.cancelled:
+            self._use(req.depth)
+            try:
+                before = stream.stats.nfe
+                token = int(next(stream)[0])
+                # a round's field evaluations fall to the first token it yields
+                row.take(token, None, stream.stats.nfe - before)
+            except StopIteration:
+                row.finish("length")
+            except Exception as e:  # noqa: BLE001
+                log.exception("speculative decoding failed")
+                req.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+                row.done = True
+        if row.done or req.cancelled:
+            with self.cond:
+                self.solos.remove(solo)
+
+    def _fail_all(self, message: str) -> None:
+        with self.cond:
+            reqs = {id(r.request): r.request for g in self.groups.values() for r in g.rows}
+            reqs.update({id(s[0]): s[0] for s in self.solos})
+            reqs.update({id(r): r for r in self.waiting})
+            self.groups.clear()
+            self.solos.clear()
+            self.waiting.clear()
+            self.closing = True
+        for req in reqs.values():
+            req.sink(Event("error", message=message))
+
+
+def prompt_logprobs(logits: torch.Tensor | None, prompt: list[int], k: int | None):
+    """Echo's log-probabilities of the prompt's tokens, each given the ones before it (the
+    first has none: None), with the ``k`` most probable at each position; None when not
+    asked."""
+    if logits is None:
+        return None
+    out = [(None, None)]
+    for i, token in itertools.islice(enumerate(prompt), 1, None):
+        out.append(token_logprobs(logits[i - 1], token, k or 0))
+    return out

@@ -1,0 +1,306 @@
+"""The serving engine (continuumlm.serve.engine): rows that join and leave a running batch
+decode exactly as each request alone, whatever the mixer, depth and order of arrival; and the
+decoding state's stacking and dropping of pads it rests on."""
+
+import copy
+
+import pytest
+import torch
+from conftest import small_model
+
+from continuumlm.decoding import Draft
+from continuumlm.model.cache import DecodeState
+from continuumlm.serve.engine import Closed, Depth, Engine, QueueFull, Request, Sampling
+from continuumlm.serve.text import TextOut
+
+KINDS = {
+    "softmax-discrete": dict(),
+    "softmax-ode-rk4": dict(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1),
+    "deltanet": dict(mixer="deltanet"),
+    "continuous-ode": dict(mixer="continuous", depth="ode", num_layers=1),
+    "rope-parallel-ode": dict(position="rope", depth="ode", field="parallel", num_layers=1),
+}
+
+
+def lively(**kw):
+    """A small float64 model whose greedy tokens vary (an untied head, scaled: a fresh tied
+    model repeats its last token, which would make greedy comparisons hollow)."""
+    model = small_model(tie_embeddings=False, **kw).double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+class Ids:
+    """A tokenizer of token ids as characters (decoding is what TextOut reads)."""
+
+    def decode(self, ids):
+        return "".join(chr(65 + i) for i in ids)
+
+
+class Sink:
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, e):
+        self.events.append(e)
+
+    def tokens(self, index=0):
+        return [e.token for e in self.events if e.kind == "token" and e.index == index
+                and e.token is not None]
+
+    def done(self, index=0):
+        return next((e for e in self.events if e.kind == "done" and e.index == index), None)
+
+
+def alone(model, prompt, n, sampling=Sampling(), depth=None, draft=None):
+    m = copy.deepcopy(model)
+    if depth is not None and depth.solver is not None:
+        m.set_solver(depth.solver, depth.steps)
+    if depth is not None and depth.exit is not None:
+        m.set_exit(depth.exit[1], depth.exit[0])
+    g = sampling.generator(0, "cpu")
+    out = m.generate(torch.tensor([prompt]), n, sampling.temperature, sampling.top_k,
+                     sampling.top_p, sampling.greedy, generator=g, draft=draft)
+    return out[0, len(prompt):].tolist()
+
+
+def run(engine, arrivals, limit=500):
+    """Submit each request at its turn (``arrivals``: [(turn, request)]) and turn until all
+    are done."""
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    for turn in range(limit):
+        while arrivals and arrivals[0][0] <= turn:
+            engine.submit(arrivals.pop(0)[1])
+        if not (arrivals or engine.waiting or engine.running):
+            return
+        engine.turn()
+        for g in engine.groups.values():
+            if g.state is not None:  # the state is never longer than its longest row
+                keys = g.state.keys
+                real = keys.sum(1).max() if keys is not None else g.state.pos
+                assert g.state.pos == int(real)
+    raise AssertionError("the requests did not finish")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_rows_that_join_and_leave_decode_as_each_alone(kind):
+    model = lively(**KINDS[kind])
+    g = torch.Generator().manual_seed(3)
+    engine = Engine(model, Ids(), max_batch=3)
+    cases = []
+    for i, (turn, plen, new) in enumerate([(0, 5, 12), (2, 9, 4), (3, 1, 9), (3, 14, 7),
+                                           (7, 3, 6), (8, 6, 1)]):
+        prompt = torch.randint(0, 37, (plen,), generator=g).tolist()
+        sampling = Sampling() if i % 2 == 0 else Sampling(False, 0.9, top_k=20, seed=100 + i)
+        sink = Sink()
+        cases.append((turn, Request([prompt], new, sink, depth=engine.default,
+                                    sampling=sampling), prompt, new, sampling, sink))
+    run(engine, [(c[0], c[1]) for c in cases])
+    for _, _, prompt, new, sampling, sink in cases:
+        assert sink.tokens() == alone(model, prompt, new, sampling)
+        assert sink.done().finish_reason == "length" and sink.done().count == new
+    assert not engine.groups and not engine.running  # every state let go
+
+
+def test_each_depth_decodes_as_alone_and_groups_take_turns():
+    model = lively(depth="ode", ode_solver="rk4", ode_steps=4, num_layers=1)
+    engine = Engine(model, Ids(), max_batch=8)
+    g = torch.Generator().manual_seed(5)
+    depths = [Depth("rk4", 4), Depth("euler", 1), Depth("euler", 4), Depth("rk4", 1),
+              Depth("rk4", 4, ("state", 0.05)), Depth("euler", 1)]
+    cases = []
+    for i, d in enumerate(depths):
+        prompt = torch.randint(0, 37, (3 + i,), generator=g).tolist()
+        cases.append((i % 3, Request([prompt], 8, Sink(), depth=d), prompt, d))
+    run(engine, [(c[0], c[1]) for c in cases])
+    for _, req, prompt, d in cases:
+        assert req.sink.tokens() == alone(model, prompt, 8, depth=d), d
+        nfe = req.sink.done().nfe
+        per = {"rk4": 4, "euler": 1}[d.solver] * d.steps
+        assert nfe <= 8 * per and (nfe == 8 * per or d.exit is not None)
+
+
+def test_n_choices_draw_as_seeds_seed_plus_i_alone_and_share_one_prompt_pass():
+    model = lively(depth="ode", ode_steps=2, num_layers=1)
+    engine = Engine(model, Ids())
+    prompt = [1, 2, 3, 4]
+    req = Request([prompt, [5, 6]], 6, Sink(), depth=engine.default,
+                  sampling=Sampling(False, 1.0, seed=11), n=3)
+    run(engine, [(0, req)])
+    for p, pr in enumerate([prompt, [5, 6]]):
+        for j in range(3):
+            want = alone(model, pr, 6, Sampling(False, 1.0, seed=11 + j))
+            assert req.sink.tokens(p * 3 + j) == want
+
+
+def test_a_drafted_request_gives_the_greedy_tokens_beside_a_batch():
+    model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
+    engine = Engine(model, Ids())
+    drafted = Request([[3, 1, 4, 1, 5]], 10, Sink(), depth=engine.default,
+                      draft=Draft("euler", 1, 3))
+    other = Request([[2, 7]], 10, Sink(), depth=Depth("euler", 2))
+    run(engine, [(0, drafted), (1, other)])
+    assert drafted.sink.tokens() == alone(model, [3, 1, 4, 1, 5], 10)
+    assert other.sink.tokens() == alone(model, [2, 7], 10, depth=Depth("euler", 2))
+    assert drafted.sink.done().nfe > 0
+
+
+def test_a_cancelled_request_leaves_the_batch_at_the_next_token():
+    model = lively()
+    engine = Engine(model, Ids())
+    a, b = Request([[1, 2, 3]], 50, Sink()), Request([[4]], 5, Sink())
+    engine.submit(a)
+    engine.submit(b)
+    engine.turn()
+    engine.turn()
+    a.cancel()
+    engine.turn()
+    assert engine.running == 1 and a.sink.done() is None
+    n = len(a.sink.tokens())
+    run(engine, [])
+    assert len(a.sink.tokens()) == n and b.sink.tokens() == alone(model, [4], 5)
+    assert not engine.groups
+
+
+def test_stop_eos_and_zero_tokens_finish_rows():
+    model = lively()
+    engine = Engine(model, Ids())
+    want = alone(model, [1, 2], 10)
+    k = next(i for i in range(1, 10) if want[i] not in want[:i])  # a token new at k
+    eos = Request([[1, 2]], 10, Sink(), eos_id=want[k])
+    stop_text = "".join(chr(65 + t) for t in want[k - 1:k + 1])
+    stop = Request([[1, 2]], 10, Sink(), stop=[stop_text])
+    none = Request([[1, 2]], 0, Sink(), echo=True, logprobs=2)
+    run(engine, [(0, eos), (0, stop), (0, none)])
+    assert eos.sink.tokens() == want[:k] and eos.sink.done().finish_reason == "stop"
+    assert eos.sink.done().count == k + 1  # the end-of-text token counts, and is not sent
+    text = "".join(e.text for e in stop.sink.events if e.kind == "token")
+    assert text == Ids().decode(want)[:Ids().decode(want).find(stop_text)]
+    assert stop.sink.done().finish_reason == "stop"
+    prompt = next(e for e in none.sink.events if e.kind == "prompt")
+    assert prompt.logprobs[0] == (None, None) and len(prompt.logprobs) == 2
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2]]))[0][0, 0]
+    assert prompt.logprobs[1][0] == pytest.approx(float(torch.log_softmax(logits, -1)[2]))
+    assert none.sink.done().finish_reason == "length" and none.sink.done().count == 0
+
+
+def test_a_full_queue_and_a_closed_engine_refuse():
+    engine = Engine(lively(), Ids(), max_queue=4)
+    engine.submit(Request([[1]], 3, Sink(), n=3))
+    with pytest.raises(QueueFull, match="max-queue 4"):
+        engine.submit(Request([[1]], 3, Sink(), n=2))
+    engine.close()
+    with pytest.raises(Closed):
+        engine.submit(Request([[1]], 3, Sink()))
+
+
+def test_the_engine_thread_serves_and_drains_on_close():
+    model = lively()
+    engine = Engine(model, Ids()).start()
+    reqs = [Request([[i + 1, 2]], 6, Sink()) for i in range(5)]
+    for r in reqs:
+        engine.submit(r)
+    engine.close(timeout=60)
+    assert not engine.thread.is_alive() and engine.error is None
+    for i, r in enumerate(reqs):
+        assert r.sink.tokens() == alone(model, [i + 1, 2], 6)
+
+
+def test_a_model_error_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    model = lively()
+    engine = Engine(model, Ids())
+    bad = Request([[1, 2]], 5, Sink())
+    engine.submit(bad)
+    engine.turn()
+    real = model.step
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(model, "step", broken)
+    engine.turn()
+    assert any(e.kind == "error" and "boom" in e.message for e in bad.sink.events)
+    monkeypatch.setattr(model, "step", real)
+    good = Request([[3]], 4, Sink())
+    run(engine, [(0, good)])
+    assert good.sink.tokens() == alone(model, [3], 4)
+
+
+# ---------------------------------------------------------------- the state's rows
+
+def test_stacked_states_need_the_same_solve_and_caches_that_can_pad():
+    model = small_model(depth="ode", ode_steps=2, num_layers=1)
+    a = model.init_state(1)
+    model.step(torch.tensor([[1, 2]]), a)
+    model.set_solver(ode_steps=3)
+    b = model.init_state(1)
+    model.step(torch.tensor([[1]]), b)
+    with pytest.raises(ValueError, match="different solves"):
+        DecodeState.stack([a, b])
+
+    class Plain:  # a plugin's cache without the row operations
+        length = 0
+    c = model.init_state(1)
+    c._caches["x"] = Plain()
+    with pytest.raises(NotImplementedError, match="pad_left"):
+        DecodeState.stack([c, c])
+
+
+def test_drop_leading_refuses_real_tokens_and_frees_the_pads():
+    model = lively()
+    a, b = model.init_state(1), model.init_state(1)
+    model.step(torch.tensor([[1, 2, 3, 4, 5, 6]]), a)
+    model.step(torch.tensor([[7, 8]]), b)
+    s = DecodeState.stack([a, b])
+    assert s.pos == 6 and s.leading_pads() == 0
+    s.reorder(torch.tensor([1]))
+    assert s.leading_pads() == 4
+    with pytest.raises(ValueError, match="not pads"):
+        s.drop_leading(5)
+    s.drop_leading(4)
+    assert s.pos == 2 and s.keys is None
+    cache = next(iter(s._caches.values()))
+    assert cache.buffers[0].shape[-2] == 2  # the dropped positions' memory is let go
+    lone = model.init_state(1)
+    model.step(torch.tensor([[7, 8]]), lone)
+    x, y = model.step(torch.tensor([[9]]), s)[0], model.step(torch.tensor([[9]]), lone)[0]
+    assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------- text as it comes
+
+class Bytes:
+    """Byte-level ids, decoded as a byte-level BPE decodes (an incomplete character: U+FFFD)."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(out, data: bytes):
+    pieces, stopped = [], False
+    for b in data:
+        text, stopped = out.add(b)
+        pieces.append(text)
+        if stopped:
+            break
+    return pieces, stopped
+
+
+def test_text_never_splits_a_character_and_holds_back_a_stop_strings_start():
+    pieces, _ = feed(TextOut(Bytes()), "né→x".encode())
+    assert "".join(pieces) == "né→x" and all("\ufffd" not in p for p in pieces)
+    out = TextOut(Bytes(), ["END"])
+    pieces, stopped = feed(out, b"abEN")
+    assert "".join(pieces) == "ab" and not stopped  # "EN" may begin "END"
+    pieces, stopped = feed(out, b"Dzz")
+    assert stopped and "".join(pieces) == "" and out.full == "ab" and out.flush() == ""
+    out = TextOut(Bytes(), ["END"])
+    feed(out, b"abENx")
+    assert out.flush() == "" and out.full == "abENx"  # "EN" sent once "x" ruled it out
+    out = TextOut(Bytes(), ["\n\n", "o w"])
+    pieces, stopped = feed(out, b"hello world")
+    assert stopped and "".join(pieces) == "hell"
+    out = TextOut(Bytes(), ["zz"])
+    pieces, _ = feed(out, b"abz")
+    assert "".join(pieces) + out.flush() == "abz"  # the held "z" comes at the end
