@@ -168,7 +168,7 @@ def check_depth(model, body: CompletionBody, default: Depth) -> Depth:
         if body.ode_solver not in SOLVERS:
             raise APIError(400, f"'ode_solver': unknown solver {body.ode_solver!r}; one of "
                                 f"{', '.join(sorted(SOLVERS))}.", "ode_solver")
-        if not getattr(SOLVERS[body.ode_solver], "fixed_grid", True):
+        if not _fixed_grid(body.ode_solver, cfg):
             raise APIError(400, f"'ode_solver': {body.ode_solver!r} chooses its own steps, "
                                 f"and an adaptive solve cannot decode with exact caches; use "
                                 f"a fixed-grid solver (euler, midpoint, heun, rk4, ...).",
@@ -203,6 +203,18 @@ def check_depth(model, body: CompletionBody, default: Depth) -> Depth:
     return Depth(solver, steps, exit_)
 
 
+def _fixed_grid(name: str, cfg) -> bool:
+    """Whether the solver ``name`` steps on a fixed grid (what exact caches need); asked of
+    a solver built for the config (a registered name may be a factory)."""
+    from ..registry import SOLVERS
+
+    try:
+        solver = SOLVERS[name](dataclasses.replace(cfg, ode_solver=name))
+    except (ContinuumLMError, ValueError):
+        return False
+    return bool(getattr(solver, "fixed_grid", True))
+
+
 def draft_of(model, body: CompletionBody, prompts: list[list[int]]):
     """The request's :class:`~continuumlm.decoding.Draft`, or None; refused with a 400 where
     self-speculative decoding does not apply."""
@@ -228,7 +240,7 @@ def draft_of(model, body: CompletionBody, prompts: list[list[int]]):
         why = f"draft.layers must be below the model's {model.config.num_layers} layers"
     elif model.config.depth == "ode" and d.solver not in SOLVERS:
         why = f"unknown draft solver {d.solver!r}; one of {', '.join(sorted(SOLVERS))}"
-    elif model.config.depth == "ode" and not getattr(SOLVERS[d.solver], "fixed_grid", True):
+    elif model.config.depth == "ode" and not _fixed_grid(d.solver, model.config):
         why = f"the draft solver {d.solver!r} is adaptive; a draft needs a fixed-grid solver"
     if why:
         raise APIError(400, f"'draft': {why}.", "draft")

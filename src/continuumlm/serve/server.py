@@ -4,6 +4,7 @@ uvicorn until SIGTERM or SIGINT, which drain (running requests finish) and exit 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 
 from ..errors import ContinuumLMError
@@ -40,9 +41,14 @@ def check_servable(model) -> None:
         raise ServeError("this model is an encoder (mode = 'encoder'); only decoders generate.")
 
 
-def serve(model, tokenizer, *, model_name: str, host: str, port: int, max_batch: int,
-          max_queue: int, max_context: int, max_tokens: int, max_body_bytes: int,
-          threads=None, exit_rule: tuple[str, float] | None = None, ready=None) -> int:
+def make_server(model, tokenizer, *, model_name: str, host: str = "127.0.0.1",
+                port: int = 8000, max_batch: int = 32, max_queue: int = 256,
+                max_context: int | None = None, max_tokens: int = 4096,
+                max_body_bytes: int = 1 << 20, threads=None,
+                exit_rule: tuple[str, float] | None = None, quiet: bool = False):
+    """(the uvicorn server, its engine): ``server.run()`` serves until SIGTERM or SIGINT
+    (``server.should_exit = True`` from another thread); ``server.port`` is the port bound
+    once it has started (``port=0``: any free one)."""
     import uvicorn
 
     from .app import create_app
@@ -53,31 +59,39 @@ def serve(model, tokenizer, *, model_name: str, host: str, port: int, max_batch:
                     threads=threads)
     if exit_rule is not None:
         engine.default = dataclasses.replace(engine.default, exit=exit_rule)
-    app = create_app(engine, tokenizer, model_name, Limits(max_context, max_tokens),
+    app = create_app(engine, tokenizer, model_name,
+                     Limits(max_context or model.config.max_seq_len, max_tokens),
                      max_body_bytes)
 
     class Server(uvicorn.Server):
+        port: int | None = None
+
         def handle_exit(self, sig, frame) -> None:
             # drain, then return: uvicorn would raise the signal again after its shutdown,
             # ending the process by it instead of with status 0
-            if self.should_exit and sig == 2:  # a second SIGINT: stop without draining
+            if self.should_exit and sig == signal.SIGINT:  # a second ^C: stop at once
                 self.force_exit = True
             self.should_exit = True
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
-                bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                self.port = self.servers[0].sockets[0].getsockname()[1]
                 d = engine.default
                 depth = f"{d.solver} x {d.steps}" if d.solver else "discrete"
-                print(f"serving {model_name!r} at http://{host}:{bound}/v1 ({depth}; up to "
-                      f"{max_batch} rows decoded together, {max_queue} waiting)", flush=True)
-                if ready is not None:
-                    ready(bound)
+                if not quiet:
+                    print(f"serving {model_name!r} at http://{host}:{self.port}/v1 ({depth}; "
+                          f"up to {max_batch} rows decoded together, {max_queue} waiting)",
+                          flush=True)
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             access_log=False, lifespan="on")
-    server = Server(config)
+    return Server(config), engine
+
+
+def serve(model, tokenizer, **kwargs) -> int:
+    """Serve until SIGTERM or SIGINT; 0 once drained, 1 if the engine failed."""
+    server, engine = make_server(model, tokenizer, **kwargs)
     server.run()
     if engine.error is not None:
         print(f"error: the serving engine stopped: {engine.error}", file=sys.stderr)
