@@ -548,3 +548,25 @@ def test_the_pipeline_batches_a_character_model_with_the_eos_pad_idiom(tiny_corp
     ids = pipe.tokenizer(prompts[0], return_tensors="pt").input_ids
     new = pipe.model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:]
     assert len(new) == 20
+
+
+def test_generate_without_a_mask_reads_a_character_models_newlines(tiny_corpus, tmp_path):
+    """``model.generate(ids)`` with no attention mask, on a prompt holding newlines: the
+    tokens are ContinuumLM's own greedy decoding. (transformers infers a mask from the pad id
+    when it is not the end of text; a character model whose newline was its pad lost every
+    newline of its prompts that way.)"""
+    import transformers
+
+    from continuumlm.runs import load_model_and_tokenizer
+
+    out = exported_run(tiny_corpus, tmp_path, tokenizer="char")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ours, tok, _ = load_model_and_tokenizer(tmp_path / "run", "last")
+    ids = torch.tensor([tok.encode("the cat\nsat on\na mat\n")])
+    assert (ids == tok.encode("\n")[0]).sum() == 3
+    got = hf.generate(ids, max_new_tokens=30, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True)
+    assert torch.equal(got.sequences, ours.generate(ids, 30, greedy=True))
+    with torch.no_grad():  # the first token's logits: the whole prompt read, newlines too
+        want = ours(ids)[0][0, -1]
+    assert torch.allclose(got.logits[0][0], want, atol=1e-4)

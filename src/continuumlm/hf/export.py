@@ -113,9 +113,11 @@ def export_hf(model, tok, out: str | Path, probe: str = "") -> Path:
     _, bos = text_start(tok)
     hf = ContinuumLMForCausalLM(ContinuumLMConfig.from_model_config(
         model.config, eos_token_id=eos, bos_token_id=bos, auto_map=AUTO_MAP), model=model)
-    pad_id = next((i for i in (eos, bos) if i is not None), 0)
+    # the pad is the end-of-text token, or none: transformers' generate, given no attention
+    # mask, takes every pad id in the prompt for padding unless it is also the end of text,
+    # so a character model's newline named as pad would be masked out of every prompt
     hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=bos,
-                                            pad_token_id=pad_id)
+                                            pad_token_id=eos)
     hf.save_pretrained(out)
     converted.save(str(out / "tokenizer.json"))
     # batches are padded with the end-of-text token (the model masks pads, so which id fills
