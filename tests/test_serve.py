@@ -227,9 +227,10 @@ def test_a_full_queue_is_429_and_a_client_that_leaves_is_freed(run_dir):
     turn = s.engine.turn
 
     def held():
-        gate.wait(30)
+        if s.engine.running:  # once the first request runs, wait until the test says go
+            gate.wait(30)
         turn()
-    s.engine.turn = held  # the engine waits at its next turn until the test lets it go
+    s.engine.turn = held
     try:
         body = {"model": NAME, "prompt": "the", "max_tokens": 60, "stream": True}
         first = requests.post(s.url + "/v1/completions", json=body, stream=True, timeout=60)

@@ -72,14 +72,12 @@ def run(engine, arrivals, limit=500):
     for turn in range(limit):
         while arrivals and arrivals[0][0] <= turn:
             engine.submit(arrivals.pop(0)[1])
-        if not (arrivals or engine.waiting or engine.running):
+        if not (arrivals or engine.waiting or engine.groups or engine.solos):
             return
         engine.turn()
-        for g in engine.groups.values():
-            if g.state is not None:  # the state is never longer than its longest row
-                keys = g.state.keys
-                real = keys.sum(1).max() if keys is not None else g.state.pos
-                assert g.state.pos == int(real)
+        for g in engine.groups.values():  # pads in every row never half the state
+            assert g.state.leading_pads() < max(16, g.state.pos // 2)
+            assert g.state.batch_size == len(g.rows)
     raise AssertionError("the requests did not finish")
 
 
@@ -157,6 +155,8 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_token():
     a.cancel()
     engine.turn()
     assert engine.running == 1 and a.sink.done() is None
+    [group] = engine.groups.values()
+    assert group.state.batch_size == 1  # its row and caches let go
     n = len(a.sink.tokens())
     run(engine, [])
     assert len(a.sink.tokens()) == n and b.sink.tokens() == alone(model, [4], 5)
@@ -229,7 +229,7 @@ def test_a_model_error_fails_its_requests_and_the_engine_goes_on(monkeypatch):
 
 # ---------------------------------------------------------------- the state's rows
 
-def test_stacked_states_need_the_same_solve_and_caches_that_can_pad():
+def test_regrouped_states_need_the_same_solve_and_caches_that_can_regroup():
     model = small_model(depth="ode", ode_steps=2, num_layers=1)
     a = model.init_state(1)
     model.step(torch.tensor([[1, 2]]), a)
@@ -237,35 +237,42 @@ def test_stacked_states_need_the_same_solve_and_caches_that_can_pad():
     b = model.init_state(1)
     model.step(torch.tensor([[1]]), b)
     with pytest.raises(ValueError, match="different solves"):
-        DecodeState.stack([a, b])
+        DecodeState.regroup([(a, None), (b, None)])
 
-    class Plain:  # a plugin's cache without the row operations
+    class Plain:  # a plugin's cache without the row operation
         length = 0
     c = model.init_state(1)
     c._caches["x"] = Plain()
-    with pytest.raises(NotImplementedError, match="pad_left"):
-        DecodeState.stack([c, c])
+    with pytest.raises(NotImplementedError, match="regroup"):
+        DecodeState.regroup([(c, None), (c, None)])
 
 
-def test_drop_leading_refuses_real_tokens_and_frees_the_pads():
-    model = lively()
-    a, b = model.init_state(1), model.init_state(1)
-    model.step(torch.tensor([[1, 2, 3, 4, 5, 6]]), a)
-    model.step(torch.tensor([[7, 8]]), b)
-    s = DecodeState.stack([a, b])
-    assert s.pos == 6 and s.leading_pads() == 0
-    s.reorder(torch.tensor([1]))
-    assert s.leading_pads() == 4
-    with pytest.raises(ValueError, match="not pads"):
-        s.drop_leading(5)
-    s.drop_leading(4)
-    assert s.pos == 2 and s.keys is None
-    cache = next(iter(s._caches.values()))
-    assert cache.buffers[0].shape[-2] == 2  # the dropped positions' memory is let go
-    lone = model.init_state(1)
-    model.step(torch.tensor([[7, 8]]), lone)
-    x, y = model.step(torch.tensor([[9]]), s)[0], model.step(torch.tensor([[9]]), lone)[0]
-    assert torch.equal(x, y)
+@pytest.mark.parametrize("kind", ["softmax-discrete", "deltanet", "continuous-ode"])
+def test_regroup_moves_rows_and_frees_the_pads_in_one_copy(kind):
+    model = lively(**KINDS[kind])
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 37, (n,), generator=g) for n in (6, 2, 4)]
+    alone = []
+    for p in prompts:
+        st = model.init_state(1)
+        model.step(p[None], st)
+        alone.append(st)
+    a = DecodeState.regroup([(alone[0], None), (alone[1], None)])
+    assert a.pos == 6 and a.keys.tolist()[1] == [False] * 4 + [True] * 2
+    # the longest row leaves, a row joins twice: the shared pads go (6 -> 4 positions)
+    b = DecodeState.regroup([(a, torch.tensor([1])), (alone[2], torch.tensor([0, 0]))])
+    assert b.pos == 4 and b.batch_size == 3 and b.keys[1:].all()
+    if kind != "deltanet":
+        cache = next(iter(b._caches.values()))
+        assert cache.buffers[0].shape[0] == 3 and cache.length == 4
+    fresh = [model.init_state(1) for _ in range(3)]
+    for st, p in zip(fresh, [prompts[1], prompts[2], prompts[2]]):
+        model.step(p[None], st)
+    nxt = torch.tensor([[5], [9], [9]])
+    got = model.step(nxt, b)[0]
+    for i, st in enumerate(fresh):
+        torch.testing.assert_close(got[i], model.step(nxt[i:i + 1], st)[0][0], rtol=0,
+                                   atol=1e-10)
 
 
 # ---------------------------------------------------------------- text as it comes
@@ -304,3 +311,52 @@ def test_text_never_splits_a_character_and_holds_back_a_stop_strings_start():
     out = TextOut(Bytes(), ["zz"])
     pieces, _ = feed(out, b"abz")
     assert "".join(pieces) + out.flush() == "abz"  # the held "z" comes at the end
+
+
+def test_arrivals_read_together_within_the_turns_prompt_budget():
+    model = lively(depth="ode", ode_steps=2, num_layers=1)
+    engine = Engine(model, Ids(), max_prefill_tokens=20)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 37, (n,), generator=g).tolist() for n in (3, 11, 6, 25, 2, 8)]
+    reqs = [Request([p], 5, Sink(), depth=engine.default,
+                    sampling=Sampling(False, 1.0, seed=i) if i % 2 else Sampling())
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.submit(r)
+    engine.turn()
+    assert engine.running == 3  # 3 + 11 + 6 tokens; the 25-token prompt waits its turn
+    engine.turn()
+    assert engine.running == 4  # over the budget alone: taken alone
+    run(engine, [])
+    for i, (r, p) in enumerate(zip(reqs, prompts)):
+        assert r.sink.tokens() == alone(model, p, 5, r.sampling), i
+
+
+@pytest.mark.parametrize("kind", ["softmax-discrete", "deltanet", "continuous-ode"])
+def test_a_row_joins_in_the_slot_a_finished_row_left(kind):
+    model = lively(**KINDS[kind])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 37, (n,), generator=g) for n in (7, 5, 3)]
+    states = []
+    for p in prompts:
+        st = model.init_state(1)
+        model.step(p[None], st)
+        states.append(st)
+    batch = DecodeState.regroup([(states[0], None), (states[1], None)])
+    batch.retire(0)  # the first row finishes; the third prompt takes its slot
+    fresh = model.init_state(1)
+    model.step(prompts[2][None], fresh)
+    batch.put_rows([0], fresh, [0])
+    assert batch.batch_size == 2 and batch.pos == 7
+    assert batch.keys[0].tolist() == [False] * 4 + [True] * 3
+    again = model.init_state(1)
+    model.step(prompts[2][None], again)
+    nxt = torch.tensor([[11], [12]])
+    got = model.step(nxt, batch)[0]
+    torch.testing.assert_close(got[0], model.step(nxt[:1], again)[0][0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(got[1], model.step(nxt[1:], states[1])[0][0], rtol=0,
+                               atol=1e-10)
+    longer = model.init_state(1)
+    model.step(torch.randint(0, 37, (1, 12), generator=g), longer)
+    with pytest.raises(ValueError, match="regroup"):
+        batch.put_rows([0], longer, [0])

@@ -25,6 +25,11 @@ def add_serve_parser(sub, parents) -> None:
     s.add_argument("--max-queue", type=_positive_int, default=256,
                    help="rows waiting for a place in the batch at most; more are refused "
                         "with 429 (default 256)")
+    s.add_argument("--max-prefill-tokens", type=_positive_int, default=256,
+                   help="prompt tokens read per decoding turn at most (at least one request "
+                        "a turn): joining requests lengthen the running rows' turn by their "
+                        "prompts' pass; smaller evens out the time between tokens, larger "
+                        "gives new requests their first token sooner (default 256)")
     s.add_argument("--max-tokens", type=_positive_int, default=4096,
                    help="new tokens per request at most (default 4096)")
     s.add_argument("--max-context", type=_positive_int,
@@ -71,6 +76,7 @@ def cmd_serve(args) -> int:
     name = args.model_name or _run_name(Path(args.checkpoint), ckpt)
     return serve(model, tok, model_name=name, host=args.host, port=args.port,
                  max_batch=args.max_batch, max_queue=args.max_queue, max_context=max_context,
+                 max_prefill_tokens=args.max_prefill_tokens,
                  max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                  threads=threads, exit_rule=(args.exit_criterion, args.exit_threshold)
                  if args.exit_threshold is not None else None)

@@ -256,31 +256,51 @@ class SeqCache:
         if self.buffers is not None:
             self.buffers = [b.index_select(0, index.to(b.device)) for b in self.buffers]
 
-    def pad_left(self, n: int) -> None:
-        """Put ``n`` empty positions before every token (zeros, which the state's padding
-        marks as pads): a row joining a longer batch (continuous batching,
-        ``DecodeState.stack``)."""
-        if n and self.buffers is not None:
-            self.buffers = [torch.cat([b.new_zeros(*b.shape[:-2], n, b.shape[-1]),
-                                       b[..., :self.length, :]], dim=-2) for b in self.buffers]
-        self.length += n
-
-    def drop_leading(self, n: int) -> None:
-        """Forget the first ``n`` positions (pads of every row: ``DecodeState.drop_leading``);
-        the rest is copied, so the dropped positions' memory is freed."""
-        if n and self.buffers is not None:
-            self.buffers = [b[..., n:self.length, :].clone() for b in self.buffers]
-        self.length -= n
-
     @classmethod
-    def stack_rows(cls, caches: list[SeqCache]) -> SeqCache:
-        """One cache holding the rows of ``caches`` (of equal lengths) in order."""
+    def regroup(cls, parts: list[tuple[SeqCache, torch.Tensor, int, int]],
+                length: int) -> SeqCache:
+        """One cache of ``length`` positions holding, part after part, the rows ``index`` of
+        each part's cache from its position ``start`` on, put at position ``offset`` (the
+        positions before it are pads: zeros): how ``DecodeState.regroup`` moves rows between
+        batches in one copy. Room is left for more tokens, so the next append does not
+        copy again."""
         out = cls()
-        out.length = caches[0].length
-        if caches[0].buffers is not None:
-            out.buffers = [torch.cat([c.buffers[i][..., :out.length, :] for c in caches])
-                           for i in range(len(caches[0].buffers))]
+        out.length = length
+        first = next((c for c, *_ in parts if c.buffers is not None), None)
+        if first is None:
+            return out
+        rows = sum(int(index.shape[0]) for _, index, _, _ in parts)
+        capacity = max(16, length + max(16, length // 2))
+        # past ``length`` nothing is read before an append writes it; the pads are zeros
+        # (finite: a masked key's weight is zero, and 0 * NaN would be NaN)
+        out.buffers = [b.new_empty(rows, *b.shape[1:-2], capacity, b.shape[-1])
+                       for b in first.buffers]
+        r = 0
+        for c, index, start, offset in parts:
+            k = int(index.shape[0])
+            every = k == c.buffers[0].shape[0] and bool(
+                (index.cpu() == torch.arange(k)).all())
+            for new, old in zip(out.buffers, c.buffers):
+                window = old[..., start:c.length, :]  # only the positions kept are copied
+                if not every:
+                    window = window.index_select(0, index.to(old.device))
+                new[r:r + k, ..., offset:length, :].copy_(window)
+                new[r:r + k, ..., :offset, :].zero_()
+            r += k
         return out
+
+    def put_rows(self, slots: list[int], other: SeqCache, index: torch.Tensor, start: int,
+                 offset: int) -> None:
+        """Write ``other``'s rows ``index`` (its positions from ``start`` on) over the rows
+        ``slots``, from position ``offset`` on; zeros before it (``DecodeState.put_rows``)."""
+        if other.buffers is None:
+            return
+        src = [b[..., start:other.length, :].index_select(0, index.to(b.device))
+               for b in other.buffers]
+        for buf, x in zip(self.buffers, src):
+            for i, slot in enumerate(slots):
+                buf[slot, ..., :offset, :] = 0
+                buf[slot, ..., offset:self.length, :] = x[i]
 
     def rewind_floor(self) -> int:
         return 0  # every token's entries are kept

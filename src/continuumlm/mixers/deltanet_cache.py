@@ -120,30 +120,38 @@ class DeltaNetCache:
         self.conv = {n: h.index_select(0, index.to(h.device)) for n, h in self.conv.items()}
         self.log = RewindLog(self.log.tokens)  # its rows are the old ones: cut back no further
 
-    def pad_left(self, n: int) -> None:
-        """``n`` pads before every token (``DecodeState.stack``): a pad writes nothing to the
-        state and feeds zeros to the short convolution, so only the length changes."""
-        self.settle()
-        self.memory = None
-        self.length += n
-        self.log = RewindLog(self.log.tokens)  # its positions are the old ones
-
-    def drop_leading(self, n: int) -> None:
-        """Forget the first ``n`` positions (pads of every row): only the length changes."""
-        self.pad_left(-n)
-
     @classmethod
-    def stack_rows(cls, caches: list[DeltaNetCache]) -> DeltaNetCache:
-        """One cache holding the rows of ``caches`` (of equal lengths) in order."""
-        for c in caches:
+    def regroup(cls, parts: list[tuple[DeltaNetCache, torch.Tensor, int, int]],
+                length: int) -> DeltaNetCache:
+        """One cache holding, part after part, the rows ``index`` of each part's cache
+        (``DecodeState.regroup``). A pad writes nothing to the state and feeds zeros to the
+        short convolution, so positions dropped or padded in front change only the length."""
+        for c, *_ in parts:
             c.settle()
         out = cls()
-        out.length = caches[0].length
-        out.log = RewindLog(caches[0].log.tokens)
-        if caches[0].state is not None:
-            out.state = torch.cat([c.state for c in caches])
-        out.conv = {n: torch.cat([c.conv[n] for c in caches]) for n in caches[0].conv}
+        out.length = length
+        out.log = RewindLog(parts[0][0].log.tokens)  # its positions are the old ones
+
+        def rows(t, index):
+            return t.index_select(0, index.to(t.device))
+        if parts[0][0].state is not None:
+            out.state = torch.cat([rows(c.state, i) for c, i, _, _ in parts])
+        out.conv = {n: torch.cat([rows(c.conv[n], i) for c, i, _, _ in parts])
+                    for n in parts[0][0].conv}
         return out
+
+    def put_rows(self, slots: list[int], other: DeltaNetCache, index: torch.Tensor,
+                 start: int, offset: int) -> None:
+        """Write ``other``'s rows ``index`` over the rows ``slots`` (``DecodeState.put_rows``):
+        the state and the convolution history; the positions do not matter here."""
+        self.settle()
+        other.settle()
+        self.memory = None
+        at = torch.tensor(slots, device=index.device)
+        if self.state is not None:
+            self.state[at] = other.state.index_select(0, index.to(other.state.device))
+        for n, h in self.conv.items():
+            h[at] = other.conv[n].index_select(0, index.to(h.device))
 
     def update(self, state: torch.Tensor, T: int) -> None:
         self.state, self.length = state, self.length + T

@@ -73,78 +73,112 @@ class DecodeState:
         self.batch_size = int(index.shape[0])
 
     @classmethod
-    def stack(cls, states: list[DecodeState]) -> DecodeState:
-        """One state holding the rows of ``states`` in order, each shorter one padded on the
-        left to the longest (its padding mask marks the pads, so every row decodes on as it
-        would alone): how a request joins a running batch (continuous batching, see
-        :mod:`continuumlm.serve`). The states must come from the same solve, hold the same
-        caches, and be eager (not frozen) with nothing kept for cutting back."""
-        first = states[0]
-        for s in states:
+    def regroup(cls, parts: list[tuple[DecodeState, torch.Tensor | None]]) -> DecodeState:
+        """One state holding, part after part, the rows ``index`` of each part's state (None:
+        all of them; an index may repeat a row), each row padded on the left to the longest
+        row's tokens and positions that are pads in every row left out: how requests join and
+        leave a running batch (continuous batching, :mod:`continuumlm.serve`), in one copy of
+        the caches. The padding mask marks the pads, so every row decodes on as it would
+        alone. The parts must come from the same solve and hold the same caches, eager (not
+        frozen); what a state keeps for cutting back is not carried over."""
+        first = parts[0][0]
+        for s, _ in parts:
             if s.static is not None:
-                raise ValueError("a frozen (static) decoding state cannot be stacked.")
+                raise ValueError("a frozen (static) decoding state cannot be regrouped.")
             if s.solve != first.solve or s._caches.keys() != first._caches.keys():
                 raise ValueError(f"decoding states of different solves ({first.solve} and "
-                                 f"{s.solve}) or caches cannot be stacked into one batch.")
+                                 f"{s.solve}) or caches cannot share one batch.")
         for key, c in first._caches.items():
-            missing = [m for m in ("pad_left", "stack_rows") if not hasattr(c, m)]
-            if missing:
+            if not hasattr(type(c), "regroup"):
                 raise NotImplementedError(
-                    f"the decoding cache {type(c).__name__} (of {key!r}) has no "
-                    f"{' or '.join(missing)}, so rows of different lengths cannot share its "
-                    f"batch (continuous batching); give the cache type pad_left(n), "
-                    f"drop_leading(n) and a classmethod stack_rows(caches) "
-                    f"(continuumlm.mixers.cache.SeqCache has them).")
-        length = max(s.pos for s in states)
-        keys = []
-        for s in states:
-            n = length - s.pos
-            for c in s._caches.values():
-                c.pad_left(n)
-            real = s.keys if s.keys is not None else torch.ones(
-                s.batch_size, s.pos, dtype=torch.bool, device=s._device())
-            s.keys = torch.cat([real.new_zeros(s.batch_size, n), real], 1)
-            keys.append(s.keys)
-            s.pos = length  # (a state given twice is padded once)
-        out = cls(sum(s.batch_size for s in states), first.rewind)
+                    f"the decoding cache {type(c).__name__} (of {key!r}) has no regroup, so "
+                    f"rows of different lengths cannot share its batch (continuous batching); "
+                    f"give the cache type a classmethod regroup(parts, length) "
+                    f"(continuumlm.mixers.cache.SeqCache has one).")
+        device = _device([s for s, _ in parts])
+        where = []  # per part: (index, keys of its rows, first real position)
+        for s, index in parts:
+            if index is None:
+                index = torch.arange(s.batch_size, device=device)
+            keys = s.keys if s.keys is not None else torch.ones(
+                s.batch_size, s.pos, dtype=torch.bool, device=device)
+            keys = keys.index_select(0, index.to(keys.device))
+            real = keys.any(0)
+            start = int(real.float().argmax()) if bool(real.any()) else s.pos
+            where.append((index, keys, start))
+        length = max(s.pos - start for (s, _), (_, _, start) in zip(parts, where))
+        rows = sum(int(index.shape[0]) for index, _, _ in where)
+        out = cls(rows, first.rewind)
         out.pos, out.solve, out.shared = length, first.solve, first.shared
+        keys = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        r = 0
+        for (s, _), (_, k, start) in zip(parts, where):
+            keys[r:r + k.shape[0], length - (s.pos - start):] = k[:, start:]
+            r += k.shape[0]
+        out.keys = None if bool(keys.all()) else keys
         for key, c in first._caches.items():
-            out._caches[key] = type(c).stack_rows([s._caches[key] for s in states])
+            out._caches[key] = type(c).regroup(
+                [(s._caches[key], index, start, length - (s.pos - start))
+                 for (s, _), (index, _, start) in zip(parts, where)], length)
             if isinstance(getattr(out._caches[key], "shared", None), dict):
                 out._caches[key].shared = out.shared
-        keys = torch.cat(keys)
-        out.keys = None if bool(keys.all()) else keys
         return out
 
-    def leading_pads(self) -> int:
-        """How many of the first positions are pads in every row (what
-        :meth:`drop_leading` can drop)."""
-        if self.keys is None or self.keys.shape[1] == 0:
-            return 0
-        real = self.keys.any(0)
-        return int(real.float().argmax()) if bool(real.any()) else self.pos
-
-    def drop_leading(self, n: int) -> None:
-        """Forget the first ``n`` positions, pads in every row (after the rows that were
-        longest leave a batch): the caches shrink and every row decodes on as before."""
-        if n == 0:
-            return
-        if not 0 < n <= self.leading_pads():
-            raise ValueError(f"the first {n} positions are not pads in every row.")
-        for c in self._caches.values():
-            c.drop_leading(n)
-        self.keys = self.keys[:, n:]
-        self.pos -= n
+    def put_rows(self, slots: list[int], other: DecodeState, rows: list[int]) -> None:
+        """Write the rows ``rows`` of ``other`` over this state's rows ``slots``, each
+        right-aligned (padded on the left), copying only those rows: how a request joins a
+        running batch in a slot a finished one left (continuous batching). ``other``'s rows
+        must hold no more real positions than this state has."""
+        if self.static is not None or other.static is not None:
+            raise ValueError("a frozen (static) decoding state cannot take rows.")
+        if other.solve != self.solve or other._caches.keys() != self._caches.keys():
+            raise ValueError(f"decoding states of different solves ({self.solve} and "
+                             f"{other.solve}) or caches cannot share one batch.")
+        device = _device([self])
+        index = torch.tensor(rows, device=device)
+        keys = other.keys if other.keys is not None else torch.ones(
+            other.batch_size, other.pos, dtype=torch.bool, device=device)
+        keys = keys.index_select(0, index)
+        real = keys.any(0)
+        start = int(real.float().argmax()) if bool(real.any()) else other.pos
+        if other.pos - start > self.pos:
+            raise ValueError(f"rows of {other.pos - start} positions do not fit a state of "
+                             f"{self.pos}; regroup the two instead.")
+        offset = self.pos - (other.pos - start)
+        for key, c in self._caches.items():
+            if not hasattr(c, "put_rows"):
+                raise NotImplementedError(
+                    f"the decoding cache {type(c).__name__} (of {key!r}) has no put_rows, so "
+                    f"a row cannot join its batch in place; give the cache type "
+                    f"put_rows(slots, other, index, start, offset).")
+        for key, c in self._caches.items():
+            c.put_rows(slots, other._caches[key], index, start, offset)
+        if self.keys is None:
+            self.keys = torch.ones(self.batch_size, self.pos, dtype=torch.bool, device=device)
+        for slot, k in zip(slots, keys):
+            self.keys[slot, :offset] = False
+            self.keys[slot, offset:] = k[start:]
         if bool(self.keys.all()):
             self.keys = None
 
-    def _device(self) -> torch.device:
-        for c in self._caches.values():
-            for t in (getattr(c, "buffers", None) or []):
-                return t.device
-            if getattr(c, "state", None) is not None:
-                return c.state.device
-        return torch.device("cpu") if self.keys is None else self.keys.device
+    def retire(self, slot: int) -> None:
+        """Mark the row ``slot`` as free: every position but its last becomes a pad (so it
+        no longer keeps positions from being dropped), and what it decodes from now on is
+        not read. A free row still takes part in each step until a new row takes its place
+        (:meth:`put_rows`) or the state is regrouped without it."""
+        if self.keys is None:
+            self.keys = torch.ones(self.batch_size, self.pos, dtype=torch.bool,
+                                   device=_device([self]))
+        if self.pos:  # one real position: its attention reads a finite value
+            self.keys[slot, :-1] = False
+            self.keys[slot, -1] = True
+
+    def leading_pads(self) -> int:
+        """How many of the first positions are pads in every row."""
+        if self.keys is None:
+            return 0
+        real = self.keys.any(0)
+        return int(real.float().argmax()) if bool(real.any()) else self.pos
 
     def check_solve(self, config) -> None:
         """Record the (ode_solver, ode_steps) that builds this state's caches, and refuse
@@ -262,6 +296,18 @@ class DecodeState:
 
     def __len__(self) -> int:
         return len(self._caches)
+
+
+def _device(states: list[DecodeState]) -> torch.device:
+    """Where the states' caches live (their first tensor's device; CPU for empty ones)."""
+    for s in states:
+        if s.keys is not None:
+            return s.keys.device
+        for c in s._caches.values():
+            for t in [*(getattr(c, "buffers", None) or []), getattr(c, "state", None)]:
+                if isinstance(t, torch.Tensor):
+                    return t.device
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -168,9 +168,13 @@ class LanguageModel(nn.Module):
             state.check_solve(cfg)
         padding = self._padding(B, T, state, attention_mask, position_ids, x.device)
         if self.pos_emb is not None:
-            if pos0 + T > cfg.max_seq_len:
+            # a padded batch: each row's positions count from its first real token, so the
+            # rows' longest, not the columns (pads included), must fit the table
+            longest = pos0 + T if padding is None or torch.compiler.is_compiling() \
+                else int(padding.positions.max()) + 1
+            if longest > cfg.max_seq_len:
                 raise ValueError(
-                    f"sequence of {pos0 + T} tokens is longer than max_seq_len = {cfg.max_seq_len}, "
+                    f"sequence of {longest} tokens is longer than max_seq_len = {cfg.max_seq_len}, "
                     f"the size of this model's learned position table; use a shorter context or a "
                     f"model with position = 'rope'.")
             x = x + self.pos_emb(padding.positions if padding is not None

@@ -8,10 +8,11 @@ One thread owns the model. Each turn of its loop it
    the row's first token is drawn from that pass;
 2. steps every group of rows once: the rows of one *depth* (solver, steps, per-token exit)
    share a :class:`~continuumlm.model.cache.DecodeState` and one batched forward; a row that
-   joins is stacked into its group's state, padded on the left to the longest row
-   (``DecodeState.stack``), so it decodes on exactly as it would alone (the padding
-   invariant), and a row that leaves is dropped from the state (``reorder``), whose leading
-   positions that are pads in every remaining row are then freed (``drop_leading``);
+   joins its group's state padded on the left to the longest row, so it decodes on exactly
+   as it would alone (the padding invariant): it takes the slot of a row that finished,
+   copying its own caches only (``DecodeState.put_rows``); the whole state is rebuilt
+   (``DecodeState.regroup``: free slots and positions that are pads in every row dropped)
+   only when a row does not fit or much of the state is idle;
 3. advances every self-speculative request (``draft``; batch 1 by its nature) by one token.
 
 Groups take turns (round robin): with several depths running, a token of each group costs the
@@ -146,6 +147,10 @@ class Row:
         self.pending: int | None = None  # the latest token, which no state holds yet
         self.done = False
 
+    @property
+    def alive(self) -> bool:
+        return not self.done and not self.request.cancelled
+
     def choose(self, logits: torch.Tensor) -> int:
         s = self.request.sampling
         return int(sample_next(logits[None], s.temperature, s.top_k, s.top_p, s.greedy,
@@ -192,7 +197,8 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, dic
 
 
 class Group:
-    """The rows of one depth and their shared decoding state."""
+    """The rows of one depth and their shared decoding state; ``rows[i]`` decodes in the
+    state's row i (None: a free slot, decoded but not read, until a new row takes it)."""
 
     def __init__(self, depth: Depth) -> None:
         self.depth = depth
@@ -205,9 +211,10 @@ class Engine:
     see the module's text. ``default`` is the depth of a request that names none."""
 
     def __init__(self, model, tokenizer, max_batch: int = 32, max_queue: int = 256,
-                 threads=None) -> None:
+                 threads=None, max_prefill_tokens: int = 256) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_prefill_tokens = max_prefill_tokens
         self.threads = threads
         self.device = next(model.parameters()).device
         self.waiting: deque[Request] = deque()
@@ -252,7 +259,9 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return sum(len(g.rows) for g in self.groups.values()) + len(self.solos)
+        """Rows decoding now (a finished row's state is let go at the next turn)."""
+        return sum(r is not None and r.alive for g in self.groups.values() for r in g.rows) \
+            + len(self.solos)
 
     def stats(self) -> dict:
         with self.cond:
@@ -268,9 +277,9 @@ class Engine:
         try:
             while True:
                 with self.cond:
-                    while not (self.waiting or self.running or self.closing):
+                    while not (self.waiting or self.groups or self.solos or self.closing):
                         self.cond.wait()
-                    if self.closing and not (self.waiting or self.running):
+                    if self.closing and not (self.waiting or self.groups or self.solos):
                         return
                 if self.threads is not None:
                     self.threads.poll()
@@ -285,11 +294,71 @@ class Engine:
     def turn(self) -> None:
         """One turn: admit, step every group once, advance every speculative request."""
         self.turns += 1
-        self._admit()
+        joining = self._admit()
+        for depth in [*self.groups, *(d for d in joining if d not in self.groups)]:
+            self._regroup(depth, joining.get(depth))
         for group in list(self.groups.values()):
             self._step(group)
         for solo in list(self.solos):
             self._advance(solo)
+
+    def _regroup(self, depth: Depth, joining) -> None:
+        """The depth's batch after this turn's changes. A row that finished or was cancelled
+        frees its slot (``DecodeState.retire``); a prompt just read (``joining``: its state,
+        the rows of it to keep, their Row objects) takes free slots, copying only its own
+        caches (``put_rows``). The whole state is copied (``regroup``) only when the joining
+        rows do not fit (no free slot, or more positions than the batch has), when fewer
+        than half the slots are busy and no request waits to fill them, or when the
+        positions that are pads in every row reach half the state."""
+        group = self.groups.get(depth)
+        if group is None:
+            if joining is not None:
+                state, keep, rows = joining
+                group = Group(depth)
+                group.state = (state if keep == list(range(state.batch_size)) else
+                               DecodeState.regroup([(state, self._index(keep))]))
+                group.rows = rows
+                with self.cond:
+                    self.groups[depth] = group
+            return
+        for i, r in enumerate(group.rows):
+            if r is not None and not r.alive:
+                group.rows[i] = None
+                group.state.retire(i)
+        if joining is not None:
+            state, keep, rows = joining
+            free = [i for i, r in enumerate(group.rows) if r is None]
+            if len(free) >= len(rows) and self._fits(state, keep, group.state):
+                group.state.put_rows(free[:len(rows)], state, keep)
+                for i, row in zip(free, rows):
+                    group.rows[i] = row
+            else:
+                busy = [i for i, r in enumerate(group.rows) if r is not None]
+                parts = [(group.state, self._index(busy))] if busy else []
+                group.state = DecodeState.regroup(parts + [(state, self._index(keep))])
+                group.rows = [group.rows[i] for i in busy] + rows
+        busy = [i for i, r in enumerate(group.rows) if r is not None]
+        if not busy:
+            with self.cond:
+                del self.groups[depth]
+            return
+        idle = 2 * len(busy) <= len(group.rows) and len(group.rows) > 1 and not self.waiting
+        if idle or group.state.leading_pads() >= max(16, group.state.pos // 2):
+            group.state = DecodeState.regroup([(group.state, self._index(busy))])
+            group.rows = [group.rows[i] for i in busy]
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, device=self.device)
+
+    @staticmethod
+    def _fits(state: DecodeState, keep: list[int], batch: DecodeState) -> bool:
+        """Whether the rows ``keep`` of ``state`` hold no more real positions than ``batch``
+        has (they join right-aligned, without moving the batch)."""
+        if state.keys is None:
+            return state.pos <= batch.pos
+        real = state.keys[keep].any(0)
+        start = int(real.float().argmax()) if bool(real.any()) else state.pos
+        return state.pos - start <= batch.pos
 
     def _use(self, depth: Depth) -> None:
         m = self.model
@@ -305,93 +374,101 @@ class Engine:
         return int(per_token[row, -1]) if per_token is not None else self.model.last_nfe
 
     def _admit(self) -> None:
-        while True:
-            with self.cond:
-                if not self.waiting:
-                    return
+        """Take waiting requests, first come first served, while the batch has room and this
+        turn's prompt budget (``max_prefill_tokens``) lasts, at least one request a turn: the
+        prompts that join together are read in one padded pass per depth, so a wave of
+        arrivals costs the running rows one longer turn, not one per request."""
+        taken, budget = [], self.max_prefill_tokens
+        with self.cond:
+            running = self.running
+            while self.waiting:
                 req = self.waiting[0]
                 if req.cancelled:
                     self.waiting.popleft()
                     continue
-                if self.running and self.running + req.rows > self.max_batch:
-                    return
+                tokens = sum(map(len, req.prompts))
+                if taken and tokens > budget:
+                    break
+                if running and running + req.rows > self.max_batch:
+                    break
                 self.waiting.popleft()
-            try:
-                self._start(req)
-            except Exception as e:  # noqa: BLE001 - a request the model refuses: its error
-                log.exception("request failed at its prompt")
-                req.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+                taken.append(req)
+                running += req.rows
+                budget -= tokens
+        by_depth: dict[Depth, list[Request]] = {}
+        for req in taken:
+            if req.draft is not None:
+                self._guarded([req], self._start_draft, req)
+            else:
+                by_depth.setdefault(req.depth, []).append(req)
+        joining = {}
+        for depth, reqs in by_depth.items():
+            read = self._guarded(reqs, self._prefill, depth, reqs)
+            if read is not None:
+                joining[depth] = read
+        return joining
 
-    def _start(self, req: Request) -> None:
-        if req.draft is not None:
-            self._start_draft(req)
-            return
-        self._use(req.depth)
-        group = self.groups.get(req.depth) or Group(req.depth)
-        states, rows = [], []
-        for p, prompt in enumerate(req.prompts):
-            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            state = self.model.init_state(1)
-            h = self.model.hidden_states(ids, state)
-            nfe = self._nfe(0)
+    def _guarded(self, reqs: list[Request], fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a request the model refuses: its error
+            log.exception("request failed at its prompt")
+            for req in reqs:
+                req.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+            return None
+
+    def _prefill(self, depth: Depth, reqs: list[Request]):
+        """Read the prompts of ``reqs`` (one depth) in one pass, left-padded to the longest,
+        and draw each row's first token: (the state, the prompt of each row that goes on
+        (n rows of a prompt repeat it), the rows), or None when none goes on."""
+        self._use(depth)
+        prompts = [(req, p, prompt) for req in reqs for p, prompt in enumerate(req.prompts)]
+        length = max(len(x[2]) for x in prompts)
+        ids = torch.zeros(len(prompts), length, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(prompts), length, dtype=torch.bool, device=self.device)
+        for i, (_, _, prompt) in enumerate(prompts):
+            ids[i, length - len(prompt):] = torch.tensor(prompt)
+            mask[i, length - len(prompt):] = True
+        state = self.model.init_state(len(prompts))
+        h = self.model.hidden_states(ids, state, attention_mask=None if bool(mask.all())
+                                     else mask)
+        last = self.model.lm_head(h[:, -1])  # (rows, vocab), as generate's read-out
+        keep, rows = [], []
+        for i, (req, p, prompt) in enumerate(prompts):
+            nfe = self._nfe(i)
             if req.echo:
-                logits = self.model.lm_head(h[0]) if req.logprobs is not None else None
+                logits = (self.model.lm_head(h[i, length - len(prompt):])
+                          if req.logprobs is not None else None)
                 req.sink(Event("prompt", p, tokens=prompt,
                                logprobs=prompt_logprobs(logits, prompt, req.logprobs)))
-            last = self.model.lm_head(h[:, -1])[0]  # as generate's (1, vocab) read-out
             for j in range(req.n):
                 row = Row(req, p * req.n + j, self.tokenizer, self.device)
                 if req.max_tokens == 0:
                     row.finish("length")
                     continue
-                row.take(row.choose(last), last, nfe)
+                row.take(row.choose(last[i]), last[i], nfe)
                 if not row.done:
                     rows.append(row)
-                    states.append(state)
-        if not rows:
-            return
-        parts = ([group.state] if group.state is not None else []) + states
-        group.state = DecodeState.stack(parts) if len(parts) > 1 else parts[0]
-        group.rows += rows
-        with self.cond:
-            self.groups[req.depth] = group
+                    keep.append(i)
+        return (state, keep, rows) if rows else None
 
     def _step(self, group: Group) -> None:
-        self._drop_finished(group)
-        if not group.rows:
-            with self.cond:
-                del self.groups[group.depth]
-            return
         self._use(group.depth)
-        ids = torch.tensor([[r.pending] for r in group.rows], dtype=torch.long,
-                           device=self.device)
+        ids = torch.tensor([[r.pending if r is not None and r.alive else 0]
+                            for r in group.rows], dtype=torch.long, device=self.device)
         try:
             logits = self.model.step(ids, group.state)[0]
         except Exception as e:  # noqa: BLE001 - fail this group's requests, keep serving
             log.exception("decoding step failed")
             for r in group.rows:
-                r.request.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+                if r is not None:
+                    r.request.sink(Event("error", message=f"{type(e).__name__}: {e}"))
             with self.cond:
                 del self.groups[group.depth]
             return
         for i, row in enumerate(group.rows):
-            row.take(row.choose(logits[i]), logits[i], self._nfe(i))
-        self._drop_finished(group)
-        if not group.rows:  # its state is let go now, not at the next turn
-            with self.cond:
-                del self.groups[group.depth]
-
-    def _drop_finished(self, group: Group) -> None:
-        keep = [i for i, r in enumerate(group.rows)
-                if not r.done and not r.request.cancelled]
-        if len(keep) == len(group.rows):
-            return
-        group.rows = [group.rows[i] for i in keep]
-        if not keep:
-            group.state = None
-            return
-        group.state.reorder(torch.tensor(keep, device=self.device))
-        group.state.drop_leading(group.state.leading_pads())
+            if row is not None and row.alive:  # (a free slot's output is not read)
+                row.take(row.choose(logits[i]), logits[i], self._nfe(i))
 
     def _start_draft(self, req: Request) -> None:
         from ..decoding import Decoder
@@ -432,7 +509,8 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         with self.cond:
-            reqs = {id(r.request): r.request for g in self.groups.values() for r in g.rows}
+            reqs = {id(r.request): r.request for g in self.groups.values() for r in g.rows
+                    if r is not None}
             reqs.update({id(s[0]): s[0] for s in self.solos})
             reqs.update({id(r): r for r in self.waiting})
             self.groups.clear()
