@@ -572,3 +572,24 @@ def truncated_backprop(r: dict, results: dict) -> str | None:
                  f"{losses['val_loss']:.4f} against {losses['reference_val_loss']:.4f} "
                  f"through every step")
     return text + "."
+
+
+def serve(r: dict, results: dict) -> str | None:
+    """Concurrent clients against one, and the inter-token latency they pay, with the
+    targets (16 clients at 4x one client's tokens/s or more; p99 between tokens at most 3x)."""
+    rows = {x["clients"]: x for x in r.get("rows", []) if "NFE" not in x["depths"]}
+    if 1 not in rows or 16 not in rows:
+        return None
+    x = rows[16]
+    speed = "met" if x["vs_one_client"] >= 4 else "missed"
+    itl = "met" if x["itl_p99_vs_one"] <= 3 else "missed"
+    text = (f"Sixteen concurrent streaming clients get {x['vs_one_client']:.2f}x one client's "
+            f"aggregate tokens/s ({x['tokens_per_s']:.0f} against "
+            f"{rows[1]['tokens_per_s']:.0f}; target 4x: {speed}), every text the one it gets "
+            f"alone ({x['same_tokens']}); their p99 time between tokens is "
+            f"{x['itl_p99_vs_one']:.1f}x one client's ({x['itl_p99_ms']:.1f} against "
+            f"{rows[1]['itl_p99_ms']:.1f} ms; target 3x: {itl})")
+    if 64 in rows:
+        text += (f"; 64 clients, {rows[64]['vs_one_client']:.2f}x at "
+                 f"{rows[64]['itl_p50_ms']:.0f} ms between tokens (p50)")
+    return text + "."

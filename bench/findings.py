@@ -387,3 +387,25 @@ def any_depth(results: dict) -> str | None:
 
 
 FINDINGS.insert(FINDINGS.index(speculative) + 1, any_depth)
+
+
+def serve(results: dict) -> str | None:
+    r = results.get("serve")
+    rows = {x["clients"]: x for x in (r or {}).get("rows", []) if "NFE" not in x["depths"]}
+    if 1 not in rows or 16 not in rows:
+        return None
+    x, one = rows[16], rows[1]
+    mixed = next((m for m in r["rows"] if "NFE" in m["depths"]), None)
+    return (f"**A trained model serves many clients at once** (`continuumlm serve`, OpenAI's "
+            f"completion API): 16 concurrent streaming clients get {x['vs_one_client']:.2f}x "
+            f"one client's tokens/s ({x['tokens_per_s']:.0f} against "
+            f"{one['tokens_per_s']:.0f}; target 4x: "
+            f"{'met' if x['vs_one_client'] >= 4 else 'missed'}), each the text it gets alone, "
+            f"at {x['itl_p99_vs_one']:.1f}x one client's p99 time between tokens (target 3x: "
+            f"{'met' if x['itl_p99_vs_one'] <= 3 else 'missed'})"
+            + (f"; clients asking for 1, 4 and 16 field evaluations per token share the server "
+               f"at {mixed['tokens_per_s']:.0f} tokens/s" if mixed else "")
+            + f" (2 CPU cores). [Serving]({PAGE}#serving-many-clients-continuous-batching)")
+
+
+FINDINGS.insert(FINDINGS.index(any_depth) + 1, serve)

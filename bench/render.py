@@ -670,6 +670,7 @@ BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
                   ("agreement", "One model trained to be turned"),
                   ("gate_exit", "Per-token exit through a learned gate"),
                   ("truncated_backprop", "Truncated backpropagation through depth"),
+                  ("serve", "Serving many clients: continuous batching"),
                   ("ode_kv", "Decoding memory that does not grow with the solve"),
                   ("depth_elasticity", "Anytime depth"),
                   ("depth_exit", "Per-token adaptive depth"),
@@ -865,6 +866,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                setup=spec["setup"], table=speculative_table(spec),
                                rows=ablation("speculative_any_depth", command=spec["command"],
                                              tables="\n\n".join(tables)))
+        if key == "serve":
+            notes += page.fill("results/serve", depth_table=r["depth_table"],
+                               turn_table=r["turn_table"], **serve_notes(r))
         said = getattr(conclusions, key)
         conclusion = said(r) if key in ("ode_cost", "ode_memory", "deltanet_kernels",
                                         "mixer_step") else said(r, results)
@@ -875,6 +879,16 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
     if figures:
         main += page.fill("results/figures", figures=[f + "\n" for f in figures])
     return main, extra
+
+
+def serve_notes(r: dict) -> dict:
+    """The serving section's figures beside its tables: transformers' generate at batch 1,
+    and the server's memory over many requests."""
+    hf, mem = r["hf_generate"], r["memory"]
+    return {"hf_tokens_per_s": f"{hf['tokens_per_s']:.0f}", "hf_same": hf["same_tokens"],
+            "one_client": f"{r['rows'][0]['tokens_per_s']:.0f}",
+            "requests": f"{mem['requests']:,}", "rss_100": f"{mem['rss_after_100_mib']:.1f}",
+            "rss_all": f"{mem['rss_after_all_mib']:.1f}"}
 
 
 def _table_cells(table: str) -> list[list[str]]:

@@ -14,7 +14,7 @@ from continuumlm.serve.engine import Closed, Depth, Engine, QueueFull, Request, 
 from continuumlm.serve.text import TextOut
 
 KINDS = {
-    "softmax-discrete": dict(),
+    "softmax-discrete": dict(position="learned"),
     "softmax-ode-rk4": dict(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1),
     "deltanet": dict(mixer="deltanet"),
     "continuous-ode": dict(mixer="continuous", depth="ode", num_layers=1),
@@ -360,3 +360,19 @@ def test_a_row_joins_in_the_slot_a_finished_row_left(kind):
     model.step(torch.randint(0, 37, (1, 12), generator=g), longer)
     with pytest.raises(ValueError, match="regroup"):
         batch.put_rows([0], longer, [0])
+
+
+def test_learned_positions_are_checked_per_row_not_by_the_batchs_columns():
+    model = lively(max_seq_len=8, position="learned")
+    long_, short = model.init_state(1), model.init_state(1)
+    model.step(torch.randint(0, 37, (1, 7)), long_)
+    model.step(torch.tensor([[3, 4]]), short)
+    batch = DecodeState.regroup([(long_, None), (short, None)])
+    batch.retire(0)
+    for t in range(6):  # the short row reaches 8 positions; the columns, 13
+        model.step(torch.tensor([[1], [5 + t]]), batch)
+    assert batch.pos == 13
+    with pytest.raises(ValueError, match="max_seq_len = 8"):
+        model.step(torch.tensor([[1], [2]]), batch)
+    with pytest.raises(ValueError, match="max_seq_len = 8"):  # unpadded: the columns count
+        model.step(torch.tensor([[1]]), long_) and model.step(torch.tensor([[1, 2]]), long_)
