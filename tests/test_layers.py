@@ -26,6 +26,7 @@ LAYERS = [
     {"eval"},
     {"train"},
     {"replay"},                 # the CPU emulation's old import path (decoding.replay)
+    {"serve"},                  # the HTTP server: batching engine, request checks, the app
     {"testing", "cli", "__init__", "__main__", "hf"},  # entry points, adapters
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
