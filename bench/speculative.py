@@ -57,9 +57,35 @@ def trained(run: str, n_prompts: int, prompt_len: int) -> tuple[LanguageModel, l
     return model.eval(), prompts
 
 
-def decode(decoder, prompts, n, draft=None, seed=None):
-    """(outputs, tokens/s over every prompt, the summed DraftStats fields)."""
+class FieldClock:
+    """Wall time spent inside the ODE blocks' vector-field evaluations (eager decoding: hooks
+    around each block's field module), to tell what share of a token's time is outside them:
+    embedding, head, sampling, the solver's combinations, cache bookkeeping, Python."""
+
+    def __init__(self, model) -> None:
+        self.seconds, self._start = 0.0, None
+        self.handles = []
+        for block in getattr(model.depth, "blocks", []):
+            self.handles.append(block.field.register_forward_pre_hook(self._enter))
+            self.handles.append(block.field.register_forward_hook(self._leave))
+
+    def _enter(self, *_):
+        self._start = time.perf_counter()
+
+    def _leave(self, *_):
+        self.seconds += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
+    """(outputs, tokens/s over every prompt, the summed DraftStats fields); with ``clock``
+    (a FieldClock), the stats also hold ``outside_field``: the share of the time spent
+    outside the field evaluations."""
     outs, total, made = [], 0.0, 0
+    inside = clock.seconds if clock is not None else 0.0
     stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tokens": 0, "nfe": 0}
     for i, prompt in enumerate(prompts):
         kw = (dict(greedy=True) if seed is None else
@@ -72,6 +98,8 @@ def decode(decoder, prompts, n, draft=None, seed=None):
         made += len(out)
         for key in stats:
             stats[key] += getattr(getattr(stream, "stats", None), key, 0)
+    if clock is not None:
+        stats["outside_field"] = round(1 - (clock.seconds - inside) / total, 3)
     return outs, made / total, stats
 
 
@@ -95,16 +123,24 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
             for draft in [None] + [Draft(s, n_, k) for s, n_ in drafts for k in TOKENS]:
                 for seed in (None, 0):
                     decode(decoder, prompts[:1], min(n, 24), draft, seed)
+        # the field's share of the time, eager only (hooks would break a compiled graph);
+        # timing each evaluation costs about a microsecond against tens to hundreds
+        clock = FieldClock(model) if mode == "eager" else None
         for sampled in (False, True):
             seed = 0 if sampled else None
             for solver, steps in drafts:
                 for k in TOKENS:
-                    plain, plain_tps, _ = decode(decoder, prompts, n, seed=seed)
+                    plain, plain_tps, p = decode(decoder, prompts, n, seed=seed, clock=clock)
                     out, tps, s = decode(decoder, prompts, n, Draft(solver, steps, k),
-                                         seed=seed)
+                                         seed=seed, clock=clock)
                     rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
                                      plain_tps, out, plain))
+                    if clock is not None:
+                        rows[-1]["outside_field"] = s["outside_field"]
+                        rows[-1]["plain_outside_field"] = p["outside_field"]
                     print(rows[-1], flush=True)
+        if clock is not None:
+            clock.remove()
         if mode == "compiled" and decoder.compile_refused:
             raise SystemExit(f"torch.compile refused: {decoder.compile_refused}")
     return rows, distinct
@@ -127,7 +163,9 @@ COLUMNS = [("mode", "mode"), ("decoding", "decoding"), ("draft", "draft solve"),
            ("nfe_per_token", "field evaluations per token"),
            ("plain_nfe_per_token", "... plain"), ("tok_s", "tokens/s"),
            ("plain_tok_s", "plain tokens/s"), ("speedup", "speed-up"),
-           ("same_tokens", "same tokens (greedy)")]
+           ("same_tokens", "same tokens (greedy)"),
+           ("outside_field", "time outside the field"),
+           ("plain_outside_field", "... plain")]
 
 
 def main() -> None:
