@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 
 import torch
@@ -50,9 +51,12 @@ TRAINED = {
                                              f"--set train.seed={s}" for s in (1337, 1, 2)},
     "runs/agreement/any_depth_top1_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                            f"train.seed=1337 --set train.any_depth.top1_weight=0.5",
-    "runs/agreement/any_depth_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
-                                             f"train.seed=1337 --set train.lr=2e-3 "
-                                             f"--set train.min_lr=2e-4",
+    **{f"runs/agreement/any_depth_lr2e-3_s{s}": f"--config {SH}/ode_any_depth.toml --set "
+                                                f"train.seed={s} --set train.lr=2e-3 "
+                                                f"--set train.min_lr=2e-4" for s in SEEDS},
+    # ode_rk4.toml at its best learning rate (bench/lr_sweep.py)
+    "runs/agreement/ode_rk4_lr2e-3_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
+                                           f"--set train.lr=2e-3 --set train.min_lr=2e-4",
     # bench/gate_exit.py's and bench/truncated_backprop.py's runs
     "runs/agreement/any_depth_gate_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                            f"train.seed=1337 --set model.exit_gate=true --set "
@@ -149,6 +153,10 @@ def main() -> None:
                + (f" --drafts {args.drafts}" if args.drafts != DRAFTS else "")
                + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""))
     rows, text = table(models)
+    # an earlier command whose every model was measured again here no longer made the record
+    names = {spec.partition("=")[0] for spec in args.model}
+    commands = [c for c in commands
+                if not {m.split("=")[0] for m in re.findall(r"--model (\S+)", c)} <= names]
     commands = list(dict.fromkeys([*commands, command]))
     write_json("agreement", {
         "command": " && ".join(commands),  # each model's as measured

@@ -526,10 +526,14 @@ def agreement(r: dict, results: dict) -> str | None:
     own_a = rows[("ode_rk4", "euler:1")]["own_loss"]
     own_b = rows[("ode_any_depth", "euler:1")]["own_loss"]
     seeds = rows[("ode_any_depth", "euler:1")]["seeds"]
+    alone = rows[("ode_rk4", "euler:1")]["seeds"]
+
+    def count(n: int) -> str:
+        return f"{n} seed{'s' * (n != 1)}"
     return (f"Teaching the coarse solves the own solve's next-token distribution in the same "
             f"step (train.any_depth) raises their greedy agreement with it, "
-            f"{' and '.join(parts)} of the validation positions (RK4 x 4 trained alone, seed "
-            f"1337, against the recipe, {seeds} seed{'s' * (seeds != 1)}), for "
+            f"{' and '.join(parts)} of the validation positions (RK4 x 4 trained alone, "
+            f"{count(alone)}, against the recipe, {count(seeds)}; means), for "
             f"{own_b - own_a:+.4f} in the own solve's validation loss "
             f"({own_a:.4f} to {own_b:.4f}).")
 

@@ -885,7 +885,13 @@ def serve_notes(r: dict) -> dict:
     """The serving section's figures beside its tables: transformers' generate at batch 1,
     and the server's memory over many requests."""
     hf, mem = r["hf_generate"], r["memory"]
-    return {"hf_tokens_per_s": f"{hf['tokens_per_s']:.0f}", "hf_same": hf["same_tokens"],
+    turns = r["engine_turns"]
+    served = {x["clients"]: x for x in r["rows"] if "NFE" not in x["depths"]}
+    top = turns[-1]["batch"]
+    return {"engine_gain": f"{turns[-1]['tokens_per_s'] / turns[0]['tokens_per_s']:.1f}",
+            "top_rows": top, "engine_top": f"{turns[-1]['tokens_per_s']:.0f}",
+            "served_top": f"{served[top]['tokens_per_s']:.0f}" if top in served else "n/a",
+            "hf_tokens_per_s": f"{hf['tokens_per_s']:.0f}", "hf_same": hf["same_tokens"],
             "one_client": f"{r['rows'][0]['tokens_per_s']:.0f}",
             "requests": f"{mem['requests']:,}", "rss_100": f"{mem['rss_after_100_mib']:.1f}",
             "rss_all": f"{mem['rss_after_all_mib']:.1f}"}
