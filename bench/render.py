@@ -864,6 +864,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                       for m in spec.get("models", [])]
             notes += page.fill("results/agreement", command=spec["command"],
                                setup=spec["setup"], table=speculative_table(spec),
+                               outside=outside_field(spec),
                                rows=ablation("speculative_any_depth", command=spec["command"],
                                              tables="\n\n".join(tables)))
         if key == "serve":
@@ -879,6 +880,26 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
     if figures:
         main += page.fill("results/figures", figures=[f + "\n" for f in figures])
     return main, extra
+
+
+def outside_field(spec: dict) -> str:
+    """What share of a token's time the fastest rows spend outside the field evaluations
+    (embedding, head, sampling, the solver's combinations, caches, Python), drafted and
+    plain, where the record measured it."""
+    parts = []
+    for m in spec.get("models", []):
+        for d in ("greedy", "sampled"):
+            best = m["best"].get(f"eager {d}")
+            if best and "outside_field" in best:
+                parts.append(f"{m['name']} {d} ({best['draft']}, k {best['k']}): "
+                             f"{100 * best['outside_field']:.0f}% drafted, "
+                             f"{100 * best['plain_outside_field']:.0f}% plain")
+    if not parts:
+        return ""
+    return ("Time outside the field evaluations, in the fastest rows (every row has it on "
+            "the ablations page): " + "; ".join(parts) + ". Drafting cuts the evaluations "
+            "per token, not what surrounds them, so that share grows with the speed-up and "
+            "bounds it.")
 
 
 def serve_notes(r: dict) -> dict:
