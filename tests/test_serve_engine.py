@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from conftest import small_model
 
+from conftest import small_model
 from continuumlm.decoding import Draft
 from continuumlm.model.cache import DecodeState
 from continuumlm.serve.engine import Closed, Depth, Engine, QueueFull, Request, Sampling
@@ -53,7 +53,8 @@ class Sink:
         return next((e for e in self.events if e.kind == "done" and e.index == index), None)
 
 
-def alone(model, prompt, n, sampling=Sampling(), depth=None, draft=None):
+def alone(model, prompt, n, sampling=None, depth=None, draft=None):
+    sampling = sampling or Sampling()
     m = copy.deepcopy(model)
     if depth is not None and depth.solver is not None:
         m.set_solver(depth.solver, depth.steps)
