@@ -1,6 +1,6 @@
 """The serving engine (continuumlm.serve.engine): rows that join and leave a running batch
 decode exactly as each request alone, whatever the mixer, depth and order of arrival; and the
-decoding state's stacking and dropping of pads it rests on."""
+decoding state's row operations it rests on (regroup, put_rows, retire)."""
 
 import copy
 
