@@ -54,6 +54,9 @@ TRAINED = {
     **{f"runs/agreement/any_depth_lr2e-3_s{s}": f"--config {SH}/ode_any_depth.toml --set "
                                                 f"train.seed={s} --set train.lr=2e-3 "
                                                 f"--set train.min_lr=2e-4" for s in SEEDS},
+    "runs/agreement/any_depth_lr5e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                             f"train.seed=1337 --set train.lr=5e-3 "
+                                             f"--set train.min_lr=5e-4",
     # ode_rk4.toml at its best learning rate (bench/lr_sweep.py)
     "runs/agreement/ode_rk4_lr2e-3_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
                                            f"--set train.lr=2e-3 --set train.min_lr=2e-4",

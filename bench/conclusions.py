@@ -530,12 +530,23 @@ def agreement(r: dict, results: dict) -> str | None:
 
     def count(n: int) -> str:
         return f"{n} seed{'s' * (n != 1)}"
-    return (f"Teaching the coarse solves the own solve's next-token distribution in the same "
+    text = (f"Teaching the coarse solves the own solve's next-token distribution in the same "
             f"step (train.any_depth) raises their greedy agreement with it, "
             f"{' and '.join(parts)} of the validation positions (RK4 x 4 trained alone, "
             f"{count(alone)}, against the recipe, {count(seeds)}; means), for "
             f"{own_b - own_a:+.4f} in the own solve's validation loss "
             f"({own_a:.4f} to {own_b:.4f}).")
+    a2, b2 = rows.get(("ode_rk4-lr2e-3", "euler:1")), rows.get(("ode_any_depth-lr2e-3",
+                                                                 "euler:1"))
+    if a2 and b2:
+        b24 = rows.get(("ode_any_depth-lr2e-3", "rk4:1"))
+        text += (f" At lr 2e-3, RK4 x 4's best (bench/lr_sweep.py), the recipe "
+                 f"({count(b2['seeds'])}) reads {b2['own_loss']:.4f} against "
+                 f"{a2['own_loss']:.4f} ({count(a2['seeds'])}), "
+                 f"{100 * (b2['own_loss'] / a2['own_loss'] - 1):+.1f}% (target +0.5%), at "
+                 f"{100 * b2['agreement']:.0f}% agreement for Euler x 1"
+                 + (f" and {100 * b24['agreement']:.0f}% for RK4 x 1" if b24 else "") + ".")
+    return text
 
 
 def gate_exit(r: dict, results: dict) -> str | None:
