@@ -659,6 +659,10 @@ ELASTIC_RECIPE = findings.ELASTIC_RECIPE
 # the models of the anytime-depth section (table and figure); the others are on the ablations page
 ANYTIME_SHOWN = ("ode_euler", "ode_rk4", "ode_euler-lr2e-3", "ode_rk4-lr2e-3",
                  "ode_elastic_dial_capped", ELASTIC_RECIPE)
+# the agreement section's own rows: the four models the comparison is about, the drafts of
+# bench/agreement.py's default list; the rest on the ablations page
+AGREEMENT_DISTILLED = "ode_elastic_dial_capped-cw1.0-kd1.0t5e-3-lr2e-3"
+AGREEMENT_DRAFTS = ("euler:1", "euler:2", "euler:4", "rk4:1", "rk4:2")
 # bench/<key>.py records shown as one section each: (key, title); their prose is
 # bench/pages/results/bench.md plus bench/pages/results/<key>.md when there is one
 BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
@@ -833,6 +837,13 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                 if sweep.get("best_table"):
                     notes += page.fill("results/depth_elasticity.best", sweep=sweep_at,
                                        table=sweep["best_table"])
+        if key == "agreement":
+            shown = ("ode_rk4", "ode_elastic_dial", AGREEMENT_DISTILLED, "ode_any_depth")
+            table, others = page.split_table(
+                r["table"], lambda cells: cells[0] in shown and cells[2] in AGREEMENT_DRAFTS)
+            if others:
+                notes += [f"Every other model and draft: [the ablations page]"
+                          f"({ablation('agreement', table=others, command=r['command'])}).", ""]
         if key == "depth_exit":
             chosen = {tuple(c[:3]) for c in _table_cells(r.get("decoding_table", ""))}
             table, others = page.split_table(
