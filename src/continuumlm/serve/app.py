@@ -14,8 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Closed, Engine, Event, QueueFull
-from .engine import Request as Job
+from .engine import Closed, Engine, QueueFull
+from .request import Event
+from .request import Request as Job
 from .protocol import (
     APIError,
     ChatBody,

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import ContinuumLMError
-from .engine import Depth, Sampling
+from .request import Depth, Sampling
 
 MAX_LOGPROBS = 20  # as vLLM: the most alternatives a position reports
 MAX_N = 16
