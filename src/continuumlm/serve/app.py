@@ -15,8 +15,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Closed, Engine, QueueFull
-from .request import Event
-from .request import Request as Job
 from .protocol import (
     APIError,
     ChatBody,
@@ -31,6 +29,8 @@ from .protocol import (
     sampling_of,
     stops_of,
 )
+from .request import Event
+from .request import Request as Job
 
 
 async def read_json(request: Request, limit: int):
