@@ -117,7 +117,8 @@ class Engine:
     def stats(self) -> dict:
         with self.cond:
             return {"running": self.running, "waiting": sum(r.rows for r in self.waiting),
-                    "groups": {g.depth.describe(): len(g.rows) for g in self.groups.values()},
+                    "groups": {g.depth.describe(): sum(r is not None and r.alive for r in g.rows)
+                               for g in self.groups.values()},
                     "turns": self.turns}
 
     # ------------------------------------------------------------------ the engine's thread
