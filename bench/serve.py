@@ -147,8 +147,8 @@ def hf_generate(run: str, prompts: list[str], max_tokens: int) -> dict:
 
 def engine_turns(run: str, batches: list[int], max_tokens: int, prompts: list[str]) -> list:
     """In process, no HTTP: a turn of the engine with B rows decoding, and the part of it in
-    the model's forward (model.step); the rest is Python per row (sampling, text, events) and
-    the batch's bookkeeping."""
+    the model's forward (model.hidden_states: embedding, the solve, the final norm); the rest
+    is the head, Python per row (sampling, text, events) and the batch's bookkeeping."""
     from continuumlm.runs import load_model_and_tokenizer
     from continuumlm.serve.engine import Engine, Request
 
@@ -161,7 +161,7 @@ def engine_turns(run: str, batches: list[int], max_tokens: int, prompts: list[st
                                   lambda e: None))
         engine.turn()  # admits every row (their prompts)
         spent = [0.0]
-        real = model.step
+        real = model.hidden_states
 
         def timed(*a, **k):
             t = time.perf_counter()
@@ -169,13 +169,13 @@ def engine_turns(run: str, batches: list[int], max_tokens: int, prompts: list[st
                 return real(*a, **k)
             finally:
                 spent[0] += time.perf_counter() - t
-        model.step = timed
+        model.hidden_states = timed
         turns, start = 0, time.perf_counter()
         while engine.running and turns < max_tokens - 2:
             engine.turn()
             turns += 1
         wall = time.perf_counter() - start
-        del model.step
+        del model.hidden_states
         rows.append({"batch": b, "turn_ms": round(1e3 * wall / turns, 2),
                      "forward_ms": round(1e3 * spent[0] / turns, 2),
                      "outside_forward": f"{100 * (1 - spent[0] / wall):.0f}%",

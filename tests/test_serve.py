@@ -185,6 +185,7 @@ BAD = [
     ({"model": NAME, "prompt": "the", "stop": [""]}, 400, "stop"),
     ({"model": NAME, "prompt": "the", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": "other", "prompt": "the"}, 404, "model"),
+    ({"model": NAME, "prompt": ["the"] * 20, "n": 16}, 400, "prompt"),  # 320 rows > queue
 ]
 
 
@@ -258,6 +259,21 @@ def test_a_full_queue_is_429_and_a_client_that_leaves_is_freed(run_dir):
         assert not s.engine.running and not s.engine.groups
     finally:
         gate.set()
+        s.stop()
+
+
+def test_a_servers_default_exit_leaves_drafted_requests_at_full_depth(run_dir):
+    s = Running(run_dir, exit_rule=("state", 1e9))  # every token exits after one step
+    try:
+        plain = s.client.completions.create(model=NAME, prompt="the", max_tokens=8,
+                                            temperature=0)
+        assert plain.usage.field_evaluations_per_token < 8  # the server's exit applies
+        drafted = s.client.completions.create(
+            model=NAME, prompt="the", max_tokens=8, temperature=0,
+            extra_body={"draft": {"solver": "euler", "steps": 1}})
+        assert drafted.choices[0].finish_reason == "length"
+        assert len(drafted.choices[0].text) == 8
+    finally:
         s.stop()
 
 

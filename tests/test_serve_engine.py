@@ -215,14 +215,14 @@ def test_a_model_error_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     bad = Request([[1, 2]], 5, Sink())
     engine.submit(bad)
     engine.turn()
-    real = model.step
+    real = model.hidden_states
 
     def broken(*a, **k):
         raise RuntimeError("boom")
-    monkeypatch.setattr(model, "step", broken)
+    monkeypatch.setattr(model, "hidden_states", broken)
     engine.turn()
     assert any(e.kind == "error" and "boom" in e.message for e in bad.sink.events)
-    monkeypatch.setattr(model, "step", real)
+    monkeypatch.setattr(model, "hidden_states", real)
     good = Request([[3]], 4, Sink())
     run(engine, [(0, good)])
     assert good.sink.tokens() == alone(model, [3], 4)
@@ -377,3 +377,52 @@ def test_learned_positions_are_checked_per_row_not_by_the_batchs_columns():
         model.step(torch.tensor([[1], [2]]), batch)
     with pytest.raises(ValueError, match="max_seq_len = 8"):  # unpadded: the columns count
         model.step(torch.tensor([[1]]), long_) and model.step(torch.tensor([[1, 2]]), long_)
+
+
+def test_a_batch_that_cannot_be_rebuilt_fails_its_requests_not_the_engine(monkeypatch):
+    model = lively()
+    engine = Engine(model, Ids())
+    first = Request([[1, 2, 3]], 30, Sink())
+    engine.submit(first)
+    engine.turn()
+
+    def broken(*a, **k):
+        raise RuntimeError("no room")
+    monkeypatch.setattr(DecodeState, "regroup", broken)
+    joining = Request([[4, 5, 6, 7, 8, 9]], 5, Sink())  # longer: the batch is rebuilt
+    engine.submit(joining)
+    engine.turn()
+    for r in (first, joining):
+        assert [e.kind for e in r.sink.events][-1] == "error", r.sink.events[-1]
+    assert engine.error is None and not engine.groups
+    monkeypatch.undo()
+    again = Request([[3]], 4, Sink())
+    run(engine, [(0, again)])
+    assert again.sink.tokens() == alone(model, [3], 4)
+
+
+def test_free_slots_add_no_positions_while_others_come_and_go():
+    """A burst fills four slots, then three requests stay in flight: the slot left free adds
+    no positions (its tokens are pads), so the state stays within its rows' lengths and a
+    learned-position model never runs past its table."""
+    model = lively(max_seq_len=32, position="learned")
+    engine = Engine(model, Ids(), max_batch=4)
+    g = torch.Generator().manual_seed(6)
+    made = []
+
+    def new(n):
+        prompt = torch.randint(0, 37, (3,), generator=g).tolist()
+        made.append((Request([prompt], n, Sink()), prompt, n))
+        engine.submit(made[-1][0])
+    for n in (12, 12, 12, 3):  # the fourth leaves its slot free after two steps
+        new(n)
+    for _ in range(150):
+        while engine.running + len(engine.waiting) < 3:
+            new(12)
+        engine.turn()
+        for grp in engine.groups.values():
+            assert grp.state.pos <= 2 * 15 + 16
+    assert all(e.kind != "error" for r, _, _ in made for e in r.sink.events)
+    for r, prompt, n in made[::7]:
+        if r.sink.done() is not None:
+            assert r.sink.tokens() == alone(model, prompt, n)

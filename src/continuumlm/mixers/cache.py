@@ -271,9 +271,9 @@ class SeqCache:
             return out
         rows = sum(int(index.shape[0]) for _, index, _, _ in parts)
         capacity = max(16, length + max(16, length // 2))
-        # past ``length`` nothing is read before an append writes it; the pads are zeros
-        # (finite: a masked key's weight is zero, and 0 * NaN would be NaN)
-        out.buffers = [b.new_empty(rows, *b.shape[1:-2], capacity, b.shape[-1])
+        # zeros, not empty memory, at the pads and past ``length``: a masked key's weight is
+        # zero, and 0 * NaN would be NaN (a frozen step reads the whole capacity)
+        out.buffers = [b.new_zeros(rows, *b.shape[1:-2], capacity, b.shape[-1])
                        for b in first.buffers]
         r = 0
         for c, index, start, offset in parts:
@@ -285,7 +285,6 @@ class SeqCache:
                 if not every:
                     window = window.index_select(0, index.to(old.device))
                 new[r:r + k, ..., offset:length, :].copy_(window)
-                new[r:r + k, ..., :offset, :].zero_()
             r += k
         return out
 

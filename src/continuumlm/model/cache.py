@@ -162,16 +162,15 @@ class DecodeState:
             self.keys = None
 
     def retire(self, slot: int) -> None:
-        """Mark the row ``slot`` as free: every position but its last becomes a pad (so it
-        no longer keeps positions from being dropped), and what it decodes from now on is
-        not read. A free row still takes part in each step until a new row takes its place
-        (:meth:`put_rows`) or the state is regrouped without it."""
+        """Mark the row ``slot`` free: every position it holds becomes a pad, so it keeps no
+        position from being dropped. A free row still takes part in each step until a new row
+        takes its place (:meth:`put_rows`) or the state is regrouped without it; retire it
+        again before each such step, and the token it is fed is its only real position (its
+        attention reads that one: finite), whose output is not read."""
         if self.keys is None:
             self.keys = torch.ones(self.batch_size, self.pos, dtype=torch.bool,
                                    device=_device([self]))
-        if self.pos:  # one real position: its attention reads a finite value
-            self.keys[slot, :-1] = False
-            self.keys[slot, -1] = True
+        self.keys[slot] = False
 
     def leading_pads(self) -> int:
         """How many of the first positions are pads in every row."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -206,6 +207,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, limits: Limits,
         max_tokens = check_lengths(prompts, body, limits)
         depth = check_depth(model, body, engine.default)
         draft = draft_of(model, body, prompts)
+        if draft is not None:  # a draft decodes at the model's full depth, token by token
+            depth = dataclasses.replace(depth, exit=None)
+        if len(prompts) * body.n > engine.max_queue:
+            raise APIError(400, f"the request asks for {len(prompts)} prompts x n = {body.n} "
+                                f"rows, more than this server ever queues (--max-queue "
+                                f"{engine.max_queue}); send fewer at a time.", "prompt")
         sampling = sampling_of(body)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -273,7 +280,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, limits: Limits,
             while not choices.finished:
                 try:
                     choices.take(await asyncio.wait_for(queue.get(), 0.5))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (not the builtin TimeoutError before 3.11)
                     if await request.is_disconnected():
                         job.cancel()
                         return JSONResponse({}, status_code=499)

@@ -148,7 +148,16 @@ class Engine:
         self.turns += 1
         joining = self._admit()
         for depth in [*self.groups, *(d for d in joining if d not in self.groups)]:
-            self._regroup(depth, joining.get(depth))
+            try:
+                self._regroup(depth, joining.get(depth))
+            except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
+                log.exception("rebuilding a batch failed")
+                group = self.groups.get(depth)
+                rows = [r for r in (group.rows if group else []) if r is not None]
+                rows += joining[depth][2] if depth in joining else []
+                self._fail(rows, e)
+                with self.cond:
+                    self.groups.pop(depth, None)
         for group in list(self.groups.values()):
             self._step(group)
         for solo in list(self.solos):
@@ -306,21 +315,32 @@ class Engine:
 
     def _step(self, group: Group) -> None:
         self._use(group.depth)
-        ids = torch.tensor([[r.pending if r is not None and r.alive else 0]
-                            for r in group.rows], dtype=torch.long, device=self.device)
+        busy = [r is not None and r.alive for r in group.rows]
+        ids = torch.tensor([[r.pending if b else 0] for r, b in zip(group.rows, busy)],
+                           dtype=torch.long, device=self.device)
+        # a free slot holds only the token it is fed now: it keeps no earlier position from
+        # being dropped, and a learned-position model's free row never runs past its table
+        for i, b in enumerate(busy):
+            if not b:
+                group.state.retire(i)
         try:
-            logits = self.model.step(ids, group.state)[0]
+            logits = self.model.lm_head(self.model.hidden_states(ids, group.state)[:, -1])
+            for i, row in enumerate(group.rows):
+                if busy[i]:  # (a free slot's output is not read)
+                    row.take(row.choose(logits[i]), logits[i], self._nfe(i))
         except Exception as e:  # noqa: BLE001 - fail this group's requests, keep serving
             log.exception("decoding step failed")
-            for r in group.rows:
-                if r is not None:
-                    r.request.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+            self._fail([r for r in group.rows if r is not None], e)
             with self.cond:
                 del self.groups[group.depth]
-            return
-        for i, row in enumerate(group.rows):
-            if row is not None and row.alive:  # (a free slot's output is not read)
-                row.take(row.choose(logits[i]), logits[i], self._nfe(i))
+
+    @staticmethod
+    def _fail(rows: list[Row], e: Exception) -> None:
+        """Send each request of ``rows`` (once) the error, and finish its rows."""
+        for req in {id(r.request): r.request for r in rows}.values():
+            req.sink(Event("error", message=f"{type(e).__name__}: {e}"))
+        for r in rows:
+            r.done = True
 
     def _start_draft(self, req: Request) -> None:
         from ..decoding import Decoder

@@ -39,6 +39,24 @@ def check_servable(model) -> None:
                          f"fixed-grid solve: --ode-solver rk4 --ode-steps N.")
     if model.config.mode != "decoder":
         raise ServeError("this model is an encoder (mode = 'encoder'); only decoders generate.")
+    import torch
+
+    state = model.init_state(1)  # the caches a request's rows will have
+    with torch.inference_mode():
+        model.step(torch.zeros(1, 1, dtype=torch.long,
+                               device=next(model.parameters()).device), state)
+    for key, c in state._caches.items():
+        missing = [m for m in ("regroup", "put_rows") if not hasattr(c, m)]
+        if missing:
+            raise ServeError(f"the decoding cache {type(c).__name__} (of {key!r}) has no "
+                             f"{' or '.join(missing)}, which the server needs to let requests "
+                             f"join and leave a running batch; give the cache type those "
+                             f"methods (continuumlm.mixers.cache.SeqCache has both).")
+    if not all(getattr(m, "supports_padding", True) for m in model.modules()
+               if hasattr(m, "cache_factory")):
+        raise ServeError("a mixer of this model does not take padded batches "
+                         "(supports_padding), and the server pads rows of different lengths "
+                         "into one batch.")
 
 
 def make_server(model, tokenizer, *, model_name: str, host: str = "127.0.0.1",
