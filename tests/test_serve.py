@@ -323,23 +323,6 @@ def test_a_missing_extra_or_a_bad_flag_exits_2(run_dir, monkeypatch):
     assert r.returncode == 2 and "fixed-grid" in r.stderr
 
 
-CHOICE_TASK = """task: serve_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{prompt}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: 0
-metric_list:
-  - metric: acc
-metadata:
-  version: 1.0
-"""
-
-
 @pytest.mark.slow
 def test_lm_eval_local_completions_scores_as_lm_eval_hf(run_dir, tmp_path):
     """Stock ``lm_eval --model local-completions`` against the server (its tokenizer read
@@ -353,7 +336,11 @@ def test_lm_eval_local_completions_scores_as_lm_eval_hf(run_dir, tmp_path):
                             + "\n" for x in lines))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "serve_choice.yaml").write_text(CHOICE_TASK.format(data=data))
+    from test_hf_flows import _STOCK_TASKS  # its multiple-choice task, on these documents
+
+    choice = next(t for t in _STOCK_TASKS.split("---\n") if "stock_choice" in t)
+    (tasks / "serve_choice.yaml").write_text(choice.format(data=data).replace(
+        "stock_choice", "serve_choice"))
     r = run_cli("export", "--format", "hf", "--checkpoint", run_dir, "--out", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     exe = os.path.join(os.path.dirname(sys.executable), "lm_eval")

@@ -100,12 +100,7 @@ class DecodeState:
         for s, index in parts:
             if index is None:
                 index = torch.arange(s.batch_size, device=device)
-            keys = s.keys if s.keys is not None else torch.ones(
-                s.batch_size, s.pos, dtype=torch.bool, device=device)
-            keys = keys.index_select(0, index.to(keys.device))
-            real = keys.any(0)
-            start = int(real.float().argmax()) if bool(real.any()) else s.pos
-            where.append((index, keys, start))
+            where.append((index, *s._rows(index, device)))
         length = max(s.pos - start for (s, _), (_, _, start) in zip(parts, where))
         rows = sum(int(index.shape[0]) for index, _, _ in where)
         out = cls(rows, first.rewind)
@@ -136,11 +131,7 @@ class DecodeState:
                              f"{other.solve}) or caches cannot share one batch.")
         device = _device([self])
         index = torch.tensor(rows, device=device)
-        keys = other.keys if other.keys is not None else torch.ones(
-            other.batch_size, other.pos, dtype=torch.bool, device=device)
-        keys = keys.index_select(0, index)
-        real = keys.any(0)
-        start = int(real.float().argmax()) if bool(real.any()) else other.pos
+        keys, start = other._rows(index, device)
         if other.pos - start > self.pos:
             raise ValueError(f"rows of {other.pos - start} positions do not fit a state of "
                              f"{self.pos}; regroup the two instead.")
@@ -172,12 +163,21 @@ class DecodeState:
                                    device=_device([self]))
         self.keys[slot] = False
 
+    def _rows(self, index: torch.Tensor, device) -> tuple[torch.Tensor, int]:
+        """(the padding mask of the rows ``index``, (rows, pos) bool, and their first real
+        position: the positions before it are pads in every one of them)."""
+        keys = self.keys if self.keys is not None else torch.ones(
+            self.batch_size, self.pos, dtype=torch.bool, device=device)
+        keys = keys.index_select(0, index.to(keys.device))
+        real = keys.any(0)
+        return keys, int(real.float().argmax()) if bool(real.any()) else self.pos
+
     def leading_pads(self) -> int:
         """How many of the first positions are pads in every row."""
         if self.keys is None:
             return 0
-        real = self.keys.any(0)
-        return int(real.float().argmax()) if bool(real.any()) else self.pos
+        return self._rows(torch.arange(self.batch_size, device=self.keys.device),
+                          self.keys.device)[1]
 
     def check_solve(self, config) -> None:
         """Record the (ode_solver, ode_steps) that builds this state's caches, and refuse
