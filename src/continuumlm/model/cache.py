@@ -60,12 +60,9 @@ class DecodeState:
         plugin's) is refused by name."""
         if self.static is not None:
             raise ValueError("a frozen (static) decoding state cannot be reordered.")
-        for key, c in self._caches.items():
-            if not hasattr(c, "reorder"):
-                raise NotImplementedError(
-                    f"the decoding cache {type(c).__name__} (of {key!r}) has no "
-                    f"reorder(index), so its batch rows cannot be reordered (beam search); "
-                    f"give the cache type a reorder method that indexes its batch dimension.")
+        self._require("reorder", "reorder(index)", "its batch rows cannot be reordered (beam "
+                      "search)", "give the cache type a reorder method that indexes its batch "
+                      "dimension")
         for c in self._caches.values():
             c.reorder(index)
         if self.keys is not None:
@@ -88,13 +85,9 @@ class DecodeState:
             if s.solve != first.solve or s._caches.keys() != first._caches.keys():
                 raise ValueError(f"decoding states of different solves ({first.solve} and "
                                  f"{s.solve}) or caches cannot share one batch.")
-        for key, c in first._caches.items():
-            if not hasattr(type(c), "regroup"):
-                raise NotImplementedError(
-                    f"the decoding cache {type(c).__name__} (of {key!r}) has no regroup, so "
-                    f"rows of different lengths cannot share its batch (continuous batching); "
-                    f"give the cache type a classmethod regroup(parts, length) "
-                    f"(continuumlm.mixers.cache.SeqCache has one).")
+        first._require("regroup", "regroup", "rows of different lengths cannot share its "
+                       "batch (continuous batching)", "give the cache type a classmethod "
+                       "regroup(parts, length) (continuumlm.mixers.cache.SeqCache has one)")
         device = _device([s for s, _ in parts])
         where = []  # per part: (index, keys of its rows, first real position)
         for s, index in parts:
@@ -136,12 +129,8 @@ class DecodeState:
             raise ValueError(f"rows of {other.pos - start} positions do not fit a state of "
                              f"{self.pos}; regroup the two instead.")
         offset = self.pos - (other.pos - start)
-        for key, c in self._caches.items():
-            if not hasattr(c, "put_rows"):
-                raise NotImplementedError(
-                    f"the decoding cache {type(c).__name__} (of {key!r}) has no put_rows, so "
-                    f"a row cannot join its batch in place; give the cache type "
-                    f"put_rows(slots, other, index, start, offset).")
+        self._require("put_rows", "put_rows", "a row cannot join its batch in place",
+                      "give the cache type put_rows(slots, other, index, start, offset)")
         for key, c in self._caches.items():
             c.put_rows(slots, other._caches[key], index, start, offset)
         if self.keys is None:
@@ -162,6 +151,15 @@ class DecodeState:
             self.keys = torch.ones(self.batch_size, self.pos, dtype=torch.bool,
                                    device=_device([self]))
         self.keys[slot] = False
+
+    def _require(self, method: str, named: str, without: str, fix: str) -> None:
+        """A NotImplementedError naming the first cache whose type has no ``method`` (a
+        plugin's), what cannot be done without it, and how to give it one."""
+        for key, c in self._caches.items():
+            if not hasattr(c, method):
+                raise NotImplementedError(
+                    f"the decoding cache {type(c).__name__} (of {key!r}) has no {named}, so "
+                    f"{without}; {fix}.")
 
     def _rows(self, index: torch.Tensor, device) -> tuple[torch.Tensor, int]:
         """(the padding mask of the rows ``index``, (rows, pos) bool, and their first real
@@ -222,13 +220,10 @@ class DecodeState:
         why = self.frozen_crop_refusal()
         if why is not None:
             raise ValueError(why)
-        for key, c in self._caches.items():
-            if not hasattr(c, "crop"):
-                raise NotImplementedError(
-                    f"the decoding cache {type(c).__name__} (of {key!r}) has no crop(length), "
-                    f"so it cannot be cut back (assisted or speculative decoding); give the "
-                    f"cache type a crop method (continuumlm.mixers.cache.RewindLog keeps what "
-                    f"a cache of fixed size needs).")
+        self._require("crop", "crop(length)", "it cannot be cut back (assisted or "
+                      "speculative decoding)", "give the cache type a crop method "
+                      "(continuumlm.mixers.cache.RewindLog keeps what a cache of fixed size "
+                      "needs)")
         floor = max((c.rewind_floor() for c in self._caches.values()
                      if hasattr(c, "rewind_floor")), default=0)
         if length < floor:

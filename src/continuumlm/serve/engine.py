@@ -211,14 +211,10 @@ class Engine:
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, device=self.device)
 
-    @staticmethod
-    def _fits(state: DecodeState, keep: list[int], batch: DecodeState) -> bool:
+    def _fits(self, state: DecodeState, keep: list[int], batch: DecodeState) -> bool:
         """Whether the rows ``keep`` of ``state`` hold no more real positions than ``batch``
         has (they join right-aligned, without moving the batch)."""
-        if state.keys is None:
-            return state.pos <= batch.pos
-        real = state.keys[keep].any(0)
-        start = int(real.float().argmax()) if bool(real.any()) else state.pos
+        _, start = state._rows(self._index(keep), self.device)
         return state.pos - start <= batch.pos
 
     def _use(self, depth: Depth) -> None:
