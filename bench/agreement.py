@@ -66,6 +66,38 @@ TRAINED = {
                                            f"train.any_depth.gate_weight=1.0",
     "runs/agreement/ode_rk4_bp1_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
                                         f"--set train.any_depth.backprop_steps=1",
+    # the quality gap: a lighter KL term, or the term on every other step (lr 2e-3)
+    "runs/agreement/any_depth_w0.5_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                                  f"train.seed=1337 --set train.lr=2e-3 --set "
+                                                  f"train.min_lr=2e-4 --set "
+                                                  f"train.any_depth.weight=0.5",
+    "runs/agreement/any_depth_every2_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                                    f"train.seed=1337 --set train.lr=2e-3 --set "
+                                                    f"train.min_lr=2e-4 --set "
+                                                    f"train.any_depth.every=2",
+    # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
+    # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
+    "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "
+                                        "'train.any_depth.drafts=[\"euler:1\", \"euler:2\", "
+                                        "\"rk4:1\"]'",
+    "runs/agreement/ptb_ode_rk4_s42": "--config configs/ptb/ode_rk4.toml",
+    # discrete stacks drafting with their first layers: nanoGPT's baby GPT, and the same
+    # trained with [train.layer_skip] (transformer_layerskip.toml), and its variants
+    **{f"runs/agreement/transformer_baby_s{s}": f"--config {SH}/transformer_baby.toml "
+                                                f"--set train.seed={s}" for s in SEEDS},
+    **{f"runs/agreement/layerskip_s{s}": f"--config {SH}/transformer_layerskip.toml "
+                                         f"--set train.seed={s}" for s in SEEDS},
+    "runs/agreement/layerskip_exit_only_s1337": f"--config {SH}/transformer_layerskip.toml "
+                                                f"--set train.layer_skip.dropout=0",
+    "runs/agreement/layerskip_drop_only_s1337": f"--config {SH}/transformer_layerskip.toml "
+                                                f"--set train.layer_skip.exit_weight=0",
+    "runs/agreement/layerskip_e0.3_s1337": f"--config {SH}/transformer_layerskip.toml "
+                                           f"--set train.layer_skip.exit_weight=0.3",
+    # 12 layers of the same width: more layers for the first ones to stand in for
+    "runs/agreement/transformer12_s1337": f"--config {SH}/transformer_baby.toml --set "
+                                          f"model.num_layers=12",
+    "runs/agreement/layerskip12_s1337": f"--config {SH}/transformer_layerskip.toml --set "
+                                        f"model.num_layers=12",
 }
 
 
@@ -95,15 +127,20 @@ def measure(run: str, drafts: list[tuple[str, int]], max_windows: int) -> dict:
     split = prepare_data(cfg.data, tok).splits["val"]
     context = cfg.train.seq_len
     device = torch.device("cpu")
-    own = (model.config.ode_solver, model.config.ode_steps)
+    layers = model.config.num_layers
+    # a discrete stack's own "solve" is all its layers, its drafts its first layers
+    own = ((model.config.ode_solver, model.config.ode_steps) if model.config.depth == "ode"
+           else ("layers", layers))
+
+    def nfe(solver, steps):
+        return steps if solver == "layers" else layers * solve_nfe(model.config, solver, steps)
 
     agreed = agreement(model, split, context, drafts, device, max_windows=max_windows)
-    layers = model.config.num_layers
     first = next(iter(agreed.values()))
     return {"run": run, "own": f"{own[0]}:{own[1]}",
-            "own_nfe": layers * solve_nfe(model.config, *own), "own_loss": first["own_loss"],
+            "own_nfe": nfe(*own), "own_loss": first["own_loss"],
             "positions": first["positions"],
-            "drafts": [{"draft": f"{s}:{n}", "nfe": layers * solve_nfe(model.config, s, n),
+            "drafts": [{"draft": f"{s}:{n}", "nfe": nfe(s, n),
                         **{k: agreed[f"{s}:{n}"][k] for k in ("loss", "agreement", "kl")}}
                        for s, n in drafts]}
 

@@ -240,6 +240,9 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                "--set", "train.any_depth.top1_weight=0.5"),
         _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "bp1",
                "--set", "train.any_depth.backprop_steps=1"),
+        # a discrete stack trained to draft with its first layers (LayerSkip's recipe), and
+        # the baby GPT it is compared with
+        _train(f"{SH}/transformer_layerskip.toml", [1337, 1, 2]),
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
               "steps, decoding, 1 vs 2 processes and compile, kept freed memory on CPU, threads "

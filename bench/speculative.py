@@ -58,16 +58,19 @@ def trained(run: str, n_prompts: int, prompt_len: int) -> tuple[LanguageModel, l
 
 
 class FieldClock:
-    """Wall time spent inside the ODE blocks' vector-field evaluations (eager decoding: hooks
-    around each block's field module), to tell what share of a token's time is outside them:
-    embedding, head, sampling, the solver's combinations, cache bookkeeping, Python."""
+    """Wall time spent inside the ODE blocks' vector-field evaluations, or a discrete stack's
+    layers (eager decoding: hooks around each field module or layer), to tell what share of a
+    token's time is outside them: embedding, head, sampling, the solver's combinations, cache
+    bookkeeping, Python."""
 
     def __init__(self, model) -> None:
         self.seconds, self._start = 0.0, None
         self.handles = []
-        for block in getattr(model.depth, "blocks", []):
-            self.handles.append(block.field.register_forward_pre_hook(self._enter))
-            self.handles.append(block.field.register_forward_hook(self._leave))
+        units = ([b.field for b in model.depth.blocks] if hasattr(model.depth, "blocks")
+                 else list(model.depth.layers))
+        for unit in units:
+            self.handles.append(unit.register_forward_pre_hook(self._enter))
+            self.handles.append(unit.register_forward_hook(self._leave))
 
     def _enter(self, *_):
         self._start = time.perf_counter()
@@ -107,7 +110,8 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
     """Every (decoding, draft solve, k) row for one model, eager and/or compiled, and the
     distinct tokens of its plain greedy output."""
     cfg = model.config
-    full_nfe = cfg.num_layers * cfg.ode_steps * model.depth.blocks[0].solver.evals_per_step
+    full_nfe = (cfg.num_layers * cfg.ode_steps * model.depth.blocks[0].solver.evals_per_step
+                if cfg.depth == "ode" else cfg.num_layers)
     eager = Decoder(model)
     decode(eager, prompts[:1], 8)  # warm-up
     plain, _, _ = decode(eager, prompts, n)
@@ -120,7 +124,7 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
         # timed in the rows
         decoder = eager if mode == "eager" else Decoder(model, compile=True)
         if mode == "compiled":
-            for draft in [None] + [Draft(s, n_, k) for s, n_ in drafts for k in TOKENS]:
+            for draft in [None] + [_draft(s, n_, k) for s, n_ in drafts for k in TOKENS]:
                 for seed in (None, 0):
                     decode(decoder, prompts[:1], min(n, 24), draft, seed)
         # the field's share of the time, eager only (hooks would break a compiled graph);
@@ -131,7 +135,7 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
             for solver, steps in drafts:
                 for k in TOKENS:
                     plain, plain_tps, p = decode(decoder, prompts, n, seed=seed, clock=clock)
-                    out, tps, s = decode(decoder, prompts, n, Draft(solver, steps, k),
+                    out, tps, s = decode(decoder, prompts, n, _draft(solver, steps, k),
                                          seed=seed, clock=clock)
                     rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
                                      plain_tps, out, plain))
@@ -146,9 +150,15 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
     return rows, distinct
 
 
+def _draft(solver: str, steps: int, k) -> Draft:
+    """A coarse solve's draft, or ("layers", n): a discrete stack's first n layers."""
+    return Draft(tokens=k, layers=steps) if solver == "layers" else Draft(solver, steps, k)
+
+
 def _row(mode, sampled, solver, steps, k, s, full_nfe, tps, plain_tps, out, plain) -> dict:
     return {"mode": mode, "decoding": "sampled" if sampled else "greedy",
-                             "draft": f"{solver} x {steps}", "k": k,
+                             "draft": (f"first {steps} layers" if solver == "layers"
+                                       else f"{solver} x {steps}"), "k": k,
                              "acceptance": round(s["accepted"] / max(s["drafted"], 1), 3),
                              "tokens_per_verification": round(s["tokens"] / s["rounds"], 2),
                              "nfe_per_token": round(s["nfe"] / s["tokens"], 1),
@@ -177,7 +187,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--drafts", default=",".join(f"{s}x{n}" for s, n in DRAFTS),
-                    help="draft solves, e.g. eulerx1,eulerx2")
+                    help="draft solves, e.g. eulerx1,eulerx2; a discrete model's first-N-"
+                         "layers drafts as layersxN (default for a discrete model: every "
+                         "N below its depth)")
     ap.add_argument("--mode", default="eager", choices=("eager", "compiled"),
                     help="eager (writes speculative.json) or compiled (generate(compile=True): "
                          "drafts and verification through compiled frozen steps; writes "
@@ -205,12 +217,20 @@ def main() -> None:
         n = args.new_tokens
         if cfg.position == "learned":
             n = min(n, cfg.max_seq_len - args.prompt_len + 1)
-        rows, distinct = measure(model, prompts, n, drafts, modes)
+        wanted = drafts
+        if cfg.depth != "ode":
+            wanted = ([d for d in drafts if d[0] == "layers"] if args.drafts != ap.get_default(
+                "drafts") else [("layers", i) for i in range(1, cfg.num_layers)])
+            if not wanted:
+                raise SystemExit(f"{run}: a discrete model drafts with its first layers; "
+                                 f"give --drafts layersxN")
+        rows, distinct = measure(model, prompts, n, wanted, modes)
         nfe = rows[0]["plain_nfe_per_token"]
         models.append({
             "name": name, "model": cfg.to_dict(), "distinct_new_tokens": distinct,
-            "setup": (f"{what}, {cfg.ode_solver} x {cfg.ode_steps} ({nfe} field evaluations "
-                      f"per token); {len(prompts)} prompt(s) of {args.prompt_len} tokens, {n} "
+            "setup": (f"{what}, " + (f"{cfg.ode_solver} x {cfg.ode_steps}" if cfg.depth == "ode"
+                                     else f"{cfg.num_layers} discrete layers")
+                      + f" ({nfe} field evaluations per token); {len(prompts)} prompt(s) of {args.prompt_len} tokens, {n} "
                       f"new tokens each ({distinct} distinct in the plain greedy output)"),
             "best": {f"{m} {d}": max((r for r in rows if r["decoding"] == d
                                       and r["mode"] == m), key=lambda r: r["speedup"])

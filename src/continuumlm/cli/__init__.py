@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(comma-separated SOLVER:STEPS, e.g. euler:1,euler:2,rk4:1), the fraction "
                    "of the split's positions where its greedy token equals the model's own "
                    "solve's (teacher-forced) and the mean KL between them, at the first "
-                   "context length")
+                   "context length; discrete models: for each first-N-layers draft "
+                   "(layers:N, as --draft-layers N drafts), the same against all layers")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     h = sub.add_parser("harness", parents=[plugin, threads], help="score a checkpoint with "

@@ -89,7 +89,8 @@ def cmd_eval(args) -> int:
         print(f"per-token exit: {args.exit_criterion} < {args.exit_threshold:g}; full depth is "
               f"{_full_nfe(model)} field evaluations per token")
     if agreed:
-        own = f"{model.config.ode_solver}:{model.config.ode_steps}"
+        own = (f"{model.config.ode_solver}:{model.config.ode_steps}"
+               if model.config.depth == "ode" else f"all {model.config.num_layers} layers")
         print(f"agreement with the own solve ({own}), teacher-forced at context {contexts[0]}, "
               f"{next(iter(agreed.values()))['positions']:,} positions:")
         print(f"{'draft':>10} {'NFE':>5} {'greedy same':>12} {'KL(own||draft)':>15}")
@@ -109,9 +110,22 @@ def _agreement_solves(model, args) -> list[tuple[str, int]]:
     if args.exit_threshold is not None:
         raise UsageError("--agreement compares whole solves; drop --exit-threshold (per-token "
                          "exit), or evaluate the two apart.")
-    if model.config.depth != "ode":
-        raise UsageError("--agreement compares coarse solves with an ODE model's own solve; "
-                         "this model has discrete depth.")
+    if model.config.depth not in ("ode", "discrete"):
+        raise UsageError(f"--agreement compares an ODE model's coarse solves, or a discrete "
+                         f"stack's first layers, with the whole model; this model has "
+                         f"{model.config.depth} depth.")
+    if model.config.depth == "discrete":
+        from ..eval.agreement import check_draft_of
+
+        drafts = []
+        for text in args.agreement.split(","):
+            try:
+                draft = parse_solve(text, "--agreement")
+                check_draft_of(model, draft)
+            except (ConfigError, ValueError) as e:
+                raise UsageError(f"--agreement {text.strip()!r}: {e}") from None
+            drafts.append(draft)
+        return drafts
     if not getattr(model.depth, "exact_cache", True):
         raise UsageError(f"--agreement compares fixed-grid solves; the model's own solve "
                          f"({model.config.ode_solver}) is adaptive.")
@@ -135,6 +149,8 @@ def _agreement_solves(model, args) -> list[tuple[str, int]]:
 def _solve_nfe(model, solver: str, steps: int) -> int:
     from ..config.elastic import solve_nfe
 
+    if solver == "layers":  # a discrete stack's first layers: one evaluation each
+        return steps
     return model.config.num_layers * solve_nfe(model.config, solver, steps)
 
 

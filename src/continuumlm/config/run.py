@@ -72,6 +72,7 @@ class RunConfig:
         t.regularize.check_model(m, t.elastic)
         t.elastic.check_model(m)
         t.any_depth.check_model(m, t.elastic)
+        t.layer_skip.check_model(m, t)
         if m.position == "learned" and t.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"train.seq_len ({t.seq_len}) is longer than model.max_seq_len ({m.max_seq_len}), "

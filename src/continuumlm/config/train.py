@@ -13,12 +13,13 @@ from .any_depth import AnyDepthConfig
 from .checks import _suggest, _validate
 from .distill import DistillConfig
 from .elastic import ElasticConfig
+from .layer_skip import LayerSkipConfig
 from .legacy import OLD_NAMES
 from .regularize import RegularizeConfig
 
 # The tables of [train], each owned by the module beside its dataclass.
 TABLES = {"elastic": ElasticConfig, "distill": DistillConfig, "regularize": RegularizeConfig,
-          "any_depth": AnyDepthConfig}
+          "any_depth": AnyDepthConfig, "layer_skip": LayerSkipConfig}
 
 # [train] keys as earlier versions spelled them, flat (config/legacy.py moves them)
 LEGACY_TRAIN_KEYS = OLD_NAMES["train"]
@@ -117,6 +118,9 @@ class TrainConfig:
     any_depth: AnyDepthConfig = dataclasses.field(default_factory=AnyDepthConfig)
     """[train.any_depth]: the coarse solves that learn from the model's own solve in the same
     step (config/any_depth.py)."""
+    layer_skip: LayerSkipConfig = dataclasses.field(default_factory=LayerSkipConfig)
+    """[train.layer_skip]: a discrete stack's layer dropout and early-exit loss, so that its
+    first layers draft for it (config/layer_skip.py)."""
 
     def __post_init__(self) -> None:
         _validate(self, "train", skip=tuple(TABLES))

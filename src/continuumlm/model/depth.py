@@ -71,16 +71,26 @@ class DiscreteStack(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.last_nfe = 0
         self.record: list[torch.Tensor] | None = None  # a list: every layer's output goes in
+        # layer dropout in training ([train.layer_skip], set by the trainer): each layer's
+        # probability that a sequence skips it; None: every layer runs
+        self.layer_drop: list[float] | None = None
 
     def forward(self, x: torch.Tensor, state: DecodeState | None = None,
                 padding: Padding | None = None, evaluate=None) -> torch.Tensor:
         """``evaluate(module, *args)`` (a frozen state's evaluator, e.g. a compiled call):
         how each layer runs; None: directly."""
+        drop = self.layer_drop if self.training and state is None else None
         for i, layer in enumerate(self.layers):
             cache = None
             if state is not None:
                 cache = state.cache(("layer", i), layer.mixer.cache_factory)
-            x = evaluate(layer, x, cache) if evaluate is not None else layer(x, cache, padding)
+            out = evaluate(layer, x, cache) if evaluate is not None else layer(x, cache, padding)
+            if drop is not None and drop[i] > 0:
+                # a skipped sequence passes the layer's input on unchanged (global RNG, as
+                # dropout's, so a seeded or resumed run skips alike)
+                keep = torch.rand(x.shape[0], 1, 1, device=x.device) >= drop[i]
+                out = torch.where(keep, out, x)
+            x = out
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = len(self.layers)

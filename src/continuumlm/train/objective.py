@@ -2,7 +2,8 @@
 (the continuous mixer's Sobolev term, annealed), and the optional terms of [train.elastic] (the
 consistency KL toward a finer solve), [train.any_depth] (coarse solves taught by the own
 solve), [train.distill] (the KL toward a teacher) and
-[train.regularize] (the solve's integrals, and STEER's end time), each summed over the step's
+[train.regularize] (the solve's integrals, and STEER's end time) and [train.layer_skip] (a
+discrete stack's early exits), each summed over the step's
 micro-batches on the device, all-reduced under torchrun, and read once per step."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from . import distributed as D
 from .any_depth import AnyDepth
 from .distill import Teacher
 from .elastic import ElasticDepth, SolveRegularizers
+from .layer_skip import LayerSkip
 
 REGULARIZERS = ("kinetic", "jacobian", "step_readout")
 ANY_DEPTH = ("kl", "lm", "top1", "gate")  # [train.any_depth]'s terms, logged as any_depth_NAME
@@ -30,6 +32,7 @@ class StepObjective:
         self.teacher = Teacher(t, tokenizer, device, state)
         self.solve_reg = SolveRegularizers(model, t)
         self.any_depth = AnyDepth(model, t)
+        self.layer_skip = LayerSkip(model, t)
         self.device = device
         # float64 (not on MPS, which lacks it), so the sums are the ones Python floats gave
         self.acc = torch.float32 if device.type == "mps" else torch.float64
@@ -39,6 +42,7 @@ class StepObjective:
         self.distill: float | None = None
         self.regularizers: dict[str, float] = {}
         self.any_depth_terms: dict[str, float] = {}
+        self.exit_loss: float | None = None
         self.penalty = math.nan
 
     def state(self) -> dict:
@@ -61,6 +65,7 @@ class StepObjective:
         """Zero the step's sums (on the device: no wait for the host until :meth:`read`)."""
         zero = torch.zeros((), dtype=self.acc, device=self.device)
         self.total, self.kl, self.kd = zero, zero.clone(), zero.clone()
+        self.exits = zero.clone()  # [train.layer_skip]'s early-exit loss
         self.reg_sums = torch.zeros(len(REGULARIZERS), dtype=self.acc, device=self.device)
         self.any_sums = torch.zeros(len(ANY_DEPTH), dtype=self.acc, device=self.device)
         self.compared = False  # whether this step has a consistency term
@@ -73,9 +78,14 @@ class StepObjective:
                   if draw else None)
         self.compared = self.compared or target is not None
         taught = self.teacher.target(task, x, y) if self.teacher.enabled else None
-        logits, loss = task.forward(forward, x, y)
+        with self.layer_skip.recording() as outputs:
+            logits, loss = task.forward(forward, x, y)
         penalty = self.model.penalty()
         objective = loss + anneal * penalty
+        exits = self.layer_skip.exit_loss(outputs, y)
+        if exits is not None:
+            objective = objective + self.layer_skip.weight * exits
+            self.exits += exits.detach().to(self.acc)
         if target is not None:
             kl = self.elastic.consistency(logits, target)
             objective = objective + self.elastic.weight * kl
@@ -112,10 +122,12 @@ class StepObjective:
     def all_reduce(self, dist) -> None:
         """The logged terms of the global batch, as the loss is (the elastic draw, and so
         whether a consistency term ran, is the same on every rank)."""
-        stats = torch.cat([torch.stack([self.total, self.kl, self.kd]), self.reg_sums])
+        stats = torch.cat([torch.stack([self.total, self.kl, self.kd, self.exits]),
+                           self.reg_sums])
         D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
         stats = stats / dist.world_size
-        self.total, self.kl, self.kd, self.reg_sums = stats[0], stats[1], stats[2], stats[3:]
+        self.total, self.kl, self.kd, self.exits = stats[0], stats[1], stats[2], stats[3]
+        self.reg_sums = stats[4:]
         # (the any_depth sums stay this rank's: its drafts refuse several processes, and its
         # gate term is logged as rank 0 computed it; its gradient is reduced as any other)
 
@@ -125,10 +137,12 @@ class StepObjective:
         logged terms kept (``penalty`` None: the step failed before it had one)."""
         nan = torch.full((), math.nan, dtype=self.acc, device=self.device)
         penalty = nan if penalty is None else penalty.detach().to(self.acc)
-        summed, self.penalty, norm, kl, kd, *rest = torch.cat(
+        summed, self.penalty, norm, kl, kd, exits, *rest = torch.cat(
             [torch.stack([self.total, penalty,
                           grad_norm.detach().to(device=self.device, dtype=self.acc),
-                          self.kl, self.kd]), self.reg_sums, self.any_sums]).tolist()
+                          self.kl, self.kd, self.exits]), self.reg_sums,
+             self.any_sums]).tolist()
+        self.exit_loss = exits / grad_accum if self.layer_skip.exits else None
         regs, drafts = rest[:len(REGULARIZERS)], rest[len(REGULARIZERS):]
         logged = {"top1": self.taught_drafts and self.any_depth.top1_weight > 0,
                   "gate": self.gated, "kl": self.taught_drafts, "lm": self.taught_drafts}
@@ -150,6 +164,8 @@ class StepObjective:
         out: dict = {**self.regularizers, **self.any_depth_terms}
         if self.distill is not None:
             out["distill"] = self.distill
+        if self.exit_loss is not None:
+            out["exit_loss"] = self.exit_loss
         if self.solve_reg.steer:
             out["ode_t1"] = self.solve_reg.end_time(step - 1)
         if self.draw is None:

@@ -1,0 +1,60 @@
+"""LayerSkip's training recipe for a discrete stack ([train.layer_skip],
+config/layer_skip.py): layer dropout rising with depth, set on the stack for the run, and an
+early-exit loss, the cross-entropy of each exit layer's output through the model's own final
+norm and head. Both serve ``--draft-layers``: the first layers learn to predict what the whole
+stack predicts, and the later layers to refine rather than rewrite."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerSkip:
+    def __init__(self, model, t):
+        self.model = model
+        cfg = t.layer_skip
+        self.enabled = cfg.enabled
+        layers = model.config.num_layers
+        self.exits = cfg.exits(layers) if self.enabled else []
+        self.weight = float(cfg.exit_weight)
+        total = sum(self.exits)
+        self.exit_share = [n / total for n in self.exits]  # deeper exits weigh more
+        if self.enabled and cfg.dropout > 0:
+            model.depth.layer_drop = [cfg.dropout * i / (layers - 1) for i in range(layers)]
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Yields the list that receives each layer's output in the forward run inside the
+        block (empty when no exit is trained)."""
+        outputs: list[torch.Tensor] = []
+        if not self.exits:
+            yield outputs
+            return
+        self.model.depth.record = outputs
+        try:
+            yield outputs
+        finally:
+            self.model.depth.record = None
+
+    def exit_loss(self, outputs: list[torch.Tensor], targets: torch.Tensor
+                  ) -> torch.Tensor | None:
+        """The depth-weighted mean over the exits of the cross-entropy of ``outputs[n - 1]``
+        (the first n layers' output) through the final norm and head, at the targets that
+        are not -1; None when no exit is trained."""
+        if not self.exits:
+            return None
+        if len(outputs) != self.model.config.num_layers:
+            raise RuntimeError(f"train.layer_skip: the forward recorded {len(outputs)} layer "
+                               f"outputs, not one per layer ({self.model.config.num_layers}); "
+                               f"the model's depth module did not run as a discrete stack.")
+        keep = targets >= 0
+        loss = 0.0
+        for n, share in zip(self.exits, self.exit_share):
+            logits = self.model.lm_head(self.model.norm_f(outputs[n - 1][keep]))
+            if logits.dtype in (torch.float16, torch.bfloat16):  # as the model's own loss
+                logits = logits.float()
+            loss = loss + share * F.cross_entropy(logits, targets[keep])
+        return loss
