@@ -549,6 +549,53 @@ def agreement(r: dict, results: dict) -> str | None:
     return text
 
 
+def _seeds(n: int) -> str:
+    return f"{n} seed{'s' * (n != 1)}"
+
+
+def layer_skip(r: dict, results: dict) -> str | None:
+    """The discrete stack's first-layers agreement with LayerSkip's recipe against without,
+    the loss it costs, and what speculative decoding with --draft-layers gains on it."""
+    rows = {(x["model"], x["draft"]): x for x in r.get("rows", [])}
+    base, ls = rows.get(("transformer_baby", "layers:1")), rows.get(("transformer_layerskip",
+                                                                     "layers:1"))
+    if not base or not ls:
+        return None
+    parts = []
+    for draft in ("layers:1", "layers:2"):
+        a, b = rows.get(("transformer_baby", draft)), rows.get(("transformer_layerskip", draft))
+        if a and b:
+            n = int(draft.split(":")[1])
+            parts.append(f"{'its first layer' if n == 1 else f'its first {n} layers'} from "
+                         f"{100 * a['agreement']:.0f}% to {100 * b['agreement']:.0f}%")
+    text = (f"LayerSkip's recipe raises the greedy agreement of the baby GPT's first layers "
+            f"with all four, {' and '.join(parts)} ({_seeds(base['seeds'])} without it, "
+            f"{_seeds(ls['seeds'])} with it; means), for {ls['own_loss'] - base['own_loss']:+.4f} in the whole "
+            f"stack's validation loss ({base['own_loss']:.4f} to {ls['own_loss']:.4f}, "
+            f"{100 * (ls['own_loss'] / base['own_loss'] - 1):+.1f}%).")
+    spec = results.get("speculative_layerskip")
+    models = {m["name"]: m for m in (spec or {}).get("models", [])}
+    trained = [m for name, m in models.items() if name.startswith("layerskip")]
+    if trained:
+        target = 1.5
+        said = []
+        for d in ("greedy", "sampled"):
+            best, speedup, _ = findings.speculative_best(trained[0], d)
+            said.append(f"{speedup:.2f}x {d} ({best['draft']}, k {best['k']}, "
+                        f"{100 * best['acceptance']:.0f}% kept)")
+        verdict = "met" if max(x for x in (findings.speculative_best(trained[0], d)[1]
+                                           for d in ("greedy", "sampled"))) >= target \
+            else "missed"
+        text += (f" Drafting with its first layers then runs at {' and '.join(said)} plain "
+                 f"cached decoding (target {target}x: {verdict})")
+        untrained = [m for name, m in models.items() if name.startswith("transformer_baby")]
+        if untrained:
+            s = findings.speculative_best(untrained[0], "greedy")[1]
+            text += f", against {s:.2f}x greedy on the baby GPT trained without it"
+        text += "."
+    return text
+
+
 def gate_exit(r: dict, results: dict) -> str | None:
     """The most evaluations the learned gate saves within 0.5% of full depth's loss, against
     the state criterion's on the same model."""

@@ -389,6 +389,39 @@ def any_depth(results: dict) -> str | None:
 FINDINGS.insert(FINDINGS.index(speculative) + 1, any_depth)
 
 
+def layer_skip(results: dict) -> str | None:
+    r = results.get("agreement")
+    rows = {(x["model"], x["draft"]): x for x in (r or {}).get("rows", [])}
+    a, b = rows.get(("transformer_baby", "layers:1")), rows.get(("transformer_layerskip",
+                                                                 "layers:1"))
+    if a is None or b is None:
+        return None
+    spec = ""
+    s = results.get("speculative_layerskip")
+    m = next((m for m in (s or {}).get("models", []) if m["name"].startswith("layerskip")),
+             None)
+    if m is not None:
+        (g, gx, _), (sm, sx, _) = (speculative_best(m, d) for d in ("greedy", "sampled"))
+        base = next((x for x in s["models"] if x["name"].startswith("transformer_baby")), None)
+        untrained = (f", against {speculative_best(base, 'greedy')[1]:.2f}x for the stack "
+                     f"trained without it" if base is not None else "")
+        spec = (f"; drafting with its first layer it decodes at {gx:.2f}x plain cached "
+                f"decoding greedy (the same tokens, {100 * g['acceptance']:.0f}% kept) and "
+                f"{sx:.2f}x sampled{untrained} (target 1.5x: "
+                f"{'met' if max(gx, sx) >= 1.5 else 'missed'})")
+    return (f"**A discrete stack trained with LayerSkip's recipe drafts for itself**: with "
+            f"train.layer_skip (layer dropout rising with depth, an early-exit loss through the "
+            f"shared head) the first of the baby GPT's 4 layers gives the whole stack's greedy "
+            f"token at {100 * b['agreement']:.0f}% of positions against "
+            f"{100 * a['agreement']:.0f}% without it, for "
+            f"{100 * (b['own_loss'] / a['own_loss'] - 1):+.1f}% in validation loss (Tiny "
+            f"Shakespeare; {b['seeds']} seed{'s' * (b['seeds'] != 1)} each){spec} (2 CPU cores). "
+            f"[Any depth]({PAGE}#one-model-trained-to-be-turned)")
+
+
+FINDINGS.insert(FINDINGS.index(any_depth) + 1, layer_skip)
+
+
 def serve(results: dict) -> str | None:
     r = results.get("serve")
     rows = {x["clients"]: x for x in (r or {}).get("rows", []) if "NFE" not in x["depths"]}

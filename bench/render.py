@@ -663,6 +663,8 @@ ANYTIME_SHOWN = ("ode_euler", "ode_rk4", "ode_euler-lr2e-3", "ode_rk4-lr2e-3",
 # bench/agreement.py's default list; the rest on the ablations page
 AGREEMENT_DISTILLED = "ode_elastic_dial_capped-cw1.0-kd1.0t5e-3-lr2e-3"
 AGREEMENT_DRAFTS = ("euler:1", "euler:2", "euler:4", "rk4:1", "rk4:2")
+# the discrete stacks of the agreement section (first-layers drafts), a table of their own
+LAYERED = ("transformer_baby", "transformer_layerskip")
 # bench/<key>.py records shown as one section each: (key, title); their prose is
 # bench/pages/results/bench.md plus bench/pages/results/<key>.md when there is one
 BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
@@ -841,6 +843,8 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             shown = ("ode_rk4", "ode_elastic_dial", AGREEMENT_DISTILLED, "ode_any_depth")
             table, others = page.split_table(
                 r["table"], lambda cells: cells[0] in shown and cells[2] in AGREEMENT_DRAFTS)
+            # the discrete stacks drafting with their first layers: a table of their own
+            layered, others = page.split_table(others, lambda cells: cells[0] in LAYERED)
             if others:
                 notes += [f"Every other model and draft: [the ablations page]"
                           f"({ablation('agreement', table=others, command=r['command'])}).", ""]
@@ -878,6 +882,21 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                outside=outside_field(spec),
                                rows=ablation("speculative_any_depth", command=spec["command"],
                                              tables="\n\n".join(tables)))
+        if key == "agreement" and layered:
+            spec = results.get("speculative_layerskip")
+            said = ""
+            if spec:
+                tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
+                          for m in spec.get("models", [])]
+                said = (f"What it buys when generating, the fastest row per model and decoding "
+                        f"against plain cached decoding's median rate (`{spec['command']}` — "
+                        f"{spec['setup']}):\n\n{speculative_table(spec)}\n\n"
+                        f"Every row: [the ablations page]("
+                        + ablation("speculative_layerskip", command=spec["command"],
+                                   tables="\n\n".join(tables)) + ").")
+            notes += page.fill("results/agreement.layerskip", table=layered,
+                               conclusion=conclusions.layer_skip(r, results) or "",
+                               speculative=said)
         if key == "serve":
             notes += page.fill("results/serve", depth_table=r["depth_table"],
                                turn_table=r["turn_table"], **serve_notes(r))
