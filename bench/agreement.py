@@ -58,8 +58,9 @@ TRAINED = {
                                              f"train.seed=1337 --set train.lr=5e-3 "
                                              f"--set train.min_lr=5e-4",
     # ode_rk4.toml at its best learning rate (bench/lr_sweep.py)
-    "runs/agreement/ode_rk4_lr2e-3_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
-                                           f"--set train.lr=2e-3 --set train.min_lr=2e-4",
+    **{f"runs/agreement/ode_rk4_lr2e-3_s{s}": f"--config {SH}/ode_rk4.toml --set train.seed={s} "
+                                              f"--set train.lr=2e-3 --set train.min_lr=2e-4"
+       for s in SEEDS},
     # bench/gate_exit.py's and bench/truncated_backprop.py's runs
     "runs/agreement/any_depth_gate_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                            f"train.seed=1337 --set model.exit_gate=true --set "
@@ -67,10 +68,11 @@ TRAINED = {
     "runs/agreement/ode_rk4_bp1_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
                                         f"--set train.any_depth.backprop_steps=1",
     # the quality gap: a lighter KL term, or the term on every other step (lr 2e-3)
-    "runs/agreement/any_depth_w0.5_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
-                                                  f"train.seed=1337 --set train.lr=2e-3 --set "
-                                                  f"train.min_lr=2e-4 --set "
-                                                  f"train.any_depth.weight=0.5",
+    **{f"runs/agreement/any_depth_w{w}_lr2e-3_s{s}": f"--config {SH}/ode_any_depth.toml --set "
+                                                     f"train.seed={s} --set train.lr=2e-3 --set "
+                                                     f"train.min_lr=2e-4 --set "
+                                                     f"train.any_depth.weight={w}"
+       for s in SEEDS for w in ("0.5", "0.7")},
     "runs/agreement/any_depth_every2_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                                     f"train.seed=1337 --set train.lr=2e-3 --set "
                                                     f"train.min_lr=2e-4 --set "

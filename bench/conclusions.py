@@ -593,6 +593,23 @@ def layer_skip(r: dict, results: dict) -> str | None:
             s = findings.speculative_best(untrained[0], "greedy")[1]
             text += f", against {s:.2f}x greedy on the baby GPT trained without it"
         text += "."
+        best = findings.speculative_best(trained[0], "greedy")[0]
+        if "outside_field" in best:
+            text += (f" What bounds it: a drafted token pays the embedding, final norm, head "
+                     f"and Python of a whole token for one layer's work, so the fastest greedy "
+                     f"row spends {100 * best['outside_field']:.0f}% of its time outside the "
+                     f"layers against {100 * best['plain_outside_field']:.0f}% in plain "
+                     f"decoding.")
+    deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
+    deep_spec = {m["name"]: m for m in (results.get("speculative_layerskip12") or {}).get(
+        "models", [])}
+    deep_trained = [m for name, m in deep_spec.items() if name.startswith("layerskip")]
+    if deep and deep_trained:
+        best, speedup, _ = findings.speculative_best(deep_trained[0], "greedy")
+        text += (f" Twelve layers of the same width give the drafts more to stand in for but "
+                 f"agree less per layer: the recipe's first 3 layers agree at "
+                 f"{100 * deep['agreement']:.0f}%, and drafting runs at {speedup:.2f}x greedy "
+                 f"at best ({best['draft']}, k {best['k']}).")
     return text
 
 

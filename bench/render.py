@@ -886,13 +886,17 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             spec = results.get("speculative_layerskip")
             said = ""
             if spec:
+                # the 4-layer stacks here; the 12-layer ones (speculative_layerskip12) with
+                # every row on the ablations page
+                specs = [x for x in (spec, results.get("speculative_layerskip12")) if x]
                 tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
-                          for m in spec.get("models", [])]
+                          for x in specs for m in x.get("models", [])]
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "
                         f"{spec['setup']}):\n\n{speculative_table(spec)}\n\n"
-                        f"Every row: [the ablations page]("
-                        + ablation("speculative_layerskip", command=spec["command"],
+                        f"Every row, and the 12-layer stacks: [the ablations page]("
+                        + ablation("speculative_layerskip",
+                                   command=" && ".join(x["command"] for x in specs),
                                    tables="\n\n".join(tables)) + ").")
             notes += page.fill("results/agreement.layerskip", table=layered,
                                conclusion=conclusions.layer_skip(r, results) or "",
