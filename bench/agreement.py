@@ -83,6 +83,11 @@ TRAINED = {
                                         "'train.any_depth.drafts=[\"euler:1\", \"euler:2\", "
                                         "\"rk4:1\"]'",
     "runs/agreement/ptb_ode_rk4_s42": "--config configs/ptb/ode_rk4.toml",
+    # ... with a finer solve among the drafts (RK4 x 8 also taught the own solve's
+    # distribution), for the loss past the own solve
+    "runs/agreement/ptb_any_depth_fine_s42": "--config configs/ptb/ode_rk4.toml --set "
+                                             "'train.any_depth.drafts=[\"euler:1\", "
+                                             "\"euler:2\", \"rk4:1\", \"rk4:8\"]'",
     # discrete stacks drafting with their first layers: nanoGPT's baby GPT, and the same
     # trained with [train.layer_skip] (transformer_layerskip.toml), and its variants
     **{f"runs/agreement/transformer_baby_s{s}": f"--config {SH}/transformer_baby.toml "

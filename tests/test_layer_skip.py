@@ -192,3 +192,24 @@ def test_first_layers_agreement_equals_a_position_by_position_count():
     assert 0 < same < total
     with pytest.raises(ValueError, match="from 1 to 2"):
         agreement(model, data, 12, [("layers", 3)], torch.device("cpu"))
+
+
+def test_a_resumed_run_skips_and_exits_as_the_uninterrupted_one(tmp_path):
+    """The layer dropout draws from the global generator, which checkpoints keep: a run cut at
+    step 3 and resumed logs the uninterrupted run's losses and exit losses, bit for bit."""
+    from continuumlm.train import Trainer
+    from continuumlm.train.logging import read_metrics
+
+    corpus = write_tiny_corpus(tmp_path / "tiny.txt")
+    sets = ["data.dataset=text", f'data.path="{corpus}"', *BASE, "train.max_steps=6",
+            "train.lr_decay_steps=6", "train.checkpoint_interval=3", "train.eval_interval=3",
+            "train.log_interval=1", "train.layer_skip.dropout=0.5",
+            "train.layer_skip.exit_weight=1"]
+    Trainer(load_config(None, sets), tmp_path / "full", quiet=True).run()
+    Trainer(load_config(None, [*sets, "train.max_steps=3"]), tmp_path / "cut", quiet=True).run()
+    Trainer(load_config(None, sets), tmp_path / "cut", resume=True, quiet=True).run()
+
+    def logged(run):
+        return {e["step"]: (e["loss"], e["exit_loss"]) for e in read_metrics(run) if "loss" in e}
+    full, cut = logged(tmp_path / "full"), logged(tmp_path / "cut")
+    assert [full[s] for s in range(4, 7)] == [cut[s] for s in range(4, 7)]
