@@ -250,15 +250,26 @@ def speculative_best(m: dict, decoding: str, mode: str = "eager"
                      ) -> tuple[dict, float, float]:
     """(the fastest row of ``decoding`` and ``mode`` (eager or compiled; records without the
     field are eager) for model record ``m``, its speed-up over plain cached decoding's
-    median rate across the model's rows of that mode, that median). Plain decoding is timed
-    beside every row, and its rate moves by +-15% between rows on a shared 2-core machine, so
-    the median is the steadier reference."""
+    median rate across the model's rows of that mode and decoding, that median). Plain
+    decoding is timed beside every row, and its rate moves by +-15% between rows on a shared
+    2-core machine, so the median is the steadier reference; plain sampling is slower than
+    plain greedy decoding (the softmax, top-k and draw per token), so each is its own
+    reference."""
     import statistics
 
-    rows = [x for x in m["rows"] if x.get("mode", "eager") == mode]
+    rows = [x for x in m["rows"] if x.get("mode", "eager") == mode
+            and x["decoding"] == decoding]
     plain = statistics.median(x["plain_tok_s"] for x in rows)
-    best = max((x for x in rows if x["decoding"] == decoding), key=lambda x: x["tok_s"])
+    best = max(rows, key=lambda x: x["tok_s"])
     return best, best["tok_s"] / plain, plain
+
+
+def median_seed(models: list[dict], decoding: str) -> tuple[float, float, float, dict]:
+    """(the median over ``models`` (one record per seed) of each one's best speed-up for
+    ``decoding`` (speculative_best), the lowest, the highest, the median seed's best row)."""
+    best = sorted((speculative_best(m, decoding)[1], i) for i, m in enumerate(models))
+    speedup, i = best[(len(best) - 1) // 2]
+    return speedup, best[0][0], best[-1][0], speculative_best(models[i], decoding)[0]
 
 
 def speculative_modes(m: dict) -> list[str]:
@@ -398,16 +409,17 @@ def layer_skip(results: dict) -> str | None:
         return None
     spec = ""
     s = results.get("speculative_layerskip")
-    m = next((m for m in (s or {}).get("models", []) if m["name"].startswith("layerskip")),
-             None)
-    if m is not None:
-        (g, gx, _), (sm, sx, _) = (speculative_best(m, d) for d in ("greedy", "sampled"))
+    seeds = [m for m in (s or {}).get("models", []) if m["name"].startswith("layerskip")]
+    if seeds:
+        gx, glo, ghi, g = median_seed(seeds, "greedy")
+        sx, slo, shi, _ = median_seed(seeds, "sampled")
         base = next((x for x in s["models"] if x["name"].startswith("transformer_baby")), None)
-        untrained = (f", against {speculative_best(base, 'greedy')[1]:.2f}x for the stack "
-                     f"trained without it" if base is not None else "")
-        spec = (f"; drafting with its first layer it decodes at {gx:.2f}x plain cached "
-                f"decoding greedy (the same tokens, {100 * g['acceptance']:.0f}% kept) and "
-                f"{sx:.2f}x sampled{untrained} (target 1.5x: "
+        untrained = (f", against {speculative_best(base, 'greedy')[1]:.2f}x greedy for the "
+                     f"stack trained without it" if base is not None else "")
+        spec = (f"; drafting with its first layers it decodes at {gx:.2f}x plain cached "
+                f"decoding greedy (the same tokens; the median of {len(seeds)} seeds, "
+                f"{glo:.2f}-{ghi:.2f}x; {g['draft']}, {100 * g['acceptance']:.0f}% kept) and "
+                f"{sx:.2f}x sampled ({slo:.2f}-{shi:.2f}x){untrained} (target 1.5x: "
                 f"{'met' if max(gx, sx) >= 1.5 else 'missed'})")
     return (f"**A discrete stack trained with LayerSkip's recipe drafts for itself**: with "
             f"train.layer_skip (layer dropout rising with depth, an early-exit loss through the "
