@@ -100,6 +100,12 @@ TRAINED = {
                                                 f"--set train.layer_skip.exit_weight=0",
     "runs/agreement/layerskip_e0.3_s1337": f"--config {SH}/transformer_layerskip.toml "
                                            f"--set train.layer_skip.exit_weight=0.3",
+    "runs/agreement/layerskip_e2_s1337": f"--config {SH}/transformer_layerskip.toml "
+                                         f"--set train.layer_skip.exit_weight=2.0",
+    "runs/agreement/layerskip_d0.3_s1337": f"--config {SH}/transformer_layerskip.toml "
+                                           f"--set train.layer_skip.dropout=0.3",
+    "runs/agreement/layerskip_x1_s1337": f"--config {SH}/transformer_layerskip.toml "
+                                         f"--set train.layer_skip.exit_layers=[1]",
     # 12 layers of the same width: more layers for the first ones to stand in for
     "runs/agreement/transformer12_s1337": f"--config {SH}/transformer_baby.toml --set "
                                           f"model.num_layers=12",

@@ -546,6 +546,39 @@ def agreement(r: dict, results: dict) -> str | None:
                  f"{100 * (b2['own_loss'] / a2['own_loss'] - 1):+.1f}% (target +0.5%), at "
                  f"{100 * b2['agreement']:.0f}% agreement for Euler x 1"
                  + (f" and {100 * b24['agreement']:.0f}% for RK4 x 1" if b24 else "") + ".")
+    light = [name for name in ("ode_any_depth-w0.5-lr2e-3", "ode_any_depth-w0.7-lr2e-3")
+             if (name, "euler:1") in rows]
+    if a2 and light:
+        said = []
+        for name in light:
+            w = name.split("-w")[1].split("-")[0]
+            e1, r1 = rows[(name, "euler:1")], rows.get((name, "rk4:1"))
+            said.append(f"weight {w} ({count(e1['seeds'])}) reads {e1['own_loss']:.4f}, "
+                        f"{100 * (e1['own_loss'] / a2['own_loss'] - 1):+.1f}%, at "
+                        f"{100 * e1['agreement']:.0f}% for Euler x 1"
+                        + (f" and {100 * r1['agreement']:.0f}% for RK4 x 1" if r1 else ""))
+        text += (f" A lighter KL term trades agreement for quality: at lr 2e-3, "
+                 f"{'; '.join(said)} (targets: +0.5%, 75% and 90%).")
+    ptb = [(name, label) for name, label in (("ptb_ode_rk4", "ode_rk4 trained alone"),
+                                              ("ptb_ode_any_depth", "the recipe"),
+                                              ("ptb_ode_any_depth-fine",
+                                               "the recipe with RK4 x 8 among the drafts"))
+           if (name, "euler:1") in rows]
+    if ptb:
+        curves = []
+        for name, label in ptb:
+            drafts = sorted((x for (m, _), x in rows.items() if m == name),
+                            key=lambda x: (x["nfe"], x["draft"]))
+            own = drafts[0]["own_loss"]
+            finer = [x for x in drafts if x["nfe"] > 16]
+            worst = max(finer, key=lambda x: x["loss"]) if finer else None
+            curves.append(f"{label} ({count(drafts[0]['seeds'])}): NFE 1 {drafts[0]['loss']:.4f}, "
+                          f"own (NFE 16) {own:.4f}"
+                          + (f", {worst['draft'].replace(':', ' x ')} (NFE {worst['nfe']}) "
+                             f"{worst['loss']:.4f} ({worst['loss'] - own:+.4f})" if worst else ""))
+        text += (" On other text, Penn Treebank words (configs/ptb/ode_rk4.toml's model and "
+                 "budget), the validation loss against the solve reads: " + "; ".join(curves)
+                 + " (every solve on the ablations page's table).")
     return text
 
 
@@ -601,6 +634,16 @@ def layer_skip(r: dict, results: dict) -> str | None:
                      f"row spends {100 * best['outside_field']:.0f}% of its time outside the "
                      f"layers against {100 * best['plain_outside_field']:.0f}% in plain "
                      f"decoding.")
+    one = rows.get(("transformer_layerskip-exit-at-1", "layers:1"))
+    variants = {m["name"]: m for m in (results.get("speculative_layerskip_variants") or {}).get(
+        "models", [])}
+    at1 = next((m for name, m in variants.items() if name.startswith("layerskip_x1")), None)
+    if one and at1:
+        g, s_ = (findings.speculative_best(at1, d)[1] for d in ("greedy", "sampled"))
+        text += (f" Putting the whole exit loss after the first layer (exit_layers = [1], 1 "
+                 f"seed), the layer the drafts use, raises its agreement to "
+                 f"{100 * one['agreement']:.0f}% at {one['own_loss']:.4f} for the whole stack, "
+                 f"and drafting to {g:.2f}x greedy and {s_:.2f}x sampled.")
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
     deep_spec = {m["name"]: m for m in (results.get("speculative_layerskip12") or {}).get(
         "models", [])}

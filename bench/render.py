@@ -888,13 +888,15 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             if spec:
                 # the 4-layer stacks here; the 12-layer ones (speculative_layerskip12) with
                 # every row on the ablations page
-                specs = [x for x in (spec, results.get("speculative_layerskip12")) if x]
+                specs = [x for x in (spec, results.get("speculative_layerskip12"),
+                                     results.get("speculative_layerskip_variants")) if x]
                 tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
                           for x in specs for m in x.get("models", [])]
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "
                         f"{spec['setup']}):\n\n{speculative_table(spec)}\n\n"
-                        f"Every row, and the 12-layer stacks: [the ablations page]("
+                        f"Every row, the recipe's variants and the 12-layer stacks: [the "
+                        f"ablations page]("
                         + ablation("speculative_layerskip",
                                    command=" && ".join(x["command"] for x in specs),
                                    tables="\n\n".join(tables)) + ").")
