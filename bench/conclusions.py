@@ -552,11 +552,12 @@ def agreement(r: dict, results: dict) -> str | None:
         said = []
         for name in light:
             w = name.split("-w")[1].split("-")[0]
-            e1, r1 = rows[(name, "euler:1")], rows.get((name, "rk4:1"))
+            e1, r1, e4 = (rows.get((name, d)) for d in ("euler:1", "rk4:1", "euler:4"))
             said.append(f"weight {w} ({count(e1['seeds'])}) reads {e1['own_loss']:.4f}, "
                         f"{100 * (e1['own_loss'] / a2['own_loss'] - 1):+.1f}%, at "
-                        f"{100 * e1['agreement']:.0f}% for Euler x 1"
-                        + (f" and {100 * r1['agreement']:.0f}% for RK4 x 1" if r1 else ""))
+                        f"{100 * e1['agreement']:.1f}% for Euler x 1"
+                        + (f", {100 * r1['agreement']:.1f}% for RK4 x 1" if r1 else "")
+                        + (f" and {100 * e4['agreement']:.1f}% for Euler x 4" if e4 else ""))
         text += (f" A lighter KL term trades agreement for quality: at lr 2e-3, "
                  f"{'; '.join(said)} (targets: +0.5%, 75% and 90%).")
     ptb = [(name, label) for name, label in (("ptb_ode_rk4", "ode_rk4 trained alone"),
