@@ -77,6 +77,13 @@ TRAINED = {
                                                     f"train.seed=1337 --set train.lr=2e-3 --set "
                                                     f"train.min_lr=2e-4 --set "
                                                     f"train.any_depth.every=2",
+    # ... and weight 0.7 with a finer solve among the drafts (RK4 x 8, as on PTB below)
+    "runs/agreement/any_depth_w0.7_fine_lr2e-3_s1337": f"--config {SH}/ode_any_depth.toml --set "
+                                                       f"train.seed=1337 --set train.lr=2e-3 "
+                                                       f"--set train.min_lr=2e-4 --set "
+                                                       f"train.any_depth.weight=0.7 --set "
+                                                       "'train.any_depth.drafts=[\"euler:1\", "
+                                                       "\"euler:2\", \"rk4:1\", \"rk4:8\"]'",
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "

@@ -546,14 +546,16 @@ def agreement(r: dict, results: dict) -> str | None:
                  f"{100 * (b2['own_loss'] / a2['own_loss'] - 1):+.1f}% (target +0.5%), at "
                  f"{100 * b2['agreement']:.0f}% agreement for Euler x 1"
                  + (f" and {100 * b24['agreement']:.0f}% for RK4 x 1" if b24 else "") + ".")
-    light = [name for name in ("ode_any_depth-w0.5-lr2e-3", "ode_any_depth-w0.7-lr2e-3")
+    light = [name for name in ("ode_any_depth-w0.5-lr2e-3", "ode_any_depth-w0.7-lr2e-3",
+                               "ode_any_depth-w0.7-fine-lr2e-3")
              if (name, "euler:1") in rows]
     if a2 and light:
         said = []
         for name in light:
             w = name.split("-w")[1].split("-")[0]
             e1, r1, e4 = (rows.get((name, d)) for d in ("euler:1", "rk4:1", "euler:4"))
-            said.append(f"weight {w} ({count(e1['seeds'])}) reads {e1['own_loss']:.4f}, "
+            fine = " with RK4 x 8 among the drafts" if "-fine" in name else ""
+            said.append(f"weight {w}{fine} ({count(e1['seeds'])}) reads {e1['own_loss']:.4f}, "
                         f"{100 * (e1['own_loss'] / a2['own_loss'] - 1):+.1f}%, at "
                         f"{100 * e1['agreement']:.1f}% for Euler x 1"
                         + (f", {100 * r1['agreement']:.1f}% for RK4 x 1" if r1 else "")
