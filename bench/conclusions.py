@@ -585,6 +585,12 @@ def agreement(r: dict, results: dict) -> str | None:
     return text
 
 
+def _speculative_model(results: dict, record: str, prefix: str) -> dict | None:
+    """The first model of a bench/speculative.py record whose name starts with ``prefix``."""
+    return next((m for m in (results.get(record) or {}).get("models", [])
+                 if m["name"].startswith(prefix)), None)
+
+
 def _seeds(n: int) -> str:
     return f"{n} seed{'s' * (n != 1)}"
 
@@ -633,14 +639,12 @@ def layer_skip(r: dict, results: dict) -> str | None:
         best = findings.median_seed(trained, "greedy")[3]
         if "outside_field" in best:
             text += (f" What bounds it: a drafted token pays the embedding, final norm, head "
-                     f"and Python of a whole token for one layer's work, so the fastest greedy "
-                     f"row spends {100 * best['outside_field']:.0f}% of its time outside the "
+                     f"and Python of a whole token for one layer's work, so the median seed's "
+                     f"fastest greedy row spends {100 * best['outside_field']:.0f}% of its time outside the "
                      f"layers against {100 * best['plain_outside_field']:.0f}% in plain "
                      f"decoding.")
     one = rows.get(("transformer_layerskip-exit-at-1", "layers:1"))
-    variants = {m["name"]: m for m in (results.get("speculative_layerskip_variants") or {}).get(
-        "models", [])}
-    at1 = next((m for name, m in variants.items() if name.startswith("layerskip_x1")), None)
+    at1 = _speculative_model(results, "speculative_layerskip_variants", "layerskip_x1")
     if one and at1:
         g, s_ = (findings.speculative_best(at1, d)[1] for d in ("greedy", "sampled"))
         text += (f" Putting the whole exit loss after the first layer (exit_layers = [1], 1 "
@@ -648,11 +652,9 @@ def layer_skip(r: dict, results: dict) -> str | None:
                  f"{100 * one['agreement']:.0f}% at {one['own_loss']:.4f} for the whole stack, "
                  f"and drafting to {g:.2f}x greedy and {s_:.2f}x sampled.")
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
-    deep_spec = {m["name"]: m for m in (results.get("speculative_layerskip12") or {}).get(
-        "models", [])}
-    deep_trained = [m for name, m in deep_spec.items() if name.startswith("layerskip")]
+    deep_trained = _speculative_model(results, "speculative_layerskip12", "layerskip")
     if deep and deep_trained:
-        best, speedup, _ = findings.speculative_best(deep_trained[0], "greedy")
+        best, speedup, _ = findings.speculative_best(deep_trained, "greedy")
         text += (f" Twelve layers of the same width give the drafts more to stand in for but "
                  f"agree less per layer: the recipe's first 3 layers agree at "
                  f"{100 * deep['agreement']:.0f}%, and drafting runs at {speedup:.2f}x greedy "
