@@ -585,12 +585,6 @@ def agreement(r: dict, results: dict) -> str | None:
     return text
 
 
-def _speculative_model(results: dict, record: str, prefix: str) -> dict | None:
-    """The first model of a bench/speculative.py record whose name starts with ``prefix``."""
-    return next((m for m in (results.get(record) or {}).get("models", [])
-                 if m["name"].startswith(prefix)), None)
-
-
 def _seeds(n: int) -> str:
     return f"{n} seed{'s' * (n != 1)}"
 
@@ -615,9 +609,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
             f"{_seeds(ls['seeds'])} with it; means), for {ls['own_loss'] - base['own_loss']:+.4f} in the whole "
             f"stack's validation loss ({base['own_loss']:.4f} to {ls['own_loss']:.4f}, "
             f"{100 * (ls['own_loss'] / base['own_loss'] - 1):+.1f}%).")
-    spec = results.get("speculative_layerskip")
-    models = {m["name"]: m for m in (spec or {}).get("models", [])}
-    trained = [m for name, m in models.items() if name.startswith("layerskip")]
+    trained = findings.speculative_models(results, "speculative_layerskip", "layerskip")
     if trained:
         target = 1.5
         said, top = [], 0.0
@@ -631,7 +623,8 @@ def layer_skip(r: dict, results: dict) -> str | None:
         text += (f" Drafting with its first layers then runs at {' and '.join(said)} plain "
                  f"cached decoding, the median of {len(trained)} seeds (target {target}x: "
                  f"{verdict})")
-        untrained = [m for name, m in models.items() if name.startswith("transformer_baby")]
+        untrained = findings.speculative_models(results, "speculative_layerskip",
+                                                "transformer_baby")
         if untrained:
             s = findings.speculative_best(untrained[0], "greedy")[1]
             text += f", against {s:.2f}x greedy on the baby GPT trained without it"
@@ -640,21 +633,21 @@ def layer_skip(r: dict, results: dict) -> str | None:
         if "outside_field" in best:
             text += (f" What bounds it: a drafted token pays the embedding, final norm, head "
                      f"and Python of a whole token for one layer's work, so the median seed's "
-                     f"fastest greedy row spends {100 * best['outside_field']:.0f}% of its time outside the "
-                     f"layers against {100 * best['plain_outside_field']:.0f}% in plain "
-                     f"decoding.")
+                     f"fastest greedy row spends {100 * best['outside_field']:.0f}% of its "
+                     f"time outside the layers against "
+                     f"{100 * best['plain_outside_field']:.0f}% in plain decoding.")
     one = rows.get(("transformer_layerskip-exit-at-1", "layers:1"))
-    at1 = _speculative_model(results, "speculative_layerskip_variants", "layerskip_x1")
+    at1 = findings.speculative_models(results, "speculative_layerskip_variants", "layerskip_x1")
     if one and at1:
-        g, s_ = (findings.speculative_best(at1, d)[1] for d in ("greedy", "sampled"))
+        g, s_ = (findings.speculative_best(at1[0], d)[1] for d in ("greedy", "sampled"))
         text += (f" Putting the whole exit loss after the first layer (exit_layers = [1], 1 "
                  f"seed), the layer the drafts use, raises its agreement to "
                  f"{100 * one['agreement']:.0f}% at {one['own_loss']:.4f} for the whole stack, "
                  f"and drafting to {g:.2f}x greedy and {s_:.2f}x sampled.")
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
-    deep_trained = _speculative_model(results, "speculative_layerskip12", "layerskip")
+    deep_trained = findings.speculative_models(results, "speculative_layerskip12", "layerskip")
     if deep and deep_trained:
-        best, speedup, _ = findings.speculative_best(deep_trained, "greedy")
+        best, speedup, _ = findings.speculative_best(deep_trained[0], "greedy")
         text += (f" Twelve layers of the same width give the drafts more to stand in for but "
                  f"agree less per layer: the recipe's first 3 layers agree at "
                  f"{100 * deep['agreement']:.0f}%, and drafting runs at {speedup:.2f}x greedy "

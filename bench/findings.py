@@ -264,6 +264,13 @@ def speculative_best(m: dict, decoding: str, mode: str = "eager"
     return best, best["tok_s"] / plain, plain
 
 
+def speculative_models(results: dict, record: str, prefix: str) -> list[dict]:
+    """The models of a bench/speculative.py record whose names start with ``prefix`` (one per
+    seed of a run family)."""
+    return [m for m in (results.get(record) or {}).get("models", [])
+            if m["name"].startswith(prefix)]
+
+
 def median_seed(models: list[dict], decoding: str) -> tuple[float, float, float, dict]:
     """(the median over ``models`` (one record per seed) of each one's best speed-up for
     ``decoding`` (speculative_best), the lowest, the highest, the median seed's best row)."""
@@ -408,14 +415,13 @@ def layer_skip(results: dict) -> str | None:
     if a is None or b is None:
         return None
     spec = ""
-    s = results.get("speculative_layerskip")
-    seeds = [m for m in (s or {}).get("models", []) if m["name"].startswith("layerskip")]
+    seeds = speculative_models(results, "speculative_layerskip", "layerskip")
     if seeds:
         gx, glo, ghi, g = median_seed(seeds, "greedy")
         sx, slo, shi, _ = median_seed(seeds, "sampled")
-        base = next((x for x in s["models"] if x["name"].startswith("transformer_baby")), None)
-        untrained = (f", against {speculative_best(base, 'greedy')[1]:.2f}x greedy for the "
-                     f"stack trained without it" if base is not None else "")
+        base = speculative_models(results, "speculative_layerskip", "transformer_baby")
+        untrained = (f", against {speculative_best(base[0], 'greedy')[1]:.2f}x greedy for the "
+                     f"stack trained without it" if base else "")
         spec = (f"; drafting with its first layers it decodes at {gx:.2f}x plain cached "
                 f"decoding greedy (the same tokens; the median of {len(seeds)} seeds, "
                 f"{glo:.2f}-{ghi:.2f}x; {g['draft']}, {100 * g['acceptance']:.0f}% kept) and "

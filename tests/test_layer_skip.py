@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import run_cli, write_tiny_corpus
 from continuumlm.config import load_config
@@ -110,7 +109,7 @@ def test_the_exit_loss_is_each_first_layers_models_loss_weighted_by_depth():
     2 * loss of the first two) / 3, each through the shared final norm and head, at the targets
     that are not -1; its gradient reaches the exits' layers and the head, never the last
     layer."""
-    from continuumlm.decoding.speculative import _FirstLayers
+    from continuumlm.decoding.speculative import FirstLayers
 
     model = _model(layers=3).train()
     skip = LayerSkip(model, config("train.layer_skip.exit_weight=2.0").train)
@@ -125,7 +124,7 @@ def test_the_exit_loss_is_each_first_layers_models_loss_weighted_by_depth():
     got = skip.exit_loss(outputs, y)
     ref = []
     for n in (1, 2):
-        with _FirstLayers(model, n).drafting():
+        with FirstLayers(model, n).drafting():
             ref.append(model(x, y)[1])
     torch.testing.assert_close(got, (1 * ref[0] + 2 * ref[1]) / 3)
     first, last = list(model.depth.layers[0].parameters()), list(model.depth.layers[2].parameters())
@@ -167,7 +166,7 @@ def test_a_run_logs_the_exit_loss_and_eval_measures_the_first_layers_agreement(t
 
 @torch.no_grad()
 def test_first_layers_agreement_equals_a_position_by_position_count():
-    from continuumlm.decoding.speculative import _FirstLayers
+    from continuumlm.decoding.speculative import FirstLayers
     from continuumlm.eval.agreement import agreement
 
     model = _model(layers=3).float().eval()
@@ -179,7 +178,7 @@ def test_first_layers_agreement_equals_a_position_by_position_count():
 
     for x, y in eval_batches(data, 12, 3):
         a = model(x)[0].double()
-        with _FirstLayers(model, 1).drafting():
+        with FirstLayers(model, 1).drafting():
             c = model(x)[0].double()
         scored = y >= 0
         p, q = a[scored].log_softmax(-1), c[scored].log_softmax(-1)

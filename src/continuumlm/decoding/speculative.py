@@ -139,7 +139,7 @@ class _Solves:
             self._put(self.full)
 
 
-class _FirstLayers:
+class FirstLayers:
     """A discrete stack drafting with its first ``n`` layers: the stack's layer list swapped
     for its first ``n`` while drafting (the draft state holds caches of those alone)."""
 
@@ -261,7 +261,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     the prompt; a round's cut-back moves that state back in place. ``freeze_block`` (the
     same for :func:`.frozen.frozen_block_decoder`): the verifying pass of ``k + 1`` tokens
     goes through the frozen step over a block, the model's state frozen after the prompt."""
-    solves = (_FirstLayers(model, draft.layers) if draft.layers is not None
+    solves = (FirstLayers(model, draft.layers) if draft.layers is not None
               else _Solves(model, draft.solver, draft.steps))
     k = 4 if draft.tokens == AUTO else draft.tokens
     start = time.perf_counter()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import eval_batches
-from ..decoding.speculative import _FirstLayers
+from ..decoding.speculative import FirstLayers
 
 
 def check_draft_of(model, solve: tuple[str, int]) -> None:
@@ -34,7 +34,7 @@ def drafting(model, solve: tuple[str, int]):
     """The model as ``solve`` drafts with, for the block only."""
     check_draft_of(model, solve)
     if solve[0] == "layers":
-        with _FirstLayers(model, solve[1]).drafting():
+        with FirstLayers(model, solve[1]).drafting():
             yield
         return
     own = (model.config.ode_solver, model.config.ode_steps, model.config.ode_grad)
