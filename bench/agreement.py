@@ -65,6 +65,13 @@ TRAINED = {
     "runs/agreement/any_depth_gate_s1337": f"--config {SH}/ode_any_depth.toml --set "
                                            f"train.seed=1337 --set model.exit_gate=true --set "
                                            f"train.any_depth.gate_weight=1.0",
+    # ... with the read-outs along the own solve taught its distribution too (step_weight)
+    **{f"runs/agreement/any_depth_gate_step{w}_s1337": f"--config {SH}/ode_any_depth.toml "
+                                                       f"--set train.seed=1337 --set "
+                                                       f"model.exit_gate=true --set "
+                                                       f"train.any_depth.gate_weight=1.0 --set "
+                                                       f"train.any_depth.step_weight={w}"
+       for w in ("0.3", "1.0")},
     "runs/agreement/ode_rk4_bp1_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
                                         f"--set train.any_depth.backprop_steps=1",
     # the quality gap: a lighter KL term, or the term on every other step (lr 2e-3)
@@ -84,6 +91,19 @@ TRAINED = {
                                                        f"train.any_depth.weight=0.7 --set "
                                                        "'train.any_depth.drafts=[\"euler:1\", "
                                                        "\"euler:2\", \"rk4:1\", \"rk4:8\"]'",
+    # the NFE-4 target: the recipe with Euler x 4 (NFE 4) as the own solve, at the fixed
+    # Euler x 4 model's best learning rate (5e-3), RK4 x 4 among the drafts for the finer solves
+    **{f"runs/agreement/any_depth_euler4_s{s}": f"--config {SH}/ode_any_depth.toml --set "
+                                                f"train.seed={s} --set model.ode_solver=euler "
+                                                f"--set train.lr=5e-3 --set train.min_lr=5e-4 "
+                                                "--set 'train.any_depth.drafts=[\"euler:1\", "
+                                                "\"euler:2\", \"rk4:4\"]'" for s in SEEDS},
+    # a KL weight between 0.7 and 1.0 at lr 2e-3
+    **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config {SH}/ode_any_depth.toml --set "
+                                                      f"train.seed={s} --set train.lr=2e-3 --set "
+                                                      f"train.min_lr=2e-4 --set "
+                                                      f"train.any_depth.weight=0.85"
+       for s in SEEDS},
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "

@@ -1,11 +1,11 @@
 """Per-token exit through the learned halting gate (model.exit_gate, trained by
-train.any_depth.gate_weight) against the state criterion, on one trained run: validation
-loss and field evaluations per token at each threshold.
+train.any_depth.gate_weight) against the state criterion, on trained runs: validation loss
+and field evaluations per token at each threshold.
 
-    python bench/gate_exit.py RUN [--max-windows N]
+    python bench/gate_exit.py RUN [RUN ...] [--max-windows N]
 
 writes bench/results/gate_exit.json (``continuumlm eval --exit-criterion C --exit-threshold
-TAU`` for each row, on evenly spread validation windows).
+TAU`` for each row, on evenly spread validation windows), rows per run.
 """
 
 from __future__ import annotations
@@ -20,27 +20,25 @@ from continuumlm.eval.perplexity import evaluate_contexts
 from continuumlm.runs import load_model_and_tokenizer
 from continuumlm.runs.checkpoint import load_run_config
 
-GRID = [("gate", t) for t in (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)] + \
+GRID = [("gate", t) for t in (0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02)] + \
        [("state", t) for t in (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("run")
-    ap.add_argument("--max-windows", type=int, default=400)
-    args = ap.parse_args()
-    model, tok, ckpt = load_model_and_tokenizer(args.run, "best")
+def measure(run: str, max_windows: int) -> list[dict]:
+    model, tok, ckpt = load_model_and_tokenizer(run, "best")
     cfg = load_run_config(ckpt)
     split = prepare_data(cfg.data, tok).splits["val"]
     device = torch.device("cpu")
     full_nfe = model.config.num_layers * model.config.ode_steps * \
         model.depth.blocks[0].solver.evals_per_step
+    name = run.rstrip("/").split("/")[-1]
 
     def row(criterion, tau):
         model.set_exit(tau, criterion) if criterion != "full" else model.set_exit(None)
         [r] = evaluate_contexts(model, split, [cfg.train.seq_len], False, device,
-                                max_windows=args.max_windows)
-        return {"criterion": criterion, "tau": tau, "val_loss": round(r["loss"], 4),
+                                max_windows=max_windows)
+        return {"model": name, "criterion": criterion, "tau": tau,
+                "val_loss": round(r["loss"], 4),
                 "nfe_per_token": round(r.get("nfe_per_token", full_nfe), 2)}
 
     rows = [row("full", None)] + [row(c, t) for c, t in GRID]
@@ -49,15 +47,24 @@ def main() -> None:
         r["loss_change"] = f"{100 * (r['val_loss'] / base - 1):+.2f}%"
         r["fewer_evaluations"] = round(full_nfe / r["nfe_per_token"], 2)
         print(r, flush=True)
-    table = markdown_table(rows, [("criterion", "criterion"), ("tau", "tau"),
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--max-windows", type=int, default=400)
+    args = ap.parse_args()
+    rows = [r for run in args.runs for r in measure(run, args.max_windows)]
+    table = markdown_table(rows, [("model", "model"), ("criterion", "criterion"), ("tau", "tau"),
                                   ("val_loss", "val loss"), ("loss_change", "vs full depth"),
                                   ("nfe_per_token", "field evaluations per token"),
                                   ("fewer_evaluations", "full / this")])
     print(table)
     write_json("gate_exit", {
-        "command": f"python bench/gate_exit.py {args.run}"
+        "command": f"python bench/gate_exit.py {' '.join(args.runs)}"
                    + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""),
-        "setup": f"{args.run}'s best checkpoint, {args.max_windows} evenly spread validation "
+        "setup": f"each run's best checkpoint, {args.max_windows} evenly spread validation "
                  f"windows of its training context; {machine()}",
         "rows": rows, "table": table})
 

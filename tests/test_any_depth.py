@@ -268,3 +268,63 @@ def test_the_gate_learns_whether_each_step_already_has_the_final_greedy_token(tm
     Trainer(run_cfg, tmp_path / "run", quiet=True).run()
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["any_depth_gate"] > 0 for r in rows if "loss" in r)
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["train.any_depth.step_weight=-1"], "step_weight must be >= 0"),
+    (["train.any_depth.step_weight=1", "model.ode_steps=1"], "2 or more steps"),
+    (["train.any_depth.step_weight=1", "model.depth=discrete"], "2 or more steps"),
+    (["train.any_depth.step_weight=1", "model.ode_grad=adjoint"], "'direct' or 'checkpoint'"),
+])
+def test_bad_step_read_out_settings_are_refused_by_name(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        config(*sets)
+
+
+def test_the_step_read_outs_learn_the_own_solves_distribution(tmp_path):
+    """step_loss: the mean over the own solve's states between steps of KL(own || read-out),
+    equal to a hand computation in float64 on an awkward shape; its gradient is that of the
+    hand computation with the own distribution detached (so the last step's own read-out gets
+    none through the target); a run logs it, and a run without it logs nothing of it."""
+    from continuumlm.model.extras import SolveExtras
+    from continuumlm.testing import small_model
+    from continuumlm.train import Trainer
+
+    cfg = config("train.any_depth.step_weight=0.5")
+    torch.manual_seed(3)
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=3, num_layers=2).double().train()
+    x = torch.randint(0, 37, (3, 5))
+    model.depth.extras = SolveExtras(readout=True)
+    try:
+        logits, _ = model(x)
+    finally:
+        model.depth.extras = None
+    states = model.depth.last_step_states
+    assert len(states) == 4  # 2 blocks, after steps 1 and 2 of 3
+    loss = AnyDepth(model, cfg.train).step_loss(logits)
+    own = logits.detach().double().softmax(-1)
+    ref = torch.stack([
+        (own * (own.log() - model.lm_head(model.norm_f(h)).double().log_softmax(-1))).sum(-1)
+        .mean() for h in states]).mean()
+    torch.testing.assert_close(loss.double(), ref)
+    params = [p for p in model.parameters()]
+    got = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    want = torch.autograd.grad(ref, params, allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g.double(), w)
+    assert any(g is not None and g.abs().sum() > 0 for g in got)
+
+    corpus = write_tiny_corpus(tmp_path / "tiny.txt")
+    for name, extra in (("with", ["train.any_depth.step_weight=0.5"]), ("without", [])):
+        run_cfg = load_config(None, ["data.dataset=text", f'data.path="{corpus}"', *BASE,
+                                     *extra])
+        Trainer(run_cfg, tmp_path / name, quiet=True).run()
+        rows = [json.loads(r) for r in
+                (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "loss" in r]
+        if extra:
+            assert steps and all(r["any_depth_step"] > 0 for r in steps)
+        else:
+            assert not any("any_depth_step" in r for r in rows)

@@ -58,6 +58,12 @@ class AnyDepthConfig:
     binary cross-entropy, whether its read-out's greedy token already equals the own solve's
     (the gate alone learns from it: the model is unchanged by it). Logged as
     "any_depth_gate"."""
+    step_weight: float = 0.0
+    """Teach the read-outs along the own solve too: this weight times the mean, over the states
+    between the own solve's solver steps (every ODE block's), of KL(own || read-out), the
+    read-out being the state through the final norm and head (what per-token exit reads when
+    a token stops after that step), the own distribution detached. What an exit after an early
+    step needs: states that already read as the own solve. Logged as "any_depth_step"."""
     backprop_steps: int | None = None
     """Truncated backpropagation through depth: each ODE block's solve runs its first
     n - backprop_steps solver steps without autograd and backpropagates through the last
@@ -79,7 +85,7 @@ class AnyDepthConfig:
         solves = self.solves()
         if len(set(solves)) != len(solves):
             raise ConfigError(f"train.any_depth.drafts lists a solve twice: {self.drafts}.")
-        for name in ("weight", "lm_weight", "top1_weight", "gate_weight"):
+        for name in ("weight", "lm_weight", "top1_weight", "gate_weight", "step_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"train.any_depth.{name} must be >= 0, got "
                                   f"{getattr(self, name)}.")
@@ -107,11 +113,18 @@ class AnyDepthConfig:
             raise ConfigError("train.any_depth.gate_weight trains the model's halting gate, "
                               "and this model has none: set model.exit_gate = true, or leave "
                               "gate_weight out.")
-        if self.gate_weight > 0 and m.ode_grad not in ("direct", "checkpoint"):
-            # the gate reads the states between solver steps, which these modes keep
-            raise ConfigError(f"train.any_depth.gate_weight reads the states between solver "
-                              f"steps, which model.ode_grad = 'direct' or 'checkpoint' keep; "
-                              f"not {m.ode_grad!r}.")
+        for name in ("gate_weight", "step_weight"):
+            if getattr(self, name) > 0 and m.ode_grad not in ("direct", "checkpoint"):
+                # the gate and the step read-outs read the states between solver steps,
+                # which these modes keep
+                raise ConfigError(f"train.any_depth.{name} reads the states between solver "
+                                  f"steps, which model.ode_grad = 'direct' or 'checkpoint' "
+                                  f"keep; not {m.ode_grad!r}.")
+        if self.step_weight > 0 and (m.depth != "ode" or m.ode_steps < 2):
+            raise ConfigError(f"train.any_depth.step_weight teaches the read-outs of the states "
+                              f"between an ODE solve's steps, and this model has none "
+                              f"(depth = {m.depth!r}, ode_steps = {m.ode_steps}); use an ODE "
+                              f"model of 2 or more steps, or leave step_weight out.")
         if not self.enabled:
             return
         if m.depth != "ode":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
 from .elastic import ElasticDepth
@@ -28,6 +29,7 @@ class AnyDepth:
         self.weight, self.lm_weight = float(cfg.weight), float(cfg.lm_weight)
         self.top1_weight = float(cfg.top1_weight)
         self.gate_weight = float(cfg.gate_weight)
+        self.step_weight = float(cfg.step_weight)
         if self.enabled and torch.distributed.is_available() \
                 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # DDP reduces gradients for one forward per backward; a coarse solve's forward
@@ -96,6 +98,26 @@ class AnyDepth:
         for f, label in zip(feats, labels):
             logit = model.exit_gate(f).squeeze(-1).float()
             losses.append(F.binary_cross_entropy_with_logits(logit, label))
+        return torch.stack(losses).mean()
+
+    def step_loss(self, own_logits: torch.Tensor) -> torch.Tensor | None:
+        """The mean, over the own solve's states between steps (``last_step_states``, read
+        before any draft's forward replaces them), of KL(own || the state's read-out through
+        the final norm and head), the own distribution detached. Each read-out is recomputed
+        in the backward pass rather than kept (a vocabulary-sized tensor per state)."""
+        if self.step_weight <= 0:
+            return None
+        model = self.model
+        states = model.depth.last_step_states
+        if not states:  # a one-step solve (an elastic draw) has none
+            return model.tok_emb.weight.new_zeros(())
+        target = F.log_softmax(own_logits.detach().float(), -1)
+
+        def readout_kl(h: torch.Tensor) -> torch.Tensor:
+            return ElasticDepth.consistency(model.lm_head(model.norm_f(h)), target)
+
+        losses = [checkpoint(readout_kl, h, use_reentrant=False) if torch.is_grad_enabled()
+                  else readout_kl(h) for h in states]
         return torch.stack(losses).mean()
 
     def objective(self, terms: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -115,8 +115,10 @@ class SolveRegularizers:
         self.readout = float(r.step_readout_weight)
         self.steer, self.seed = float(r.steer), int(t.seed)
         self.backprop_steps = t.any_depth.backprop_steps  # truncated backprop through depth
-        # the states between steps: the step read-outs' and the halting gate's (any_depth)
-        self.keep_states = self.readout > 0 or t.any_depth.gate_weight > 0
+        # the states between steps: the step read-outs' (regularize's and any_depth's) and
+        # the halting gate's (any_depth)
+        self.keep_states = (self.readout > 0 or t.any_depth.gate_weight > 0
+                            or t.any_depth.step_weight > 0)
         self.enabled = bool(self.kinetic or self.jacobian or self.steer or self.keep_states
                             or self.backprop_steps)
 

@@ -20,7 +20,7 @@ from .elastic import ElasticDepth, SolveRegularizers
 from .layer_skip import LayerSkip
 
 REGULARIZERS = ("kinetic", "jacobian", "step_readout")
-ANY_DEPTH = ("kl", "lm", "top1", "gate")  # [train.any_depth]'s terms, logged as any_depth_NAME
+ANY_DEPTH = ("kl", "lm", "top1", "gate", "step")  # [train.any_depth]'s terms, logged as any_depth_NAME
 
 
 class StepObjective:
@@ -103,6 +103,10 @@ class StepObjective:
             objective = objective + self.any_depth.gate_weight * gate
             self.any_sums[ANY_DEPTH.index("gate")] += gate.detach().to(self.acc)
             self.gated = True
+        steps = self.any_depth.step_loss(logits)  # also the own solve's states
+        if steps is not None:
+            objective = objective + self.any_depth.step_weight * steps
+            self.any_sums[ANY_DEPTH.index("step")] += steps.detach().to(self.acc)
         if self.any_depth.enabled:  # after the own solve: its logits are the target
             drafts = self.any_depth.terms(lambda: task.forward(forward, x, y), logits, step)
             if drafts:
@@ -145,7 +149,8 @@ class StepObjective:
         self.exit_loss = exits / grad_accum if self.layer_skip.exits else None
         regs, drafts = rest[:len(REGULARIZERS)], rest[len(REGULARIZERS):]
         logged = {"top1": self.taught_drafts and self.any_depth.top1_weight > 0,
-                  "gate": self.gated, "kl": self.taught_drafts, "lm": self.taught_drafts}
+                  "gate": self.gated, "kl": self.taught_drafts, "lm": self.taught_drafts,
+                  "step": self.any_depth.step_weight > 0}
         self.any_depth_terms = {f"any_depth_{n}": v / grad_accum
                                 for n, v in zip(ANY_DEPTH, drafts) if logged[n]}
         if self.taught_drafts:
