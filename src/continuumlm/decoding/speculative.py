@@ -231,8 +231,9 @@ def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor
             n += 1
         return n, own[n]
     device = logits.device
+    ps = how.probs(logits)  # every position's at once (row by row, as one at a time)
     for i, x in enumerate(drafts):
-        p = how.probs(logits[i])
+        p = ps[i]
         # accept with probability min(1, p(x) / q(x)): u < p / q, as u * q < p (q(x) > 0:
         # x was drawn from q)
         if how.uniform(device) * float(q[i][x]) < float(p[x]):
@@ -241,7 +242,7 @@ def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor
         if float(residual.sum()) <= 0:  # p == q where both live: the refusal had no mass
             residual = p
         return i, how.draw(residual / residual.sum())
-    return len(drafts), how.draw(how.probs(logits[len(drafts)]))
+    return len(drafts), how.draw(ps[len(drafts)])
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 
 from ..errors import ConfigError
 from ..mixers.padding import Padding, mix, takes_memory
-from ..nn import MLP, freeze_dropout, make_norm
+from ..nn import MLP, freeze_dropout, make_norm, set_plain
 from ..ode import AdaptiveSolver
 from ..ode.grad import refusal as grad_refusal
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
@@ -262,17 +262,16 @@ class ODEStack(nn.Module):
             x = block(x, state, self.exit, self.extras, padding, evaluate)
             if self.record is not None:
                 self.record.append(x)
-        self.last_nfe = sum(b.last_nfe for b in self.blocks)
         regs: dict[str, torch.Tensor] = {}
         for b in self.blocks:  # summed over blocks
             for name, value in b.last_regularizers.items():
                 regs[name] = regs[name] + value if name in regs else value
-        self.last_regularizers = regs
-        # the states between solver steps, every block's (with SolveExtras.readout)
-        self.last_step_states = [h for b in self.blocks for h in b.step_states]
-        # field evaluations per token, over every block
-        self.last_token_nfe = (sum(b.last_token_nfe for b in self.blocks)
-                               if self.exit is not None else None)
+        set_plain(self, last_nfe=sum(b.last_nfe for b in self.blocks), last_regularizers=regs,
+                  # the states between solver steps, every block's (SolveExtras.readout)
+                  last_step_states=[h for b in self.blocks for h in b.step_states],
+                  # field evaluations per token, over every block
+                  last_token_nfe=(sum(b.last_token_nfe for b in self.blocks)
+                                  if self.exit is not None else None))
         if self.last_token_nfe is not None and not torch.compiler.is_compiling():
             self.exit_totals[0] += int(self.last_token_nfe.sum())
             self.exit_totals[1] += self.last_token_nfe.numel()

@@ -16,6 +16,7 @@ import torch
 from ..mixers.cache import Written
 from ..mixers.padding import Padding, mix, remember
 from ..ode import integrate
+from ..nn import set_plain
 from ..ode.solvers import grid
 from .cache import DecodeState
 from .exit import ExitRule, solve_with_exit
@@ -51,10 +52,8 @@ class Solve:
         # ode_kv "step" / "block": the cache of the current step or block, holding its memory
         self.written: list[Written | None] = [None]
         self.held: list = []  # the decoding state's memory caches this solve wrote
-        self.field.dt = dt
-        block.last_token_nfe = None
-        block.last_regularizers = {}
-        block.step_states = []
+        self.field.dt = dt  # (a plugin field may keep dt otherwise: its own setattr)
+        set_plain(block, last_token_nfe=None, last_regularizers={}, step_states=[])
 
     # ------------------------------------------------------------------ evaluations
 
@@ -158,7 +157,10 @@ class Solve:
         cfg, block, extras = self.cfg, self.block, self.extras
         where = f"ODE block {block.index}"
         # what f and the solver read (rk2_gated's gate is the solver's)
-        params = tuple(block.field.parameters()) + tuple(block.solver.parameters())
+        # (a backward pass alone reads them: decoding, at batch 1, skips the walk over the
+        # modules, about a tenth of a one-evaluation draft's time)
+        params = (tuple(block.field.parameters()) + tuple(block.solver.parameters())
+                  if torch.is_grad_enabled() else ())
         C = x.shape[-1]
         f = self.f
         if extras is not None and (extras.kinetic or extras.jacobian):
@@ -222,9 +224,8 @@ class Solve:
                 release = getattr(cache, "release_memory", None)
                 if release is not None:
                     release()
-        self.block.last_nfe = self.calls[0]
-        # evaluations made later (by a backward pass) still count here
-        self.block._calls = self.calls
+        # (_calls: evaluations made later, by a backward pass, still count here)
+        set_plain(self.block, last_nfe=self.calls[0], _calls=self.calls)
         return x
 
 
