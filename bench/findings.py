@@ -264,6 +264,49 @@ def speculative_best(m: dict, decoding: str, mode: str = "eager"
     return best, best["tok_s"] / plain, plain
 
 
+def kept_for(tokens: float, k: int) -> float | None:
+    """The probability p of keeping each draft, position by position independently, at which
+    a round of k drafts yields ``tokens`` tokens on average (1 + p + ... + p^k); None when
+    more than k + 1 are asked."""
+    if tokens > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(k + 1)) < tokens:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def speculative_bound(m: dict, target: float) -> str | None:
+    """What ``target`` asks of the drafts, from the record's measured pass costs
+    (bench/speculative.py pass_costs): for the fastest greedy row of a fixed k, a round's k
+    draft passes and one verification against plain decoding's pass per token, the tokens
+    per verification the target needs and the chance of keeping each draft that gives them."""
+    costs = m.get("pass_costs")
+    if not costs:
+        return None
+    rows = [x for x in m["rows"] if x.get("mode", "eager") == "eager"
+            and x["decoding"] == "greedy" and x["k"] != "auto"
+            and x["draft"] in costs["draft_ms"] and str(x["k"]) in costs["verify_ms"]]
+    if not rows:
+        return None
+    best = max(rows, key=lambda x: x["tok_s"])
+    k, plain = best["k"], costs["plain_ms"]
+    draft, verify = costs["draft_ms"][best["draft"]], costs["verify_ms"][str(best["k"])]
+    rnd = k * draft + verify
+    need = target * rnd / plain
+    p = kept_for(need, k)
+    asks = (f"each draft kept with probability {100 * p:.0f}% position by position"
+            if p is not None else f"more than the k + 1 = {k + 1} a round can give")
+    return (f"{m['name']}, greedy ({best['draft']}, k {k}): a round costs {k} draft passes of "
+            f"{draft:.2f} ms and one verification of {k + 1} tokens, {verify:.2f} ms, "
+            f"against {plain:.2f} ms per plain token, so {target}x needs {need:.1f} tokens "
+            f"per verification ({asks}); it makes {best['tokens_per_verification']}")
+
+
 def speculative_models(results: dict, record: str, prefix: str) -> list[dict]:
     """The models of a bench/speculative.py record whose names start with ``prefix`` (one per
     seed of a run family)."""

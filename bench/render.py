@@ -932,10 +932,17 @@ def outside_field(spec: dict) -> str:
                              f"{100 * best['plain_outside_field']:.0f}% plain")
     if not parts:
         return ""
-    return ("Time outside the field evaluations, in the fastest rows (every row has it on "
+    text = ("Time outside the field evaluations, in the fastest rows (every row has it on "
             "the ablations page): " + "; ".join(parts) + ". Drafting cuts the evaluations "
             "per token, not what surrounds them, so that share grows with the speed-up and "
             "bounds it.")
+    bounds = [b for m in spec.get("models", [])
+              if (b := findings.speculative_bound(m, spec.get("target_speedup", 2.5)))]
+    if bounds:
+        text += (" What the target asks, from one cached forward pass timed alone (embedding "
+                 "to logits, before sampling and a round's bookkeeping): " + "; ".join(bounds)
+                 + ".")
+    return text
 
 
 def serve_notes(r: dict) -> dict:

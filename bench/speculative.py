@@ -150,6 +150,50 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
     return rows, distinct
 
 
+def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
+    """Milliseconds of one cached eager forward pass (embedding to logits) at batch 1 after
+    ``prompt``, the fastest of ``reps`` means over ``inner`` passes: one token through the
+    model's own solve ("plain"), one token through each draft ("draft", by the rows' names),
+    and k + 1 tokens through the own solve, the verification of k drafts ("verify", by k).
+    What a round costs before its bookkeeping: k drafts and one verification."""
+    from continuumlm.decoding.speculative import FirstLayers
+
+    def timed(ids: torch.Tensor) -> float:
+        state = model.init_state(1, rewind=max(ks) + 2)
+        model.hidden_states(prompt, state)
+        pos, best = state.pos, float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                model.lm_head(model.hidden_states(ids, state))
+                state.crop(pos)
+            best = min(best, (time.perf_counter() - t0) / inner)
+        return round(1e3 * best, 4)
+
+    one = prompt[:, -1:]
+    out = {"plain_ms": None, "draft_ms": {}, "verify_ms": {}}
+    with torch.inference_mode():
+        timed(one)  # warm-up
+        out["plain_ms"] = timed(one)
+        for k in ks:
+            out["verify_ms"][str(k)] = timed(prompt[:, -1:].repeat(1, k + 1))
+        cfg = model.config
+        for solver, steps in drafts:
+            if solver == "layers":
+                with FirstLayers(model, steps).drafting():
+                    ms = timed(one)
+            else:
+                own = (cfg.ode_solver, cfg.ode_steps)
+                model.set_solver(solver, steps)
+                try:
+                    ms = timed(one)
+                finally:
+                    model.set_solver(*own)
+            name = f"first {steps} layers" if solver == "layers" else f"{solver} x {steps}"
+            out["draft_ms"][name] = ms
+    return out
+
+
 def _draft(solver: str, steps: int, k) -> Draft:
     """A coarse solve's draft, or ("layers", n): a discrete stack's first n layers."""
     return Draft(tokens=k, layers=steps) if solver == "layers" else Draft(solver, steps, k)
@@ -225,6 +269,7 @@ def main() -> None:
                 raise SystemExit(f"{run}: a discrete model drafts with its first layers; "
                                  f"give --drafts layersxN")
         rows, distinct = measure(model, prompts, n, wanted, modes)
+        costs = pass_costs(model, prompts[0], wanted) if "eager" in modes else None
         nfe = rows[0]["plain_nfe_per_token"]
         models.append({
             "name": name, "model": cfg.to_dict(), "distinct_new_tokens": distinct,
@@ -235,7 +280,8 @@ def main() -> None:
             "best": {f"{m} {d}": max((r for r in rows if r["decoding"] == d
                                       and r["mode"] == m), key=lambda r: r["speedup"])
                      for m in modes for d in ("greedy", "sampled")},
-            "rows": rows, "table": markdown_table(rows, COLUMNS)})
+            "rows": rows, "table": markdown_table(rows, COLUMNS),
+            **({"pass_costs": costs} if costs else {})})
     best = [{"model": m["name"], **row} for m in models for row in m["best"].values()]
     table = markdown_table(best, [("model", "model")] + COLUMNS)
     command = "python bench/speculative.py"

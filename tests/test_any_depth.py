@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -284,8 +285,9 @@ def test_bad_step_read_out_settings_are_refused_by_name(sets, match):
 def test_the_step_read_outs_learn_the_own_solves_distribution(tmp_path):
     """step_loss: the mean over the own solve's states between steps of KL(own || read-out),
     equal to a hand computation in float64 on an awkward shape; its gradient is that of the
-    hand computation with the own distribution detached (so the last step's own read-out gets
-    none through the target); a run logs it, and a run without it logs nothing of it."""
+    hand computation with the own distribution and the read-out's weights (final norm, head)
+    held constant, so it moves the states only; a run logs it, and a run without it logs
+    nothing of it."""
     from continuumlm.model.extras import SolveExtras
     from continuumlm.testing import small_model
     from continuumlm.train import Trainer
@@ -303,8 +305,11 @@ def test_the_step_read_outs_learn_the_own_solves_distribution(tmp_path):
     assert len(states) == 4  # 2 blocks, after steps 1 and 2 of 3
     loss = AnyDepth(model, cfg.train).step_loss(logits)
     own = logits.detach().double().softmax(-1)
+    # the read-out as constants: copies that take no gradient
+    head = copy.deepcopy(model.lm_head).requires_grad_(False)
+    norm = copy.deepcopy(model.norm_f).requires_grad_(False)
     ref = torch.stack([
-        (own * (own.log() - model.lm_head(model.norm_f(h)).double().log_softmax(-1))).sum(-1)
+        (own * (own.log() - head(norm(h)).double().log_softmax(-1))).sum(-1)
         .mean() for h in states]).mean()
     torch.testing.assert_close(loss.double(), ref)
     params = [p for p in model.parameters()]
@@ -315,6 +320,9 @@ def test_the_step_read_outs_learn_the_own_solves_distribution(tmp_path):
         if g is not None:
             torch.testing.assert_close(g.double(), w)
     assert any(g is not None and g.abs().sum() > 0 for g in got)
+    named = dict(zip([n for n, _ in model.named_parameters()], got))
+    assert all(g is None or not g.abs().sum() for n, g in named.items()
+               if n.startswith("norm_f."))
 
     corpus = write_tiny_corpus(tmp_path / "tiny.txt")
     for name, extra in (("with", ["train.any_depth.step_weight=0.5"]), ("without", [])):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -702,3 +703,51 @@ def test_decode_speed_sums_recompute_times_over_every_length(monkeypatch):
         exact = 2048 / sum(cost(L) for L in range(64, 64 + 2048))
         assert rate == pytest.approx(exact, rel=rel)
         assert seen[0] == 64 and seen[-1] == 64 + 2047 and len(seen) == 9
+
+
+def test_the_speculative_bound_solves_for_the_chance_of_keeping_each_draft():
+    """findings.kept_for inverts 1 + p + ... + p^k (checked against the sum at the answer and
+    on the edges); speculative_bound reads a record's pass costs: a round of k drafts and one
+    verification against plain decoding, times the target."""
+    import findings
+
+    for k in (1, 2, 4, 8):
+        for p in (0.0, 0.3, 0.77, 0.93, 1.0):
+            tokens = sum(p ** i for i in range(k + 1))
+            assert abs(findings.kept_for(tokens, k) - p) < 1e-9
+    assert findings.kept_for(9.5, 8) is None
+    rows = [{"mode": "eager", "decoding": "greedy", "draft": "euler x 1", "k": 4,
+             "tok_s": 600.0, "tokens_per_verification": 3.1},
+            {"mode": "eager", "decoding": "greedy", "draft": "euler x 1", "k": "auto",
+             "tok_s": 900.0, "tokens_per_verification": 3.3}]
+    m = {"name": "m", "rows": rows, "pass_costs": {"plain_ms": 2.0,
+                                                  "draft_ms": {"euler x 1": 0.25},
+                                                  "verify_ms": {"4": 3.0}}}
+    text = findings.speculative_bound(m, 2.5)
+    # a round: 4 x 0.25 + 3.0 = 4.0 ms; 2.5x needs 2.5 x 4.0 / 2.0 = 5.0 tokens = k + 1
+    assert "needs 5.0 tokens per verification (each draft kept with probability 100%" in text
+    assert "it makes 3.1" in text
+    assert findings.speculative_bound({**m, "pass_costs": None}, 2.5) is None
+
+
+def test_pass_costs_time_each_pass_of_a_round():
+    """bench/speculative.py pass_costs on a small ODE model and a discrete one: a positive time
+    for the plain pass, every draft and every verification, and the model's solve and layers
+    as they were."""
+    import speculative
+
+    from continuumlm.testing import small_model
+
+    ode = small_model(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1).eval()
+    prompt = torch.randint(0, 37, (1, 5))
+    costs = speculative.pass_costs(ode, prompt, [("euler", 1), ("midpoint", 1)], ks=(2, 3),
+                                   reps=1, inner=2)
+    assert costs["plain_ms"] > 0 and set(costs["verify_ms"]) == {"2", "3"}
+    assert set(costs["draft_ms"]) == {"euler x 1", "midpoint x 1"}
+    assert all(v > 0 for v in [*costs["draft_ms"].values(), *costs["verify_ms"].values()])
+    assert (ode.config.ode_solver, ode.config.ode_steps) == ("rk4", 2)
+    stack = small_model(depth="discrete", num_layers=3).eval()
+    layers = list(stack.depth.layers)
+    costs = speculative.pass_costs(stack, prompt, [("layers", 1)], ks=(2,), reps=1, inner=2)
+    assert set(costs["draft_ms"]) == {"first 1 layers"}
+    assert list(stack.depth.layers) == layers

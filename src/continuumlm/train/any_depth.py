@@ -103,7 +103,7 @@ class AnyDepth:
     def step_loss(self, own_logits: torch.Tensor) -> torch.Tensor | None:
         """The mean, over the own solve's states between steps (``last_step_states``, read
         before any draft's forward replaces them), of KL(own || the state's read-out through
-        the final norm and head), the own distribution detached. Each read-out is recomputed
+        the final norm and head), the own distribution and the read-out's weights detached. Each read-out is recomputed
         in the backward pass rather than kept (a vocabulary-sized tensor per state)."""
         if self.step_weight <= 0:
             return None
@@ -112,9 +112,18 @@ class AnyDepth:
         if not states:  # a one-step solve (an elastic draw) has none
             return model.tok_emb.weight.new_zeros(())
         target = F.log_softmax(own_logits.detach().float(), -1)
+        # the read-out's weights (final norm, head) as constants here: the term moves the
+        # states toward what the read-out makes of the own solve's. Through them it would
+        # reach the one head every state shares, and a head that reads every state alike
+        # (the unigram distribution) zeroes the term: 150 steps of ode_any_depth.toml with
+        # step_weight 1 stalled at a validation loss of 3.22, against 2.65 without the term
+        norm = {n: p.detach() for n, p in model.norm_f.named_parameters()}
+        head = {n: p.detach() for n, p in model.lm_head.named_parameters()}
 
         def readout_kl(h: torch.Tensor) -> torch.Tensor:
-            return ElasticDepth.consistency(model.lm_head(model.norm_f(h)), target)
+            normed = torch.func.functional_call(model.norm_f, norm, (h,))
+            return ElasticDepth.consistency(
+                torch.func.functional_call(model.lm_head, head, (normed,)), target)
 
         losses = [checkpoint(readout_kl, h, use_reentrant=False) if torch.is_grad_enabled()
                   else readout_kl(h) for h in states]
