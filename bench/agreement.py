@@ -221,14 +221,17 @@ def main() -> None:
     drafts = [parse_solve(d, "--drafts") for d in args.drafts.split(",")]
     if args.train:
         train_missing([r for spec in args.model for r in spec.partition("=")[2].split(",")])
+    measured = {}
+    for spec in args.model:
+        name, _, runs = spec.partition("=")
+        measured[name] = [measure(r, drafts, args.max_windows) for r in runs.split(",")]
+        for seed in measured[name]:
+            print(name, seed["run"], json.dumps(seed["drafts"]), flush=True)
+    # the record as it is now, read after measuring (another measurement may have written it)
     path = RESULTS / "agreement.json"
     models = json.loads(path.read_text())["models"] if path.is_file() else {}
     commands = json.loads(path.read_text()).get("commands", []) if path.is_file() else []
-    for spec in args.model:
-        name, _, runs = spec.partition("=")
-        models[name] = [measure(r, drafts, args.max_windows) for r in runs.split(",")]
-        for seed in models[name]:
-            print(name, seed["run"], json.dumps(seed["drafts"]), flush=True)
+    models.update(measured)
     command = ("python bench/agreement.py " + " ".join(f"--model {m}" for m in args.model)
                + (f" --drafts {args.drafts}" if args.drafts != DRAFTS else "")
                + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""))
