@@ -636,6 +636,11 @@ def layer_skip(r: dict, results: dict) -> str | None:
                      f"fastest greedy row spends {100 * best['outside_field']:.0f}% of its "
                      f"time outside the layers against "
                      f"{100 * best['plain_outside_field']:.0f}% in plain decoding.")
+        median = next(m for m in trained if findings.speculative_best(m, "greedy")[0] is best)
+        bound = findings.speculative_bound(median, target)
+        if bound:
+            text += (f" Timed pass by pass (one cached forward alone, before a round's "
+                     f"bookkeeping): {bound}.")
     one = rows.get(("transformer_layerskip-exit-at-1", "layers:1"))
     at1 = findings.speculative_models(results, "speculative_layerskip_variants", "layerskip_x1")
     if one and at1:
