@@ -547,7 +547,7 @@ def agreement(r: dict, results: dict) -> str | None:
                  f"{100 * b2['agreement']:.0f}% agreement for Euler x 1"
                  + (f" and {100 * b24['agreement']:.0f}% for RK4 x 1" if b24 else "") + ".")
     light = [name for name in ("ode_any_depth-w0.5-lr2e-3", "ode_any_depth-w0.7-lr2e-3",
-                               "ode_any_depth-w0.7-fine-lr2e-3")
+                               "ode_any_depth-w0.85-lr2e-3", "ode_any_depth-w0.7-fine-lr2e-3")
              if (name, "euler:1") in rows]
     if a2 and light:
         said = []
@@ -562,6 +562,22 @@ def agreement(r: dict, results: dict) -> str | None:
                         + (f" and {100 * e4['agreement']:.1f}% for Euler x 4" if e4 else ""))
         text += (f" A lighter KL term trades agreement for quality: at lr 2e-3, "
                  f"{'; '.join(said)} (targets: +0.5%, 75% and 90%).")
+    e4, fixed = rows.get(("ode_any_depth-euler4-lr5e-3", "euler:4")), rows.get(
+        ("ode_euler-lr5e-3", "euler:4"))
+    if e4 and fixed:
+        drafts = [x for (m, _), x in rows.items() if m == "ode_any_depth-euler4-lr5e-3"]
+        worst = max(drafts, key=lambda x: x["loss"])
+        e1 = rows.get(("ode_any_depth-euler4-lr5e-3", "euler:1"))
+        text += (f" With Euler x 4 (NFE 4) as the own solve, at the fixed Euler x 4 model's "
+                 f"best lr (5e-3), and Euler x 1, Euler x 2 and RK4 x 4 as the drafts "
+                 f"({count(e4['seeds'])}), NFE 4 reads {e4['own_loss']:.4f} against "
+                 f"{fixed['own_loss']:.4f} for Euler x 4 trained alone "
+                 f"({count(fixed['seeds'])}), {e4['own_loss'] - fixed['own_loss']:+.4f} (target "
+                 f"within 0.01)"
+                 + (f", with Euler x 1 agreeing at {100 * e1['agreement']:.1f}% (a quarter of "
+                    f"its evaluations)" if e1 else "")
+                 + f", and its other solves get worse: {worst['draft'].replace(':', ' x ')} "
+                 f"(NFE {worst['nfe']}) reads {worst['loss']:.4f}.")
     ptb = [(name, label) for name, label in (("ptb_ode_rk4", "ode_rk4 trained alone"),
                                               ("ptb_ode_any_depth", "the recipe"),
                                               ("ptb_ode_any_depth-fine",
