@@ -233,24 +233,29 @@ def test_truncation_config_refusals():
     assert cfg.train.any_depth.backprop_steps == 1 and not cfg.train.any_depth.enabled
 
 
+def forward_keeping_states(model, x):
+    """(logits, the states between solver steps) of a training forward that keeps them."""
+    from continuumlm.model.extras import SolveExtras
+
+    model.depth.extras = SolveExtras(readout=True)
+    try:
+        logits, _ = model(x)
+    finally:
+        model.depth.extras = None
+    return logits, model.depth.last_step_states
+
+
 def test_the_gate_learns_whether_each_step_already_has_the_final_greedy_token(tmp_path):
     """gate_loss: the binary cross-entropy of the gate on the own solve's states between steps
     against 'its read-out's greedy token is the final one', computed by hand; only the gate's
     weights get a gradient from it; a run logs it."""
-    from continuumlm.model.extras import SolveExtras
     from continuumlm.testing import small_model
     from continuumlm.train import Trainer
 
     cfg = config("model.exit_gate=true", "train.any_depth.gate_weight=1.0")
     model = small_model(depth="ode", ode_solver="euler", ode_steps=3, num_layers=1,
                         exit_gate=True).train()
-    x = torch.randint(0, 37, (2, 7))
-    model.depth.extras = SolveExtras(readout=True)
-    try:
-        logits, _ = model(x)
-    finally:
-        model.depth.extras = None
-    states = model.depth.last_step_states
+    logits, states = forward_keeping_states(model, torch.randint(0, 37, (2, 7)))
     assert len(states) == 2  # after steps 1 and 2 of 3
     loss = AnyDepth(model, cfg.train).gate_loss(logits)
     final = logits.argmax(-1)
@@ -288,20 +293,13 @@ def test_the_step_read_outs_learn_the_own_solves_distribution(tmp_path):
     hand computation with the own distribution and the read-out's weights (final norm, head)
     held constant, so it moves the states only; a run logs it, and a run without it logs
     nothing of it."""
-    from continuumlm.model.extras import SolveExtras
     from continuumlm.testing import small_model
     from continuumlm.train import Trainer
 
     cfg = config("train.any_depth.step_weight=0.5")
     torch.manual_seed(3)
     model = small_model(depth="ode", ode_solver="rk4", ode_steps=3, num_layers=2).double().train()
-    x = torch.randint(0, 37, (3, 5))
-    model.depth.extras = SolveExtras(readout=True)
-    try:
-        logits, _ = model(x)
-    finally:
-        model.depth.extras = None
-    states = model.depth.last_step_states
+    logits, states = forward_keeping_states(model, torch.randint(0, 37, (3, 5)))
     assert len(states) == 4  # 2 blocks, after steps 1 and 2 of 3
     loss = AnyDepth(model, cfg.train).step_loss(logits)
     own = logits.detach().double().softmax(-1)

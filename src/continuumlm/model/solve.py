@@ -15,8 +15,8 @@ import torch
 
 from ..mixers.cache import Written
 from ..mixers.padding import Padding, mix, remember
-from ..ode import integrate
 from ..nn import set_plain
+from ..ode import integrate
 from ..ode.solvers import grid
 from .cache import DecodeState
 from .exit import ExitRule, solve_with_exit
