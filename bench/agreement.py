@@ -98,12 +98,10 @@ TRAINED = {
                                                 f"--set train.lr=5e-3 --set train.min_lr=5e-4 "
                                                 "--set 'train.any_depth.drafts=[\"euler:1\", "
                                                 "\"euler:2\", \"rk4:4\"]'" for s in SEEDS},
-    # a KL weight between 0.7 and 1.0 at lr 2e-3
-    **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config {SH}/ode_any_depth.toml --set "
-                                                      f"train.seed={s} --set train.lr=2e-3 --set "
-                                                      f"train.min_lr=2e-4 --set "
-                                                      f"train.any_depth.weight=0.85"
-       for s in SEEDS},
+    # a KL weight between 0.7 and 1.0 at lr 2e-3: ode_any_depth_w0.85_lr2e-3.toml
+    **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config "
+                                                      f"{SH}/ode_any_depth_w0.85_lr2e-3.toml "
+                                                      f"--set train.seed={s}" for s in SEEDS},
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "

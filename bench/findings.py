@@ -428,7 +428,7 @@ def any_depth(results: dict) -> str | None:
         target = s.get("target_speedup", 2.5)
         beside = statistics.median(x["speedup"] for x in m["rows"]
                                    if x["decoding"] == "greedy")
-        spec = (f"; self-speculative decoding on it runs at {gx:.2f}x plain cached decoding "
+        spec = (f"; self-speculative decoding on the first runs at {gx:.2f}x plain cached decoding "
                 f"greedy ({g['draft']} drafts, {100 * g['acceptance']:.0f}% kept; the fastest "
                 f"row against plain decoding's median rate, {beside:.2f}x the median greedy "
                 f"row against the plain decoding timed beside it) and {sx:.2f}x "
@@ -436,6 +436,16 @@ def any_depth(results: dict) -> str | None:
                 f"{'met' if max(gx, sx) >= target else 'missed'})")
     rk4 = (f", RK4 x 1 from {100 * a4['agreement']:.0f}% to {100 * b4['agreement']:.0f}%"
            if a4 and b4 else "")
+    tuned, best = (rows.get(("ode_any_depth-w0.85-lr2e-3", d)) for d in ("euler:1", "rk4:1"))
+    ref = rows.get(("ode_rk4-lr2e-3", "euler:1"))
+    if tuned and best and ref:
+        tuned_text = (f"; at ode_rk4's best lr (2e-3) with a KL weight of 0.85 "
+                      f"(ode_any_depth_w0.85_lr2e-3.toml), {100 * tuned['agreement']:.0f}% and "
+                      f"{100 * best['agreement']:.0f}% at "
+                      f"{100 * (tuned['own_loss'] / ref['own_loss'] - 1):+.2f}% loss against "
+                      f"ode_rk4 at that lr ({tuned['seeds']} seeds each)")
+    else:
+        tuned_text = ""
     return (f"**One run teaches the coarse solves to agree with the model's own solve**: "
             f"with train.any_depth (a KL term toward the RK4 x 4 solve's own distribution for "
             f"a drawn Euler x 1, Euler x 2 or RK4 x 1 solve, no teacher run) the greedy token "
@@ -443,7 +453,7 @@ def any_depth(results: dict) -> str | None:
             f"against {100 * a1['agreement']:.0f}% for the model trained for RK4 x 4 "
             f"alone{rk4}, for {b1['own_loss'] - a1['own_loss']:+.4f} in the own solve's "
             f"validation loss (Tiny Shakespeare; {b1['seeds']} seeds of the recipe against "
-            f"{a1['seeds']} of the model trained alone){spec} (2 CPU cores). "
+            f"{a1['seeds']} of the model trained alone){tuned_text}{spec} (2 CPU cores). "
             f"[Any depth]({PAGE}#one-model-trained-to-be-turned)")
 
 
