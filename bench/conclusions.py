@@ -710,6 +710,19 @@ def gate_exit(r: dict, results: dict) -> str | None:
     if models != [None]:
         top = max((g["fewer_evaluations"] if g else 1.0) for _, g in parts)
         text += (f" Target 2x: {'met' if top >= 2 else 'missed'} (best {top:.2f}x).")
+        fulls = {m: next(x for x in rows if x.get("model") == m and x["criterion"] == "full")
+                 for m in models}
+        first = models[0]
+        for m in models[1:]:
+            most = max((x for x in rows if x.get("model") == m and x["criterion"] == "gate"),
+                       key=lambda x: x["fewer_evaluations"], default=None)
+            if most is None:
+                continue
+            change = fulls[m]["val_loss"] / fulls[first]["val_loss"] - 1
+            text += (f" {m}'s full depth reads {fulls[m]['val_loss']} against {first}'s "
+                     f"{fulls[first]['val_loss']} ({100 * change:+.1f}%); its gate stops "
+                     f"tokens early (at most {most['fewer_evaluations']:.2f}x fewer evaluations, "
+                     f"tau {most['tau']}, {most['loss_change']} on its own full depth).")
     return text
 
 

@@ -848,6 +848,8 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             if others:
                 notes += [f"Every other model and draft: [the ablations page]"
                           f"({ablation('agreement', table=others, command=r['command'])}).", ""]
+        if key == "gate_exit" and len({x.get("model") for x in r.get("rows", [])}) > 1:
+            notes += page.fill("results/gate_exit")
         if key == "depth_exit":
             chosen = {tuple(c[:3]) for c in _table_cells(r.get("decoding_table", ""))}
             table, others = page.split_table(
