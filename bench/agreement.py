@@ -71,7 +71,7 @@ TRAINED = {
                                                        f"model.exit_gate=true --set "
                                                        f"train.any_depth.gate_weight=1.0 --set "
                                                        f"train.any_depth.step_weight={w}"
-       for w in ("0.3", "1.0")},
+       for w in ("0.3",)},
     "runs/agreement/ode_rk4_bp1_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
                                         f"--set train.any_depth.backprop_steps=1",
     # the quality gap: a lighter KL term, or the term on every other step (lr 2e-3)
