@@ -710,13 +710,13 @@ def gate_exit(r: dict, results: dict) -> str | None:
     if models != [None]:
         top = max((g["fewer_evaluations"] if g else 1.0) for _, g in parts)
         text += (f" Target 2x: {'met' if top >= 2 else 'missed'} (best {top:.2f}x).")
-        fulls = {m: next(x for x in rows if x.get("model") == m and x["criterion"] == "full")
-                 for m in models}
+        fulls = {m: next((x for x in rows if x.get("model") == m and x["criterion"] == "full"),
+                         None) for m in models}
         first = models[0]
-        for m in models[1:]:
+        for m in models[1:] if fulls[first] else []:
             most = max((x for x in rows if x.get("model") == m and x["criterion"] == "gate"),
                        key=lambda x: x["fewer_evaluations"], default=None)
-            if most is None:
+            if most is None or fulls[m] is None:
                 continue
             change = fulls[m]["val_loss"] / fulls[first]["val_loss"] - 1
             text += (f" {m}'s full depth reads {fulls[m]['val_loss']} against {first}'s "

@@ -278,13 +278,56 @@ def test_the_gate_learns_whether_each_step_already_has_the_final_greedy_token(tm
 
 @pytest.mark.parametrize("sets, match", [
     (["train.any_depth.step_weight=-1"], "step_weight must be >= 0"),
-    (["train.any_depth.step_weight=1", "model.ode_steps=1"], "2 or more steps"),
-    (["train.any_depth.step_weight=1", "model.depth=discrete"], "2 or more steps"),
+    (["train.any_depth.step_weight=1", "model.ode_steps=1"],
+     "step_weight reads out the states between solver steps; model.ode_steps = 1"),
+    (["train.any_depth.step_weight=1", "model.ode_steps=1", "train.elastic.steps=[1]"],
+     "train.elastic.steps = \\[1\\] has none"),
+    (["train.any_depth.step_weight=1", "model.depth=discrete"], "step_weight reads out an ODE"),
     (["train.any_depth.step_weight=1", "model.ode_grad=adjoint"], "'direct' or 'checkpoint'"),
+    (["train.any_depth.step_weight=1", "model.ode_solver=tsit5"], "'tsit5' is adaptive"),
+    (["train.any_depth.step_weight=1", "model.ode_solver=reversible_heun",
+      "model.ode_grad=direct"], "'reversible_heun' is reversible"),
+    (["train.any_depth.gate_weight=1", "model.exit_gate=true", "model.ode_solver=tsit5"],
+     "gate_weight reads out the states of a fixed grid"),
 ])
 def test_bad_step_read_out_settings_are_refused_by_name(sets, match):
     with pytest.raises(ConfigError, match=match):
         config(*sets)
+
+
+def test_step_read_outs_on_elastic_draws_of_more_than_one_step_are_allowed():
+    cfg = config("train.any_depth.step_weight=1", "model.ode_steps=1", "train.elastic.steps=[1,4]")
+    assert cfg.train.any_depth.step_weight == 1
+
+
+def test_the_step_read_outs_and_the_gate_read_the_targets_positions_of_a_targets_only_task():
+    """A task whose head runs at its targets only (MQAR: logits (N, V)) gets the terms of the
+    states at those positions, in order: equal to the full-position terms on a batch where
+    every position has a target, and to the kept positions' terms otherwise."""
+    from continuumlm.testing import small_model
+
+    cfg = config("model.exit_gate=true", "train.any_depth.gate_weight=1.0",
+                 "train.any_depth.step_weight=1.0")
+    torch.manual_seed(0)
+    model = small_model(depth="ode", ode_solver="euler", ode_steps=3, num_layers=1,
+                        exit_gate=True).double().train()
+    any_depth = AnyDepth(model, cfg.train)
+    x = torch.randint(0, 37, (2, 6))
+    y = torch.randint(0, 37, (2, 6))
+    y[0, :3] = -1
+    logits, states = forward_keeping_states(model, x)
+    keep = y >= 0
+    kept = logits[keep]
+    for term in ("step_loss", "gate_loss"):
+        got = getattr(any_depth, term)(kept, y)
+        # the reference: the full-position term of a model whose states and logits are the
+        # kept positions alone, as a batch of one row
+        model.depth.last_step_states = [h[keep][None] for h in states]
+        want = getattr(any_depth, term)(kept[None])
+        model.depth.last_step_states = states
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="pass the targets"):
+        any_depth.step_loss(kept)
 
 
 def test_the_step_read_outs_learn_the_own_solves_distribution(tmp_path):

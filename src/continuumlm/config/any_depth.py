@@ -16,6 +16,7 @@ from typing import ClassVar
 from ..errors import ConfigError
 from ..registry import SOLVERS
 from .checks import _validate
+from .regularize import check_step_states
 
 
 def parse_solve(text: str, where: str) -> tuple[str, int]:
@@ -113,18 +114,11 @@ class AnyDepthConfig:
             raise ConfigError("train.any_depth.gate_weight trains the model's halting gate, "
                               "and this model has none: set model.exit_gate = true, or leave "
                               "gate_weight out.")
-        for name in ("gate_weight", "step_weight"):
-            if getattr(self, name) > 0 and m.ode_grad not in ("direct", "checkpoint"):
-                # the gate and the step read-outs read the states between solver steps,
-                # which these modes keep
-                raise ConfigError(f"train.any_depth.{name} reads the states between solver "
-                                  f"steps, which model.ode_grad = 'direct' or 'checkpoint' "
-                                  f"keep; not {m.ode_grad!r}.")
-        if self.step_weight > 0 and (m.depth != "ode" or m.ode_steps < 2):
-            raise ConfigError(f"train.any_depth.step_weight teaches the read-outs of the states "
-                              f"between an ODE solve's steps, and this model has none "
-                              f"(depth = {m.depth!r}, ode_steps = {m.ode_steps}); use an ODE "
-                              f"model of 2 or more steps, or leave step_weight out.")
+        # the gate and the step read-outs read the states between the solver's steps
+        if self.gate_weight > 0:
+            check_step_states("train.any_depth.gate_weight", m, elastic, steps_needed=False)
+        if self.step_weight > 0:
+            check_step_states("train.any_depth.step_weight", m, elastic)
         if not self.enabled:
             return
         if m.depth != "ode":

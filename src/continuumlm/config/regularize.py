@@ -94,25 +94,32 @@ class RegularizeConfig:
             self._check_readout(m, elastic)
 
     def _check_readout(self, m, elastic) -> None:
-        if m.depth != "ode":
-            raise ConfigError(f"train.regularize.step_readout_weight reads out an ODE model's "
-                              f"solver steps; model.depth = {m.depth!r} has none. Use depth = "
-                              f"'ode', or leave it out.")
-        for name in elastic.solvers or [m.ode_solver]:
-            cls = SOLVERS.component_class(name)
-            if not getattr(cls, "fixed_grid", True) or getattr(cls, "reversible", False):
-                kind = "reversible" if getattr(cls, "reversible", False) else "adaptive"
-                raise ConfigError(
-                    f"train.regularize.step_readout_weight reads out the states of a fixed "
-                    f"grid of steps; {name!r} is {kind} (its steps are not kept as a graph). "
-                    f"Use a fixed-grid solver such as euler or rk4, or leave it out.")
-        if m.ode_grad not in ("direct", "checkpoint"):
-            raise ConfigError(f"train.regularize.step_readout_weight needs the states of every "
-                              f"step in the graph: model.ode_grad = 'direct' or 'checkpoint', "
-                              f"not {m.ode_grad!r}.")
-        steps = elastic.steps or [m.ode_steps]
-        if max(steps) < 2:
-            where = "train.elastic.steps" if elastic.steps else "model.ode_steps"
-            raise ConfigError(f"train.regularize.step_readout_weight reads out the states "
-                              f"between solver steps; {where} = {elastic.steps or m.ode_steps} "
-                              f"has none. Use at least two steps.")
+        check_step_states("train.regularize.step_readout_weight", m, elastic)
+
+
+def check_step_states(setting: str, m, elastic, steps_needed: bool = True) -> None:
+    """What reading the states between an ODE solve's steps in training asks (the step
+    read-outs, the halting gate): an ODE model, fixed-grid non-reversible solvers (the
+    model's, or the ones elastic training draws), a gradient mode that keeps every step in
+    the graph and, with ``steps_needed``, at least two steps; each refused by ``setting``'s
+    name with the way out."""
+    if m.depth != "ode":
+        raise ConfigError(f"{setting} reads out an ODE model's solver steps; model.depth = "
+                          f"{m.depth!r} has none. Use depth = 'ode', or leave it out.")
+    for name in (elastic.solvers if elastic is not None and elastic.solvers
+                 else [m.ode_solver]):
+        cls = SOLVERS.component_class(name)
+        if not getattr(cls, "fixed_grid", True) or getattr(cls, "reversible", False):
+            kind = "reversible" if getattr(cls, "reversible", False) else "adaptive"
+            raise ConfigError(
+                f"{setting} reads out the states of a fixed grid of steps; {name!r} is {kind} "
+                f"(its steps are not kept as a graph). Use a fixed-grid solver such as euler "
+                f"or rk4, or leave it out.")
+    if m.ode_grad not in ("direct", "checkpoint"):
+        raise ConfigError(f"{setting} needs the states of every step in the graph: "
+                          f"model.ode_grad = 'direct' or 'checkpoint', not {m.ode_grad!r}.")
+    drawn = elastic.steps if elastic is not None and elastic.steps else None
+    if steps_needed and max(drawn or [m.ode_steps]) < 2:
+        where = "train.elastic.steps" if drawn else "model.ode_steps"
+        raise ConfigError(f"{setting} reads out the states between solver steps; {where} = "
+                          f"{drawn or m.ode_steps} has none. Use at least two steps.")

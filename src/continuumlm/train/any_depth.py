@@ -79,7 +79,22 @@ class AnyDepth:
             out["top1"] = top1 / n
         return out
 
-    def gate_loss(self, own_logits: torch.Tensor) -> torch.Tensor | None:
+    @staticmethod
+    def _positions(states: list[torch.Tensor], own_logits: torch.Tensor,
+                   targets: torch.Tensor | None) -> list[torch.Tensor]:
+        """The states at the positions ``own_logits`` has: all of them (B, T, C), or, from a
+        task that reads the head at its targets only (MQAR: own_logits (N, V)), those with a
+        target (N, C), in the same order."""
+        if own_logits.dim() == states[0].dim():
+            return states
+        if targets is None:
+            raise ValueError("the own solve's logits are at its targets only: pass the targets "
+                             "to read the states at the same positions.")
+        keep = targets >= 0
+        return [h[keep] for h in states]
+
+    def gate_loss(self, own_logits: torch.Tensor,
+                  targets: torch.Tensor | None = None) -> torch.Tensor | None:
         """The halting gate's binary cross-entropy over the own solve's states between steps
         (``model.depth.last_step_states``, read before any draft's forward replaces them): the
         label is whether the state's greedy token already equals the own solve's. The gate
@@ -92,6 +107,7 @@ class AnyDepth:
             return model.exit_gate.weight.new_zeros(())
         final = own_logits.detach().argmax(-1)
         losses = []
+        states = self._positions(states, own_logits, targets)
         with torch.no_grad():
             feats = [model.norm_f(h.detach()) for h in states]
             labels = [(model.lm_head(f).argmax(-1) == final).float() for f in feats]
@@ -100,7 +116,8 @@ class AnyDepth:
             losses.append(F.binary_cross_entropy_with_logits(logit, label))
         return torch.stack(losses).mean()
 
-    def step_loss(self, own_logits: torch.Tensor) -> torch.Tensor | None:
+    def step_loss(self, own_logits: torch.Tensor,
+                  targets: torch.Tensor | None = None) -> torch.Tensor | None:
         """The mean, over the own solve's states between steps (``last_step_states``, read
         before any draft's forward replaces them), of KL(own || the state's read-out through
         the final norm and head), the own distribution and the read-out's weights detached. Each read-out is recomputed
@@ -111,6 +128,11 @@ class AnyDepth:
         states = model.depth.last_step_states
         if not states:  # a one-step solve (an elastic draw) has none
             return model.tok_emb.weight.new_zeros(())
+        states = self._positions(states, own_logits, targets)
+        if torch.is_grad_enabled() and any(h.requires_grad for h in states):
+            # truncated backpropagation (backprop_steps): the states of the steps run without
+            # autograd teach nothing, and would only dilute the mean
+            states = [h for h in states if h.requires_grad]
         target = F.log_softmax(own_logits.detach().float(), -1)
         # the read-out's weights (final norm, head) as constants here: the term moves the
         # states toward what the read-out makes of the own solve's. Through them it would

@@ -98,12 +98,12 @@ class StepObjective:
             objective = objective + self.solve_reg.weight(name) * term
             self.reg_sums[REGULARIZERS.index(name)] += term.detach().to(self.acc)
         self.step_index = step
-        gate = self.any_depth.gate_loss(logits)  # the own solve's states, before any draft's
+        gate = self.any_depth.gate_loss(logits, y)  # the own solve's states, before any draft's
         if gate is not None:
             objective = objective + self.any_depth.gate_weight * gate
             self.any_sums[ANY_DEPTH.index("gate")] += gate.detach().to(self.acc)
             self.gated = True
-        steps = self.any_depth.step_loss(logits)  # also the own solve's states
+        steps = self.any_depth.step_loss(logits, y)  # also the own solve's states
         if steps is not None:
             objective = objective + self.any_depth.step_weight * steps
             self.any_sums[ANY_DEPTH.index("step")] += steps.detach().to(self.acc)
@@ -133,7 +133,8 @@ class StepObjective:
         self.total, self.kl, self.kd, self.exits = stats[0], stats[1], stats[2], stats[3]
         self.reg_sums = stats[4:]
         # (the any_depth sums stay this rank's: its drafts refuse several processes, and its
-        # gate term is logged as rank 0 computed it; its gradient is reduced as any other)
+        # gate and step terms are logged as rank 0 computed them; their gradients are reduced
+        # as any other)
 
     def read(self, penalty: torch.Tensor | None, grad_norm: torch.Tensor,
              grad_accum: int) -> tuple[float, float]:
