@@ -849,7 +849,23 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                 notes += [f"Every other model and draft: [the ablations page]"
                           f"({ablation('agreement', table=others, command=r['command'])}).", ""]
         if key == "gate_exit" and len({x.get("model") for x in r.get("rows", [])}) > 1:
-            notes += page.fill("results/gate_exit")
+            # per run: full depth, each criterion's most saving row within 0.5% of it, and the
+            # gate's most saving row; every row on the ablations page
+            chosen = set()
+            for m in dict.fromkeys(x["model"] for x in r["rows"]):
+                mine = [x for x in r["rows"] if x["model"] == m]
+                full = next(x for x in mine if x["criterion"] == "full")
+                chosen.add((m, "full", ""))
+                for c in ("gate", "state"):
+                    rows_c = [x for x in mine if x["criterion"] == c]
+                    ok = [x for x in rows_c if x["val_loss"] <= full["val_loss"] * 1.005]
+                    for x in ([max(ok, key=lambda x: x["fewer_evaluations"])] if ok else []) \
+                            + ([max(rows_c, key=lambda x: x["fewer_evaluations"])]
+                               if c == "gate" and rows_c else []):
+                        chosen.add((m, c, str(x["tau"])))
+            table, others = page.split_table(r["table"], lambda c: tuple(c[:3]) in chosen)
+            notes += page.fill("results/gate_exit",
+                               rows=ablation("gate_exit", table=r["table"], command=r["command"]))
         if key == "depth_exit":
             chosen = {tuple(c[:3]) for c in _table_cells(r.get("decoding_table", ""))}
             table, others = page.split_table(
