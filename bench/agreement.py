@@ -98,6 +98,12 @@ TRAINED = {
                                                 f"--set train.lr=5e-3 --set train.min_lr=5e-4 "
                                                 "--set 'train.any_depth.drafts=[\"euler:1\", "
                                                 "\"euler:2\", \"rk4:4\"]'" for s in SEEDS},
+    # ... training two of its three drafts every step instead of one
+    **{f"runs/agreement/any_depth_w0.85_draws2_lr2e-3_s{s}": f"--config "
+                                                             f"{SH}/ode_any_depth_w0.85_lr2e-3"
+                                                             f".toml --set train.seed={s} --set "
+                                                             f"train.any_depth.draws=2"
+       for s in SEEDS},
     # a KL weight between 0.7 and 1.0 at lr 2e-3: ode_any_depth_w0.85_lr2e-3.toml
     **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config "
                                                       f"{SH}/ode_any_depth_w0.85_lr2e-3.toml "

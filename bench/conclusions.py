@@ -547,7 +547,8 @@ def agreement(r: dict, results: dict) -> str | None:
                  f"{100 * b2['agreement']:.0f}% agreement for Euler x 1"
                  + (f" and {100 * b24['agreement']:.0f}% for RK4 x 1" if b24 else "") + ".")
     light = [name for name in ("ode_any_depth-w0.5-lr2e-3", "ode_any_depth-w0.7-lr2e-3",
-                               "ode_any_depth-w0.85-lr2e-3", "ode_any_depth-w0.7-fine-lr2e-3")
+                               "ode_any_depth-w0.85-lr2e-3", "ode_any_depth-w0.85-draws2-lr2e-3",
+                               "ode_any_depth-w0.7-fine-lr2e-3")
              if (name, "euler:1") in rows]
     if a2 and light:
         said = []
@@ -556,7 +557,8 @@ def agreement(r: dict, results: dict) -> str | None:
             e1, r1, e4 = (rows.get((name, d)) for d in ("euler:1", "rk4:1", "euler:4"))
             fine = (" with RK4 x 8 among the drafts" if "-fine" in name else
                     " (ode_any_depth_w0.85_lr2e-3.toml)" if name == "ode_any_depth-w0.85-lr2e-3"
-                    else "")
+                    else " training two of its three drafts a step (draws = 2)"
+                    if "-draws2" in name else "")
             said.append(f"weight {w}{fine} ({count(e1['seeds'])}) reads {e1['own_loss']:.4f}, "
                         f"{100 * (e1['own_loss'] / a2['own_loss'] - 1):+.1f}%, at "
                         f"{100 * e1['agreement']:.1f}% for Euler x 1"
