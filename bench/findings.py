@@ -428,7 +428,7 @@ def any_depth(results: dict) -> str | None:
         target = s.get("target_speedup", 2.5)
         beside = statistics.median(x["speedup"] for x in m["rows"]
                                    if x["decoding"] == "greedy")
-        spec = (f"; self-speculative decoding on the first runs at {gx:.2f}x plain cached decoding "
+        spec = (f"; self-speculative decoding on ode_any_depth.toml's model runs at {gx:.2f}x plain cached decoding "
                 f"greedy ({g['draft']} drafts, {100 * g['acceptance']:.0f}% kept; the fastest "
                 f"row against plain decoding's median rate, {beside:.2f}x the median greedy "
                 f"row against the plain decoding timed beside it) and {sx:.2f}x "
