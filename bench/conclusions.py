@@ -685,44 +685,35 @@ def gate_exit(r: dict, results: dict) -> str | None:
     against the state criterion's on the same model (target: 2x)."""
     rows = r.get("rows", [])
     models = list(dict.fromkeys(x.get("model") for x in rows))
+    chosen = {m: findings.exit_choices(rows, m) for m in models}
+
+    def saves(x) -> str:
+        if x is None:
+            return "saves nothing"
+        return (f"saves {x['fewer_evaluations']:.2f}x field evaluations (tau {x['tau']}, "
+                f"{x['loss_change']})")
+
     parts = []
-    for m in models:
-        mine = [x for x in rows if x.get("model") == m]
-        full = next((x for x in mine if x["criterion"] == "full"), None)
+    for m, (full, best, _) in chosen.items():
         if full is None:
             continue
-
-        def best(criterion):
-            ok = [x for x in mine if x["criterion"] == criterion
-                  and x["val_loss"] <= full["val_loss"] * 1.005]
-            return max(ok, key=lambda x: x["fewer_evaluations"]) if ok else None
-
-        def saves(x) -> str:
-            if x is None:
-                return "saves nothing"
-            return (f"saves {x['fewer_evaluations']:.2f}x field evaluations (tau {x['tau']}, "
-                    f"{x['loss_change']})")
-
         on = "the same any-depth model" if m is None else f"{m} (full depth {full['val_loss']})"
-        parts.append((f"exiting through the learned gate {saves(best('gate'))} and the state "
-                      f"criterion {saves(best('state'))} on {on}", best("gate")))
+        parts.append((f"exiting through the learned gate {saves(best['gate'])} and the state "
+                      f"criterion {saves(best['state'])} on {on}", best["gate"]))
     if not parts:
         return None
     text = "Within 0.5% of full depth's loss, " + "; ".join(p for p, _ in parts) + "."
     if models != [None]:
         top = max((g["fewer_evaluations"] if g else 1.0) for _, g in parts)
         text += (f" Target 2x: {'met' if top >= 2 else 'missed'} (best {top:.2f}x).")
-        fulls = {m: next((x for x in rows if x.get("model") == m and x["criterion"] == "full"),
-                         None) for m in models}
-        first = models[0]
-        for m in models[1:] if fulls[first] else []:
-            most = max((x for x in rows if x.get("model") == m and x["criterion"] == "gate"),
-                       key=lambda x: x["fewer_evaluations"], default=None)
-            if most is None or fulls[m] is None:
+        first = chosen[models[0]][0]
+        for m in models[1:] if first else []:
+            full, _, most = chosen[m]
+            if most is None or full is None:
                 continue
-            change = fulls[m]["val_loss"] / fulls[first]["val_loss"] - 1
-            text += (f" {m}'s full depth reads {fulls[m]['val_loss']} against {first}'s "
-                     f"{fulls[first]['val_loss']} ({100 * change:+.1f}%); its gate stops "
+            change = full["val_loss"] / first["val_loss"] - 1
+            text += (f" {m}'s full depth reads {full['val_loss']} against {models[0]}'s "
+                     f"{first['val_loss']} ({100 * change:+.1f}%); its gate stops "
                      f"tokens early (at most {most['fewer_evaluations']:.2f}x fewer evaluations, "
                      f"tau {most['tau']}, {most['loss_change']} on its own full depth).")
     return text

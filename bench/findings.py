@@ -264,6 +264,22 @@ def speculative_best(m: dict, decoding: str, mode: str = "eager"
     return best, best["tok_s"] / plain, plain
 
 
+def exit_choices(rows: list[dict], model) -> tuple[dict | None, dict, dict | None]:
+    """For one run of a bench/gate_exit.py record (``model``: its rows' name; None in records
+    of one run without it): its full-depth row, each criterion's most saving row within 0.5%
+    of full depth's loss (None where none is), and the gate's most saving row."""
+    mine = [x for x in rows if x.get("model") == model]
+    full = next((x for x in mine if x["criterion"] == "full"), None)
+    best: dict = {}
+    for c in ("gate", "state"):
+        ok = [x for x in mine if x["criterion"] == c and full is not None
+              and x["val_loss"] <= full["val_loss"] * 1.005]
+        best[c] = max(ok, key=lambda x: x["fewer_evaluations"]) if ok else None
+    most = max((x for x in mine if x["criterion"] == "gate"),
+               key=lambda x: x["fewer_evaluations"], default=None)
+    return full, best, most
+
+
 def kept_for(tokens: float, k: int) -> float | None:
     """The probability p of keeping each draft, position by position independently, at which
     a round of k drafts yields ``tokens`` tokens on average (1 + p + ... + p^k); None when

@@ -853,16 +853,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             # gate's most saving row; every row on the ablations page
             chosen = set()
             for m in dict.fromkeys(x["model"] for x in r["rows"]):
-                mine = [x for x in r["rows"] if x["model"] == m]
-                full = next(x for x in mine if x["criterion"] == "full")
-                chosen.add((m, "full", ""))
-                for c in ("gate", "state"):
-                    rows_c = [x for x in mine if x["criterion"] == c]
-                    ok = [x for x in rows_c if x["val_loss"] <= full["val_loss"] * 1.005]
-                    for x in ([max(ok, key=lambda x: x["fewer_evaluations"])] if ok else []) \
-                            + ([max(rows_c, key=lambda x: x["fewer_evaluations"])]
-                               if c == "gate" and rows_c else []):
-                        chosen.add((m, c, str(x["tau"])))
+                full, best, most = findings.exit_choices(r["rows"], m)
+                chosen |= {(m, x["criterion"], str(x["tau"] or ""))
+                           for x in (full, *best.values(), most) if x is not None}
             table, others = page.split_table(r["table"], lambda c: tuple(c[:3]) in chosen)
             notes += page.fill("results/gate_exit",
                                rows=ablation("gate_exit", table=r["table"], command=r["command"]))
