@@ -98,16 +98,15 @@ TRAINED = {
                                                 f"--set train.lr=5e-3 --set train.min_lr=5e-4 "
                                                 "--set 'train.any_depth.drafts=[\"euler:1\", "
                                                 "\"euler:2\", \"rk4:4\"]'" for s in SEEDS},
-    # ... training two of its three drafts every step instead of one
+    # ode_any_depth_tuned.toml (lr 2e-3, KL weight 0.85, two drafts a step), and the same
+    # with one draft a step
     **{f"runs/agreement/any_depth_w0.85_draws2_lr2e-3_s{s}": f"--config "
-                                                             f"{SH}/ode_any_depth_w0.85_lr2e-3"
-                                                             f".toml --set train.seed={s} --set "
-                                                             f"train.any_depth.draws=2"
+                                                             f"{SH}/ode_any_depth_tuned.toml "
+                                                             f"--set train.seed={s}"
        for s in SEEDS},
-    # a KL weight between 0.7 and 1.0 at lr 2e-3: ode_any_depth_w0.85_lr2e-3.toml
-    **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config "
-                                                      f"{SH}/ode_any_depth_w0.85_lr2e-3.toml "
-                                                      f"--set train.seed={s}" for s in SEEDS},
+    **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
+                                                      f"--set train.seed={s} --set "
+                                                      f"train.any_depth.draws=1" for s in SEEDS},
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "

@@ -556,9 +556,8 @@ def agreement(r: dict, results: dict) -> str | None:
             w = name.split("-w")[1].split("-")[0]
             e1, r1, e4 = (rows.get((name, d)) for d in ("euler:1", "rk4:1", "euler:4"))
             fine = (" with RK4 x 8 among the drafts" if "-fine" in name else
-                    " (ode_any_depth_w0.85_lr2e-3.toml)" if name == "ode_any_depth-w0.85-lr2e-3"
-                    else " training two of its three drafts a step (draws = 2)"
-                    if "-draws2" in name else "")
+                    " training two of its three drafts a step (draws = 2, "
+                    "ode_any_depth_tuned.toml)" if "-draws2" in name else "")
             said.append(f"weight {w}{fine} ({count(e1['seeds'])}) reads {e1['own_loss']:.4f}, "
                         f"{100 * (e1['own_loss'] / a2['own_loss'] - 1):+.1f}%, at "
                         f"{100 * e1['agreement']:.1f}% for Euler x 1"

@@ -236,7 +236,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                   "coarse solves taught by its own solve in the same step, and the models its "
                   "agreement is compared with (ode_rk4's are the shakespeare experiment's)", [
         _train(f"{SH}/ode_any_depth.toml", [1337, 1, 2]),
-        _train(f"{SH}/ode_any_depth_w0.85_lr2e-3.toml", [1337, 1, 2]),
+        _train(f"{SH}/ode_any_depth_tuned.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_any_depth.toml", [1337], "--tag", "top1-0.5",
                "--set", "train.any_depth.top1_weight=0.5"),
         _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "bp1",

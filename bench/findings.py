@@ -452,11 +452,13 @@ def any_depth(results: dict) -> str | None:
                 f"{'met' if max(gx, sx) >= target else 'missed'})")
     rk4 = (f", RK4 x 1 from {100 * a4['agreement']:.0f}% to {100 * b4['agreement']:.0f}%"
            if a4 and b4 else "")
-    tuned, best = (rows.get(("ode_any_depth-w0.85-lr2e-3", d)) for d in ("euler:1", "rk4:1"))
+    tuned, best = (rows.get(("ode_any_depth-w0.85-draws2-lr2e-3", d))
+                   for d in ("euler:1", "rk4:1"))
     ref = rows.get(("ode_rk4-lr2e-3", "euler:1"))
     if tuned and best and ref:
-        tuned_text = (f"; at ode_rk4's best lr (2e-3) with a KL weight of 0.85 "
-                      f"(ode_any_depth_w0.85_lr2e-3.toml), {100 * tuned['agreement']:.0f}% and "
+        tuned_text = (f"; at ode_rk4's best lr (2e-3) with a KL weight of 0.85 and two "
+                      f"drafts a step (ode_any_depth_tuned.toml), "
+                      f"{100 * tuned['agreement']:.0f}% and "
                       f"{100 * best['agreement']:.0f}% at "
                       f"{100 * (tuned['own_loss'] / ref['own_loss'] - 1):+.2f}% loss against "
                       f"ode_rk4 at that lr ({tuned['seeds']} seeds each)")
