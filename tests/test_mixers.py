@@ -494,3 +494,59 @@ def test_attention_with_unequal_widths_equals_the_explicit_softmax(dq, dv):
     want = torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf")), -1) @ v
     torch.testing.assert_close(_sdpa_any_dims(q, k, v, None, True), want)
     torch.testing.assert_close(_sdpa_any_dims(q, k, v, causal, False), want)
+
+
+def _boolean_chunk(offset, T, L):
+    return torch.arange(L)[None, :] <= torch.arange(offset, offset + T)[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunk_mask_is_the_boolean_mask_made_additive_and_remembered_per_shape(dtype):
+    """The chunk mask (queries at offset.. after cached keys) is 0 where the boolean mask is
+    True and -inf elsewhere; attention through it equals attention through the boolean mask
+    bitwise; the one remembered mask serves only the same sizes, dtype and mode."""
+    from continuumlm.mixers import softmax
+
+    torch.manual_seed(0)
+    shapes = [(5, 4, 9), (3, 1, 4), (5, 4, 9), (0, 7, 7), (12, 5, 17)]  # awkward, repeated
+    for offset, T, L in shapes:
+        mask = softmax.chunk_mask(offset, T, L, torch.empty((), dtype=dtype))
+        want = _boolean_chunk(offset, T, L)
+        assert mask.dtype == dtype and mask.shape == (T, L)
+        assert torch.equal(mask == 0, want) and torch.isinf(mask[~want]).all()
+        q, k, v = (torch.randn(2, 3, n, 8, dtype=dtype) for n in (T, L, L))
+        assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v, mask),
+                           torch.nn.functional.scaled_dot_product_attention(q, k, v, want))
+    a = softmax.chunk_mask(2, 3, 5, torch.empty(()))
+    assert softmax.chunk_mask(2, 3, 5, torch.empty(())) is a  # remembered
+    assert softmax.chunk_mask(2, 3, 5, torch.empty((), dtype=torch.float64)).dtype == \
+        torch.float64
+    with torch.inference_mode():
+        b = softmax.chunk_mask(2, 3, 5, torch.empty(()))
+        assert b is not a and b.is_inference()
+    c = softmax.chunk_mask(2, 3, 5, torch.empty(()))
+    assert c is not b and not c.is_inference()  # an inference tensor is not handed out
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_chunked_extension_equals_one_token_steps_and_frozen_dropout_reads_the_chunk_mask(
+        dropout):
+    """Extending a KV cache by a chunk of tokens (a verifying pass) gives what one-token
+    steps give, with the additive chunk mask; with dropout frozen (ODE training's fixed
+    mask), the hand-formed weights read the additive mask as the boolean one."""
+    from continuumlm.mixers.softmax import SoftmaxAttention
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=11, hidden_size=16, num_heads=2, num_layers=1, dropout=dropout)
+    att = SoftmaxAttention(cfg).double().eval()
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    one, chunk = att.cache_factory(), att.cache_factory()
+    steps = torch.cat([att.extend(x[:, i:i + 1], one) for i in range(9)], 1)
+    out = torch.cat([att.extend(x[:, :4], chunk), att.extend(x[:, 4:], chunk)], 1)
+    torch.testing.assert_close(out, steps, rtol=0, atol=1e-12)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (5, 9, 9))
+    from continuumlm.mixers.softmax import chunk_mask
+    additive = chunk_mask(4, 5, 9, q)
+    torch.testing.assert_close(att._attend_frozen_dropout(q, k, v, additive, False),
+                               att._attend_frozen_dropout(q, k, v, _boolean_chunk(4, 5, 9),
+                                                          False), rtol=0, atol=0)
