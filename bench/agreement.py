@@ -107,6 +107,15 @@ TRAINED = {
     **{f"runs/agreement/any_depth_w0.85_lr2e-3_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
                                                       f"--set train.seed={s} --set "
                                                       f"train.any_depth.draws=1" for s in SEEDS},
+    # ode_any_depth_tuned.toml with the memory from the block's input (model.ode_kv =
+    # "block"): every solve reads the same keys and values, so a token may take any of them
+    # (bench/exit_ladder.py), and ode_rk4 at lr 2e-3 with that memory beside it
+    **{f"runs/agreement/any_depth_kvblock_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
+                                                 f"--set train.seed={s} --set "
+                                                 f"model.ode_kv=block" for s in SEEDS},
+    "runs/agreement/ode_rk4_kvblock_lr2e-3_s1337": f"--config {SH}/ode_rk4.toml --set "
+                                                   f"model.ode_kv=block --set train.lr=2e-3 "
+                                                   f"--set train.min_lr=2e-4",
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "

@@ -434,3 +434,46 @@ def test_speculative_sampling_is_distributed_as_the_model():
     finally:
         model.set_solver("rk4", 2)
     assert chi2(drafted) > bound, (chi2(drafted), bound)
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+def test_layer_drafts_reuse_the_first_layers_states_and_caches(mixer):
+    """Draft(layers=n) shares the first n layers' caches between draft and verifier, and the
+    verifying pass goes on from the drafts' states there (LayerSkip's reuse): the same tokens,
+    greedy and sampled (the same random draws), as recomputing them, with fewer token rows
+    through the first layers."""
+    model = _sharp(small_model(mixer=mixer, num_layers=3).double(), field=4.0)
+    prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(4))
+    rows = []
+    model.depth.layers[0].register_forward_hook(lambda m, a, out: rows.append(a[0].shape[1]))
+    for layers, k in ((1, 3), (2, "auto"), (1, 1)):
+        for sample in (False, True):
+            outs, counts = [], []
+            for reuse in (True, False):
+                rows.clear()
+                kw = (dict(temperature=0.9, generator=torch.Generator().manual_seed(7))
+                      if sample else dict(greedy=True))
+                stream = model.generate_stream(prompt, 20, draft=Draft(layers=layers, tokens=k,
+                                                                       reuse=reuse), **kw)
+                outs.append([int(t) for t in stream])
+                counts.append(sum(rows))
+                assert len(model.depth.layers) == 3
+            assert outs[0] == outs[1], (layers, k, sample)
+            assert counts[0] < counts[1], (layers, k, sample)
+    with pytest.raises(ValueError, match="True or False"):
+        Draft(layers=1, reuse=1)
+
+
+def test_a_state_shares_caches_only_when_empty_and_only_those_held():
+    from continuumlm.model.cache import DecodeState
+
+    model = small_model(num_layers=2)
+    main = model.init_state(1)
+    side = DecodeState(1)
+    with pytest.raises(ValueError, match="no cache for"):
+        side.share(main, [("layer", 0)])
+    model.step(torch.zeros(1, 3, dtype=torch.long), main)
+    side.share(main, [("layer", 0)])
+    assert side.pos == 3 and side.cache(("layer", 0), None) is main.cache(("layer", 0), None)
+    with pytest.raises(ValueError, match="already holds"):
+        side.share(main, [("layer", 1)])

@@ -79,19 +79,52 @@ def _exit_arguments(parser) -> None:
                         help="per-token adaptive depth (ODE models with a fixed-grid solver): "
                              "a token whose state has settled after a solver step (criterion "
                              "below TAU) stops integrating for the rest of its block")
-    parser.add_argument("--exit-criterion", choices=("state", "kl", "gate"), default="state",
+    parser.add_argument("--exit-criterion", choices=("state", "kl", "gate", "confidence"),
+                        default=None,
                         help="state: relative change of the token's state over the step; kl: "
                              "KL between the next-token distributions read out before and after "
-                             "it; gate: 1 - the model's learned halting gate (model.exit_gate) "
-                             "(default: state)")
+                             "it; gate: 1 - the model's learned halting gate (model.exit_gate); "
+                             "confidence: 1 - the largest next-token probability read out "
+                             "(default: state; with --exit-ladder, confidence)")
+    parser.add_argument("--exit-ladder", type=_solves, metavar="SOLVES",
+                        help="exit across whole solves instead of solver steps: each token "
+                             "tries these coarser solves in order (e.g. euler:1,rk4:1), then "
+                             "the model's own, and stops at the first whose criterion is below "
+                             "TAU (one-block ODE models with model.ode_kv = 'block')")
+
+
+def _solves(text: str) -> list[str]:
+    from ..model.ladder import parse_rung
+
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        for s in out:
+            parse_rung(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one SOLVER:STEPS (e.g. euler:1).")
+    return out
+
+
+def exit_criterion(args) -> str:
+    """The criterion asked for, or the default: confidence with a ladder, state without."""
+    if args.exit_criterion is not None:
+        return args.exit_criterion
+    return "confidence" if getattr(args, "exit_ladder", None) else "state"
 
 
 def _apply_exit(model, args) -> None:
     if args.exit_threshold is None:
+        if getattr(args, "exit_ladder", None):
+            raise UsageError("--exit-ladder needs --exit-threshold TAU (the criterion below "
+                             "which a token stops at a rung).")
         return
     try:
-        model.set_exit(args.exit_threshold, args.exit_criterion)
+        model.set_exit(args.exit_threshold, exit_criterion(args),
+                       ladder=getattr(args, "exit_ladder", None))
     except ValueError as e:
-        raise UsageError(f"--exit-threshold: {e}") from None
+        flag = "--exit-ladder" if getattr(args, "exit_ladder", None) else "--exit-threshold"
+        raise UsageError(f"{flag}: {e}") from None
 
 

@@ -8,7 +8,13 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .common import UsageError, _apply_exit, thread_policy
+from .common import UsageError, _apply_exit, exit_criterion, thread_policy
+
+
+def ladder_text(args) -> str:
+    """" across solves A, B, then the own" for a ladder, "" for per-step exit."""
+    ladder = getattr(args, "exit_ladder", None)
+    return f" across solves {', '.join(ladder)}, then the own" if ladder else ""
 
 # ---------------------------------------------------------------------------- eval
 
@@ -63,7 +69,9 @@ def cmd_eval(args) -> int:
                           "ode_kv": cfg.ode_kv if cfg.depth == "ode" else None,
                           "cache": _cache_memory(model, as_dict=True),
                           "exit": ({"threshold": args.exit_threshold,
-                                    "criterion": args.exit_criterion}
+                                    "criterion": exit_criterion(args),
+                                    **({"ladder": args.exit_ladder} if args.exit_ladder
+                                       else {})}
                                    if args.exit_threshold is not None else None),
                           **({"agreement": {k: v["agreement"] for k, v in agreed.items()},
                               "agreement_kl": {k: v["kl"] for k, v in agreed.items()},
@@ -86,7 +94,8 @@ def cmd_eval(args) -> int:
             print(f"{r['context']:>8} {r['loss']:>8.4f} {r['ppl']:>10.3f} {bpc:>7} {r['windows']:>8}"
                   + (f" {r['nfe_per_token']:>10.2f}" if exiting else ""))
     if exiting:
-        print(f"per-token exit: {args.exit_criterion} < {args.exit_threshold:g}; full depth is "
+        print(f"per-token exit{ladder_text(args)}: {exit_criterion(args)} < "
+              f"{args.exit_threshold:g}; full depth is "
               f"{_full_nfe(model)} field evaluations per token")
     if agreed:
         own = (f"{model.config.ode_solver}:{model.config.ode_steps}"
@@ -259,7 +268,8 @@ def cmd_generate(args) -> int:
               f"token without drafting)", file=sys.stderr)
     if args.exit_threshold is not None:
         done, tokens = model.depth.exit_totals
-        print(f"per-token exit ({args.exit_criterion} < {args.exit_threshold:g}): "
+        print(f"per-token exit{ladder_text(args)} ({exit_criterion(args)} < "
+              f"{args.exit_threshold:g}): "
               f"{done / max(tokens, 1):.2f} field evaluations per token on average "
               f"(prompt included), "
               f"of {_full_nfe(model)} at full depth", file=sys.stderr)

@@ -52,7 +52,7 @@ def cmd_serve(args) -> int:
         raise UsageError(why)
     from ..runs import load_model_and_tokenizer
     from ..train import pick_device
-    from .common import _apply_exit
+    from .common import _apply_exit, exit_criterion
 
     threads = thread_policy(args, "serving")
     device = pick_device(args.device, "--device")
@@ -68,6 +68,11 @@ def cmd_serve(args) -> int:
         raise UsageError("--ode-solver/--ode-steps: this model is a discrete stack, with no "
                          "solve to choose.")
     check_servable(model)
+    if args.exit_ladder:
+        raise UsageError("--exit-ladder: the server batches requests through one decoding "
+                         "state, and a ladder cuts its memory back token by token; this "
+                         "version decodes a ladder with `continuumlm generate` and evaluates "
+                         "it with `continuumlm eval`, not in the server. Drop --exit-ladder.")
     _apply_exit(model, args)
     max_context = args.max_context or cfg.max_seq_len
     if cfg.position == "learned" and max_context > cfg.max_seq_len:
@@ -78,7 +83,7 @@ def cmd_serve(args) -> int:
                  max_batch=args.max_batch, max_queue=args.max_queue, max_context=max_context,
                  max_prefill_tokens=args.max_prefill_tokens,
                  max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                 threads=threads, exit_rule=(args.exit_criterion, args.exit_threshold)
+                 threads=threads, exit_rule=(exit_criterion(args), args.exit_threshold)
                  if args.exit_threshold is not None else None)
 
 

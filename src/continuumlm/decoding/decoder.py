@@ -171,7 +171,8 @@ class Decoder:
         elif not getattr(model.depth, "exact_cache", True):
             why = (f"an adaptive solver ({model.config.ode_solver}) is decoded by recomputing "
                    f"the context, with no one-token step to record; use a fixed-grid solver")
-        elif getattr(model.depth, "exit", None) is not None:
+        elif getattr(model.depth, "exit", None) is not None or \
+                getattr(model.depth, "ladder", None) is not None:
             why = ("per-token exit decides on the host at every solver step, which a recorded "
                    "graph cannot; call model.set_exit(None) or leave cuda_graph off")
         elif any(t.is_inference() for t in model.parameters()):

@@ -190,7 +190,8 @@ class TokenGraphs:
         return (st.static, tuple(ids.shape), ids.dtype, tuple(map(tensor_state, tensors)))
 
     def __call__(self, ids: torch.Tensor, st: DecodeState) -> torch.Tensor:
-        if self.failed or getattr(self.model.depth, "exit", None) is not None:
+        if self.failed or getattr(self.model.depth, "exit", None) is not None or \
+                getattr(self.model.depth, "ladder", None) is not None:
             return self.run(ids, st)  # refused; or per-token exit (decided on the host)
         tensors, training = _walk(self.model)
         if training:  # a module switched to training between tokens: dropout draws masks

@@ -48,14 +48,18 @@ MAX_AUTO_TOKENS = 16
 class Draft:
     """How to draft: an ODE model's same weights integrated with ``solver`` x ``steps`` (any
     fixed-grid solver); a discrete model's first ``layers`` layers through its own final norm
-    and head (LayerSkip's early exit, without its training recipe). ``tokens`` proposals per
-    verification (a number, or ``"auto"``: start at 4, one more after a round that kept every
-    draft, one fewer after a round that kept under half, between 1 and 16)."""
+    and head (LayerSkip's early exit). ``tokens`` proposals per verification (a number, or
+    ``"auto"``: start at 4, one more after a round that kept every draft, one fewer after a
+    round that kept under half, between 1 and 16). ``reuse`` (layer drafts, eager): the draft
+    and the verifier share the first layers' caches, and the verifying pass goes on from the
+    states the drafts made there (LayerSkip's cache reuse: those layers see each drafted token
+    once); False: the verifier runs every layer over the drafted tokens again."""
 
     solver: str = "euler"
     steps: int = 1
     tokens: int | str = 4
     layers: int | None = None
+    reuse: bool = True
 
     def __post_init__(self) -> None:
         if self.tokens != AUTO and (isinstance(self.tokens, bool) or not isinstance(
@@ -68,6 +72,8 @@ class Draft:
                 self.layers, int) or self.layers < 1):
             raise ValueError(f"Draft(layers={self.layers!r}): give a positive number of "
                              f"layers.")
+        if not isinstance(self.reuse, bool):
+            raise ValueError(f"Draft(reuse={self.reuse!r}): give True or False.")
 
 
 @dataclass
@@ -139,14 +145,40 @@ class _Solves:
             self._put(self.full)
 
 
+class _Tap(torch.nn.Module):
+    """A layer that keeps each output it makes (``outputs``): the last draft layer's, from
+    which a verifying pass goes on (:class:`FirstLayers` with ``tap``)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.mixer = layer.mixer  # DiscreteStack asks a layer's mixer for its cache type
+        self.outputs: list[torch.Tensor] = []
+
+    def forward(self, x, cache=None, padding=None):
+        out = self.layer(x, cache, padding)
+        self.outputs.append(out)
+        return out
+
+
 class FirstLayers:
     """A discrete stack drafting with its first ``n`` layers: the stack's layer list swapped
-    for its first ``n`` while drafting (the draft state holds caches of those alone)."""
+    for its first ``n`` while drafting (the draft state holds caches of those alone). With
+    ``tap``, the last of them keeps its outputs (``tapped``)."""
 
-    def __init__(self, model, n: int):
+    def __init__(self, model, n: int, tap: bool = False):
         self.depth = model.depth
         self.full = model.depth.layers
-        self.draft = torch.nn.ModuleList(list(self.full)[:n])
+        self.n = n
+        first = list(self.full)[:n]
+        self.tap = _Tap(first[-1]) if tap else None
+        if self.tap is not None:
+            first[-1] = self.tap
+        self.draft = torch.nn.ModuleList(first)
+
+    @property
+    def tapped(self) -> list[torch.Tensor]:
+        return self.tap.outputs
 
     @contextlib.contextmanager
     def drafting(self):
@@ -177,7 +209,8 @@ def check_draft(model, draft: Draft, idx: torch.Tensor) -> None:
         raise ValueError(f"draft=: the model's own solver ({cfg.ode_solver}) is adaptive and "
                          f"decodes by recomputing; self-speculative decoding verifies through "
                          f"the cache and needs a fixed-grid solver.")
-    if getattr(model.depth, "exit", None) is not None:
+    if getattr(model.depth, "exit", None) is not None or \
+            getattr(model.depth, "ladder", None) is not None:
         raise ValueError("draft=: per-token exit decides each token's depth on the fly; call "
                          "model.set_exit(None) to draft.")
     if idx.shape[0] != 1:
@@ -262,7 +295,10 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     the prompt; a round's cut-back moves that state back in place. ``freeze_block`` (the
     same for :func:`.frozen.frozen_block_decoder`): the verifying pass of ``k + 1`` tokens
     goes through the frozen step over a block, the model's state frozen after the prompt."""
-    solves = (FirstLayers(model, draft.layers) if draft.layers is not None
+    # LayerSkip's cache reuse (Draft.reuse): eager only, a frozen step keeps caches of its own
+    reuse = (draft.layers is not None and draft.reuse and freeze is None
+             and freeze_block is None)
+    solves = (FirstLayers(model, draft.layers, tap=reuse) if draft.layers is not None
               else _Solves(model, draft.solver, draft.steps))
     k = 4 if draft.tokens == AUTO else draft.tokens
     start = time.perf_counter()
@@ -295,6 +331,20 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         stats.nfe += model.last_nfe
         return out[0]
 
+    def resume(last_draft: int) -> torch.Tensor:
+        """The model's logits after the pending token and each draft, (k + 1, V), from the
+        draft's states: the last draft through the first layers (the others went through
+        them while drafting), then the later layers over every one of them."""
+        with solves.drafting():
+            model.hidden_states(torch.tensor([[last_draft]], device=device), side)
+        stats.nfe += model.last_nfe
+        h = torch.cat(solves.tapped, dim=1)
+        solves.tapped.clear()
+        out = model.lm_head(model.norm_f(model.depth.resume(h, main, draft.layers)))
+        main.pos += h.shape[1]
+        stats.nfe += model.depth.last_nfe
+        return out[0]
+
     def choose(row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if how.greedy:
             return int(row.argmax()), None
@@ -308,6 +358,10 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         why = main.frozen_crop_refusal()  # before any token: the draft's caches are alike
         if why is not None:
             raise ValueError(f"draft= with compile or CUDA graphs: {why}.")
+    if reuse:
+        # the draft state holds the model state's caches of the first layers: what the
+        # drafts write there is what the verifier reads, and both states move together
+        side.share(main, [("layer", i) for i in range(draft.layers)])
     seq.append(last)
     made = 1
     stats.tokens = made
@@ -333,10 +387,15 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
                         break
                     row = logits([nxt], side)[-1]
         before = main.pos
-        n, after = verify(drafts, None if how.greedy else qs, logits([last, *drafts], main),
-                          how)
+        if reuse and drafts:
+            own = resume(drafts[-1])
+        else:
+            own = logits([last, *drafts], main)
+        n, after = verify(drafts, None if how.greedy else qs, own, how)
         main.crop(before + 1 + n)  # the latest token and the kept drafts
-        if side.pos > before + 1 + n:
+        if reuse:
+            side.pos = main.pos  # its caches are the model state's, cut with them
+        elif side.pos > before + 1 + n:
             side.crop(before + 1 + n)
         stats.rounds += 1
         stats.drafted += len(drafts)

@@ -204,6 +204,21 @@ class DecodeState:
             self._caches[key] = c
         return self._caches[key]
 
+    def share(self, other: DecodeState, keys: list[Hashable]) -> None:
+        """Hold ``other``'s caches of ``keys`` (the same objects, not copies) and its
+        position: a draft through a model's first layers (speculative decoding) writes the
+        keys and values its verifier reads from those layers. The two states then move
+        together: what one appends the other holds, and a cut of ``other`` cuts these; the
+        caller sets ``pos`` after it."""
+        if self._caches:
+            raise ValueError("share(): this decoding state already holds caches of its own.")
+        missing = [k for k in keys if k not in other._caches]
+        if missing:
+            raise ValueError(f"share(): the other state has no cache for {missing}; share "
+                             f"after it consumed its first tokens.")
+        self._caches = {k: other._caches[k] for k in keys}
+        self.pos, self.solve = other.pos, other.solve
+
     def crop(self, length: int) -> None:
         """Cut the state back to its first ``length`` tokens, as if the later ones had never
         been consumed: what assisted and speculative decoding do with drafted tokens that were

@@ -24,6 +24,7 @@ from ..nn import MLP, freeze_dropout, make_norm, set_plain
 from ..ode import AdaptiveSolver
 from ..ode.grad import refusal as grad_refusal
 from ..registry import DEPTHS, FIELDS, MIXERS, SOLVERS
+from . import ladder
 from .cache import DecodeState
 from .exit import EXIT_CRITERIA, ExitRule, check_exit_solver, solve_with_exit  # noqa: F401 - importable here as before
 from .extras import SolveExtras, augmented  # noqa: F401 - SolveExtras: importable here too
@@ -94,6 +95,17 @@ class DiscreteStack(nn.Module):
             if self.record is not None:
                 self.record.append(x)
         self.last_nfe = len(self.layers)
+        return x
+
+    def resume(self, x: torch.Tensor, state: DecodeState, start: int) -> torch.Tensor:
+        """Layers ``start``.. over ``x``, the output of layer ``start - 1`` (eval, through
+        ``state``'s caches of those layers): how a verifying pass goes on from the states
+        its first-layer drafts already made (speculative decoding with ``Draft(layers=n)``).
+        The caller moves ``state.pos`` on."""
+        for i in range(start, len(self.layers)):
+            layer = self.layers[i]
+            x = layer(x, state.cache(("layer", i), layer.mixer.cache_factory))
+        self.last_nfe = len(self.layers) - start
         return x
 
 
@@ -170,6 +182,7 @@ class ODEStack(nn.Module):
         self.blocks = nn.ModuleList(ODEBlock(cfg, i) for i in range(cfg.num_layers))
         self.last_nfe = 0
         self.exit: ExitRule | None = None  # per-token exit (LanguageModel.set_exit)
+        self.ladder = None  # per-token exit across solves (model/ladder.py; set_exit(ladder=))
         self.exit_totals = [0, 0]  # field evaluations and tokens since set_exit (eager only)
         self.extras: SolveExtras | None = None  # regularizers and STEER (the trainer's)
         self.last_regularizers: dict[str, torch.Tensor] = {}
@@ -258,7 +271,15 @@ class ODEStack(nn.Module):
                                  "training step that regularizes the solve or moves its end "
                                  "time (train.regularize: kinetic_weight, jacobian_weight, "
                                  "steer): call model.set_exit(None) before training.")
-        for block in self.blocks:
+        token_nfe = None
+        if self.ladder is not None:
+            if self.training and torch.is_grad_enabled():
+                raise ValueError("the exit ladder is an inference setting; call "
+                                 "model.set_exit(None) before training.")
+            x, token_nfe = ladder.run(self, self.ladder, x, state, padding, evaluate)
+            if self.record is not None:
+                self.record.append(x)
+        for block in self.blocks if self.ladder is None else ():
             x = block(x, state, self.exit, self.extras, padding, evaluate)
             if self.record is not None:
                 self.record.append(x)
@@ -270,7 +291,8 @@ class ODEStack(nn.Module):
                   # the states between solver steps, every block's (SolveExtras.readout)
                   last_step_states=[h for b in self.blocks for h in b.step_states],
                   # field evaluations per token, over every block
-                  last_token_nfe=(sum(b.last_token_nfe for b in self.blocks)
+                  last_token_nfe=(token_nfe if token_nfe is not None else
+                                  sum(b.last_token_nfe for b in self.blocks)
                                   if self.exit is not None else None))
         if self.last_token_nfe is not None and not torch.compiler.is_compiling():
             self.exit_totals[0] += int(self.last_token_nfe.sum())

@@ -11,7 +11,7 @@ import torch
 
 from ..ode.solvers import grid
 
-EXIT_CRITERIA = ("state", "kl", "gate")
+EXIT_CRITERIA = ("state", "kl", "gate", "confidence")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class ExitRule:
       head) from its states before and after the step; costs one read-out per step and token;
     - ``"gate"``: 1 - sigmoid(gate(h_(n+1))), the model's learned halting gate's probability
       that the token's greedy prediction would still change (``model.exit_gate``, trained by
-      ``train.any_depth.gate_weight``); costs one linear read per step and token.
+      ``train.any_depth.gate_weight``); costs one linear read per step and token;
+    - ``"confidence"``: 1 - the largest next-token probability read out from h_(n+1) (CALM's
+      softmax confidence); costs one read-out per step and token.
 
     A criterion reads only the token's own state, which depends only on its prefix, so the
     decoder stays exactly causal and cached decoding equals recompute at the same threshold.
@@ -46,8 +48,9 @@ class ExitRule:
                 and not math.isnan(self.threshold)):
             raise ValueError(f"the exit threshold must be a number >= 0 (0: never exit; inf: "
                              f"every token after its first step), got {self.threshold!r}.")
-        if self.criterion == "kl" and self.readout is None:
-            raise ValueError("the 'kl' exit criterion needs a read-out (h -> logits).")
+        if self.criterion in ("kl", "confidence") and self.readout is None:
+            raise ValueError(f"the {self.criterion!r} exit criterion needs a read-out "
+                             f"(h -> logits).")
         if self.criterion == "gate" and self.gate is None:
             raise ValueError("the 'gate' exit criterion needs the model's halting gate "
                              "(model.exit_gate).")
@@ -60,6 +63,9 @@ class ExitRule:
             return crit < self.threshold, None
         if self.criterion == "gate":
             crit = 1 - torch.sigmoid(self.gate(h_new).float())
+            return crit < self.threshold, None
+        if self.criterion == "confidence":
+            crit = 1 - torch.softmax(self.readout(h_new).float(), dim=-1).amax(-1)
             return crit < self.threshold, None
         logp = self.log_probs(h_new)
         crit = (logp.exp() * (logp - old_logp)).sum(-1)

@@ -24,6 +24,7 @@ from .cache import CacheMemory, DecodeState
 
 # importing depth registers the built-in depths
 from .exit import ExitRule, check_exit_solver
+from .ladder import build as build_ladder
 from .weights import CONFIG_FILE, MODEL_TYPE, WEIGHTS_FILE, load_weights, read_model_config
 
 log = logging.getLogger("continuumlm")
@@ -106,15 +107,33 @@ class LanguageModel(nn.Module):
         ``last_nfe``)."""
         return getattr(self.depth, "last_token_nfe", None)
 
-    def set_exit(self, threshold: float | None, criterion: str = "state") -> None:
+    def set_exit(self, threshold: float | None, criterion: str = "state",
+                 ladder: list[str] | None = None) -> None:
         """Per-token adaptive depth at inference: in every ODE block, a token whose state has
         settled after a solver step (``criterion`` below ``threshold``; see
         :class:`continuumlm.model.exit.ExitRule`) stops integrating for the rest of the
         block. ``None`` turns it off. Needs ``depth = "ode"`` with a fixed-grid solver; the
-        model stays exactly causal and cached decoding equals recompute."""
+        model stays exactly causal and cached decoding equals recompute.
+
+        ``ladder`` (coarse solves, "SOLVER:STEPS", e.g. ["euler:1", "rk4:1"]): exit across
+        whole solves instead (:mod:`continuumlm.model.ladder`): each token tries them in
+        order, then the own solve, and stops at the first whose ``criterion`` ("confidence"
+        or "gate") is below ``threshold``. Needs one ODE block with ``ode_kv = "block"``."""
         if threshold is None:
             if hasattr(self.depth, "exit"):
                 self.depth.exit = None
+                self.depth.ladder = None
+            return
+        if ladder is not None:
+            if not (isinstance(threshold, (int, float)) and threshold >= 0
+                    and not math.isnan(threshold)):
+                raise ValueError(f"the exit threshold must be a number >= 0 (0: never exit; "
+                                 f"inf: every token at the first rung), got {threshold!r}.")
+            built = build_ladder(self, list(ladder), threshold, criterion, self._exit_readout,
+                                 self.gate_logits if self.exit_gate is not None else None)
+            self.depth.exit = None
+            self.depth.ladder = built
+            self.depth.exit_totals = [0, 0]
             return
         if self.config.depth != "ode":
             raise ValueError("per-token exit needs depth = 'ode'; a discrete stack has no "
@@ -125,6 +144,7 @@ class LanguageModel(nn.Module):
                              "this model has none: train one with model.exit_gate = true and "
                              "train.any_depth.gate_weight > 0, or use criterion 'state' or "
                              "'kl'.")
+        self.depth.ladder = None
         # a bound method, not a closure: a copy (deepcopy) reads its own head, and it pickles
         self.depth.exit = ExitRule(float(threshold), criterion, readout=self._exit_readout,
                                    gate=self.gate_logits if self.exit_gate is not None

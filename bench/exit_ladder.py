@@ -1,0 +1,89 @@
+"""Per-token exit across whole solves (``set_exit(..., ladder=[...])``, model/ladder.py) on
+trained one-block models with the memory from the block's input (``model.ode_kv = "block"``):
+validation loss and field evaluations per token at each confidence threshold, per ladder,
+against the model's own solve and against exiting along its own solver steps.
+
+    python bench/exit_ladder.py RUN [RUN ...] [--max-windows N]
+
+writes bench/results/exit_ladder.json. Each row is ``continuumlm eval --exit-ladder L
+--exit-criterion confidence --exit-threshold TAU`` (or ``--exit-criterion C`` without a
+ladder) on evenly spread validation windows of the run's training context. A token's field
+evaluations are those of every rung it tried (Euler x 1, then RK4 x 1, then RK4 x 4: 1, 5 or
+21), what it costs when decoded one token at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import machine, markdown_table, write_json
+
+from continuumlm.data import prepare_data
+from continuumlm.eval.perplexity import evaluate_contexts
+from continuumlm.runs import load_model_and_tokenizer
+from continuumlm.runs.checkpoint import load_run_config
+
+LADDERS = [["euler:1"], ["euler:1", "rk4:1"], ["rk4:1"], ["euler:2"], ["euler:1", "euler:2"]]
+TAUS = [0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05]
+STEP_EXIT = [("confidence", t) for t in (0.3, 0.2, 0.1, 0.05)] + \
+            [("state", t) for t in (0.3, 0.2, 0.1, 0.05)]
+LOSS_TARGET = 0.005  # within 0.5% of the own solve's loss
+SPEED_TARGET = 2.0  # field evaluations per token, full / this
+
+
+def measure(run: str, max_windows: int) -> list[dict]:
+    model, tok, ckpt = load_model_and_tokenizer(run, "best")
+    cfg = load_run_config(ckpt)
+    split = prepare_data(cfg.data, tok).splits["val"]
+    device = torch.device("cpu")
+    full_nfe = model.config.num_layers * model.config.ode_steps * \
+        model.depth.blocks[0].solver.evals_per_step
+    name = run.rstrip("/").split("/")[-1]
+
+    def row(ladder, criterion, tau):
+        model.set_exit(tau, criterion, ladder=ladder) if criterion != "full" \
+            else model.set_exit(None)
+        [r] = evaluate_contexts(model, split, [cfg.train.seq_len], False, device,
+                                max_windows=max_windows)
+        return {"model": name, "exit": "+".join(ladder) + " then own" if ladder else
+                ("solver steps" if criterion != "full" else "none"),
+                "criterion": criterion, "tau": tau, "val_loss": round(r["loss"], 4),
+                "nfe_per_token": round(r.get("nfe_per_token", full_nfe), 2)}
+
+    rows = [row(None, "full", None)]
+    rows += [row(ladder, "confidence", t) for ladder in LADDERS for t in TAUS]
+    rows += [row(None, c, t) for c, t in STEP_EXIT]
+    base = rows[0]["val_loss"]
+    for r in rows:
+        r["loss_change"] = f"{100 * (r['val_loss'] / base - 1):+.2f}%"
+        r["fewer_evaluations"] = round(full_nfe / r["nfe_per_token"], 2)
+        r["within_target"] = r["val_loss"] <= base * (1 + LOSS_TARGET)
+        print(r, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--max-windows", type=int, default=400)
+    args = ap.parse_args()
+    rows = [r for run in args.runs for r in measure(run, args.max_windows)]
+    table = markdown_table(rows, [("model", "model"), ("exit", "exit"),
+                                  ("criterion", "criterion"), ("tau", "tau"),
+                                  ("val_loss", "val loss"), ("loss_change", "vs own solve"),
+                                  ("nfe_per_token", "field evaluations per token"),
+                                  ("fewer_evaluations", "full / this")])
+    print(table)
+    write_json("exit_ladder", {
+        "command": f"python bench/exit_ladder.py {' '.join(args.runs)}"
+                   + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""),
+        "setup": f"each run's best checkpoint, {args.max_windows} evenly spread validation "
+                 f"windows of its training context; a token's field evaluations are every "
+                 f"rung's it tried; {machine()}",
+        "loss_target": LOSS_TARGET, "speed_target": SPEED_TARGET,
+        "rows": rows, "table": table})
+
+
+if __name__ == "__main__":
+    main()
