@@ -753,3 +753,49 @@ def serve(r: dict, results: dict) -> str | None:
         text += (f"; 64 clients, {rows[64]['vs_one_client']:.2f}x at "
                  f"{rows[64]['itl_p50_ms']:.0f} ms between tokens (p50)")
     return text + "."
+
+
+def exit_ladder(r: dict, results: dict) -> str | None:
+    """Per run: the most evaluations a ladder saves within 0.5% of the own solve's loss
+    (target 2x), beside what its coarse solve alone gives, and the decoding speed."""
+    import statistics
+
+    rows = r.get("rows", [])
+    models = list(dict.fromkeys(x["model"] for x in rows))
+    saved, fixed_at = [], []
+    for m in models:
+        full, fixed, best = findings.ladder_choices(rows, m)
+        top = max((x for x in best.values() if x is not None),
+                  key=lambda x: x["fewer_evaluations"], default=None)
+        if full is None or top is None:
+            continue
+        saved.append((m, top, full))
+        same = next((x for x in fixed if x["exit"] == f"{top['exit'].split(' then')[0]} alone"),
+                    None)
+        if same is not None:
+            fixed_at.append(same)
+    if not saved:
+        return None
+    speed = [x["fewer_evaluations"] for _, x, _ in saved]
+    text = (f"Exiting across whole solves, within 0.5% of the own solve's loss: "
+            + "; ".join(f"{m} ({full['val_loss']}) saves {x['fewer_evaluations']:.2f}x field "
+                        f"evaluations through {x['exit']} (confidence, tau {x['tau']}, "
+                        f"{x['loss_change']})" for m, x, full in saved)
+            + f". Target 2x: {'met' if min(speed) >= 2 else 'missed'} "
+              f"({'every' if min(speed) >= 2 else 'the best'} run "
+              f"{min(speed) if min(speed) >= 2 else max(speed):.2f}x"
+            + (f", median {statistics.median(speed):.2f}x" if len(speed) > 2 else "") + ").")
+    if fixed_at:
+        text += (" The ladder's first solve alone, every token at it: "
+                 + "; ".join(f"{x['exit'].replace(' alone', '')} {x['loss_change']} at "
+                             f"{x['fewer_evaluations']:.2f}x ({x['model']})" for x in fixed_at)
+                 + ". Where that is already within 0.5%, the model needs the own solve for few "
+                   "tokens, and a fixed coarse solve saves as much as the exit.")
+    dec = [x for x in r.get("decoding", []) if x.get("tau") is not None]
+    if dec:
+        best = max(dec, key=lambda x: x["decode_speedup"])
+        text += (f" Decoding (greedy, batch 1, eager) through {best['exit']} at tau "
+                 f"{best['tau']} runs at {best['decode_speedup']:.2f}x the own solve's tokens/s "
+                 f"({best['model']}, {best['decode_nfe_per_token']} field evaluations per "
+                 f"token).")
+    return text

@@ -24,10 +24,10 @@ from continuumlm.eval.perplexity import evaluate_contexts
 from continuumlm.runs import load_model_and_tokenizer
 from continuumlm.runs.checkpoint import load_run_config
 
-LADDERS = [["euler:1"], ["euler:1", "rk4:1"], ["rk4:1"], ["euler:2"], ["euler:1", "euler:2"]]
-TAUS = [0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05]
-STEP_EXIT = [("confidence", t) for t in (0.3, 0.2, 0.1, 0.05)] + \
-            [("state", t) for t in (0.3, 0.2, 0.1, 0.05)]
+LADDERS = [["rk4:1"], ["euler:2"], ["euler:1"], ["euler:2", "rk4:1"]]
+TAUS = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+DECODE = [(["rk4:1"], 0.8), (["rk4:1"], 0.9), (["euler:2"], 0.6)]  # timed when decoding
+STEP_EXIT = [("confidence", t) for t in (0.3, 0.1)] + [("state", t) for t in (0.3, 0.1)]
 LOSS_TARGET = 0.005  # within 0.5% of the own solve's loss
 SPEED_TARGET = 2.0  # field evaluations per token, full / this
 
@@ -52,6 +52,10 @@ def measure(run: str, max_windows: int) -> list[dict]:
                 "nfe_per_token": round(r.get("nfe_per_token", full_nfe), 2)}
 
     rows = [row(None, "full", None)]
+    # each coarse solve alone (every token at the first rung): what a fixed solve gives
+    for rung in dict.fromkeys(r for ladder in LADDERS for r in ladder):
+        fixed = row([rung], "confidence", float("inf"))
+        rows.append({**fixed, "exit": f"{rung} alone", "criterion": "fixed", "tau": None})
     rows += [row(ladder, "confidence", t) for ladder in LADDERS for t in TAUS]
     rows += [row(None, c, t) for c, t in STEP_EXIT]
     base = rows[0]["val_loss"]
@@ -60,7 +64,39 @@ def measure(run: str, max_windows: int) -> list[dict]:
         r["fewer_evaluations"] = round(full_nfe / r["nfe_per_token"], 2)
         r["within_target"] = r["val_loss"] <= base * (1 + LOSS_TARGET)
         print(r, flush=True)
-    return rows
+    return rows + decode_rows(model, split, name)
+
+
+def decode_rows(model, split, name: str, n_prompts: int = 8, prompt_len: int = 8) -> list:
+    """Greedy cached decoding, batch 1, eager, from ``n_prompts`` validation prompts: the
+    own solve, each DECODE setting, tokens/s over every prompt (the model's positions
+    filled), with the field evaluations per token the exit counted."""
+    import time
+
+    step = (len(split) - prompt_len) // n_prompts
+    prompts = [torch.from_numpy(split[i * step:i * step + prompt_len].astype("int64"))[None]
+               for i in range(n_prompts)]
+    n = model.config.max_seq_len - prompt_len + 1
+    out = []
+    for ladder, tau in [(None, None), *DECODE]:
+        model.set_exit(None) if ladder is None else model.set_exit(tau, "confidence",
+                                                                   ladder=ladder)
+        model.generate(prompts[0], 8, greedy=True)  # warm-up
+        if ladder is not None:
+            model.depth.exit_totals = [0, 0]
+        t0, made = time.perf_counter(), 0
+        for p in prompts:
+            made += model.generate(p, n, greedy=True).shape[1] - p.shape[1]
+        seconds = time.perf_counter() - t0
+        nfe = (model.depth.exit_totals[0] / model.depth.exit_totals[1] if ladder is not None
+               else model.last_nfe)
+        out.append({"model": name, "exit": "+".join(ladder) + " then own" if ladder else "none",
+                    "criterion": "decoding", "tau": tau, "tok_s": round(made / seconds, 1),
+                    "decode_nfe_per_token": round(nfe, 2)})
+    model.set_exit(None)
+    for r in out:
+        r["decode_speedup"] = round(r["tok_s"] / out[0]["tok_s"], 2)
+    return out
 
 
 def main() -> None:
@@ -69,6 +105,13 @@ def main() -> None:
     ap.add_argument("--max-windows", type=int, default=400)
     args = ap.parse_args()
     rows = [r for run in args.runs for r in measure(run, args.max_windows)]
+    decoding = [r for r in rows if r["criterion"] == "decoding"]
+    rows = [r for r in rows if r["criterion"] != "decoding"]
+    decode_table = markdown_table(decoding, [
+        ("model", "model"), ("exit", "exit"), ("tau", "tau"), ("tok_s", "tokens/s"),
+        ("decode_nfe_per_token", "field evaluations per token"),
+        ("decode_speedup", "vs the own solve")])
+    print(decode_table)
     table = markdown_table(rows, [("model", "model"), ("exit", "exit"),
                                   ("criterion", "criterion"), ("tau", "tau"),
                                   ("val_loss", "val loss"), ("loss_change", "vs own solve"),
@@ -82,7 +125,9 @@ def main() -> None:
                  f"windows of its training context; a token's field evaluations are every "
                  f"rung's it tried; {machine()}",
         "loss_target": LOSS_TARGET, "speed_target": SPEED_TARGET,
-        "rows": rows, "table": table})
+        "decode_setup": "greedy cached decoding, batch 1, eager, 8 validation prompts of 8 "
+                        "tokens each continued to the model's 64 positions",
+        "rows": rows, "table": table, "decoding": decoding, "decode_table": decode_table})
 
 
 if __name__ == "__main__":

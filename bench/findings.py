@@ -280,6 +280,27 @@ def exit_choices(rows: list[dict], model) -> tuple[dict | None, dict, dict | Non
     return full, best, most
 
 
+def ladder_choices(rows: list[dict], model: str, within: float = 0.005
+                   ) -> tuple[dict | None, list[dict], dict[str, dict | None]]:
+    """For one run of a bench/exit_ladder.py record: its own-solve row, each coarse solve
+    alone, and per exit (a ladder, or the solver steps) its most saving row within ``within``
+    of the own solve's loss (None where none is)."""
+    mine = [x for x in rows if x.get("model") == model]
+    full = next((x for x in mine if x["criterion"] == "full"), None)
+    fixed = [x for x in mine if x["criterion"] == "fixed"]
+    best: dict[str, dict | None] = {}
+    for x in mine:
+        if x["criterion"] in ("full", "fixed"):
+            continue
+        ok = full is not None and x["val_loss"] <= full["val_loss"] * (1 + within)
+        now = best.get(x["exit"])
+        if ok and (now is None or x["fewer_evaluations"] > now["fewer_evaluations"]):
+            best[x["exit"]] = x
+        else:
+            best.setdefault(x["exit"], None)
+    return full, fixed, best
+
+
 def kept_for(tokens: float, k: int) -> float | None:
     """The probability p of keeping each draft, position by position independently, at which
     a round of k drafts yields ``tokens`` tokens on average (1 + p + ... + p^k); None when

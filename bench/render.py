@@ -675,6 +675,7 @@ BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
                   ("speculative", "Self-speculative decoding through depth"),
                   ("agreement", "One model trained to be turned"),
                   ("gate_exit", "Per-token exit through a learned gate"),
+                  ("exit_ladder", "Per-token exit across whole solves"),
                   ("truncated_backprop", "Truncated backpropagation through depth"),
                   ("serve", "Serving many clients: continuous batching"),
                   ("ode_kv", "Decoding memory that does not grow with the solve"),
@@ -859,6 +860,19 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             table, others = page.split_table(r["table"], lambda c: tuple(c[:3]) in chosen)
             notes += page.fill("results/gate_exit",
                                rows=ablation("gate_exit", table=r["table"], command=r["command"]))
+        if key == "exit_ladder":
+            # per run: the own solve, each coarse solve alone, each exit's most saving row
+            # within 0.5% of the own solve; every row on the ablations page
+            chosen = set()
+            for m in dict.fromkeys(x["model"] for x in r["rows"]):
+                full, fixed, best = findings.ladder_choices(r["rows"], m)
+                chosen |= {(m, x["exit"], x["criterion"], str(x["tau"] or ""))
+                           for x in (full, *fixed, *best.values()) if x is not None}
+            table, _ = page.split_table(r["table"], lambda c: tuple(c[:4]) in chosen)
+            notes += page.fill("results/exit_ladder", decode_setup=r["decode_setup"],
+                               decode=r["decode_table"],
+                               rows=ablation("exit_ladder", table=r["table"],
+                                             command=r["command"]))
         if key == "depth_exit":
             chosen = {tuple(c[:3]) for c in _table_cells(r.get("decoding_table", ""))}
             table, others = page.split_table(

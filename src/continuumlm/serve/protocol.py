@@ -72,7 +72,7 @@ class CompletionBody(_Body):
     ode_solver: str | None = None
     ode_steps: int | None = Field(None, ge=1, le=1024)
     exit_threshold: float | None = Field(None, ge=0)
-    exit_criterion: Literal["state", "kl", "gate"] | None = None
+    exit_criterion: Literal["state", "kl", "gate", "confidence"] | None = None
     draft: DraftSpec | None = None
 
 
@@ -196,7 +196,7 @@ def check_depth(model, body: CompletionBody, default: Depth) -> Depth:
         if criterion == "gate" and getattr(model, "exit_gate", None) is None:
             raise APIError(400, "'exit_criterion': 'gate' reads the model's halting gate, and "
                                 "this model has none (train one with model.exit_gate = true); "
-                                "use 'state' or 'kl'.", "exit_criterion")
+                                "use 'state', 'kl' or 'confidence'.", "exit_criterion")
         exit_ = (criterion, float(body.exit_threshold))
     else:  # the server's (serve --exit-threshold), which suits every fixed-grid solve
         exit_ = default.exit
