@@ -777,20 +777,23 @@ def exit_ladder(r: dict, results: dict) -> str | None:
     if not saved:
         return None
     speed = [x["fewer_evaluations"] for _, x, _ in saved]
-    text = (f"Exiting across whole solves, within 0.5% of the own solve's loss: "
+    text = ("Exiting across whole solves, within 0.5% of the own solve's loss: "
             + "; ".join(f"{m} ({full['val_loss']}) saves {x['fewer_evaluations']:.2f}x field "
                         f"evaluations through {x['exit']} (confidence, tau {x['tau']}, "
                         f"{x['loss_change']})" for m, x, full in saved)
-            + f". Target 2x: {'met' if min(speed) >= 2 else 'missed'} "
-              f"({'every' if min(speed) >= 2 else 'the best'} run "
-              f"{min(speed) if min(speed) >= 2 else max(speed):.2f}x"
+            + f". Target 2x: {'met' if min(speed) >= 2 else 'missed'} ("
+            + (f"at least {min(speed):.2f}x on every run" if min(speed) >= 2
+               else f"best {max(speed):.2f}x")
             + (f", median {statistics.median(speed):.2f}x" if len(speed) > 2 else "") + ").")
     if fixed_at:
-        text += (" The ladder's first solve alone, every token at it: "
+        text += (" The same coarse solve alone, every token at it: "
                  + "; ".join(f"{x['exit'].replace(' alone', '')} {x['loss_change']} at "
                              f"{x['fewer_evaluations']:.2f}x ({x['model']})" for x in fixed_at)
-                 + ". Where that is already within 0.5%, the model needs the own solve for few "
-                   "tokens, and a fixed coarse solve saves as much as the exit.")
+                 + ".")
+        if all(x["within_target"] for x in fixed_at):
+            text += (" On these runs that is already within 0.5% of the own solve: the saving "
+                     "is the coarse solve's, and the exit's criterion decides little (a fixed "
+                     "coarse solve saves as much).")
     dec = [x for x in r.get("decoding", []) if x.get("tau") is not None]
     if dec:
         best = max(dec, key=lambda x: x["decode_speedup"])

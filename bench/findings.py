@@ -485,6 +485,25 @@ def any_depth(results: dict) -> str | None:
                       f"ode_rk4 at that lr ({tuned['seeds']} seeds each)")
     else:
         tuned_text = ""
+    ladder = ""
+    lr = results.get("exit_ladder")
+    if lr:
+        import statistics
+
+        tops = []
+        for name in dict.fromkeys(x["model"] for x in lr["rows"]):
+            full, _, best = ladder_choices(lr["rows"], name)
+            top = max((x for x in best.values() if x is not None),
+                      key=lambda x: x["fewer_evaluations"], default=None)
+            if full is not None and top is not None:
+                tops.append(top)
+        if tops:
+            mid = sorted(tops, key=lambda x: x["fewer_evaluations"])[len(tops) // 2]
+            ladder = (f"; with the memory from the block's input, exiting across whole solves "
+                      f"({mid['exit']}, confident tokens stop at the coarse solve) saves "
+                      f"{statistics.median(x['fewer_evaluations'] for x in tops):.2f}x field "
+                      f"evaluations at {mid['loss_change']} (median of {len(tops)} seeds; "
+                      f"target 2x)")
     return (f"**One run teaches the coarse solves to agree with the model's own solve**: "
             f"with train.any_depth (a KL term toward the RK4 x 4 solve's own distribution for "
             f"a drawn Euler x 1, Euler x 2 or RK4 x 1 solve, no teacher run) the greedy token "
@@ -492,7 +511,8 @@ def any_depth(results: dict) -> str | None:
             f"against {100 * a1['agreement']:.0f}% for the model trained for RK4 x 4 "
             f"alone{rk4}, for {b1['own_loss'] - a1['own_loss']:+.4f} in the own solve's "
             f"validation loss (Tiny Shakespeare; {b1['seeds']} seeds of the recipe against "
-            f"{a1['seeds']} of the model trained alone){tuned_text}{spec} (2 CPU cores). "
+            f"{a1['seeds']} of the model trained alone){tuned_text}{spec}{ladder} (2 CPU "
+            f"cores). "
             f"[Any depth]({PAGE}#one-model-trained-to-be-turned)")
 
 

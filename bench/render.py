@@ -866,8 +866,10 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             chosen = set()
             for m in dict.fromkeys(x["model"] for x in r["rows"]):
                 full, fixed, best = findings.ladder_choices(r["rows"], m)
+                # two-solve ladders (rungs before the own) on the ablations page only
                 chosen |= {(m, x["exit"], x["criterion"], str(x["tau"] or ""))
-                           for x in (full, *fixed, *best.values()) if x is not None}
+                           for x in (full, *fixed, *best.values())
+                           if x is not None and "+" not in x["exit"]}
             table, _ = page.split_table(r["table"], lambda c: tuple(c[:4]) in chosen)
             notes += page.fill("results/exit_ladder", decode_setup=r["decode_setup"],
                                decode=r["decode_table"],
