@@ -565,6 +565,23 @@ def agreement(r: dict, results: dict) -> str | None:
                         + (f" and {100 * e4['agreement']:.1f}% for Euler x 4" if e4 else ""))
         text += (f" A lighter KL term trades agreement for quality: at lr 2e-3, "
                  f"{'; '.join(said)} (targets: +0.5%, 75% and 90%).")
+    kv = {d: rows.get(("ode_any_depth-kvblock", d)) for d in ("euler:1", "rk4:1", "rk4:16")}
+    kv_alone = rows.get(("ode_rk4-kvblock-lr2e-3", "rk4:1"))
+    if a2 and kv["euler:1"] and kv["rk4:1"]:
+        e1, r1, fine = kv["euler:1"], kv["rk4:1"], kv["rk4:16"]
+        text += (f" With the memory from the block's input (model.ode_kv = 'block': every "
+                 f"solve reads the keys and values of the block's input), the tuned recipe "
+                 f"({count(e1['seeds'])}) agrees at {100 * e1['agreement']:.1f}% for Euler x 1 "
+                 f"and {100 * r1['agreement']:.1f}% for RK4 x 1 (lowest seed "
+                 f"{100 * r1['agreement_min']:.1f}%), and RK4 x 1 reads {r1['loss']:.4f} "
+                 f"against its own solve's {r1['own_loss']:.4f}"
+                 + (f" (RK4 x 16: {fine['loss']:.4f})" if fine else "")
+                 + f"; its own solve is {100 * (r1['own_loss'] / a2['own_loss'] - 1):+.1f}% "
+                   f"against ode_rk4 at lr 2e-3"
+                 + (f", and {100 * (r1['own_loss'] / kv_alone['own_loss'] - 1):+.1f}% against "
+                    f"ode_rk4 with that memory at lr 2e-3 ({count(kv_alone['seeds'])}; "
+                    f"{kv_alone['own_loss']:.4f}, its RK4 x 1 agreeing at "
+                    f"{100 * kv_alone['agreement']:.0f}%)" if kv_alone else "") + ".")
     e4, fixed = rows.get(("ode_any_depth-euler4-lr5e-3", "euler:4")), rows.get(
         ("ode_euler-lr5e-3", "euler:4"))
     if e4 and fixed:
@@ -765,7 +782,8 @@ def exit_ladder(r: dict, results: dict) -> str | None:
     saved, fixed_at = [], []
     for m in models:
         full, fixed, best = findings.ladder_choices(rows, m)
-        top = max((x for x in best.values() if x is not None),
+        top = max((x for x in best.values()
+                   if x is not None and x["exit"].endswith(" then own")),
                   key=lambda x: x["fewer_evaluations"], default=None)
         if full is None or top is None:
             continue
@@ -796,9 +814,15 @@ def exit_ladder(r: dict, results: dict) -> str | None:
                      "coarse solve saves as much).")
     dec = [x for x in r.get("decoding", []) if x.get("tau") is not None]
     if dec:
-        best = max(dec, key=lambda x: x["decode_speedup"])
-        text += (f" Decoding (greedy, batch 1, eager) through {best['exit']} at tau "
-                 f"{best['tau']} runs at {best['decode_speedup']:.2f}x the own solve's tokens/s "
-                 f"({best['model']}, {best['decode_nfe_per_token']} field evaluations per "
-                 f"token).")
+        # each run's fastest setting, against its own solve timed beside it
+        fastest = {}
+        for x in dec:
+            if x["model"] not in fastest or x["decode_speedup"] > \
+                    fastest[x["model"]]["decode_speedup"]:
+                fastest[x["model"]] = x
+        text += (" Decoding (greedy, batch 1, eager), each run's fastest exit against its own "
+                 "solve's tokens/s: "
+                 + "; ".join(f"{m} {x['decode_speedup']:.2f}x ({x['exit']}, tau {x['tau']}, "
+                             f"{x['decode_nfe_per_token']} field evaluations per token)"
+                             for m, x in fastest.items()) + ".")
     return text

@@ -26,13 +26,16 @@ def block_model(**kw):
 
 
 def solve_logits(m, solver: str, steps: int, idx):
-    own = (m.config.ode_solver, m.config.ode_steps)
+    """The logits of one whole solve, every token with it (no exit)."""
+    own, ladder = (m.config.ode_solver, m.config.ode_steps), m.depth.ladder
     m.set_solver(solver, steps)
+    m.depth.ladder = None
     try:
         with torch.no_grad():
             return m(idx)[0]
     finally:
         m.set_solver(*own)
+        m.depth.ladder = ladder
 
 
 def reference(m, idx, tau):
@@ -198,3 +201,22 @@ def test_refusals():
     m.train()
     with pytest.raises(ValueError, match="inference setting"):
         m(torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_the_last_rung_is_the_solve_the_model_has_now_and_solve_dependent_memory_is_refused():
+    m = block_model()
+    idx = torch.randint(0, m.config.vocab_size, (1, 9))
+    own8 = solve_logits(m, "rk4", 8, idx)
+    m.set_exit(0.0, "confidence", ladder=["euler:1"])
+    m.set_solver(ode_steps=8)  # the own solve after the ladder was set: RK4 x 8
+    with torch.no_grad():
+        assert torch.equal(m(idx)[0], own8) and (m.last_token_nfe == 1 + 32).all()
+    m.set_solver("euler", 1)  # no coarser solve left
+    with torch.no_grad(), pytest.raises(ValueError, match="fewer field evaluations"):
+        m(idx)
+    m.set_exit(None)
+    with pytest.raises(ValueError, match="ode_dt_embedding"):
+        block_model(ode_dt_embedding=True).set_exit(0.1, "confidence", ladder=["euler:1"])
+    with pytest.raises(ValueError, match="fixed-grid"):
+        block_model(ode_solver="dopri5", ode_grad="direct").set_exit(0.1, "confidence",
+                                                                      ladder=["euler:1"])

@@ -24,17 +24,22 @@ def chunk_mask(offset: int, T: int, L: int, like: torch.Tensor) -> torch.Tensor:
     0 where key j <= offset + i, -inf elsewhere (what a boolean mask means to
     scaled_dot_product_attention, which converts one to this), in ``like``'s dtype and
     device. Remembered for the next call with the same sizes, mode and dtype; made anew
-    while torch.compile traces (a remembered tensor would be a constant of the graph)."""
+    while torch.compile traces or CUDA records a graph."""
     global _chunk_memo
+    # neither read nor kept while torch.compile traces (a kept tensor would be an input the
+    # graph guards on) or while CUDA records a graph (the mask's memory holds its values
+    # only when the graph replays)
+    fresh = torch.compiler.is_compiling() or (
+        like.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     key = (offset, T, L, like.dtype, like.device, torch.is_inference_mode_enabled())
     memo = _chunk_memo
-    if memo is not None and memo[0] == key:
+    if not fresh and memo is not None and memo[0] == key:
         return memo[1]
     q_pos = torch.arange(offset, offset + T, device=like.device)[:, None]
     seen = torch.arange(L, device=like.device)[None, :] <= q_pos
     mask = torch.zeros(T, L, dtype=like.dtype, device=like.device).masked_fill(
         ~seen, float("-inf"))
-    if not torch.compiler.is_compiling():
+    if not fresh:
         _chunk_memo = (key, mask)
     return mask
 

@@ -42,7 +42,8 @@ class Rung:
 
 @dataclass(frozen=True)
 class SolveLadder:
-    """The rungs, coarse to fine, the last being the model's own solve; a token stops at the
+    """The coarse rungs, coarse to fine, then the model's own solve (taken from the block
+    when the ladder runs, so a later ``set_solver`` is the last rung); a token stops at the
     first rung whose ``criterion`` falls below ``threshold``:
 
     - ``"confidence"``: 1 - the largest next-token probability read out (final norm and head)
@@ -63,10 +64,6 @@ class SolveLadder:
         else:
             crit = 1 - torch.softmax(self.readout(h).float(), dim=-1).amax(-1)
         return crit < self.threshold
-
-    @property
-    def names(self) -> list[str]:
-        return [r.name for r in self.rungs]
 
 
 def parse_rung(text: str) -> tuple[str, int]:
@@ -95,6 +92,11 @@ def build(model, rungs: list[str], threshold: float, criterion: str, readout,
             f"this model has depth = {cfg.depth!r}, num_layers = {cfg.num_layers}, ode_kv = "
             f"{getattr(cfg, 'ode_kv', None)!r}. Train one with --set model.ode_kv=block (one "
             f"block), or use per-step exit (no ladder).")
+    if cfg.ode_dt_embedding:
+        raise ValueError("exit ladder: this model's field reads the step size "
+                         "(model.ode_dt_embedding), so the memory each solve writes from the "
+                         "block's input depends on the solve; a ladder needs one memory for "
+                         "every solve.")
     if cfg.mixer != "softmax":
         raise ValueError(f"exit ladder: a token's next rung starts from the memory before it, "
                          f"which the ladder cuts back; this version does so for the softmax "
@@ -103,6 +105,7 @@ def build(model, rungs: list[str], threshold: float, criterion: str, readout,
         raise ValueError("exit ladder: give at least one coarse solve (e.g. euler:1).")
     own = (cfg.ode_solver, cfg.ode_steps)
     block = model.depth.blocks[0]
+    own_rung(block)  # the own solve must be a fixed grid too
     out = []
     for text in rungs:
         solver, steps = parse_rung(text)
@@ -117,16 +120,29 @@ def build(model, rungs: list[str], threshold: float, criterion: str, readout,
             raise ValueError(f"exit ladder: {text} must be a fixed-grid solver without "
                              f"weights of its own (euler, midpoint, rk4, ...).")
         out.append(Rung(f"{solver}:{steps}", module, rcfg, steps * int(module.evals_per_step)))
-    out.append(Rung(f"{own[0]}:{own[1]}", block.solver, block.cfg,
-                    own[1] * int(block.solver.evals_per_step)))
-    if any(a.nfe >= out[-1].nfe for a in out[:-1]):
-        raise ValueError(f"exit ladder: every coarse solve must take fewer field evaluations "
-                         f"than the own solve ({out[-1].name}, {out[-1].nfe}); got "
-                         f"{', '.join(f'{r.name} ({r.nfe})' for r in out[:-1])}.")
+    check_coarser(out, own_rung(block))
     if criterion == "gate" and gate is None:
         raise ValueError("exit ladder: the 'gate' criterion reads the model's halting gate, "
                          "and this model has none; use criterion 'confidence'.")
     return SolveLadder(tuple(out), float(threshold), criterion, readout, gate)
+
+
+def own_rung(block) -> Rung:
+    """The block's solve now (the model's own, whatever set_solver made it) as the last
+    rung; an adaptive one is refused by name."""
+    cfg = block.cfg
+    if not getattr(block.solver, "fixed_grid", True) or block.solver.evals_per_step is None:
+        raise ValueError(f"exit ladder: the model's own solver {cfg.ode_solver!r} chooses its "
+                         f"own steps; a ladder ends with a fixed-grid solve (euler, rk4, ...).")
+    return Rung(f"{cfg.ode_solver}:{cfg.ode_steps}", block.solver, cfg,
+                cfg.ode_steps * int(block.solver.evals_per_step))
+
+
+def check_coarser(coarse: list[Rung], own: Rung) -> None:
+    if any(a.nfe >= own.nfe for a in coarse):
+        raise ValueError(f"exit ladder: every coarse solve must take fewer field evaluations "
+                         f"than the own solve ({own.name}, {own.nfe}); got "
+                         f"{', '.join(f'{r.name} ({r.nfe})' for r in coarse)}.")
 
 
 def run(stack, ladder: SolveLadder, x: torch.Tensor, state, padding,
@@ -143,6 +159,9 @@ def run(stack, ladder: SolveLadder, x: torch.Tensor, state, padding,
                          "call model.set_exit(None).")
     block = stack.blocks[0]
     own = (block.solver, block.cfg)
+    last = own_rung(block)
+    check_coarser(list(ladder.rungs), last)
+    rungs = (*ladder.rungs, last)
     B, T = x.shape[:2]
     start = state.pos if state is not None else 0  # the caller moves pos on after the depth
     out = x
@@ -150,7 +169,7 @@ def run(stack, ladder: SolveLadder, x: torch.Tensor, state, padding,
     todo = torch.ones(B, T, dtype=torch.bool, device=x.device)
     spent = 0
     try:
-        for i, rung in enumerate(ladder.rungs):
+        for i, rung in enumerate(rungs):
             if i and state is not None:
                 state.pos = start + T
                 state.crop(start)
@@ -158,7 +177,7 @@ def run(stack, ladder: SolveLadder, x: torch.Tensor, state, padding,
             h = block(x, state, None, None, padding, evaluate)
             spent += rung.nfe
             nfe = torch.where(todo, spent, nfe)
-            stop = todo if i == len(ladder.rungs) - 1 else todo & ladder.settled(h)
+            stop = todo if i == len(rungs) - 1 else todo & ladder.settled(h)
             out = torch.where(stop[..., None], h, out)
             todo = todo & ~stop
             if not bool(todo.any()):
