@@ -113,9 +113,16 @@ TRAINED = {
     **{f"runs/agreement/any_depth_kvblock_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
                                                  f"--set train.seed={s} --set "
                                                  f"model.ode_kv=block" for s in SEEDS},
-    "runs/agreement/ode_rk4_kvblock_lr2e-3_s1337": f"--config {SH}/ode_rk4.toml --set "
-                                                   f"model.ode_kv=block --set train.lr=2e-3 "
-                                                   f"--set train.min_lr=2e-4",
+    # ... with a KL weight of 0.5 (the agreement that memory gives leaves room for quality)
+    **{f"runs/agreement/any_depth_kvblock_w0.5_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
+                                                      f"--set train.seed={s} --set "
+                                                      f"model.ode_kv=block --set "
+                                                      f"train.any_depth.weight=0.5"
+       for s in SEEDS},
+    **{f"runs/agreement/ode_rk4_kvblock_lr2e-3_s{s}": f"--config {SH}/ode_rk4.toml --set "
+                                                      f"train.seed={s} --set model.ode_kv=block "
+                                                      f"--set train.lr=2e-3 --set "
+                                                      f"train.min_lr=2e-4" for s in SEEDS},
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "
