@@ -113,12 +113,12 @@ TRAINED = {
     **{f"runs/agreement/any_depth_kvblock_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
                                                  f"--set train.seed={s} --set "
                                                  f"model.ode_kv=block" for s in SEEDS},
-    # ... with a KL weight of 0.5 (the agreement that memory gives leaves room for quality)
-    **{f"runs/agreement/any_depth_kvblock_w0.5_s{s}": f"--config {SH}/ode_any_depth_tuned.toml "
-                                                      f"--set train.seed={s} --set "
-                                                      f"model.ode_kv=block --set "
-                                                      f"train.any_depth.weight=0.5"
-       for s in SEEDS},
+    # ... with a KL weight of 0.5 (the agreement that memory gives leaves room for quality):
+    # ode_any_depth_kvblock.toml (the same run config as ode_any_depth_tuned.toml --set
+    # model.ode_kv=block --set train.any_depth.weight=0.5, which trained these folders)
+    **{f"runs/agreement/any_depth_kvblock_w0.5_s{s}": f"--config "
+                                                      f"{SH}/ode_any_depth_kvblock.toml --set "
+                                                      f"train.seed={s}" for s in SEEDS},
     **{f"runs/agreement/ode_rk4_kvblock_lr2e-3_s{s}": f"--config {SH}/ode_rk4.toml --set "
                                                       f"train.seed={s} --set model.ode_kv=block "
                                                       f"--set train.lr=2e-3 --set "

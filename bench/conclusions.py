@@ -567,6 +567,7 @@ def agreement(r: dict, results: dict) -> str | None:
                  f"{'; '.join(said)} (targets: +0.5%, 75% and 90%).")
     kv = {d: rows.get(("ode_any_depth-kvblock", d)) for d in ("euler:1", "rk4:1", "rk4:16")}
     kv_alone = rows.get(("ode_rk4-kvblock-lr2e-3", "rk4:1"))
+    half = {d: rows.get(("ode_any_depth-kvblock-w0.5", d)) for d in ("euler:1", "rk4:1", "rk4:16")}
     if a2 and kv["euler:1"] and kv["rk4:1"]:
         e1, r1, fine = kv["euler:1"], kv["rk4:1"], kv["rk4:16"]
         text += (f" With the memory from the block's input (model.ode_kv = 'block': every "
@@ -582,6 +583,15 @@ def agreement(r: dict, results: dict) -> str | None:
                     f"ode_rk4 with that memory at lr 2e-3 ({count(kv_alone['seeds'])}; "
                     f"{kv_alone['own_loss']:.4f}, its RK4 x 1 agreeing at "
                     f"{100 * kv_alone['agreement']:.0f}%)" if kv_alone else "") + ".")
+    if a2 and half["euler:1"] and half["rk4:1"]:
+        e1, r1, fine = half["euler:1"], half["rk4:1"], half["rk4:16"]
+        text += (f" That memory leaves room for a lighter KL term: at weight 0.5 "
+                 f"(ode_any_depth_kvblock.toml, {count(e1['seeds'])}) the own solve reads "
+                 f"{e1['own_loss']:.4f}, {100 * (e1['own_loss'] / a2['own_loss'] - 1):+.2f}% "
+                 f"against ode_rk4 at lr 2e-3, at {100 * e1['agreement']:.1f}% for Euler x 1 "
+                 f"and {100 * r1['agreement']:.1f}% for RK4 x 1"
+                 + (f", RK4 x 16 {fine['loss'] - fine['own_loss']:+.4f} past the own solve"
+                    if fine else "") + " (targets: +0.5%, 75% and 90%).")
     e4, fixed = rows.get(("ode_any_depth-euler4-lr5e-3", "euler:4")), rows.get(
         ("ode_euler-lr5e-3", "euler:4"))
     if e4 and fixed:

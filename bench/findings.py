@@ -501,11 +501,13 @@ def any_depth(results: dict) -> str | None:
         if tops:
             # the median seed's row (the lower middle of an even count)
             mid = sorted(tops, key=lambda x: x["fewer_evaluations"])[(len(tops) - 1) // 2]
-            kv = rows.get(("ode_any_depth-kvblock", "rk4:1"))
-            kv1 = rows.get(("ode_any_depth-kvblock", "euler:1"))
-            agree = (f" its coarse solves agree at {100 * kv1['agreement']:.0f}% (Euler x 1) "
-                     f"and {100 * kv['agreement']:.0f}% (RK4 x 1), and"
-                     if kv and kv1 else "")
+            kv = rows.get(("ode_any_depth-kvblock-w0.5", "rk4:1"))
+            kv1 = rows.get(("ode_any_depth-kvblock-w0.5", "euler:1"))
+            agree = (f" at KL weight 0.5 (ode_any_depth_kvblock.toml) its coarse solves agree "
+                     f"at {100 * kv1['agreement']:.0f}% (Euler x 1) and "
+                     f"{100 * kv['agreement']:.0f}% (RK4 x 1) at "
+                     f"{100 * (kv['own_loss'] / ref['own_loss'] - 1):+.2f}% loss, and"
+                     if kv and kv1 and ref else "")
             ladder = (f"; with the memory from the block's input,{agree} exiting across whole "
                       f"solves "
                       f"({mid['exit']}, confident tokens stop at the coarse solve) saves "
