@@ -21,6 +21,7 @@ The coarse solves agree with the own solve as far as training taught them to
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,10 @@ def build(model, rungs: list[str], threshold: float, criterion: str, readout,
     from ..registry import SOLVERS
 
     cfg = model.config
+    if not (isinstance(threshold, (int, float)) and threshold >= 0
+            and not math.isnan(threshold)):
+        raise ValueError(f"the exit threshold must be a number >= 0 (0: never exit; inf: "
+                         f"every token at the first rung), got {threshold!r}.")
     if criterion not in LADDER_CRITERIA:
         raise ValueError(f"exit ladder: criterion {criterion!r} is not one of "
                          f"{', '.join(LADDER_CRITERIA)} (a ladder's rungs are whole solves: "

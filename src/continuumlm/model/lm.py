@@ -125,10 +125,6 @@ class LanguageModel(nn.Module):
                 self.depth.ladder = None
             return
         if ladder is not None:
-            if not (isinstance(threshold, (int, float)) and threshold >= 0
-                    and not math.isnan(threshold)):
-                raise ValueError(f"the exit threshold must be a number >= 0 (0: never exit; "
-                                 f"inf: every token at the first rung), got {threshold!r}.")
             built = build_ladder(self, list(ladder), threshold, criterion, self._exit_readout,
                                  self.gate_logits if self.exit_gate is not None else None)
             self.depth.exit = None
