@@ -272,3 +272,19 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
             cells.append("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v))
         body.append("| " + " | ".join(cells) + " |")
     return "\n".join([head, sep, *body])
+
+
+def exit_run(run: str):
+    """A trained run for the exit benches (gate_exit.py, exit_ladder.py): (model at its best
+    checkpoint, run config, validation split, the own solve's field evaluations per token,
+    the run's name)."""
+    from continuumlm.data import prepare_data
+    from continuumlm.runs import load_model_and_tokenizer
+    from continuumlm.runs.checkpoint import load_run_config
+
+    model, tok, ckpt = load_model_and_tokenizer(run, "best")
+    cfg = load_run_config(ckpt)
+    split = prepare_data(cfg.data, tok).splits["val"]
+    full_nfe = model.config.num_layers * model.config.ode_steps * \
+        model.depth.blocks[0].solver.evals_per_step
+    return model, cfg, split, full_nfe, run.rstrip("/").split("/")[-1]

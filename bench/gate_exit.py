@@ -13,25 +13,17 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import machine, markdown_table, write_json
+from common import exit_run, machine, markdown_table, write_json
 
-from continuumlm.data import prepare_data
 from continuumlm.eval.perplexity import evaluate_contexts
-from continuumlm.runs import load_model_and_tokenizer
-from continuumlm.runs.checkpoint import load_run_config
 
 GRID = [("gate", t) for t in (0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02)] + \
        [("state", t) for t in (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)]
 
 
 def measure(run: str, max_windows: int) -> list[dict]:
-    model, tok, ckpt = load_model_and_tokenizer(run, "best")
-    cfg = load_run_config(ckpt)
-    split = prepare_data(cfg.data, tok).splits["val"]
+    model, cfg, split, full_nfe, name = exit_run(run)
     device = torch.device("cpu")
-    full_nfe = model.config.num_layers * model.config.ode_steps * \
-        model.depth.blocks[0].solver.evals_per_step
-    name = run.rstrip("/").split("/")[-1]
 
     def row(criterion, tau):
         model.set_exit(tau, criterion) if criterion != "full" else model.set_exit(None)

@@ -106,3 +106,18 @@ def run_cli(*args, cwd: Path | str | None = None) -> subprocess.CompletedProcess
         os.chdir(here)
     return subprocess.CompletedProcess(["continuumlm", *map(str, args)], code, out.getvalue(),
                                        err.getvalue())
+
+
+def train_tiny(corpus: Path, out: Path, *settings: str) -> Path:
+    """Two training steps of a one-layer, 32-wide model on ``corpus`` into ``out``, with
+    ``settings`` ("section.key=value") on top: a run folder for CLI tests."""
+    from continuumlm.config import load_config
+    from continuumlm.train import Trainer
+
+    cfg = load_config(None, ["data.dataset=text", f'data.path="{corpus}"',
+                             "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
+                             "model.ode_steps=3", "train.batch_size=2", "train.seq_len=16",
+                             "train.max_steps=2", "train.eval_interval=2", "train.eval_iters=1",
+                             "train.device=cpu", *settings])
+    Trainer(cfg, out, quiet=True).run()
+    return out

@@ -157,19 +157,10 @@ def test_refusals():
 def test_eval_and_generate_take_an_exit_threshold(tiny_corpus, tmp_path):
     import json
 
-    from conftest import run_cli
-    from continuumlm.config import load_config
-    from continuumlm.train import Trainer
+    from conftest import run_cli, train_tiny
 
     def trained(name, depth):
-        cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
-                                 "model.hidden_size=32", "model.num_heads=2",
-                                 "model.num_layers=1", f"model.depth={depth}",
-                                 "model.ode_steps=3", "train.batch_size=2", "train.seq_len=16",
-                                 "train.max_steps=2", "train.eval_interval=2",
-                                 "train.eval_iters=1", "train.device=cpu"])
-        Trainer(cfg, tmp_path / name, quiet=True).run()
-        return tmp_path / name
+        return train_tiny(tiny_corpus, tmp_path / name, f"model.depth={depth}")
 
     run = trained("ode", "ode")
     r = run_cli("eval", "--checkpoint", run, "--exit-threshold", "inf", "--json")

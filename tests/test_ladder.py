@@ -125,10 +125,8 @@ def test_causal_and_cached_decoding_equals_recompute(kw):
 def test_evaluation_and_cli_report_the_ladder(tiny_corpus, tmp_path):
     import json
 
-    from conftest import run_cli
-    from continuumlm.config import load_config
+    from conftest import run_cli, train_tiny
     from continuumlm.eval.perplexity import evaluate_contexts
-    from continuumlm.train import Trainer
 
     m = block_model().float()
     data = torch.randint(0, m.config.vocab_size, (300,))
@@ -138,14 +136,7 @@ def test_evaluation_and_cli_report_the_ladder(tiny_corpus, tmp_path):
     assert early["nfe_per_token"] == 1 and early["loss"] != full["loss"]
 
     def trained(name, kv):
-        cfg = load_config(None, ["data.dataset=text", f'data.path="{tiny_corpus}"',
-                                 "model.hidden_size=32", "model.num_heads=2",
-                                 "model.num_layers=1", "model.depth=ode", f"model.ode_kv={kv}",
-                                 "model.ode_steps=3", "train.batch_size=2", "train.seq_len=16",
-                                 "train.max_steps=2", "train.eval_interval=2",
-                                 "train.eval_iters=1", "train.device=cpu"])
-        Trainer(cfg, tmp_path / name, quiet=True).run()
-        return tmp_path / name
+        return train_tiny(tiny_corpus, tmp_path / name, "model.depth=ode", f"model.ode_kv={kv}")
 
     run = trained("block", "block")
     r = run_cli("eval", "--checkpoint", run, "--exit-ladder", "euler:1", "--exit-threshold",
