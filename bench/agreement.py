@@ -123,6 +123,45 @@ TRAINED = {
                                                       f"train.seed={s} --set model.ode_kv=block "
                                                       f"--set train.lr=2e-3 --set "
                                                       f"train.min_lr=2e-4" for s in SEEDS},
+    # the kv-block recipe with Euler x 4 (NFE 4) as its own solve, at the fixed Euler x 4
+    # model's best lr, drafting with Euler x 1 and x 2 only, and that model with block memory
+    # trained alone beside it
+    **{f"runs/agreement/any_depth_kvblock_euler4_s{s}": f"--config "
+                                                        f"{SH}/ode_any_depth_kvblock.toml --set "
+                                                        f"train.seed={s} --set "
+                                                        f"model.ode_solver=euler --set "
+                                                        f"train.lr=5e-3 --set train.min_lr=5e-4 "
+                                                        "--set 'train.any_depth.drafts="
+                                                        "[\"euler:1\", \"euler:2\"]'"
+       for s in SEEDS},
+    # ... with a KL weight of 1 (for Euler x 1's agreement)
+    "runs/agreement/any_depth_kvblock_euler4_w1_s1337": f"--config "
+                                                        f"{SH}/ode_any_depth_kvblock.toml --set "
+                                                        f"model.ode_solver=euler --set "
+                                                        f"train.lr=5e-3 --set train.min_lr=5e-4 "
+                                                        "--set 'train.any_depth.drafts="
+                                                        "[\"euler:1\", \"euler:2\"]' --set "
+                                                        "train.any_depth.weight=1.0",
+    **{f"runs/agreement/ode_euler_kvblock_lr5e-3_s{s}": f"--config {SH}/ode_euler.toml --set "
+                                                        f"train.seed={s} --set "
+                                                        f"model.ode_kv=block --set "
+                                                        f"train.lr=5e-3 --set train.min_lr=5e-4"
+       for s in SEEDS},
+    # a field told the time (model.ode_time_embedding = "sinusoidal"): ode_rk4 at lr 2e-3,
+    # ode_any_depth_kvblock.toml, and the fixed NFE-4 model (ode_euler at lr 5e-3)
+    **{f"runs/agreement/ode_rk4_time_lr2e-3_s{s}": f"--config {SH}/ode_rk4.toml --set "
+                                                   f"train.seed={s} --set "
+                                                   f"model.ode_time_embedding=sinusoidal --set "
+                                                   f"train.lr=2e-3 --set train.min_lr=2e-4"
+       for s in SEEDS},
+    **{f"runs/agreement/any_depth_kvblock_time_s{s}": f"--config "
+                                                      f"{SH}/ode_any_depth_kvblock.toml --set "
+                                                      f"train.seed={s} --set "
+                                                      f"model.ode_time_embedding=sinusoidal"
+       for s in SEEDS},
+    "runs/agreement/ode_euler_time_lr5e-3_s1337": f"--config {SH}/ode_euler.toml --set "
+                                                  f"model.ode_time_embedding=sinusoidal --set "
+                                                  f"train.lr=5e-3 --set train.min_lr=5e-4",
     # the recipe on other text: Penn Treebank words (configs/ptb/ode_rk4.toml's model and
     # budget with ode_any_depth.toml's drafts), and ode_rk4 itself beside it
     "runs/agreement/ptb_any_depth_s42": "--config configs/ptb/ode_rk4.toml --set "
@@ -150,8 +189,9 @@ TRAINED = {
                                          f"--set train.layer_skip.exit_weight=2.0",
     "runs/agreement/layerskip_d0.3_s1337": f"--config {SH}/transformer_layerskip.toml "
                                            f"--set train.layer_skip.dropout=0.3",
-    "runs/agreement/layerskip_x1_s1337": f"--config {SH}/transformer_layerskip.toml "
-                                         f"--set train.layer_skip.exit_layers=[1]",
+    **{f"runs/agreement/layerskip_x1_s{s}": f"--config {SH}/transformer_layerskip.toml "
+                                            f"--set train.seed={s} --set "
+                                            f"train.layer_skip.exit_layers=[1]" for s in SEEDS},
     # 12 layers of the same width: more layers for the first ones to stand in for
     "runs/agreement/transformer12_s1337": f"--config {SH}/transformer_baby.toml --set "
                                           f"model.num_layers=12",

@@ -549,6 +549,17 @@ def layer_skip(results: dict) -> str | None:
                 f"{glo:.2f}-{ghi:.2f}x; {g['draft']}, {100 * g['acceptance']:.0f}% kept) and "
                 f"{sx:.2f}x sampled ({slo:.2f}-{shi:.2f}x){untrained} (target 1.5x: "
                 f"{'met' if max(gx, sx) >= 1.5 else 'missed'})")
+        first = speculative_models(results, "speculative_layerskip_x1", "layerskip_x1")
+        one = rows.get(("transformer_layerskip-exit-at-1", "layers:1"))
+        if first and one:
+            fx, flo, fhi, _ = median_seed(first, "greedy")
+            fs, fslo, fshi, _ = median_seed(first, "sampled")
+            spec += (f"; with the whole exit loss after the first layer "
+                     f"(transformer_layerskip_first.toml) that layer agrees at "
+                     f"{100 * one['agreement']:.0f}% ({100 * (one['own_loss'] / a['own_loss'] - 1):+.1f}% "
+                     f"loss) and drafting runs at {fx:.2f}x greedy ({flo:.2f}-{fhi:.2f}x) and "
+                     f"{fs:.2f}x sampled ({fslo:.2f}-{fshi:.2f}x), the median of {len(first)} "
+                     f"seeds (target 1.5x: {'met' if min(fx, fs) >= 1.5 else 'missed'})")
     return (f"**A discrete stack trained with LayerSkip's recipe drafts for itself**: with "
             f"train.layer_skip (layer dropout rising with depth, an early-exit loss through the "
             f"shared head) the first of the baby GPT's 4 layers gives the whole stack's greedy "

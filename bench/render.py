@@ -909,6 +909,17 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                outside=outside_field(spec),
                                rows=ablation("speculative_any_depth", command=spec["command"],
                                              tables="\n\n".join(tables)))
+        if key == "agreement" and results.get("speculative_kvblock"):
+            spec = results["speculative_kvblock"]
+            specs = [x for x in (spec, results.get("speculative_kvblock_compiled")) if x]
+            tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
+                      for x in specs for m in x.get("models", [])]
+            notes += page.fill("results/agreement.kvblock", command=spec["command"],
+                               setup=spec["setup"], table=speculative_table(spec),
+                               conclusion=conclusions.kvblock_speculative(results),
+                               rows=ablation("speculative_kvblock",
+                                             command=" && ".join(x["command"] for x in specs),
+                                             tables="\n\n".join(tables)))
         if key == "agreement" and layered:
             spec = results.get("speculative_layerskip")
             said = ""
@@ -916,13 +927,15 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                 # the 4-layer stacks here; the 12-layer ones (speculative_layerskip12) with
                 # every row on the ablations page
                 specs = [x for x in (spec, results.get("speculative_layerskip12"),
-                                     results.get("speculative_layerskip_variants")) if x]
+                                     results.get("speculative_layerskip_variants"),
+                                     results.get("speculative_layerskip_x1")) if x]
                 tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
                           for x in specs for m in x.get("models", [])]
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "
                         f"{spec['setup']}):\n\n{speculative_table(spec)}\n\n"
-                        f"Every row, the recipe's variants and the 12-layer stacks: [the "
+                        f"Every row, the recipe's variants (the exit loss after the first "
+                        f"layer on each seed) and the 12-layer stacks: [the "
                         f"ablations page]("
                         + ablation("speculative_layerskip",
                                    command=" && ".join(x["command"] for x in specs),
