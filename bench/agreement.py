@@ -126,22 +126,18 @@ TRAINED = {
     # the kv-block recipe with Euler x 4 (NFE 4) as its own solve, at the fixed Euler x 4
     # model's best lr, drafting with Euler x 1 and x 2 only, and that model with block memory
     # trained alone beside it
+    # (ode_any_depth_nfe4.toml: the same run config as ode_any_depth_kvblock.toml --set
+    # model.ode_solver=euler --set train.lr=5e-3 --set train.min_lr=5e-4 --set
+    # 'train.any_depth.drafts=["euler:1", "euler:2"]', which trained these folders)
     **{f"runs/agreement/any_depth_kvblock_euler4_s{s}": f"--config "
-                                                        f"{SH}/ode_any_depth_kvblock.toml --set "
-                                                        f"train.seed={s} --set "
-                                                        f"model.ode_solver=euler --set "
-                                                        f"train.lr=5e-3 --set train.min_lr=5e-4 "
-                                                        "--set 'train.any_depth.drafts="
-                                                        "[\"euler:1\", \"euler:2\"]'"
-       for s in SEEDS},
+                                                        f"{SH}/ode_any_depth_nfe4.toml --set "
+                                                        f"train.seed={s}" for s in SEEDS},
     # ... with a KL weight of 1 (for Euler x 1's agreement)
-    "runs/agreement/any_depth_kvblock_euler4_w1_s1337": f"--config "
-                                                        f"{SH}/ode_any_depth_kvblock.toml --set "
-                                                        f"model.ode_solver=euler --set "
-                                                        f"train.lr=5e-3 --set train.min_lr=5e-4 "
-                                                        "--set 'train.any_depth.drafts="
-                                                        "[\"euler:1\", \"euler:2\"]' --set "
-                                                        "train.any_depth.weight=1.0",
+    **{f"runs/agreement/any_depth_kvblock_euler4_w1_s{s}": f"--config "
+                                                           f"{SH}/ode_any_depth_nfe4.toml --set "
+                                                           f"train.seed={s} --set "
+                                                           f"train.any_depth.weight=1.0"
+       for s in SEEDS},
     **{f"runs/agreement/ode_euler_kvblock_lr5e-3_s{s}": f"--config {SH}/ode_euler.toml --set "
                                                         f"train.seed={s} --set "
                                                         f"model.ode_kv=block --set "
@@ -159,6 +155,11 @@ TRAINED = {
                                                       f"train.seed={s} --set "
                                                       f"model.ode_time_embedding=sinusoidal"
        for s in SEEDS},
+    # ... the kv-block recipe told the time at a KL weight of 1 (agreement for quality)
+    "runs/agreement/any_depth_kvblock_time_w1_s1337": f"--config "
+                                                      f"{SH}/ode_any_depth_kvblock.toml --set "
+                                                      f"model.ode_time_embedding=sinusoidal "
+                                                      f"--set train.any_depth.weight=1.0",
     "runs/agreement/ode_euler_time_lr5e-3_s1337": f"--config {SH}/ode_euler.toml --set "
                                                   f"model.ode_time_embedding=sinusoidal --set "
                                                   f"train.lr=5e-3 --set train.min_lr=5e-4",

@@ -608,6 +608,8 @@ def agreement(r: dict, results: dict) -> str | None:
                     f"its evaluations)" if e1 else "")
                  + f", and its other solves get worse: {worst['draft'].replace(':', ' x ')} "
                  f"(NFE {worst['nfe']}) reads {worst['loss']:.4f}.")
+    text += _nfe4_kvblock(rows, fixed)
+    text += _told_the_time(rows, a2, fixed)
     ptb = [(name, label) for name, label in (("ptb_ode_rk4", "ode_rk4 trained alone"),
                                               ("ptb_ode_any_depth", "the recipe"),
                                               ("ptb_ode_any_depth-fine",
@@ -633,6 +635,68 @@ def agreement(r: dict, results: dict) -> str | None:
 
 def _seeds(n: int) -> str:
     return f"{n} seed{'s' * (n != 1)}"
+
+
+def _nfe4_kvblock(rows: dict, fixed: dict | None) -> str:
+    """The kv-block recipe with Euler x 4 (NFE 4) as its own solve against the fixed NFE-4
+    model (Euler x 4 trained alone at its best lr), and the same model with block memory
+    trained alone: the NFE-4 target, its coarse solves' agreement, and the finer solves."""
+    name = "ode_any_depth-kvblock-euler4-lr5e-3"
+    own, e1, e2 = (rows.get((name, d)) for d in ("euler:4", "euler:1", "euler:2"))
+    if not (own and e1 and fixed):
+        return ""
+    alone = rows.get(("ode_euler-kvblock-lr5e-3", "euler:4"))
+    finest = rows.get((name, "rk4:16"))
+    gap = own["own_loss"] - fixed["own_loss"]
+    text = (f" With the memory from the block's input and Euler x 4 (NFE 4) as the own solve "
+            f"(ode_any_depth_nfe4.toml: lr 5e-3, Euler x 1 and x 2 drafted at KL weight 0.5; "
+            f"{_seeds(own['seeds'])}), "
+            f"NFE 4 reads {own['own_loss']:.4f} against {fixed['own_loss']:.4f} for Euler x 4 "
+            f"trained alone ({_seeds(fixed['seeds'])}), {gap:+.4f} (target within 0.01: "
+            f"{'met' if gap <= 0.01 else 'missed'})"
+            + (f", and {alone['own_loss']:.4f} for Euler x 4 with that memory trained alone "
+               f"({_seeds(alone['seeds'])}, its Euler x 1 agreeing at "
+               f"{100 * rows[('ode_euler-kvblock-lr5e-3', 'euler:1')]['agreement']:.0f}%)"
+               if alone and ("ode_euler-kvblock-lr5e-3", "euler:1") in rows else "")
+            + f"; Euler x 1 agrees at {100 * e1['agreement']:.1f}% (lowest seed "
+              f"{100 * e1['agreement_min']:.1f}%; a quarter of its evaluations, target 90%)"
+            + (f" and Euler x 2 at {100 * e2['agreement']:.1f}%" if e2 else ""))
+    heavy = rows.get(("ode_any_depth-kvblock-euler4-w1-lr5e-3", "euler:1"))
+    if heavy:
+        text += (f"; at KL weight 1 ({_seeds(heavy['seeds'])}) Euler x 1 agrees at "
+                 f"{100 * heavy['agreement']:.1f}% and NFE 4 reads {heavy['own_loss']:.4f}")
+    if finest:
+        text += (f". Finer solves of that field are worse: RK4 x 16 (NFE 64) reads "
+                 f"{finest['loss']:.4f}, so this model meets the NFE-4 target and not the "
+                 f"non-increasing one, and the models whose own solve is RK4 x 4 the reverse")
+    return text + "."
+
+
+def _told_the_time(rows: dict, rk4: dict | None, fixed: dict | None) -> str:
+    """The field told the time (model.ode_time_embedding = "sinusoidal") against the same
+    models without it: ode_rk4 at lr 2e-3, the kv-block recipe, Euler x 4 at lr 5e-3."""
+    plain_rk4 = rows.get(("ode_rk4-time-lr2e-3", "rk4:1"))
+    recipe = {d: rows.get(("ode_any_depth-kvblock-time", d)) for d in ("euler:1", "rk4:1")}
+    euler = rows.get(("ode_euler-time-lr5e-3", "euler:4"))
+    base = rows.get(("ode_any_depth-kvblock-w0.5", "rk4:1"))
+    if not (plain_rk4 and recipe["euler:1"] and recipe["rk4:1"] and rk4 and base):
+        return ""
+    e1, r1 = recipe["euler:1"], recipe["rk4:1"]
+    text = (f" Telling the field the time (model.ode_time_embedding = 'sinusoidal'): ode_rk4 "
+            f"at lr 2e-3 reads {plain_rk4['own_loss']:.4f} ({_seeds(plain_rk4['seeds'])}) "
+            f"against {rk4['own_loss']:.4f} without it; ode_any_depth_kvblock.toml reads "
+            f"{e1['own_loss']:.4f} ({_seeds(e1['seeds'])}) against {base['own_loss']:.4f}, "
+            f"{100 * (e1['own_loss'] / rk4['own_loss'] - 1):+.2f}% against ode_rk4 at lr 2e-3 "
+            f"and {100 * (e1['own_loss'] / plain_rk4['own_loss'] - 1):+.2f}% against ode_rk4 "
+            f"told the time, at {100 * e1['agreement']:.1f}% for Euler x 1 and {100 * r1['agreement']:.1f}% "
+            f"for RK4 x 1, whose loss (NFE 4) is {r1['loss']:.4f}")
+    if fixed:
+        text += f", {r1['loss'] - fixed['own_loss']:+.4f} against the fixed NFE-4 model"
+    if euler:
+        text += (f"; Euler x 4 at lr 5e-3 reads {euler['own_loss']:.4f} "
+                 f"({_seeds(euler['seeds'])}) against {fixed['own_loss']:.4f} without it"
+                 if fixed else "")
+    return text + "."
 
 
 def layer_skip(r: dict, results: dict) -> str | None:
