@@ -692,6 +692,15 @@ def _told_the_time(rows: dict, rk4: dict | None, fixed: dict | None) -> str:
             f"for RK4 x 1, whose loss (NFE 4) is {r1['loss']:.4f}")
     if fixed:
         text += f", {r1['loss'] - fixed['own_loss']:+.4f} against the fixed NFE-4 model"
+    heavy = {d: rows.get(("ode_any_depth-kvblock-time-w1", d)) for d in ("euler:1", "euler:2")}
+    if heavy["euler:1"] and heavy["euler:2"]:
+        h1, h2 = heavy["euler:1"], heavy["euler:2"]
+        text += (f"; at KL weight 1 ({_seeds(h1['seeds'])}) Euler x 1 and x 2 agree at "
+                 f"{100 * h1['agreement']:.1f}% and {100 * h2['agreement']:.1f}% (against "
+                 f"{100 * e1['agreement']:.1f}% and "
+                 f"{100 * rows[('ode_any_depth-kvblock-time', 'euler:2')]['agreement']:.1f}% at "
+                 f"0.5) for an own solve of {h1['own_loss']:.4f}"
+                 if ("ode_any_depth-kvblock-time", "euler:2") in rows else "")
     if euler:
         text += (f"; Euler x 4 at lr 5e-3 reads {euler['own_loss']:.4f} "
                  f"({_seeds(euler['seeds'])}) against {fixed['own_loss']:.4f} without it"
@@ -963,3 +972,43 @@ def kvblock_speculative(results: dict) -> str | None:
                  "the drafts and each verification through compiled frozen steps: "
                  + "; ".join(parts) + ".")
     return text
+
+
+def ladder_against_chance(r: dict, rung: str = "euler:1") -> str | None:
+    """Whether a ladder's confidence criterion picks the right tokens: for ``rung`` then the
+    own solve, per run and threshold, the share of tokens sent on to the own solve (from the
+    evaluations per token) against the share of the loss gap between the rung alone and the
+    own solve that it closes. Sending tokens on at random closes the gap in proportion."""
+    rows = r.get("rows", [])
+    pairs = []
+    for m in dict.fromkeys(x["model"] for x in rows):
+        full, fixed, _ = findings.ladder_choices(rows, m)
+        alone = next((x for x in fixed if x["exit"] == f"{rung} alone"), None)
+        if full is None or alone is None or alone["val_loss"] <= full["val_loss"]:
+            continue
+        first, own = alone["nfe_per_token"], full["nfe_per_token"]
+        for x in rows:
+            if x.get("model") == m and x["exit"] == f"{rung} then own":
+                sent = (x["nfe_per_token"] - first) / own
+                closed = (alone["val_loss"] - x["val_loss"]) / (alone["val_loss"]
+                                                               - full["val_loss"])
+                pairs.append((x["tau"], sent, closed))
+    if not pairs:
+        return None
+    import statistics
+
+    taus = sorted({t for t, _, _ in pairs}, reverse=True)
+    per = [(t, statistics.mean(s for u, s, _ in pairs if u == t),
+            statistics.mean(c for u, _, c in pairs if u == t)) for t in taus]
+    best = max(per, key=lambda x: x[2] - x[1])
+    return (f"Does the confidence criterion pick the tokens that need the own solve? Sending "
+            f"tokens on from {rung.replace(':', ' x ')} at random would close the loss gap "
+            f"between it alone and the own solve in proportion to the share sent; per "
+            f"threshold (the mean over the runs), the share sent on and the share of the gap "
+            f"closed: " + ", ".join(f"tau {t}: {100 * s:.0f}% / {100 * c:.0f}%"
+                                     for t, s, c in per)
+            + f". The largest margin over chance is {100 * (best[2] - best[1]):+.0f} points "
+              f"(tau {best[0]})"
+            + (", so it does little better than chance here, and what a ladder saves within "
+               "0.5% is the coarse solve's, where that solve is good enough alone."
+               if best[2] - best[1] < 0.15 else "."))

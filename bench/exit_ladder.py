@@ -3,9 +3,12 @@ trained one-block models with the memory from the block's input (``model.ode_kv 
 validation loss and field evaluations per token at each confidence threshold, per ladder,
 against the model's own solve and against exiting along its own solver steps.
 
-    python bench/exit_ladder.py RUN [RUN ...] [--max-windows N]
+    python bench/exit_ladder.py RUN [RUN ...] [--max-windows N] [--ladders L;L...]
+        [--decode L@TAU;...] [--out NAME]
 
-writes bench/results/exit_ladder.json. Each row is ``continuumlm eval --exit-ladder L
+writes bench/results/exit_ladder.json (or NAME.json). ``--ladders``: the ladders to try,
+each its rungs joined by commas, the ladders by semicolons (default every one of LADDERS);
+``--decode``: the ladders and thresholds timed when decoding (default DECODE). Each row is ``continuumlm eval --exit-ladder L
 --exit-criterion confidence --exit-threshold TAU`` (or ``--exit-criterion C`` without a
 ladder) on evenly spread validation windows of the run's training context. A token's field
 evaluations are those of every rung it tried (Euler x 1, then RK4 x 1, then RK4 x 4: 1, 5 or
@@ -29,7 +32,8 @@ LOSS_TARGET = 0.005  # within 0.5% of the own solve's loss
 SPEED_TARGET = 2.0  # field evaluations per token, full / this
 
 
-def measure(run: str, max_windows: int) -> list[dict]:
+def measure(run: str, max_windows: int, ladders: list[list[str]] = LADDERS,
+            decode: list[tuple[list[str], float]] = DECODE) -> list[dict]:
     model, cfg, split, full_nfe, name = exit_run(run)
     device = torch.device("cpu")
 
@@ -45,10 +49,10 @@ def measure(run: str, max_windows: int) -> list[dict]:
 
     rows = [row(None, "full", None)]
     # each coarse solve alone (every token at the first rung): what a fixed solve gives
-    for rung in dict.fromkeys(r for ladder in LADDERS for r in ladder):
+    for rung in dict.fromkeys(r for ladder in ladders for r in ladder):
         fixed = row([rung], "confidence", float("inf"))
         rows.append({**fixed, "exit": f"{rung} alone", "criterion": "fixed", "tau": None})
-    rows += [row(ladder, "confidence", t) for ladder in LADDERS for t in TAUS]
+    rows += [row(ladder, "confidence", t) for ladder in ladders for t in TAUS]
     rows += [row(None, c, t) for c, t in STEP_EXIT]
     base = rows[0]["val_loss"]
     for r in rows:
@@ -56,12 +60,13 @@ def measure(run: str, max_windows: int) -> list[dict]:
         r["fewer_evaluations"] = round(full_nfe / r["nfe_per_token"], 2)
         r["within_target"] = r["val_loss"] <= base * (1 + LOSS_TARGET)
         print(r, flush=True)
-    return rows + decode_rows(model, split, name)
+    return rows + decode_rows(model, split, name, decode)
 
 
-def decode_rows(model, split, name: str, n_prompts: int = 8, prompt_len: int = 8) -> list:
+def decode_rows(model, split, name: str, decode, n_prompts: int = 8, prompt_len: int = 8
+                ) -> list:
     """Greedy cached decoding, batch 1, eager, from ``n_prompts`` validation prompts: the
-    own solve, each DECODE setting, tokens/s over every prompt (the model's positions
+    own solve, each ``decode`` setting (a ladder and its threshold), tokens/s over every prompt (the model's positions
     filled), with the field evaluations per token the exit counted."""
     import time
 
@@ -70,7 +75,7 @@ def decode_rows(model, split, name: str, n_prompts: int = 8, prompt_len: int = 8
                for i in range(n_prompts)]
     n = model.config.max_seq_len - prompt_len + 1
     out = []
-    for ladder, tau in [(None, None), *DECODE]:
+    for ladder, tau in [(None, None), *decode]:
         model.set_exit(None) if ladder is None else model.set_exit(tau, "confidence",
                                                                    ladder=ladder)
         model.generate(prompts[0], 8, greedy=True)  # warm-up
@@ -95,8 +100,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--max-windows", type=int, default=400)
+    ap.add_argument("--ladders", help="the ladders, e.g. 'euler:1;euler:1,euler:2' (default: "
+                                      + ";".join(",".join(x) for x in LADDERS) + ")")
+    ap.add_argument("--decode", help="the ladders and thresholds timed when decoding, e.g. "
+                                     "'euler:1@0.8' (default: " + ";".join(
+                                         f"{','.join(x)}@{t}" for x, t in DECODE) + ")")
+    ap.add_argument("--out", default="exit_ladder", help="the record's name in bench/results/")
     args = ap.parse_args()
-    rows = [r for run in args.runs for r in measure(run, args.max_windows)]
+    ladders = ([x.split(",") for x in args.ladders.split(";")] if args.ladders else LADDERS)
+    try:
+        decode = ([(x.split("@")[0].split(","), float(x.split("@")[1]))
+                   for x in args.decode.split(";")] if args.decode else DECODE)
+    except (IndexError, ValueError):
+        raise SystemExit(f"--decode {args.decode!r}: give LADDER@TAU settings joined by "
+                         f"semicolons, e.g. 'euler:1@0.8;euler:1,euler:2@0.6'.") from None
+    rows = [r for run in args.runs for r in measure(run, args.max_windows, ladders, decode)]
     decoding = [r for r in rows if r["criterion"] == "decoding"]
     rows = [r for r in rows if r["criterion"] != "decoding"]
     decode_table = markdown_table(decoding, [
@@ -110,9 +128,12 @@ def main() -> None:
                                   ("nfe_per_token", "field evaluations per token"),
                                   ("fewer_evaluations", "full / this")])
     print(table)
-    write_json("exit_ladder", {
+    write_json(args.out, {
         "command": f"python bench/exit_ladder.py {' '.join(args.runs)}"
-                   + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else ""),
+                   + (f" --max-windows {args.max_windows}" if args.max_windows != 400 else "")
+                   + "".join(f" --{flag} '{value}'" for flag, value in (
+                       ("ladders", args.ladders), ("decode", args.decode)) if value)
+                   + (f" --out {args.out}" if args.out != "exit_ladder" else ""),
         "setup": f"each run's best checkpoint, {args.max_windows} evenly spread validation "
                  f"windows of its training context; a token's field evaluations are every "
                  f"rung's it tried; {machine()}",

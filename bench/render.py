@@ -718,6 +718,19 @@ def speculative_table(r: dict) -> str:
         ("speedup_median", "speed-up"), ("same_tokens", "same tokens (greedy)")])
 
 
+def ladder_table(r: dict) -> str:
+    """A bench/exit_ladder.py record's rows the results page shows: per run, the own solve,
+    each coarse solve alone, each exit's most saving row within 0.5% of the own solve (the
+    two-solve ladders, rungs before the own, on the ablations page only)."""
+    chosen = set()
+    for m in dict.fromkeys(x["model"] for x in r["rows"]):
+        full, fixed, best = findings.ladder_choices(r["rows"], m)
+        chosen |= {(m, x["exit"], x["criterion"], str(x["tau"] or ""))
+                   for x in (full, *fixed, *best.values())
+                   if x is not None and "+" not in x["exit"]}
+    return page.split_table(r["table"], lambda c: tuple(c[:4]) in chosen)[0]
+
+
 def _shakespeare_variant(r: dict) -> bool:
     """A Tiny Shakespeare run the main table leaves to the ablations page: one with --set
     options, or an elastic-depth config other than the chosen one."""
@@ -861,20 +874,22 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             notes += page.fill("results/gate_exit",
                                rows=ablation("gate_exit", table=r["table"], command=r["command"]))
         if key == "exit_ladder":
-            # per run: the own solve, each coarse solve alone, each exit's most saving row
-            # within 0.5% of the own solve; every row on the ablations page
-            chosen = set()
-            for m in dict.fromkeys(x["model"] for x in r["rows"]):
-                full, fixed, best = findings.ladder_choices(r["rows"], m)
-                # two-solve ladders (rungs before the own) on the ablations page only
-                chosen |= {(m, x["exit"], x["criterion"], str(x["tau"] or ""))
-                           for x in (full, *fixed, *best.values())
-                           if x is not None and "+" not in x["exit"]}
-            table, _ = page.split_table(r["table"], lambda c: tuple(c[:4]) in chosen)
+            table = ladder_table(r)
             notes += page.fill("results/exit_ladder", decode_setup=r["decode_setup"],
                                decode=r["decode_table"],
                                rows=ablation("exit_ladder", table=r["table"],
                                              command=r["command"]))
+            nfe4 = results.get("exit_ladder_nfe4")
+            if nfe4:
+                notes += page.fill("results/exit_ladder.nfe4", command=nfe4["command"],
+                                   setup=nfe4["setup"], table=ladder_table(nfe4),
+                                   conclusion=" ".join(filter(None, (
+                                       conclusions.exit_ladder(nfe4, results),
+                                       conclusions.ladder_against_chance(nfe4)))),
+                                   decode_setup=nfe4["decode_setup"],
+                                   decode=nfe4["decode_table"],
+                                   rows=ablation("exit_ladder_nfe4", table=nfe4["table"],
+                                                 command=nfe4["command"]))
         if key == "depth_exit":
             chosen = {tuple(c[:3]) for c in _table_cells(r.get("decoding_table", ""))}
             table, others = page.split_table(
