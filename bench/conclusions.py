@@ -663,8 +663,19 @@ def _nfe4_kvblock(rows: dict, fixed: dict | None) -> str:
             + (f" and Euler x 2 at {100 * e2['agreement']:.1f}%" if e2 else ""))
     heavy = rows.get(("ode_any_depth-kvblock-euler4-w1-lr5e-3", "euler:1"))
     if heavy:
+        gap1 = heavy["own_loss"] - fixed["own_loss"]
+        both = gap1 <= 0.01 and heavy["agreement_min"] >= 0.9
+        cheaper = [x for (m, _), x in rows.items()
+                   if m == "ode_any_depth-kvblock-euler4-w1-lr5e-3" and x["nfe"] < 4
+                   and x["loss"] < x["own_loss"]]
         text += (f"; at KL weight 1 ({_seeds(heavy['seeds'])}) Euler x 1 agrees at "
-                 f"{100 * heavy['agreement']:.1f}% and NFE 4 reads {heavy['own_loss']:.4f}")
+                 f"{100 * heavy['agreement']:.1f}% (lowest seed "
+                 f"{100 * heavy['agreement_min']:.1f}%) and NFE 4 reads "
+                 f"{heavy['own_loss']:.4f}, {gap1:+.4f} against the fixed model"
+                 + (", both targets" if both else "")
+                 + "".join(f", though {x['draft'].replace(':', ' x ')} (NFE {x['nfe']}) then "
+                           f"reads {x['loss']:.4f}, better than the own solve"
+                           for x in cheaper[:1]))
     if finest:
         text += (f". Finer solves of that field are worse: RK4 x 16 (NFE 64) reads "
                  f"{finest['loss']:.4f}, so this model meets the NFE-4 target and not the "

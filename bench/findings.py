@@ -518,13 +518,16 @@ def any_depth(results: dict) -> str | None:
     e4, fixed = (rows.get(("ode_any_depth-kvblock-euler4-lr5e-3", "euler:4")),
                  rows.get(("ode_euler-lr5e-3", "euler:4")))
     e4_1 = rows.get(("ode_any_depth-kvblock-euler4-lr5e-3", "euler:1"))
+    w1 = rows.get(("ode_any_depth-kvblock-euler4-w1-lr5e-3", "euler:1"))
     if e4 and fixed and e4_1:
         gap = e4["own_loss"] - fixed["own_loss"]
         nfe4 = (f"; with Euler x 4 as its own solve (ode_any_depth_nfe4.toml) NFE 4 reads "
                 f"{e4['own_loss']:.4f} against {fixed['own_loss']:.4f} for Euler x 4 trained "
                 f"alone ({gap:+.4f}; target within 0.01: {'met' if gap <= 0.01 else 'missed'}) "
-                f"with Euler x 1 agreeing at {100 * e4_1['agreement']:.0f}%, though its finer "
-                f"solves get worse")
+                f"with Euler x 1 agreeing at {100 * e4_1['agreement']:.0f}%"
+                + (f" ({100 * w1['agreement']:.0f}% at KL weight 1, "
+                   f"{w1['own_loss'] - fixed['own_loss']:+.4f})" if w1 else "")
+                + ", though its finer solves get worse")
     return (f"**One run teaches the coarse solves to agree with the model's own solve**: "
             f"with train.any_depth (a KL term toward the RK4 x 4 solve's own distribution for "
             f"a drawn Euler x 1, Euler x 2 or RK4 x 1 solve, no teacher run) the greedy token "
