@@ -785,7 +785,8 @@ def layer_skip(r: dict, results: dict) -> str | None:
                                                    f"{best['k']}, "
                                                    f"{100 * best['acceptance']:.0f}% kept)"
                                                    if len(at1) > 1 else ""))
-        top = max(findings.median_seed(at1, d)[0] for d in ("greedy", "sampled"))
+        # met when both decodings reach it (findings.layer_skip reads it the same way)
+        top = min(findings.median_seed(at1, d)[0] for d in ("greedy", "sampled"))
         distinct = sorted(m.get("distinct_new_tokens", 0) for m in at1)
         text += (f" Putting the whole exit loss after the first layer (exit_layers = [1], "
                  f"{_seeds(one['seeds'])}; configs/shakespeare_char/"
