@@ -703,19 +703,16 @@ def _told_the_time(rows: dict, rk4: dict | None, fixed: dict | None) -> str:
             f"for RK4 x 1, whose loss (NFE 4) is {r1['loss']:.4f}")
     if fixed:
         text += f", {r1['loss'] - fixed['own_loss']:+.4f} against the fixed NFE-4 model"
-    heavy = {d: rows.get(("ode_any_depth-kvblock-time-w1", d)) for d in ("euler:1", "euler:2")}
-    if heavy["euler:1"] and heavy["euler:2"]:
-        h1, h2 = heavy["euler:1"], heavy["euler:2"]
+    h1, h2 = (rows.get(("ode_any_depth-kvblock-time-w1", d)) for d in ("euler:1", "euler:2"))
+    e2 = rows.get(("ode_any_depth-kvblock-time", "euler:2"))
+    if h1 and h2 and e2:
         text += (f"; at KL weight 1 ({_seeds(h1['seeds'])}) Euler x 1 and x 2 agree at "
                  f"{100 * h1['agreement']:.1f}% and {100 * h2['agreement']:.1f}% (against "
-                 f"{100 * e1['agreement']:.1f}% and "
-                 f"{100 * rows[('ode_any_depth-kvblock-time', 'euler:2')]['agreement']:.1f}% at "
-                 f"0.5) for an own solve of {h1['own_loss']:.4f}"
-                 if ("ode_any_depth-kvblock-time", "euler:2") in rows else "")
-    if euler:
+                 f"{100 * e1['agreement']:.1f}% and {100 * e2['agreement']:.1f}% at 0.5) for "
+                 f"an own solve of {h1['own_loss']:.4f}")
+    if euler and fixed:
         text += (f"; Euler x 4 at lr 5e-3 reads {euler['own_loss']:.4f} "
-                 f"({_seeds(euler['seeds'])}) against {fixed['own_loss']:.4f} without it"
-                 if fixed else "")
+                 f"({_seeds(euler['seeds'])}) against {fixed['own_loss']:.4f} without it")
     return text + "."
 
 
@@ -766,7 +763,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
                      f"fastest greedy row spends {100 * best['outside_field']:.0f}% of its "
                      f"time outside the layers against "
                      f"{100 * best['plain_outside_field']:.0f}% in plain decoding.")
-        median = next(m for m in trained if findings.speculative_best(m, "greedy")[0] is best)
+        median = findings.median_model(trained, "greedy")
         bound = findings.speculative_bound(median, target)
         if bound:
             text += (f" Timed pass by pass (one cached forward alone, before a round's "
@@ -963,9 +960,7 @@ def kvblock_speculative(results: dict) -> str | None:
             f"weight 0.5), {len(seeds)} seeds, eager: {' and '.join(said)} plain cached "
             f"decoding, the median of the seeds (target {target}x: "
             f"{'met' if top >= target else f'missed by {target - top:.2f}x'}).")
-    median = next(m for m in seeds if findings.speculative_best(m, "greedy")[0]
-                  is findings.median_seed(seeds, "greedy")[3])
-    bound = findings.speculative_bound(median, target)
+    bound = findings.speculative_bound(findings.median_model(seeds, "greedy"), target)
     if bound:
         text += f" Timed pass by pass: {bound}."
     compiled = findings.speculative_models(results, "speculative_kvblock_compiled",

@@ -718,6 +718,13 @@ def speculative_table(r: dict) -> str:
         ("speedup_median", "speed-up"), ("same_tokens", "same tokens (greedy)")])
 
 
+def model_tables(*records: dict) -> list[str]:
+    """Each model's every-row table of bench/speculative.py records, headed by its name and
+    setup (for the ablations page)."""
+    return [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
+            for r in records for m in r.get("models", [])]
+
+
 def ladder_table(r: dict) -> str:
     """A bench/exit_ladder.py record's rows the results page shows: per run, the own solve,
     each coarse solve alone, each exit's most saving row within 0.5% of the own solve (the
@@ -902,13 +909,12 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             notes += page.fill("results/depth_exit.decoding", table=r["decoding_table"])
         if key == "speculative":
             table = speculative_table(r)
-            tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}" for m in r.get("models", [])]
+            tables = model_tables(r)
             notes += page.fill("results/speculative", rows=ablation(
                 "speculative", command=r["command"], tables="\n\n".join(tables)))
             compiled = results.get("speculative_compiled")
             if compiled:
-                tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
-                          for m in compiled.get("models", [])]
+                tables = model_tables(compiled)
                 notes += page.fill(
                     "results/speculative.compiled", command=compiled["command"],
                     setup=compiled["setup"], table=speculative_table(compiled),
@@ -917,8 +923,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                   tables="\n\n".join(tables)))
         if key == "agreement" and results.get("speculative_any_depth"):
             spec = results["speculative_any_depth"]
-            tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
-                      for m in spec.get("models", [])]
+            tables = model_tables(spec)
             notes += page.fill("results/agreement", command=spec["command"],
                                setup=spec["setup"], table=speculative_table(spec),
                                outside=outside_field(spec),
@@ -927,8 +932,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
         if key == "agreement" and results.get("speculative_kvblock"):
             spec = results["speculative_kvblock"]
             specs = [x for x in (spec, results.get("speculative_kvblock_compiled")) if x]
-            tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
-                      for x in specs for m in x.get("models", [])]
+            tables = model_tables(*specs)
             notes += page.fill("results/agreement.kvblock", command=spec["command"],
                                setup=spec["setup"], table=speculative_table(spec),
                                conclusion=conclusions.kvblock_speculative(results),
@@ -944,8 +948,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                 specs = [x for x in (spec, results.get("speculative_layerskip12"),
                                      results.get("speculative_layerskip_variants"),
                                      results.get("speculative_layerskip_x1")) if x]
-                tables = [f"{m['name']} ({m['setup']}):\n\n{m['table']}"
-                          for x in specs for m in x.get("models", [])]
+                tables = model_tables(*specs)
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "
                         f"{spec['setup']}):\n\n{speculative_table(spec)}\n\n"
