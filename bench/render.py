@@ -704,10 +704,14 @@ def speculative_table(r: dict) -> str:
         for mode in modes:
             for decoding in ("greedy", "sampled"):
                 best, speedup, plain = findings.speculative_best(m, decoding, mode)
+                again = (m.get("confirmed") or {}).get(f"{mode} {decoding}")
                 rows.append({"model": m["name"], **best, "mode": mode,
                              "plain_median": round(plain, 1),
-                             "speedup_median": round(speedup, 2)})
+                             "speedup_median": round(speedup, 2),
+                             "again": (f"{again['speedup']} ({min(again['ratios']):.2f}-"
+                                       f"{max(again['ratios']):.2f})") if again else None})
     with_modes = any(row["mode"] != "eager" for row in rows)
+    again = any(row["again"] for row in rows)
     return markdown_table(rows, [
         ("model", "model"), *([("mode", "mode")] if with_modes else []),
         ("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
@@ -715,7 +719,9 @@ def speculative_table(r: dict) -> str:
         ("nfe_per_token", "field evaluations per token"),
         ("plain_nfe_per_token", "... plain"), ("tok_s", "tokens/s"),
         ("plain_median", "plain tokens/s (median over the rows)"),
-        ("speedup_median", "speed-up"), ("same_tokens", "same tokens (greedy)")])
+        ("speedup_median", "speed-up"),
+        *([("again", "re-timed: median (range)")] if again else []),
+        ("same_tokens", "same tokens (greedy)")])
 
 
 def model_tables(*records: dict) -> list[str]:
@@ -939,6 +945,11 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                rows=ablation("speculative_kvblock",
                                              command=" && ".join(x["command"] for x in specs),
                                              tables="\n\n".join(tables)))
+        if key == "agreement" and results.get("draft_cost"):
+            cost = results["draft_cost"]
+            notes += page.fill("results/agreement.draft_cost", command=cost["command"],
+                               setup=cost["setup"], table=cost["table"],
+                               conclusion=conclusions.draft_cost(cost))
         if key == "agreement" and layered:
             spec = results.get("speculative_layerskip")
             said = ""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from common import machine, markdown_table, write_json
 
 from continuumlm import Draft, LanguageModel, ModelConfig
 from continuumlm.decoding import Decoder
+from continuumlm.decoding.lean_draft import LeanDraft, refusal
+from continuumlm.decoding.speculative import _Solves
 
 DRAFTS = [("euler", 1), ("euler", 2), ("euler", 4), ("midpoint", 1), ("rk4", 1)]
 TOKENS = [2, 4, 8, "auto"]
@@ -59,28 +62,34 @@ def trained(run: str, n_prompts: int, prompt_len: int) -> tuple[LanguageModel, l
 
 class FieldClock:
     """Wall time spent inside the ODE blocks' vector-field evaluations, or a discrete stack's
-    layers (eager decoding: hooks around each field module or layer), to tell what share of a
-    token's time is outside them: embedding, head, sampling, the solver's combinations, cache
-    bookkeeping, Python."""
+    layers (eager decoding), to tell what share of a token's time is outside them: embedding,
+    head, sampling, the solver's combinations, cache bookkeeping, Python. Each field module's
+    (or layer's) forward is wrapped, and so is the lean draft step's field evaluation
+    (decoding/lean_draft.py, which does not call the field module); not hooks, which would
+    turn the lean step down (it refuses a field whose hooks it would skip)."""
 
     def __init__(self, model) -> None:
-        self.seconds, self._start = 0.0, None
-        self.handles = []
-        units = ([b.field for b in model.depth.blocks] if hasattr(model.depth, "blocks")
-                 else list(model.depth.layers))
-        for unit in units:
-            self.handles.append(unit.register_forward_pre_hook(self._enter))
-            self.handles.append(unit.register_forward_hook(self._leave))
+        self.seconds = 0.0
+        self.units = ([b.field for b in model.depth.blocks] if hasattr(model.depth, "blocks")
+                      else list(model.depth.layers))
+        for unit in self.units:
+            unit.forward = self._timed(unit.forward)
+        self._lean_field = LeanDraft._field
+        LeanDraft._field = self._timed(self._lean_field)
 
-    def _enter(self, *_):
-        self._start = time.perf_counter()
-
-    def _leave(self, *_):
-        self.seconds += time.perf_counter() - self._start
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        for unit in self.units:
+            del unit.forward  # the class's forward again
+        LeanDraft._field = self._lean_field
 
 
 def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
@@ -106,9 +115,12 @@ def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
     return outs, made / total, stats
 
 
-def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
-    """Every (decoding, draft solve, k) row for one model, eager and/or compiled, and the
-    distinct tokens of its plain greedy output."""
+def measure(model, prompts, n, drafts, modes, confirm: int = 0
+            ) -> tuple[list[dict], int, dict]:
+    """Every (decoding, draft solve, k) row for one model, eager and/or compiled, the
+    distinct tokens of its plain greedy output, and (``confirm`` > 0) each mode and
+    decoding's fastest row timed again ``confirm`` times against plain decoding beside it
+    (:func:`confirmed`)."""
     cfg = model.config
     full_nfe = (cfg.num_layers * cfg.ode_steps * model.depth.blocks[0].solver.evals_per_step
                 if cfg.depth == "ode" else cfg.num_layers)
@@ -118,7 +130,7 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
     # an untrained model's greedy text is degenerate (a few tokens repeated), which any draft
     # predicts: recorded, so that its rows read as the mechanism's ceiling, not a model's
     distinct = len({t for out in plain for t in out})
-    rows = []
+    rows, checks = [], {}
     for mode in modes:
         # one decoder per mode, kept: compiled graphs are made once (warm-up below), not
         # timed in the rows
@@ -147,14 +159,39 @@ def measure(model, prompts, n, drafts, modes) -> tuple[list[dict], int]:
             clock.remove()
         if mode == "compiled" and decoder.compile_refused:
             raise SystemExit(f"torch.compile refused: {decoder.compile_refused}")
-    return rows, distinct
+        for sampled in (False, True) if confirm else ():
+            picked = max((r for r in rows if r["mode"] == mode
+                          and r["decoding"] == ("sampled" if sampled else "greedy")),
+                         key=lambda r: r["tok_s"])
+            checks[f"{mode} {picked['decoding']}"] = confirmed(decoder, prompts, n, picked,
+                                                               sampled, confirm)
+    return rows, distinct, checks
+
+
+def confirmed(decoder, prompts, n, row: dict, sampled: bool, times: int) -> dict:
+    """The draft solve and k of ``row`` (a fastest row, picked among many timed once, whose
+    speed-up the pick itself inflates) timed ``times`` more: each time plain decoding and
+    speculative decoding one after the other, the ratio of their rates; the median."""
+    if row["draft"].startswith("first "):  # "first N layers"
+        solver, steps = "layers", int(row["draft"].split()[1])
+    else:  # "SOLVER x STEPS"
+        solver, steps = row["draft"].split(" x ")
+        steps = int(steps)
+    seed = 0 if sampled else None
+    ratios = []
+    for _ in range(times):
+        _, plain_tps, _ = decode(decoder, prompts, n, seed=seed)
+        _, tps, _ = decode(decoder, prompts, n, _draft(solver, steps, row["k"]), seed=seed)
+        ratios.append(round(tps / plain_tps, 3))
+    return {"draft": row["draft"], "k": row["k"], "speedup": round(statistics.median(ratios), 2),
+            "ratios": ratios}
 
 
 def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
     """Milliseconds of one cached eager forward pass (embedding to logits) at batch 1 after
     ``prompt``, the fastest of ``reps`` means over ``inner`` passes: one token through the
-    model's own solve ("plain"), one token through each draft ("draft", by the rows' names),
-    and k + 1 tokens through the own solve, the verification of k drafts ("verify", by k).
+    model's own solve ("plain"), one token through each draft ("draft", by the rows' names;
+    by the lean step where speculative decoding drafts with it: "draft_by"), and k + 1 tokens through the own solve, the verification of k drafts ("verify", by k).
     What a round costs before its bookkeeping: k drafts and one verification."""
     from continuumlm.decoding.speculative import FirstLayers
 
@@ -179,9 +216,14 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
             out["verify_ms"][str(k)] = timed(prompt[:, -1:].repeat(1, k + 1))
         cfg = model.config
         for solver, steps in drafts:
+            name = f"first {steps} layers" if solver == "layers" else f"{solver} x {steps}"
             if solver == "layers":
                 with FirstLayers(model, steps).drafting():
                     ms = timed(one)
+            elif refusal(model, _Solves(model, solver, steps).draft[1]) is None:
+                # what speculative decoding drafts with here: the lean step
+                ms = lean_ms(model, prompt, _Solves(model, solver, steps), reps, inner)
+                out.setdefault("draft_by", {})[name] = "lean step"
             else:
                 own = (cfg.ode_solver, cfg.ode_steps)
                 model.set_solver(solver, steps)
@@ -189,9 +231,23 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
                     ms = timed(one)
                 finally:
                     model.set_solver(*own)
-            name = f"first {steps} layers" if solver == "layers" else f"{solver} x {steps}"
             out["draft_ms"][name] = ms
     return out
+
+
+def lean_ms(model, prompt, solves, reps: int, inner: int) -> float:
+    """Milliseconds of one drafted token by the lean step (decoding/lean_draft.py) after
+    ``prompt``, the fastest of ``reps`` means over ``inner``."""
+    lean = LeanDraft(model, solves.draft[1])
+    lean.logits(prompt[0].tolist())
+    at, best = lean.pos, float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            lean.logits([int(prompt[0, -1])])
+            lean.crop(at)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return round(1e3 * best, 4)
 
 
 def _draft(solver: str, steps: int, k) -> Draft:
@@ -239,6 +295,10 @@ def main() -> None:
                          "drafts and verification through compiled frozen steps; writes "
                          "speculative_compiled.json), against plain cached decoding of the "
                          "same mode")
+    ap.add_argument("--confirm", type=int, default=0, metavar="N",
+                    help="time each mode and decoding's fastest row N more times against "
+                         "plain decoding beside it, and record the median ratio (picking the "
+                         "fastest of many rows timed once inflates its speed-up)")
     ap.add_argument("--out", help="the record's name in bench/results/ (default: speculative, "
                                   "or speculative_compiled with --mode compiled)")
     args = ap.parse_args()
@@ -268,7 +328,7 @@ def main() -> None:
             if not wanted:
                 raise SystemExit(f"{run}: a discrete model drafts with its first layers; "
                                  f"give --drafts layersxN")
-        rows, distinct = measure(model, prompts, n, wanted, modes)
+        rows, distinct, checks = measure(model, prompts, n, wanted, modes, args.confirm)
         costs = pass_costs(model, prompts[0], wanted) if "eager" in modes else None
         nfe = rows[0]["plain_nfe_per_token"]
         models.append({
@@ -281,6 +341,7 @@ def main() -> None:
                                       and r["mode"] == m), key=lambda r: r["speedup"])
                      for m in modes for d in ("greedy", "sampled")},
             "rows": rows, "table": markdown_table(rows, COLUMNS),
+            **({"confirmed": checks} if checks else {}),
             **({"pass_costs": costs} if costs else {})})
     best = [{"model": m["name"], **row} for m in models for row in m["best"].values()]
     table = markdown_table(best, [("model", "model")] + COLUMNS)
@@ -292,6 +353,7 @@ def main() -> None:
                                  ("--new-tokens", args.new_tokens, 512),
                                  ("--drafts", args.drafts, ap.get_default("drafts")),
                                  ("--mode", args.mode, "eager"),
+                                 ("--confirm", args.confirm, 0),
                                  ("--out", args.out, None)):
         if value != default:
             command += f" {flag} {value}"

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cache import DecodeState
+from .lean_draft import LeanDraft, refusal
 from .sampling import probabilities
 
 AUTO = "auto"
@@ -53,13 +54,17 @@ class Draft:
     round that kept under half, between 1 and 16). ``reuse`` (layer drafts, eager): the draft
     and the verifier share the first layers' caches, and the verifying pass goes on from the
     states the drafts made there (LayerSkip's cache reuse: those layers see each drafted token
-    once); False: the verifier runs every layer over the drafted tokens again."""
+    once); False: the verifier runs every layer over the drafted tokens again. ``lean``
+    (ODE drafts, eager): the draft solve runs as :class:`.lean_draft.LeanDraft`'s step,
+    written out op by op with caches of its own, where it covers the model (the stream's
+    stats say which, and why not); False: through the decoding pass always."""
 
     solver: str = "euler"
     steps: int = 1
     tokens: int | str = 4
     layers: int | None = None
     reuse: bool = True
+    lean: bool = True
 
     def __post_init__(self) -> None:
         if self.tokens != AUTO and (isinstance(self.tokens, bool) or not isinstance(
@@ -72,8 +77,9 @@ class Draft:
                 self.layers, int) or self.layers < 1):
             raise ValueError(f"Draft(layers={self.layers!r}): give a positive number of "
                              f"layers.")
-        if not isinstance(self.reuse, bool):
-            raise ValueError(f"Draft(reuse={self.reuse!r}): give True or False.")
+        for name in ("reuse", "lean"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Draft({name}={getattr(self, name)!r}): give True or False.")
 
 
 @dataclass
@@ -88,6 +94,9 @@ class DraftStats:
     nfe: int = 0
     seconds: float = 0.0
     kept_per_round: list[int] = field(default_factory=list)
+    drafted_by: str = ""
+    """How the drafts were made: "lean step" (:mod:`.lean_draft`), "decoding pass" (and why
+    not the lean step), or "first layers"."""
 
     @property
     def acceptance(self) -> float:
@@ -97,7 +106,8 @@ class DraftStats:
         per = self.tokens / self.rounds if self.rounds else float("nan")
         return (f"speculative: {self.acceptance:.0%} of {self.drafted} drafted tokens kept, "
                 f"{per:.2f} tokens per verification, "
-                f"{self.nfe / max(self.tokens, 1):.1f} field evaluations per token")
+                f"{self.nfe / max(self.tokens, 1):.1f} field evaluations per token"
+                + (f"; drafts by {self.drafted_by}" if self.drafted_by else ""))
 
 
 def _swap_child(parent: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
@@ -314,7 +324,22 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
 
     verify_step, verify_nfe = None, 0  # the same for the model's state and its solve
 
+    lean = None  # the draft solve's lean step (lean_draft.py), with caches of its own
+    if draft.layers is not None:
+        stats.drafted_by = "first layers"
+    else:
+        why = ("Draft(lean=False)" if not draft.lean else
+               "compiled or recorded drafts" if freeze is not None else
+               refusal(model, solves.draft[1]))
+        if why is None:
+            lean = LeanDraft(model, solves.draft[1])
+        stats.drafted_by = "lean step" if lean is not None else f"decoding pass ({why})"
+
     def logits(ids: list[int], state) -> torch.Tensor:
+        if state is side and lean is not None:
+            out = lean.logits(ids)
+            stats.nfe += lean.nfe
+            return out[None]
         if state is main and verify_step is not None:
             out = verify_step(torch.tensor([ids], device=device), main)[0]
             main.advance()
@@ -374,7 +399,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         qs: list[torch.Tensor] = []
         if k_now > 0:
             with solves.drafting():
-                row = logits(seq[side.pos:], side)[-1]  # catch up, draft one
+                row = logits(seq[(lean or side).pos:], side)[-1]  # catch up, draft one
                 if freeze is not None and frozen_step is None:
                     # frozen here, at the round's first draft: every later cut keeps at
                     # least this much (a frozen recurrent cache cuts back no further)
@@ -395,6 +420,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         main.crop(before + 1 + n)  # the latest token and the kept drafts
         if reuse:
             side.pos = main.pos  # its caches are the model state's, cut with them
+        elif lean is not None:
+            lean.crop(before + 1 + n)
         elif side.pos > before + 1 + n:
             side.crop(before + 1 + n)
         stats.rounds += 1

@@ -1,0 +1,165 @@
+"""A coarse solve's draft tokens in the fewest operations (self-speculative decoding, eager).
+
+A draft token costs one decoding pass through the library for one field evaluation (Euler x
+1), and most of that pass is outside the field: the decoding state, the solve's machinery
+(gradient modes, regularizers, exits, compiled steps, padding), module dispatch. Measured on
+ode_any_depth_kvblock.toml's model (bench/draft_floor.py), a step written out op by op costs
+under half of it, and that share alone moves self-speculative decoding from about 1.7x to 2.4x
+plain decoding. :class:`LeanDraft` is that step for the blocks most models are made of, with
+caches of its own: the speculative loop (``speculative.py``) drafts through it where
+:func:`refusal` finds nothing it does not do, through the decoding pass otherwise (the
+stream's stats say which, and why).
+
+What it covers: ODE blocks with the sequential or parallel field and softmax attention whose
+projections are plain ``nn.Linear`` (bias or not), every ``model.ode_kv`` layout, any fixed-
+grid Runge-Kutta tableau, learned, rotary or no positions, time and step-size embeddings,
+inference (no dropout, no gradient), one sequence. Its logits equal the decoding pass's of the
+same solve (tests/test_lean_draft.py holds it to that on each of these). Drafts only propose:
+the model's own solve verifies every token, so a draft's rounding could change which drafts
+are kept, never the tokens decoded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as _module
+
+from ..mixers.softmax import SoftmaxAttention
+from ..model.fields import ParallelField, SequentialField
+from ..ode.solvers import combine, grid
+
+
+def refusal(model, blocks) -> str | None:
+    """Why :class:`LeanDraft` cannot draft for ``model`` with the draft solve ``blocks`` (per
+    block: (solver, config), speculative._Solves' snapshot), in one phrase; None when it can."""
+    cfg = model.config
+    if model.training or torch.is_grad_enabled():
+        return "it drafts in inference alone (eval mode, no gradient)"
+    if type(model.tok_emb) is not nn.Embedding or (
+            model.pos_emb is not None and type(model.pos_emb) is not nn.Embedding):
+        return "the embeddings are not plain nn.Embedding"
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return "a global module hook is registered (the step calls few modules)"
+    for block, (solver, _) in zip(model.depth.blocks, blocks):
+        f = block.field
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (f, f.mixer)):
+            return "the field or its mixer has hooks, which the step would not call"
+        if type(f) not in (SequentialField, ParallelField) or block.field.post_mlp:
+            return f"the field {cfg.field!r} is not the sequential or parallel one"
+        if type(f.mixer) is not SoftmaxAttention or not f.mixer.causal:
+            return f"the mixer {cfg.mixer!r} is not causal softmax attention"
+        for lin in (f.mixer.qkv, f.mixer.out_proj):
+            if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks:
+                return "the attention's projections are not plain nn.Linear without hooks"
+        if any(d.active() for d in block._dropouts):
+            return "dropout is active"
+        if getattr(solver, "tableau", None) is None or getattr(solver, "reversible", False):
+            return f"the draft solver {type(solver).__name__} is not a fixed-grid tableau"
+    return None
+
+
+class LeanDraft:
+    """Tokens through ``model``'s blocks integrated with the draft solve ``blocks`` (see
+    :func:`refusal`), each block's memory in buffers of its own; ``pos`` tokens so far.
+    :meth:`logits` extends by any number of tokens, :meth:`crop` cuts back."""
+
+    def __init__(self, model, blocks):
+        self.model, self.pos = model, 0
+        self.blocks = []
+        for block, (solver, cfg) in zip(model.depth.blocks, blocks):
+            att = block.field.mixer
+            C = cfg.hidden_size
+            w, b = att.qkv.weight, att.qkv.bias
+            dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps
+            self.blocks.append(dict(
+                field=block.field, att=att, key=block.index, tab=solver.tableau, cfg=cfg,
+                wq=w[:C], bq=None if b is None else b[:C],
+                wkv=w[C:], bkv=None if b is None else b[C:], dt=dt,
+                field_dt=dt / solver.tableau.stages if cfg.ode_dt_embedding_reads ==
+                "evaluation" else dt, times=grid(cfg.ode_t0, cfg.ode_t1, cfg.ode_steps)))
+        self.nfe = sum(len(b["times"]) * b["tab"].stages for b in self.blocks)
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def crop(self, length: int) -> None:
+        self.pos = min(self.pos, length)
+
+    def _write(self, where: tuple, att: SoftmaxAttention, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put keys and values (1, H, T, D) of the tokens at pos.. into the cache ``where``
+        (doubling its capacity as needed); every token's so far."""
+        pos, T = self.pos, k.shape[-2]
+        if att.rope is not None:
+            k = att.rope(k, pos)
+        bufs = self._buffers.get(where)
+        if bufs is None or bufs[0].shape[-2] < pos + T:
+            size = max(pos + T, 16, 2 * bufs[0].shape[-2] if bufs else 0)
+            new = [k.new_zeros(*k.shape[:-2], size, k.shape[-1]) for _ in range(2)]
+            if bufs:
+                for n, o in zip(new, bufs):
+                    n[..., :pos, :] = o[..., :pos, :]
+            self._buffers[where] = bufs = new
+        bufs[0][..., pos:pos + T, :] = k
+        bufs[1][..., pos:pos + T, :] = v
+        return bufs[0][..., :pos + T, :], bufs[1][..., :pos + T, :]
+
+    def _memory(self, b: dict, where: tuple, m: torch.Tensor) -> tuple:
+        B, T, C = m.shape
+        att = b["att"]
+        kv = F.linear(m, b["wkv"], b["bkv"]).view(B, T, 2, att.num_heads, att.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        return self._write(where, att, k, v)
+
+    def _field(self, b: dict, t: float, h: torch.Tensor, kv: tuple | None, where: tuple,
+               mask) -> torch.Tensor:
+        """The field at (t, h): kv, the memory it reads (ode_kv step or block), or None (the
+        evaluation's own keys and values, written to ``where``)."""
+        f, att = b["field"], b["att"]
+        B, T, C = h.shape
+        te = f.temb(t, h)
+        m = f._plus(f.norm1(h), te)
+        if kv is None:
+            kv = self._memory(b, where, m)
+        q = F.linear(m, b["wq"], b["bq"]).view(B, T, att.num_heads, att.head_dim)
+        q = q.transpose(1, 2)
+        if att.rope is not None:
+            q = att.rope(q, self.pos)
+        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+        a = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        if type(f) is SequentialField:
+            return a + f.mlp(f._plus(f.norm2(h + a), te))
+        return a + f.mlp(f._plus(f.norm2(h), te))
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """The draft's logits (V,) after ``tokens``, the tokens at positions pos.. (pos moves
+        on by their number)."""
+        model, pos, T = self.model, self.pos, len(tokens)
+        x = model.tok_emb.weight[tokens][None]
+        if model.pos_emb is not None:
+            if pos + T > model.config.max_seq_len:
+                raise ValueError(f"sequence of {pos + T} tokens is longer than max_seq_len = "
+                                 f"{model.config.max_seq_len}, the size of this model's "
+                                 f"learned position table.")
+            x = x + model.pos_emb.weight[pos:pos + T]
+        # queries at pos.. against every key so far: key j is seen by query i when j <= pos + i
+        mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool,
+                                              device=x.device).tril(pos)
+        for b in self.blocks:
+            cfg, tab, dt, f = b["cfg"], b["tab"], b["dt"], b["field"]
+            if f.dt != b["field_dt"]:
+                f.dt = b["field_dt"]  # what a step-size embedding reads (as the solve sets it)
+            kv = None
+            if cfg.ode_kv == "block":
+                kv = self._memory(b, (b["key"], "block"), f.mixer_input(cfg.ode_t0, x))
+            for s, t in enumerate(b["times"]):
+                if cfg.ode_kv == "step":
+                    kv = self._memory(b, (b["key"], "step", s), f.mixer_input(t, x))
+                ks: list[torch.Tensor] = []
+                for i in range(tab.stages):
+                    hi = combine(x, dt, tab.a[i], ks) if i else x
+                    ks.append(self._field(b, t + tab.c[i] * dt, hi, kv,
+                                          (b["key"], s * tab.stages + i), mask))
+                x = combine(x, dt, tab.b, ks)
+        self.pos += T
+        return model.lm_head(model.norm_f(x[:, -1]))[0]

@@ -1,0 +1,139 @@
+"""The lean draft step (decoding/lean_draft.py) against the decoding pass it stands in for:
+the same logits for every block layout it covers, over a prompt, single tokens and a cut back;
+what it refuses (and the speculative stream then says so); and speculative decoding through it
+keeping plain decoding's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from continuumlm import Draft
+from continuumlm.decoding.lean_draft import LeanDraft, refusal
+from continuumlm.decoding.speculative import _Solves
+from continuumlm.testing import small_model
+
+CASES = {
+    # name: (model options, draft solve)
+    "sequential, evaluation memory, rope, euler x 1": (dict(), ("euler", 1)),
+    "sequential, block memory, learned": (dict(ode_kv="block", position="learned"),
+                                          ("euler", 1)),
+    "parallel, step memory, rk4 x 2": (dict(field="parallel", ode_kv="step"), ("rk4", 2)),
+    "midpoint x 3, no positions, bias": (dict(position="none", bias=True), ("midpoint", 3)),
+    "time and step-size embeddings, block memory": (
+        dict(ode_time_embedding="sinusoidal", ode_dt_embedding=True, ode_kv="block"),
+        ("euler", 2)),
+    "step size per evaluation, heun, one block of odd width": (
+        dict(ode_dt_embedding=True, ode_dt_embedding_reads="evaluation", num_layers=1,
+             hidden_size=36, num_heads=3, position="learned"), ("heun", 1)),
+}
+
+
+def _model(opts: dict):
+    return small_model(depth="ode", field=opts.pop("field", "sequential"), ode_solver="rk4",
+                       ode_steps=4, **opts).double()
+
+
+def _library(model, solves, state, tokens: list[int]) -> torch.Tensor:
+    with solves.drafting():
+        h = model.hidden_states(torch.tensor([tokens]), state)
+    return model.lm_head(h[:, -1])[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.inference_mode()
+def test_lean_step_equals_the_decoding_pass(case):
+    """Float64: a 6-token prompt, 5 tokens one at a time, a cut back by 3, then 2 tokens at
+    once and one more; the draft solve's logits by the lean step and by the decoding pass."""
+    opts, (solver, steps) = CASES[case]
+    model = _model(dict(opts))
+    solves = _Solves(model, solver, steps)
+    assert refusal(model, solves.draft[1]) is None
+    lean, state = LeanDraft(model, solves.draft[1]), model.init_state(1, rewind=8)
+    assert lean.nfe == model.config.num_layers * steps * solves.draft[1][0][0].evals_per_step
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 37, (14,), generator=g).tolist()
+    chunks = [ids[:6]] + [[t] for t in ids[6:11]]
+    for chunk in chunks:
+        torch.testing.assert_close(lean.logits(chunk), _library(model, solves, state, chunk),
+                                   atol=1e-10, rtol=0)
+    lean.crop(8)
+    state.crop(8)
+    assert lean.pos == state.pos == 8
+    for chunk in (ids[11:13], ids[13:14]):
+        torch.testing.assert_close(lean.logits(chunk), _library(model, solves, state, chunk),
+                                   atol=1e-10, rtol=0)
+    # the solve the model decodes with is back after drafting (the lean step moves no weights)
+    assert model.config.ode_solver == "rk4" and model.config.ode_steps == 4
+
+
+@torch.inference_mode()
+def test_learned_positions_past_the_table_are_refused():
+    model = _model(dict(position="learned", max_seq_len=8))
+    lean = LeanDraft(model, _Solves(model, "euler", 1).draft[1])
+    lean.logits(list(range(8)))
+    with pytest.raises(ValueError, match="longer than max_seq_len = 8"):
+        lean.logits([1])
+
+
+def test_refusals_name_the_reason():
+    cases = {
+        "deltanet": (small_model(depth="ode", mixer="deltanet",
+                                 components={"deltanet": {"short_conv": 3}}), "mixer"),
+        "attention field": (small_model(depth="ode", field="attention"), "field"),
+    }
+    for name, (model, word) in cases.items():
+        with torch.inference_mode():
+            why = refusal(model, _Solves(model, "euler", 1).draft[1])
+        assert why is not None and word in why, (name, why)
+    model = small_model(depth="ode")
+    blocks = _Solves(model, "euler", 1).draft[1]
+    assert "inference" in refusal(model, blocks)  # gradients on
+    with torch.inference_mode():
+        model.train()
+        assert "inference" in refusal(model, blocks)
+        model.eval()
+        field = model.depth.blocks[0].field
+        for module in (field, field.mixer, field.mixer.qkv):  # hooks the step would skip
+            hook = module.register_forward_hook(lambda *a: None)
+            assert "hooks" in refusal(model, blocks)
+            hook.remove()
+        hook = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        assert "global module hook" in refusal(model, blocks)
+        hook.remove()
+        assert refusal(model, blocks) is None
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_speculative_decoding_through_it_keeps_the_tokens(lean):
+    """Greedy and sampled (one seed: the drafts may round differently from the decoding
+    pass's, so only greedy tokens are compared across the two ways), and the stream says how
+    its drafts were made."""
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=4, ode_kv="block")
+    prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(2))
+    plain = model.generate(prompt, 40, greedy=True)
+    stream = model.generate_stream(prompt, 40, greedy=True,
+                                   draft=Draft("euler", 1, tokens=5, lean=lean))
+    got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+    assert got.tolist() == plain.tolist()
+    assert stream.stats.drafted_by == ("lean step" if lean else
+                                       "decoding pass (Draft(lean=False))")
+    assert stream.stats.drafted_by in stream.stats.report()
+    sampled = model.generate_stream(prompt, 20, temperature=0.9,
+                                    generator=torch.Generator().manual_seed(0),
+                                    draft=Draft("euler", 2, tokens=3, lean=lean))
+    assert len(list(sampled)) == 20
+
+
+def test_a_mixer_it_does_not_cover_drafts_through_the_decoding_pass():
+    model = small_model(depth="ode", mixer="deltanet", components={"deltanet": {"short_conv": 3}})
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(4))
+    stream = model.generate_stream(prompt, 12, greedy=True, draft=Draft("euler", 1, tokens=3))
+    got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+    assert got.tolist() == model.generate(prompt, 12, greedy=True).tolist()
+    assert stream.stats.drafted_by.startswith("decoding pass (the mixer 'deltanet'")
+
+
+def test_draft_lean_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"Draft\(lean='yes'\)"):
+        Draft(lean="yes")
