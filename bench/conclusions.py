@@ -610,6 +610,7 @@ def agreement(r: dict, results: dict) -> str | None:
                  f"(NFE {worst['nfe']}) reads {worst['loss']:.4f}.")
     text += _nfe4_kvblock(rows, fixed)
     text += _told_the_time(rows, a2, fixed)
+    text += _agreement_bought(rows, a2)
     ptb = [(name, label) for name, label in (("ptb_ode_rk4", "ode_rk4 trained alone"),
                                               ("ptb_ode_any_depth", "the recipe"),
                                               ("ptb_ode_any_depth-fine",
@@ -714,6 +715,36 @@ def _told_the_time(rows: dict, rk4: dict | None, fixed: dict | None) -> str:
         text += (f"; Euler x 4 at lr 5e-3 reads {euler['own_loss']:.4f} "
                  f"({_seeds(euler['seeds'])}) against {fixed['own_loss']:.4f} without it")
     return text + "."
+
+
+def _agreement_bought(rows: dict, rk4: dict | None) -> str:
+    """Euler x 1's agreement pushed further, one seed each: the kv-block recipe told the time
+    with Euler x 1 alone drafted at KL weight 2, and the recipe with a step-size embedding
+    (its finest solve's loss too: a step the embedding never saw)."""
+    x1 = {d: rows.get(("ode_any_depth-kvblock-time-x1w2", d)) for d in ("euler:1", "euler:2")}
+    dt = {d: rows.get(("ode_any_depth-kvblock-dt", d)) for d in ("euler:1", "euler:2")}
+    if not rk4:
+        return ""
+    parts = []
+    if x1["euler:1"] and x1["euler:2"]:
+        e1 = x1["euler:1"]
+        parts.append(f"with the time and Euler x 1 alone drafted at KL weight 2 "
+                     f"({_seeds(e1['seeds'])}), Euler x 1 and x 2 agree at "
+                     f"{100 * e1['agreement']:.1f}% and {100 * x1['euler:2']['agreement']:.1f}%, "
+                     f"but the own solve reads {e1['own_loss']:.4f}, "
+                     f"{100 * (e1['own_loss'] / rk4['own_loss'] - 1):+.2f}% against ode_rk4 at "
+                     f"lr 2e-3")
+    if dt["euler:1"] and dt["euler:2"]:
+        e1 = dt["euler:1"]
+        finest = max((x for (m, _), x in rows.items() if m == "ode_any_depth-kvblock-dt"),
+                     key=lambda x: x["nfe"])
+        parts.append(f"with a step-size embedding (model.ode_dt_embedding; "
+                     f"{_seeds(e1['seeds'])}) the own solve reads {e1['own_loss']:.4f} with "
+                     f"Euler x 1 and x 2 at {100 * e1['agreement']:.1f}% and "
+                     f"{100 * dt['euler:2']['agreement']:.1f}%, and its finer solves get worse "
+                     f"({finest['draft'].replace(':', ' x ')}: {finest['loss']:.4f}; the "
+                     f"embedding never saw their step)")
+    return (" Buying Euler x 1's agreement further: " + "; ".join(parts) + ".") if parts else ""
 
 
 def layer_skip(r: dict, results: dict) -> str | None:
@@ -968,6 +999,7 @@ def kvblock_speculative(results: dict) -> str | None:
     bound = findings.speculative_bound(findings.median_model(seeds, "greedy"), target)
     if bound:
         text += f" Timed pass by pass: {bound}."
+    text += _speed_bought(results, target)
     compiled = findings.speculative_models(results, "speculative_kvblock_compiled",
                                            "any_depth_kvblock")
     parts = []
@@ -984,6 +1016,33 @@ def kvblock_speculative(results: dict) -> str | None:
                  "the drafts and each verification through compiled frozen steps: "
                  + "; ".join(parts) + ".")
     return text
+
+
+def _speed_bought(results: dict, target: float) -> str:
+    """Speculative decoding on the recipe trained for Euler x 1's agreement at quality's cost
+    (record speculative_kvblock_x1w2, one seed): its re-timed speed-ups, its agreement and its
+    own solve's loss against ode_rk4 at lr 2e-3 (the agreement record)."""
+    r = results.get("speculative_kvblock_x1w2")
+    rows = {(x["model"], x["draft"]): x for x in (results.get("agreement") or {}).get("rows", [])}
+    agree = rows.get(("ode_any_depth-kvblock-time-x1w2", "euler:1"))
+    rk4 = rows.get(("ode_rk4-lr2e-3", "rk4:1"))
+    if not (r and r.get("models") and agree and rk4):
+        return ""
+    m = r["models"][0]
+    said = []
+    for d in ("greedy", "sampled"):
+        best = findings.speculative_best(m, d)[0]
+        said.append(f"{findings.confirmed_speedup(m, d):.2f}x {d} ({best['draft']}, k "
+                    f"{best['k']}, {100 * best['acceptance']:.0f}% kept)")
+    low = min(findings.confirmed_speedup(m, d) for d in ("greedy", "sampled"))
+    return (f" What agreement would buy, measured (`{r['command']}`): the recipe told the time "
+            f"with Euler x 1 alone drafted at KL weight 2 ({_seeds(agree['seeds'])}), whose "
+            f"Euler x 1 agrees at {100 * agree['agreement']:.1f}%, runs at "
+            + " and ".join(said) + f" ({m['distinct_new_tokens']} distinct tokens in its "
+            f"plain greedy output), {'above' if low >= target else 'under'} {target}x, but its "
+            f"own solve reads {agree['own_loss']:.4f}, "
+            f"{100 * (agree['own_loss'] / rk4['own_loss'] - 1):+.2f}% against ode_rk4 at lr "
+            f"2e-3: the quality target rules it out.")
 
 
 def ladder_against_chance(r: dict, rung: str = "euler:1") -> str | None:
@@ -1043,8 +1102,8 @@ def draft_cost(r: dict) -> str | None:
         return (f"{min(m['speedup'][key] for m in models):.2f}-"
                 f"{max(m['speedup'][key] for m in models):.2f}x")
 
-    said = [f"{d} {med(d + '_pass'):.2f}x ({span(d + '_pass')}) with the drafts by the "
-            f"decoding pass and {med(d + '_lean'):.2f}x ({span(d + '_lean')}) by the lean step"
+    said = [f"{d}, {med(d + '_lean'):.2f}x ({span(d + '_lean')}) with the drafts by the lean "
+            f"step against {med(d + '_pass'):.2f}x ({span(d + '_pass')}) by the decoding pass"
             for d in ("greedy", "sampled")]
     shares = [1 - m["lean_draft_ms"] / m["pass_draft_ms"] for m in models]
     top = max(med("greedy_lean"), med("sampled_lean"))
@@ -1057,6 +1116,7 @@ def draft_cost(r: dict) -> str | None:
             f"own, the same logits as the decoding pass) costs {min(shares):.0%}-"
             f"{max(shares):.0%} less per drafted token, and Euler x 1 drafts, k {k}, medians "
             f"of {len(models)} seeds against plain cached decoding timed beside them, give "
-            + " and ".join(said) + f": {verdict}. Drafts that cost nothing would give "
+            + "; ".join(said) + f": at this one setting {verdict}. Drafts that cost nothing "
+            f"would give "
             + ", ".join(f"{m['bound_free']}x" for m in models)
             + " greedy (a round's verification alone against the plain tokens it makes).")
