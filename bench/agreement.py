@@ -132,13 +132,21 @@ TRAINED = {
     **{f"runs/agreement/any_depth_kvblock_euler4_s{s}": f"--config "
                                                         f"{SH}/ode_any_depth_nfe4.toml --set "
                                                         f"train.seed={s}" for s in SEEDS},
-    # the kv-block recipe told the time with Euler x 1 alone drafted, at a KL weight of 2 (for
-    # that draft's agreement), and the recipe with a step-size embedding (model.ode_dt_embedding:
-    # each solve's field told its dt)
-    "runs/agreement/any_depth_kvblock_time_x1w2_s1337": (
+    # the kv-block recipe told the time with Euler x 1 alone drafted: ode_any_depth_euler1.toml
+    # (KL weight 0.5; the same run config as ode_any_depth_kvblock.toml --set
+    # model.ode_time_embedding=sinusoidal --set 'train.any_depth.drafts=["euler:1"]' --set
+    # train.any_depth.draws=1, which trained these folders), and at KL weights 1 and 2 (for
+    # that draft's agreement); and the recipe with a step-size embedding
+    # (model.ode_dt_embedding: each solve's field told its dt)
+    **{f"runs/agreement/any_depth_kvblock_time_x1w0.5_s{s}": f"--config "
+                                                             f"{SH}/ode_any_depth_euler1.toml "
+                                                             f"--set train.seed={s}"
+       for s in SEEDS},
+    **{f"runs/agreement/any_depth_kvblock_time_x1w{w}_s1337": (
         f"--config {SH}/ode_any_depth_kvblock.toml --set model.ode_time_embedding=sinusoidal "
         f"--set train.seed=1337 --set 'train.any_depth.drafts=[\"euler:1\"]' --set "
-        f"train.any_depth.draws=1 --set train.any_depth.weight=2.0"),
+        f"train.any_depth.draws=1 --set train.any_depth.weight={w}")
+       for w in ("1.0", "2")},
     "runs/agreement/any_depth_kvblock_dt_s1337": (
         f"--config {SH}/ode_any_depth_kvblock.toml --set train.seed=1337 --set "
         f"model.ode_dt_embedding=true"),

@@ -239,6 +239,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         _train(f"{SH}/ode_any_depth_tuned.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_any_depth_kvblock.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_any_depth_nfe4.toml", [1337, 1, 2]),
+        _train(f"{SH}/ode_any_depth_euler1.toml", [1337, 1, 2]),
         _train(f"{SH}/ode_any_depth.toml", [1337], "--tag", "top1-0.5",
                "--set", "train.any_depth.top1_weight=0.5"),
         _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "bp1",

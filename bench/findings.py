@@ -537,6 +537,20 @@ def any_depth(results: dict) -> str | None:
                       f"{mid['fewer_evaluations']:.2f}x field evaluations at "
                       f"{mid['loss_change']} (the median of {len(tops)} seeds; target 2x; the "
                       f"coarse solve alone does as well, bench/exit_ladder.py)")
+    euler1 = ""
+    x1 = rows.get(("ode_any_depth-euler1", "euler:1"))
+    if x1 and ref:
+        euler1 = (f"; told the time, with Euler x 1 alone drafted (ode_any_depth_euler1.toml), "
+                  f"Euler x 1 agrees at {100 * x1['agreement']:.0f}% at "
+                  f"{100 * (x1['own_loss'] / ref['own_loss'] - 1):+.2f}% loss")
+        e1_seeds = speculative_models(results, "speculative_euler1",
+                                      "any_depth_kvblock_time_x1w0.5")
+        if e1_seeds:
+            target = results["speculative_euler1"].get("target_speedup", 2.5)
+            gx, sx = (median_seed(e1_seeds, d)[0] for d in ("greedy", "sampled"))
+            euler1 += (f" and self-speculative decoding runs at {gx:.2f}x greedy and {sx:.2f}x "
+                       f"sampled (medians of {len(e1_seeds)} seeds, each fastest row re-timed; "
+                       f"target {target}x: {'met' if min(gx, sx) >= target else 'missed'})")
     nfe4 = ""
     e4, fixed = (rows.get(("ode_any_depth-kvblock-euler4-lr5e-3", "euler:4")),
                  rows.get(("ode_euler-lr5e-3", "euler:4")))
@@ -559,7 +573,7 @@ def any_depth(results: dict) -> str | None:
             f"alone{rk4}, for {b1['own_loss'] - a1['own_loss']:+.4f} in the own solve's "
             f"validation loss (Tiny Shakespeare; {b1['seeds']} seeds of the recipe against "
             f"{a1['seeds']} of the model trained alone){tuned_text}"
-            f"{ladder + spec if kv_seeds else spec + ladder}{nfe4} (2 CPU "
+            f"{ladder + spec if kv_seeds else spec + ladder}{euler1}{nfe4} (2 CPU "
             f"cores). "
             f"[Any depth]({PAGE}#one-model-trained-to-be-turned)")
 

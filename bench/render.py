@@ -937,7 +937,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                              tables="\n\n".join(tables)))
         if key == "agreement" and results.get("speculative_kvblock"):
             spec = results["speculative_kvblock"]
-            specs = [x for x in (spec, results.get("speculative_kvblock_compiled")) if x]
+            specs = [x for x in (spec, results.get("speculative_kvblock_compiled"),
+                                 results.get("speculative_euler1"),
+                                 results.get("speculative_kvblock_x1w2")) if x]
             tables = model_tables(*specs)
             notes += page.fill("results/agreement.kvblock", command=spec["command"],
                                setup=spec["setup"], table=speculative_table(spec),
