@@ -43,7 +43,11 @@ def decode(decoder, prompts, n, draft=None, sampled=False):
               else dict(greedy=True))
         stream = decoder.stream(p, n, draft=draft, **kw)
         outs.append([int(t) for t in stream])
-        rounds += stream.stats.rounds if draft is not None else 0
+        if draft is not None:
+            rounds += stream.stats.rounds
+            want = "lean step" if draft.lean else "decoding pass (Draft(lean=False))"
+            if stream.stats.drafted_by != want:  # never a row timed under the wrong label
+                raise SystemExit(f"drafts by {stream.stats.drafted_by!r}, not {want!r}.")
     return outs, time.perf_counter() - t0, rounds
 
 
@@ -78,11 +82,13 @@ def pass_costs(model, prompt: torch.Tensor) -> dict:
 
     def by_pass():
         with solves.drafting():
-            model.lm_head(model.hidden_states(torch.tensor([[5]]), draft_state)[:, -1])
+            model.lm_head(model.hidden_states(torch.tensor([[5]], device=prompt.device),
+                                              draft_state)[:, -1])
         draft_state.crop(at)
 
     def own(T):
-        model.lm_head(model.hidden_states(torch.full((1, T), 5), own_state))
+        model.lm_head(model.hidden_states(torch.full((1, T), 5, device=prompt.device),
+                                          own_state))
         own_state.crop(at)
 
     times: dict[str, list[float]] = {"lean_draft_ms": [], "pass_draft_ms": [], "plain_ms": [],

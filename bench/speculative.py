@@ -63,19 +63,19 @@ def trained(run: str, n_prompts: int, prompt_len: int) -> tuple[LanguageModel, l
 class FieldClock:
     """Wall time spent inside the ODE blocks' vector-field evaluations, or a discrete stack's
     layers (eager decoding), to tell what share of a token's time is outside them: embedding,
-    head, sampling, the solver's combinations, cache bookkeeping, Python. Each field module's
-    (or layer's) forward is wrapped, and so is the lean draft step's field evaluation
-    (decoding/lean_draft.py, which does not call the field module); not hooks, which would
-    turn the lean step down (it refuses a field whose hooks it would skip)."""
+    head, sampling, the solver's combinations, cache bookkeeping, Python. The field's (or
+    layer's) class ``forward`` is wrapped while the clock runs, and so is the lean draft step's
+    field evaluation (decoding/lean_draft.py, which does not call the field module): not hooks
+    or an instance's replaced forward, which the lean step refuses (it would skip them)."""
 
     def __init__(self, model) -> None:
         self.seconds = 0.0
-        self.units = ([b.field for b in model.depth.blocks] if hasattr(model.depth, "blocks")
-                      else list(model.depth.layers))
-        for unit in self.units:
-            unit.forward = self._timed(unit.forward)
-        self._lean_field = LeanDraft._field
-        LeanDraft._field = self._timed(self._lean_field)
+        units = ([b.field for b in model.depth.blocks] if hasattr(model.depth, "blocks")
+                 else list(model.depth.layers))
+        self.patched = [(cls, "forward", cls.forward) for cls in dict.fromkeys(map(type, units))]
+        self.patched.append((LeanDraft, "_field", LeanDraft._field))
+        for cls, name, fn in self.patched:
+            setattr(cls, name, self._timed(fn))
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
@@ -87,9 +87,8 @@ class FieldClock:
         return timed
 
     def remove(self) -> None:
-        for unit in self.units:
-            del unit.forward  # the class's forward again
-        LeanDraft._field = self._lean_field
+        for cls, name, fn in self.patched:
+            setattr(cls, name, fn)
 
 
 def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
@@ -110,6 +109,7 @@ def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
         made += len(out)
         for key in stats:
             stats[key] += getattr(getattr(stream, "stats", None), key, 0)
+        stats["drafted_by"] = getattr(getattr(stream, "stats", None), "drafted_by", None)
     if clock is not None:
         stats["outside_field"] = round(1 - (clock.seconds - inside) / total, 3)
     return outs, made / total, stats
@@ -142,21 +142,25 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0
         # the field's share of the time, eager only (hooks would break a compiled graph);
         # timing each evaluation costs about a microsecond against tens to hundreds
         clock = FieldClock(model) if mode == "eager" else None
-        for sampled in (False, True):
-            seed = 0 if sampled else None
-            for solver, steps in drafts:
-                for k in TOKENS:
-                    plain, plain_tps, p = decode(decoder, prompts, n, seed=seed, clock=clock)
-                    out, tps, s = decode(decoder, prompts, n, _draft(solver, steps, k),
-                                         seed=seed, clock=clock)
-                    rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
-                                     plain_tps, out, plain))
-                    if clock is not None:
-                        rows[-1]["outside_field"] = s["outside_field"]
-                        rows[-1]["plain_outside_field"] = p["outside_field"]
-                    print(rows[-1], flush=True)
-        if clock is not None:
-            clock.remove()
+        try:
+            for sampled in (False, True):
+                seed = 0 if sampled else None
+                for solver, steps in drafts:
+                    for k in TOKENS:
+                        plain, plain_tps, p = decode(decoder, prompts, n, seed=seed,
+                                                     clock=clock)
+                        out, tps, s = decode(decoder, prompts, n, _draft(solver, steps, k),
+                                             seed=seed, clock=clock)
+                        rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
+                                         plain_tps, out, plain))
+                        rows[-1]["drafted_by"] = s["drafted_by"]
+                        if clock is not None:
+                            rows[-1]["outside_field"] = s["outside_field"]
+                            rows[-1]["plain_outside_field"] = p["outside_field"]
+                        print(rows[-1], flush=True)
+        finally:
+            if clock is not None:
+                clock.remove()
         if mode == "compiled" and decoder.compile_refused:
             raise SystemExit(f"torch.compile refused: {decoder.compile_refused}")
         for sampled in (False, True) if confirm else ():

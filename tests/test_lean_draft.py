@@ -30,8 +30,16 @@ CASES = {
 
 
 def _model(opts: dict):
-    return small_model(depth="ode", field=opts.pop("field", "sequential"), ode_solver="rk4",
-                       ode_steps=4, **opts).double()
+    model = small_model(depth="ode", field=opts.pop("field", "sequential"), ode_solver="rk4",
+                        ode_steps=4, **opts).double()
+    # the time and step-size embeddings start at zero (they add nothing until trained): made
+    # to matter, so that a wrong time or step size shows
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".time." in name or ".step_size." in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
 
 
 def _library(model, solves, state, tokens: list[int]) -> torch.Tensor:
@@ -44,7 +52,8 @@ def _library(model, solves, state, tokens: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def test_lean_step_equals_the_decoding_pass(case):
     """Float64: a 6-token prompt, 5 tokens one at a time, a cut back by 3, then 2 tokens at
-    once and one more; the draft solve's logits by the lean step and by the decoding pass."""
+    once and 10 more one at a time (past the caches' first capacity, 16); the draft solve's
+    logits by the lean step and by the decoding pass."""
     opts, (solver, steps) = CASES[case]
     model = _model(dict(opts))
     solves = _Solves(model, solver, steps)
@@ -52,7 +61,7 @@ def test_lean_step_equals_the_decoding_pass(case):
     lean, state = LeanDraft(model, solves.draft[1]), model.init_state(1, rewind=8)
     assert lean.nfe == model.config.num_layers * steps * solves.draft[1][0][0].evals_per_step
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 37, (14,), generator=g).tolist()
+    ids = torch.randint(0, 37, (23,), generator=g).tolist()
     chunks = [ids[:6]] + [[t] for t in ids[6:11]]
     for chunk in chunks:
         torch.testing.assert_close(lean.logits(chunk), _library(model, solves, state, chunk),
@@ -60,7 +69,11 @@ def test_lean_step_equals_the_decoding_pass(case):
     lean.crop(8)
     state.crop(8)
     assert lean.pos == state.pos == 8
-    for chunk in (ids[11:13], ids[13:14]):
+    # the time and step-size embeddings, where there are, move the logits (not vacuous)
+    if opts.get("ode_time_embedding") or opts.get("ode_dt_embedding"):
+        assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if ".time." in n
+                   or ".step_size." in n)
+    for chunk in [ids[11:13]] + [[t] for t in ids[13:23]]:
         torch.testing.assert_close(lean.logits(chunk), _library(model, solves, state, chunk),
                                    atol=1e-10, rtol=0)
     # the solve the model decodes with is back after drafting (the lean step moves no weights)
@@ -94,14 +107,28 @@ def test_refusals_name_the_reason():
         assert "inference" in refusal(model, blocks)
         model.eval()
         field = model.depth.blocks[0].field
-        for module in (field, field.mixer, field.mixer.qkv):  # hooks the step would skip
+        for module in (field, field.mixer.qkv):  # hooks the step would skip
             hook = module.register_forward_hook(lambda *a: None)
             assert "hooks" in refusal(model, blocks)
             hook.remove()
         hook = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
         assert "global module hook" in refusal(model, blocks)
         hook.remove()
+        for module in (model.depth.blocks[1], model.tok_emb):  # modules the step never calls
+            hook = module.register_forward_pre_hook(lambda *a: None)
+            assert "hooks" in refusal(model, blocks)
+            hook.remove()
+        field.forward = field.forward  # an instance's replaced forward (e.g. an offload hook)
+        assert "replaced forward" in refusal(model, blocks)
+        del field.forward
         assert refusal(model, blocks) is None
+
+        class OwnStep(type(blocks[0][0])):
+            def step(self, f, t, h, dt):
+                return h
+
+        odd = [(OwnStep(model.config, blocks[0][0].tableau), cfg) for _, cfg in blocks]
+        assert "not a fixed-grid tableau" in refusal(model, odd)
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -109,13 +136,18 @@ def test_speculative_decoding_through_it_keeps_the_tokens(lean):
     """Greedy and sampled (one seed: the drafts may round differently from the decoding
     pass's, so only greedy tokens are compared across the two ways), and the stream says how
     its drafts were made."""
-    model = small_model(depth="ode", ode_solver="rk4", ode_steps=4, ode_kv="block")
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=4, ode_kv="block").double()
     prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(2))
     plain = model.generate(prompt, 40, greedy=True)
     stream = model.generate_stream(prompt, 40, greedy=True,
                                    draft=Draft("euler", 1, tokens=5, lean=lean))
     got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
     assert got.tolist() == plain.tolist()
+    # the same drafts either way (float64): the rounds keep what the decoding pass's keep
+    other = model.generate_stream(prompt, 40, greedy=True,
+                                  draft=Draft("euler", 1, tokens=5, lean=not lean))
+    list(other)
+    assert stream.stats.kept_per_round == other.stats.kept_per_round
     assert stream.stats.drafted_by == ("lean step" if lean else
                                        "decoding pass (Draft(lean=False))")
     assert stream.stats.drafted_by in stream.stats.report()
