@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from common import machine, markdown_table, write_json
-from speculative import SAMPLING, TARGET, trained
+from speculative import TARGET, decode, trained
 
 from continuumlm import Draft
 from continuumlm.decoding import Decoder
@@ -34,21 +34,15 @@ from continuumlm.decoding.speculative import _Solves
 K = 8  # drafts per verification: bench/speculative.py's fastest eager greedy row
 
 
-def decode(decoder, prompts, n, draft=None, sampled=False):
-    """(outputs, seconds, verifications) over every prompt."""
-    outs, rounds = [], 0
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        kw = (dict(generator=torch.Generator().manual_seed(i), **SAMPLING) if sampled
-              else dict(greedy=True))
-        stream = decoder.stream(p, n, draft=draft, **kw)
-        outs.append([int(t) for t in stream])
-        if draft is not None:
-            rounds += stream.stats.rounds
-            want = "lean step" if draft.lean else "decoding pass (Draft(lean=False))"
-            if stream.stats.drafted_by != want:  # never a row timed under the wrong label
-                raise SystemExit(f"drafts by {stream.stats.drafted_by!r}, not {want!r}.")
-    return outs, time.perf_counter() - t0, rounds
+def timed(decoder, prompts, n, draft=None, sampled=False):
+    """(outputs, tokens/s, verifications) over every prompt (bench/speculative.py's decode,
+    sampled with one seed per prompt), refusing a row whose drafts were not made as labelled."""
+    outs, tps, stats = decode(decoder, prompts, n, draft, seed=0 if sampled else None)
+    if draft is not None:
+        want = "lean step" if draft.lean else "decoding pass (Draft(lean=False))"
+        if stats["drafted_by"] != want:  # never a row timed under the wrong label
+            raise SystemExit(f"drafts by {stats['drafted_by']!r}, not {want!r}.")
+    return outs, tps, stats["rounds"]
 
 
 def best_ms(fn, inner: int, reps: int = 7) -> float:
@@ -105,20 +99,20 @@ def measure(run: str, n_prompts: int, prompt_len: int, repeats: int) -> dict:
     model, prompts = trained(run, n_prompts, prompt_len)
     n = model.config.max_seq_len - prompt_len + 1
     decoder = Decoder(model)
-    decode(decoder, prompts[:1], 8)  # warm-up
+    timed(decoder, prompts[:1], 8)  # warm-up
     speed: dict[str, list[float]] = {}
     per_round: dict[str, float] = {}
     for _ in range(repeats):
         for sampled in (False, True):
             how = "sampled" if sampled else "greedy"
-            plain, t_plain, _ = decode(decoder, prompts, n, sampled=sampled)
+            plain, plain_tps, _ = timed(decoder, prompts, n, sampled=sampled)
             for by, lean in (("pass", False), ("lean", True)):
-                out, t, rounds = decode(decoder, prompts, n, Draft("euler", 1, K, lean=lean),
-                                        sampled)
+                out, tps, rounds = timed(decoder, prompts, n, Draft("euler", 1, K, lean=lean),
+                                         sampled)
                 if not sampled and out != plain:
                     raise SystemExit(f"{run}: greedy tokens with drafts by the {by} differ "
                                      f"from plain decoding's.")
-                speed.setdefault(f"{how}_{by}", []).append(t_plain / t)
+                speed.setdefault(f"{how}_{by}", []).append(tps / plain_tps)
                 per_round[f"{how}_{by}"] = round(sum(map(len, out)) / rounds, 2)
     costs = pass_costs(model, prompts[0])
     plain_ms, verify = costs["plain_ms"], costs["verify_ms"]

@@ -107,7 +107,7 @@ def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
         total += time.perf_counter() - t0
         outs.append(out)
         made += len(out)
-        for key in stats:
+        for key in ("rounds", "drafted", "accepted", "tokens", "nfe"):
             stats[key] += getattr(getattr(stream, "stats", None), key, 0)
         stats["drafted_by"] = getattr(getattr(stream, "stats", None), "drafted_by", None)
     if clock is not None:
