@@ -751,3 +751,33 @@ def test_pass_costs_time_each_pass_of_a_round():
     costs = speculative.pass_costs(stack, prompt, [("layers", 1)], ks=(2,), reps=1, inner=2)
     assert set(costs["draft_ms"]) == {"first 1 layers"}
     assert list(stack.depth.layers) == layers
+    assert costs.get("draft_by") is None  # a discrete stack drafts with its layers
+
+
+def test_decode_sums_every_prompt_and_says_how_it_drafted():
+    """bench/speculative.py decode over two prompts, with the field clock on: the counts are
+    the streams' summed, the drafts went through the lean step (the clock wraps class forwards,
+    which the lean step does not refuse), the clock timed some field time, and its wrapping is
+    gone after remove()."""
+    import speculative
+
+    from continuumlm import Draft
+    from continuumlm.decoding import Decoder
+    from continuumlm.decoding.lean_draft import LeanDraft
+    from continuumlm.testing import small_model
+
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1).eval()
+    prompts = [torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(i))
+               for i in range(2)]
+    field_forward, lean_field = type(model.depth.blocks[0].field).forward, LeanDraft._field
+    clock = speculative.FieldClock(model)
+    try:
+        outs, tps, stats = speculative.decode(Decoder(model), prompts, 12,
+                                              Draft("euler", 1, 3), clock=clock)
+    finally:
+        clock.remove()
+    assert [len(o) for o in outs] == [12, 12] and tps > 0
+    assert stats["tokens"] == 24 and stats["rounds"] >= 2 and stats["drafted"] >= 2
+    assert stats["drafted_by"] == "lean step" and 0 < stats["outside_field"] < 1
+    assert type(model.depth.blocks[0].field).forward is field_forward
+    assert LeanDraft._field is lean_field
