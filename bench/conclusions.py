@@ -792,14 +792,14 @@ def layer_skip(r: dict, results: dict) -> str | None:
     trained = findings.speculative_models(results, "speculative_layerskip", "layerskip")
     if trained:
         target = 1.5
-        said, top = [], 0.0
+        said, low = [], float("inf")
         for d in ("greedy", "sampled"):
             speedup, lo, hi, best = findings.median_seed(trained, d)
-            top = max(top, speedup)
+            low = min(low, speedup)  # the target asks it of both decodings
             said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
                         f"seed's {best['draft']}, k {best['k']}, "
                         f"{100 * best['acceptance']:.0f}% kept)")
-        verdict = "met" if top >= target else "missed"
+        verdict = "met" if low >= target else "missed"
         text += (f" Drafting with its first layers then runs at {' and '.join(said)} plain "
                  f"cached decoding, the median of {len(trained)} seeds (target {target}x: "
                  f"{verdict})")
@@ -845,7 +845,10 @@ def layer_skip(r: dict, results: dict) -> str | None:
                  f"{100 * one['agreement_min']:.0f}%) at {one['own_loss']:.4f} for the whole "
                  f"stack ({100 * (one['own_loss'] / base['own_loss'] - 1):+.1f}% against the "
                  f"baby GPT trained without it), and drafting to {' and '.join(said)}"
-                 + (f", the median of {len(at1)} seeds (target 1.5x: "
+                 + (f", the median of {len(at1)} seeds"
+                    + (", each seed's fastest row re-timed"
+                       if all(len(m.get("confirmed") or {}) >= 2 for m in at1) else "")
+                    + f" (target 1.5x for both: "
                     f"{'met' if top >= 1.5 else 'missed'}; greedy text from these small "
                     f"models repeats itself ({distinct[0]}-{distinct[-1]} distinct characters "
                     f"in each seed's plain greedy output), which drafts predict well, so the "
