@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 from common import machine, markdown_table, write_json
-from speculative import TARGET, decode, trained
+from speculative import TARGET, decode, lean_ms, trained
 
 from continuumlm import Draft
 from continuumlm.decoding import Decoder
-from continuumlm.decoding.lean_draft import LeanDraft
 from continuumlm.decoding.speculative import _Solves
 
 K = 8  # drafts per verification: bench/speculative.py's fastest eager greedy row
@@ -61,18 +60,13 @@ def pass_costs(model, prompt: torch.Tensor) -> dict:
     and by the decoding pass (Euler x 1), a plain token (the own solve) and a verification of
     k + 1 tokens, each the fastest of interleaved repeats."""
     solves = _Solves(model, "euler", 1)
-    lean, draft_state = LeanDraft(model, solves.draft[1]), model.init_state(1)
+    draft_state = model.init_state(1)
     own_state = model.init_state(1)
     ids = prompt[0].tolist()
-    lean.logits(ids)
     with solves.drafting():
         model.hidden_states(prompt, draft_state)
     model.hidden_states(prompt, own_state)
     at = len(ids)
-
-    def by_lean():
-        lean.logits([5])
-        lean.crop(at)
 
     def by_pass():
         with solves.drafting():
@@ -88,7 +82,7 @@ def pass_costs(model, prompt: torch.Tensor) -> dict:
     times: dict[str, list[float]] = {"lean_draft_ms": [], "pass_draft_ms": [], "plain_ms": [],
                                      "verify_ms": []}
     for _ in range(3):  # interleaved: a slow stretch of the machine hits each alike
-        times["lean_draft_ms"].append(best_ms(by_lean, 50))
+        times["lean_draft_ms"].append(lean_ms(model, prompt, solves, reps=7, inner=50))
         times["pass_draft_ms"].append(best_ms(by_pass, 50))
         times["plain_ms"].append(best_ms(lambda: own(1), 10))
         times["verify_ms"].append(best_ms(lambda: own(K + 1), 10))
