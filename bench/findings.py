@@ -328,7 +328,7 @@ def speculative_bound(m: dict, target: float) -> str | None:
     if not costs:
         return None
     rows = [x for x in m["rows"] if x.get("mode", "eager") == "eager"
-            and x["decoding"] == "greedy" and x["k"] != "auto"
+            and x["decoding"] == "greedy" and x["k"] != "auto" and not x.get("confidence")
             and x["draft"] in costs["draft_ms"] and str(x["k"]) in costs["verify_ms"]]
     if not rows:
         return None

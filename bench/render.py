@@ -715,6 +715,8 @@ def speculative_table(r: dict) -> str:
     return markdown_table(rows, [
         ("model", "model"), *([("mode", "mode")] if with_modes else []),
         ("decoding", "decoding"), ("draft", "draft solve"), ("k", "k"),
+        *([("confidence", "stops below")] if any(row.get("confidence") for row in rows)
+          else []),
         ("acceptance", "drafts kept"), ("tokens_per_verification", "tokens per verification"),
         ("nfe_per_token", "field evaluations per token"),
         ("plain_nfe_per_token", "... plain"), ("tok_s", "tokens/s"),

@@ -115,9 +115,9 @@ def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
     return outs, made / total, stats
 
 
-def measure(model, prompts, n, drafts, modes, confirm: int = 0
-            ) -> tuple[list[dict], int, dict]:
-    """Every (decoding, draft solve, k) row for one model, eager and/or compiled, the
+def measure(model, prompts, n, drafts, modes, confirm: int = 0, tokens=TOKENS,
+            confidences=(None,)) -> tuple[list[dict], int, dict]:
+    """Every (decoding, draft solve, k, confidence) row for one model, eager and/or compiled, the
     distinct tokens of its plain greedy output, and (``confirm`` > 0) each mode and
     decoding's fastest row timed again ``confirm`` times against plain decoding beside it
     (:func:`confirmed`)."""
@@ -136,7 +136,8 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0
         # timed in the rows
         decoder = eager if mode == "eager" else Decoder(model, compile=True)
         if mode == "compiled":
-            for draft in [None] + [_draft(s, n_, k) for s, n_ in drafts for k in TOKENS]:
+            for draft in [None] + [_draft(s, n_, k, c) for s, n_ in drafts for k in tokens
+                                   for c in confidences]:
                 for seed in (None, 0):
                     decode(decoder, prompts[:1], min(n, 24), draft, seed)
         # the field's share of the time, eager only (hooks would break a compiled graph);
@@ -145,19 +146,21 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0
         try:
             for sampled in (False, True):
                 seed = 0 if sampled else None
-                for solver, steps in drafts:
-                    for k in TOKENS:
-                        plain, plain_tps, p = decode(decoder, prompts, n, seed=seed,
-                                                     clock=clock)
-                        out, tps, s = decode(decoder, prompts, n, _draft(solver, steps, k),
-                                             seed=seed, clock=clock)
-                        rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
-                                         plain_tps, out, plain))
-                        rows[-1]["drafted_by"] = s["drafted_by"]
-                        if clock is not None:
-                            rows[-1]["outside_field"] = s["outside_field"]
-                            rows[-1]["plain_outside_field"] = p["outside_field"]
-                        print(rows[-1], flush=True)
+                for solver, steps, k, c in ((s_, n_, k, c) for s_, n_ in drafts
+                                            for k in tokens for c in confidences):
+                    plain, plain_tps, p = decode(decoder, prompts, n, seed=seed,
+                                                 clock=clock)
+                    out, tps, s = decode(decoder, prompts, n, _draft(solver, steps, k, c),
+                                         seed=seed, clock=clock)
+                    rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
+                                     plain_tps, out, plain))
+                    if c is not None:
+                        rows[-1]["confidence"] = c
+                    rows[-1]["drafted_by"] = s["drafted_by"]
+                    if clock is not None:
+                        rows[-1]["outside_field"] = s["outside_field"]
+                        rows[-1]["plain_outside_field"] = p["outside_field"]
+                    print(rows[-1], flush=True)
         finally:
             if clock is not None:
                 clock.remove()
@@ -183,12 +186,14 @@ def confirmed(decoder, prompts, n, row: dict, sampled: bool, times: int) -> dict
         steps = int(steps)
     seed = 0 if sampled else None
     ratios = []
+    draft = _draft(solver, steps, row["k"], row.get("confidence"))
     for _ in range(times):
         _, plain_tps, _ = decode(decoder, prompts, n, seed=seed)
-        _, tps, _ = decode(decoder, prompts, n, _draft(solver, steps, row["k"]), seed=seed)
+        _, tps, _ = decode(decoder, prompts, n, draft, seed=seed)
         ratios.append(round(tps / plain_tps, 3))
-    return {"draft": row["draft"], "k": row["k"], "speedup": round(statistics.median(ratios), 2),
-            "ratios": ratios}
+    return {"draft": row["draft"], "k": row["k"],
+            **({"confidence": row["confidence"]} if row.get("confidence") else {}),
+            "speedup": round(statistics.median(ratios), 2), "ratios": ratios}
 
 
 def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
@@ -254,9 +259,11 @@ def lean_ms(model, prompt, solves, reps: int, inner: int) -> float:
     return round(1e3 * best, 4)
 
 
-def _draft(solver: str, steps: int, k) -> Draft:
-    """A coarse solve's draft, or ("layers", n): a discrete stack's first n layers."""
-    return Draft(tokens=k, layers=steps) if solver == "layers" else Draft(solver, steps, k)
+def _draft(solver: str, steps: int, k, confidence: float | None = None) -> Draft:
+    """A coarse solve's draft, or ("layers", n): a discrete stack's first n layers; with
+    ``confidence``, a round stops drafting below it (Draft.confidence)."""
+    return (Draft(tokens=k, layers=steps, confidence=confidence) if solver == "layers"
+            else Draft(solver, steps, k, confidence=confidence))
 
 
 def _row(mode, sampled, solver, steps, k, s, full_nfe, tps, plain_tps, out, plain) -> dict:
@@ -282,6 +289,14 @@ COLUMNS = [("mode", "mode"), ("decoding", "decoding"), ("draft", "draft solve"),
            ("plain_outside_field", "... plain")]
 
 
+def columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """COLUMNS, with the confidence a round stops drafting below where a row has one."""
+    if not any(r.get("confidence") for r in rows):
+        return COLUMNS
+    at = [c[0] for c in COLUMNS].index("k") + 1
+    return COLUMNS[:at] + [("confidence", "stops below")] + COLUMNS[at:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", nargs="+", metavar="DIR",
@@ -299,6 +314,12 @@ def main() -> None:
                          "drafts and verification through compiled frozen steps; writes "
                          "speculative_compiled.json), against plain cached decoding of the "
                          "same mode")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                    help="drafted tokens per verification, the most per round (numbers, or "
+                         "auto), e.g. 4,8,16")
+    ap.add_argument("--confidence", default="none",
+                    help="confidences below which a round stops drafting (Draft.confidence), "
+                         "e.g. none,0.1: each k is timed with each")
     ap.add_argument("--confirm", type=int, default=0, metavar="N",
                     help="time each mode and decoding's fastest row N more times against "
                          "plain decoding beside it, and record the median ratio (picking the "
@@ -308,6 +329,8 @@ def main() -> None:
     args = ap.parse_args()
     modes = [args.mode]
     drafts = [(d.split("x")[0], int(d.split("x")[1])) for d in args.drafts.split(",")]
+    tokens = [k if k == "auto" else int(k) for k in args.tokens.split(",")]
+    confidences = [None if c == "none" else float(c) for c in args.confidence.split(",")]
     models = []
     for run in args.runs or [None]:
         if run:
@@ -332,8 +355,11 @@ def main() -> None:
             if not wanted:
                 raise SystemExit(f"{run}: a discrete model drafts with its first layers; "
                                  f"give --drafts layersxN")
-        rows, distinct, checks = measure(model, prompts, n, wanted, modes, args.confirm)
-        costs = pass_costs(model, prompts[0], wanted) if "eager" in modes else None
+        rows, distinct, checks = measure(model, prompts, n, wanted, modes, args.confirm,
+                                         tokens, confidences)
+        costs = (pass_costs(model, prompts[0], wanted,
+                            ks=tuple(k for k in tokens if k != "auto") or (2, 4, 8))
+                 if "eager" in modes else None)
         nfe = rows[0]["plain_nfe_per_token"]
         models.append({
             "name": name, "model": cfg.to_dict(), "distinct_new_tokens": distinct,
@@ -344,11 +370,11 @@ def main() -> None:
             "best": {f"{m} {d}": max((r for r in rows if r["decoding"] == d
                                       and r["mode"] == m), key=lambda r: r["speedup"])
                      for m in modes for d in ("greedy", "sampled")},
-            "rows": rows, "table": markdown_table(rows, COLUMNS),
+            "rows": rows, "table": markdown_table(rows, columns(rows)),
             **({"confirmed": checks} if checks else {}),
             **({"pass_costs": costs} if costs else {})})
     best = [{"model": m["name"], **row} for m in models for row in m["best"].values()]
-    table = markdown_table(best, [("model", "model")] + COLUMNS)
+    table = markdown_table(best, [("model", "model")] + columns(best))
     command = "python bench/speculative.py"
     if args.runs:
         command += " --runs " + " ".join(args.runs)
@@ -356,6 +382,8 @@ def main() -> None:
                                  ("--prompt-len", args.prompt_len, 64),
                                  ("--new-tokens", args.new_tokens, 512),
                                  ("--drafts", args.drafts, ap.get_default("drafts")),
+                                 ("--tokens", args.tokens, ap.get_default("tokens")),
+                                 ("--confidence", args.confidence, "none"),
                                  ("--mode", args.mode, "eager"),
                                  ("--confirm", args.confirm, 0),
                                  ("--out", args.out, None)):

@@ -156,7 +156,12 @@ def test_the_depth_is_chosen_per_request(srv):
     plain = srv.client.completions.create(model=NAME, prompt="the cat", max_tokens=20,
                                           temperature=0)
     assert drafted.choices[0].text == plain.choices[0].text
+    sure = srv.client.completions.create(
+        model=NAME, prompt="the cat", max_tokens=20, temperature=0,
+        extra_body={"draft": {"solver": "euler", "tokens": 6, "confidence": 0.3}})
+    assert sure.choices[0].text == plain.choices[0].text
     for extra, field in [({"ode_solver": "dopri5"}, "ode_solver"),
+                         ({"draft": {"solver": "euler", "confidence": 1.0}}, "draft"),
                          ({"ode_solver": "nope"}, "ode_solver"),
                          ({"exit_threshold": 0.1, "exit_criterion": "gate"}, "exit_criterion"),
                          ({"draft": {"layers": 1}}, "draft"),

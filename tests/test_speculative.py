@@ -212,6 +212,11 @@ def test_cli_draft_flags(tmp_path, tiny_corpus):
     assert "speculative:" in drafted.stderr and "field evaluations per token" in drafted.stderr
     r = run_cli(*base, "--draft-tokens", "0")
     assert r.returncode == 2 and "--draft-tokens" in r.stderr
+    sure = run_cli(*base, "--draft-tokens", "8", "--draft-confidence", "0.3")
+    assert sure.returncode == 0 and sure.stdout == plain.stdout, sure.stderr
+    for bad in ("0", "1", "nan", "x"):
+        r = run_cli(*base, "--draft-confidence", bad)
+        assert r.returncode == 2 and "--draft-confidence" in r.stderr, bad
     r = run_cli(*base, "--draft-layers", "1")  # an ODE model drafts with a coarser solve
     assert r.returncode == 2 and "not with fewer layers" in r.stderr
     sampled = run_cli("generate", "--checkpoint", tmp_path / "run", "--prompt", "the",
@@ -223,10 +228,12 @@ def test_cli_draft_flags(tmp_path, tiny_corpus):
 
 def reference_speculative_sampling(model, prompt: list[int], n: int, solver: str, steps: int,
                                    k: int, temperature: float = 1.0, top_k=None, top_p=None,
-                                   seed: int = 0, layers: int | None = None) -> list[int]:
+                                   seed: int = 0, layers: int | None = None,
+                                   confidence: float | None = None) -> list[int]:
     """Speculative sampling written out plainly: every distribution by a full forward of the
     whole sequence (no cache), the draft's by the model integrated with the draft solve; the
-    same random draws in the same order as the implementation documents."""
+    same random draws in the same order as the implementation documents. ``confidence``: a
+    round stops drafting after a draft its own distribution gives less than that."""
     from continuumlm.decoding import probabilities
 
     g = torch.Generator().manual_seed(seed)
@@ -265,6 +272,8 @@ def reference_speculative_sampling(model, prompt: list[int], n: int, solver: str
         for _ in range(k_now):
             qs.append(dist(seq + drafts, draft_solve))
             drafts.append(draw(qs[-1]))
+            if confidence is not None and float(qs[-1][drafts[-1]]) < confidence:
+                break
         new = None
         for i, x in enumerate(drafts):
             p = dist(seq + drafts[:i], full)
@@ -325,6 +334,49 @@ def test_speculative_sampling_draws_what_the_reference_draws(kw, mixer):
         assert got == want, (seed, k)
         accepted, drafted = accepted + stream.stats.accepted, drafted + stream.stats.drafted
     assert 0 < accepted < drafted  # drafts were kept and refused: both branches compared
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "deltanet"])
+def test_a_confidence_stop_draws_what_the_reference_draws(mixer):
+    """Draft(confidence=c): each round stops drafting after the first draft its own
+    distribution gives less than c; the tokens and the draws are the reference's with that
+    rule, and rounds end early (fewer drafts than k per round)."""
+    model = _sharp(ode(mixer, "rk4", 2).double())
+    prompt = [3, 1, 4, 1, 5]
+    for seed, k, c in ((0, 4, 0.3), (1, 6, 0.6)):
+        gen = torch.Generator().manual_seed(seed)
+        stream = model.generate_stream(torch.tensor([prompt]), 16, generator=gen,
+                                       temperature=0.9,
+                                       draft=Draft("euler", 1, tokens=k, confidence=c))
+        got = [int(t) for t in stream]
+        want = reference_speculative_sampling(model, prompt, 16, "euler", 1, k,
+                                              temperature=0.9, seed=seed, confidence=c)
+        assert got == want, (seed, k, c)
+        s = stream.stats
+        assert s.drafted < k * s.rounds  # the rule ended rounds before k drafts
+
+
+def test_a_confidence_stop_keeps_greedy_tokens_and_bounds_each_round():
+    """Greedy with Draft(confidence=c): the tokens are plain decoding's; with c near 1 every
+    round drafts one token (no draft is that sure), with c near 0 the rounds are those without
+    the rule; a confidence outside (0, 1) is refused by name."""
+    model = _noisy(ode("softmax", steps=4).double())
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(5))
+    plain = model.generate(prompt, 40, greedy=True)
+    stats = {}
+    for c in (None, 1e-12, 0.5, 1 - 1e-9):
+        stream = model.generate_stream(prompt, 40, greedy=True,
+                                       draft=Draft("euler", 2, tokens=6, confidence=c))
+        got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+        assert got.tolist() == plain.tolist(), c
+        stats[c] = stream.stats
+    sure = stats[1 - 1e-9]  # one draft a round (the last round, one token left, drafts none)
+    assert max(sure.kept_per_round) <= 2 and sure.rounds - 1 <= sure.drafted <= sure.rounds
+    assert stats[1e-12].kept_per_round == stats[None].kept_per_round
+    assert stats[None].drafted > stats[0.5].drafted > stats[1 - 1e-9].drafted
+    for bad in (0, 1, 1.5, -0.1, True, "0.5"):
+        with pytest.raises(ValueError, match="confidence"):
+            Draft("euler", 1, confidence=bad)
 
 
 def _chi_square_bound(df: int, z: float = 3.72) -> float:
@@ -427,6 +479,8 @@ def test_speculative_sampling_is_distributed_as_the_model():
 
     bound = _chi_square_bound(V ** n - 1)
     spec = counts(draft=Draft("euler", 1, tokens=2))
+    assert chi2(spec) < bound, (chi2(spec), bound)
+    spec = counts(draft=Draft("euler", 1, tokens=2, confidence=0.4))  # rounds cut short too
     assert chi2(spec) < bound, (chi2(spec), bound)
     model.set_solver("euler", 1)  # the draft's own distribution
     try:

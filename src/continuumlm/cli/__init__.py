@@ -17,6 +17,7 @@ from .common import (
     _exit_arguments,
     _int_list,
     _positive_int,
+    _probability,
     _seed,
     _threads,
 )
@@ -219,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-tokens", type=_draft_tokens, metavar="{N,auto}",
                    help="... proposing N tokens per verification, or auto: adapted to how "
                         "many were kept (default 4)")
+    g.add_argument("--draft-confidence", type=_probability, metavar="P",
+                   help="... a round stops drafting after the first draft the draft gives "
+                        "less than this probability, so --draft-tokens is the most per round "
+                        "(default: always --draft-tokens)")
     g.add_argument("--draft-layers", type=_positive_int, metavar="N",
                    help="self-speculative decoding of a discrete model: its first N layers "
                         "(through its own final norm and head) draft, all of them verify")

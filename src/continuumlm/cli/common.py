@@ -64,6 +64,17 @@ def _threshold(text: str) -> float:
     return v
 
 
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be a probability between 0 and 1, "
+                                         f"exclusive, e.g. 0.1")
+    return v
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]

@@ -87,12 +87,15 @@ class LeanDraft:
             dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps
             self.blocks.append(dict(
                 field=block.field, att=att, key=block.index, tab=solver.tableau, cfg=cfg,
-                wq=w[:C], bq=None if b is None else b[:C],
+                w=w, b=b, wq=w[:C], bq=None if b is None else b[:C],
                 wkv=w[C:], bkv=None if b is None else b[C:], dt=dt,
                 field_dt=dt / solver.tableau.stages if cfg.ode_dt_embedding_reads ==
                 "evaluation" else dt, times=grid(cfg.ode_t0, cfg.ode_t1, cfg.ode_steps)))
         self.nfe = sum(len(b["times"]) * b["tab"].stages for b in self.blocks)
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        # the time (and step-size) embeddings by (block, t, dtype): in inference they depend on
+        # nothing else while a stream runs, and a draft evaluates few distinct times
+        self._temb: dict[tuple, torch.Tensor | None] = {}
 
     def crop(self, length: int) -> None:
         self.pos = min(self.pos, length)
@@ -116,6 +119,15 @@ class LeanDraft:
         bufs[1][..., pos:pos + T, :] = v
         return bufs[0][..., :pos + T, :], bufs[1][..., :pos + T, :]
 
+    def _te(self, b: dict, t: float, like: torch.Tensor):
+        key = (b["key"], t, like.dtype)
+        if key not in self._temb:
+            self._temb[key] = b["field"].temb(t, like)
+        return self._temb[key]
+
+    def _mixer_input(self, b: dict, t: float, h: torch.Tensor) -> torch.Tensor:
+        return b["field"]._plus(b["field"].norm1(h), self._te(b, t, h))
+
     def _memory(self, b: dict, where: tuple, m: torch.Tensor) -> tuple:
         B, T, C = m.shape
         att = b["att"]
@@ -124,24 +136,31 @@ class LeanDraft:
         return self._write(where, att, k, v)
 
     def _field(self, b: dict, t: float, h: torch.Tensor, kv: tuple | None, where: tuple,
-               mask) -> torch.Tensor:
-        """The field at (t, h): kv, the memory it reads (ode_kv step or block), or None (the
-        evaluation's own keys and values, written to ``where``)."""
+               mask, m: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+        """(the field at (t, h), the keys and values it read): kv, the memory it reads (ode_kv
+        step or block), or None (the evaluation's own keys and values, written to ``where``);
+        ``m``: the memory's input when it is this evaluation's mixer input too (a step's first
+        stage), whose keys and values are then written to ``where`` with the queries in one
+        product."""
         f, att = b["field"], b["att"]
         B, T, C = h.shape
-        te = f.temb(t, h)
-        m = f._plus(f.norm1(h), te)
-        if kv is None:
-            kv = self._memory(b, where, m)
-        q = F.linear(m, b["wq"], b["bq"]).view(B, T, att.num_heads, att.head_dim)
-        q = q.transpose(1, 2)
+        te = self._te(b, t, h)
+        if kv is None or m is not None:
+            m = f._plus(f.norm1(h), te) if m is None else m
+            qkv = F.linear(m, b["w"], b["b"]).view(B, T, 3, att.num_heads, att.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            kv = self._write(where, att, k, v)
+        else:
+            m = f._plus(f.norm1(h), te)
+            q = F.linear(m, b["wq"], b["bq"]).view(B, T, att.num_heads, att.head_dim)
+            q = q.transpose(1, 2)
         if att.rope is not None:
             q = att.rope(q, self.pos)
         y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
         a = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
         if type(f) is SequentialField:
-            return a + f.mlp(f._plus(f.norm2(h + a), te))
-        return a + f.mlp(f._plus(f.norm2(h), te))
+            return a + f.mlp(f._plus(f.norm2(h + a), te)), kv
+        return a + f.mlp(f._plus(f.norm2(h), te)), kv
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """The draft's logits (V,) after ``tokens``, the tokens at positions pos.. (pos moves
@@ -162,16 +181,26 @@ class LeanDraft:
             if f.dt != b["field_dt"]:
                 f.dt = b["field_dt"]  # what a step-size embedding reads (as the solve sets it)
             kv = None
-            if cfg.ode_kv == "block":
-                kv = self._memory(b, (b["key"], "block"), f.mixer_input(cfg.ode_t0, x))
             for s, t in enumerate(b["times"]):
-                if cfg.ode_kv == "step":
-                    kv = self._memory(b, (b["key"], "step", s), f.mixer_input(t, x))
+                # a step's first stage reads the memory's input (ode_kv block: the first
+                # step's; step: every step's): one product makes its queries, keys and values
+                m, where = None, None
+                if cfg.ode_kv == "step" or (cfg.ode_kv == "block" and s == 0):
+                    where = (b["key"], "step", s) if cfg.ode_kv == "step" else (b["key"],
+                                                                                "block")
+                    m = self._mixer_input(b, t, x)
+                    if tab.c[0] != 0.0:  # a tableau whose first stage is not at the step's t
+                        kv, m = self._memory(b, where, m), None
                 ks: list[torch.Tensor] = []
                 for i in range(tab.stages):
                     hi = combine(x, dt, tab.a[i], ks) if i else x
-                    ks.append(self._field(b, t + tab.c[i] * dt, hi, kv,
-                                          (b["key"], s * tab.stages + i), mask))
+                    first = i == 0 and m is not None
+                    k_i, read = self._field(b, t + tab.c[i] * dt, hi, kv,
+                                            where if first else (b["key"], s * tab.stages + i),
+                                            mask, m if first else None)
+                    ks.append(k_i)
+                    if first:
+                        kv = read  # the memory the step's later stages read
                 x = combine(x, dt, tab.b, ks)
         self.pos += T
         return model.lm_head(model.norm_f(x[:, -1]))[0]

@@ -57,7 +57,12 @@ class Draft:
     once); False: the verifier runs every layer over the drafted tokens again. ``lean``
     (ODE drafts, eager): the draft solve runs as :class:`.lean_draft.LeanDraft`'s step,
     written out op by op with caches of its own, where it covers the model (the stream's
-    stats say which, and why not); False: through the decoding pass always."""
+    stats say which, and why not); False: through the decoding pass always. ``confidence``
+    (a probability in (0, 1)): a round stops drafting after the first draft the draft itself
+    gives less than this probability (the softmax of its logits when greedy, its processed
+    distribution when sampling), so ``tokens`` becomes the most per round: drafts likely to be
+    refused are not paid for. Which drafts are proposed never changes what is decoded (the
+    drafting rule reads only the draft's own distributions, before the model's pass)."""
 
     solver: str = "euler"
     steps: int = 1
@@ -65,6 +70,7 @@ class Draft:
     layers: int | None = None
     reuse: bool = True
     lean: bool = True
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.tokens != AUTO and (isinstance(self.tokens, bool) or not isinstance(
@@ -77,6 +83,11 @@ class Draft:
                 self.layers, int) or self.layers < 1):
             raise ValueError(f"Draft(layers={self.layers!r}): give a positive number of "
                              f"layers.")
+        c = self.confidence
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not 0 < c < 1):
+            raise ValueError(f"Draft(confidence={c!r}): give a probability between 0 and 1 "
+                             f"(exclusive), below which a round stops drafting, or None.")
         for name in ("reuse", "lean"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Draft({name}={getattr(self, name)!r}): give True or False.")
@@ -408,7 +419,10 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
                     nxt, q = choose(row)
                     drafts.append(nxt)
                     qs.append(q)
-                    if len(drafts) == k_now:
+                    if len(drafts) == k_now or (
+                            draft.confidence is not None and
+                            float(torch.softmax(row, -1)[nxt] if q is None else q[nxt])
+                            < draft.confidence):
                         break
                     row = logits([nxt], side)[-1]
         before = main.pos

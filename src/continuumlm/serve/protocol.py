@@ -38,12 +38,14 @@ class _Body(BaseModel):
 
 class DraftSpec(_Body):
     """``draft``: self-speculative decoding of this request (ODE models: ``solver`` x
-    ``steps`` drafts ``tokens`` per verification; discrete models: the first ``layers``)."""
+    ``steps`` drafts ``tokens`` per verification; discrete models: the first ``layers``;
+    ``confidence``: a round stops drafting below it, as ``Draft.confidence``)."""
 
     solver: str = "euler"
     steps: int = Field(1, ge=1, le=1024)
     tokens: int | Literal["auto"] = 4
     layers: int | None = Field(None, ge=1)
+    confidence: float | None = Field(None, gt=0, lt=1)
 
 
 class StreamOptions(_Body):
@@ -245,8 +247,8 @@ def draft_of(model, body: CompletionBody, prompts: list[list[int]]):
     if why:
         raise APIError(400, f"'draft': {why}.", "draft")
     if model.config.depth == "ode":
-        return Draft(d.solver, d.steps, d.tokens)
-    return Draft(tokens=d.tokens, layers=d.layers)
+        return Draft(d.solver, d.steps, d.tokens, confidence=d.confidence)
+    return Draft(tokens=d.tokens, layers=d.layers, confidence=d.confidence)
 
 
 def sampling_of(body: CompletionBody) -> Sampling:
