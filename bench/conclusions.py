@@ -423,8 +423,8 @@ def speculative(r: dict, results: dict) -> str | None:
         speedups.append(max(gx, sx))
         parts.append(f"{m['name']} ({g['plain_nfe_per_token']} field evaluations per token, "
                      f"plain {plain:.0f} tokens/s): {gx:.2f}x greedy ({g['draft']} drafting "
-                     f"{g['k']}, {100 * g['acceptance']:.0f}% of drafts kept, the same tokens: "
-                     f"{g['same_tokens']}), {sx:.2f}x sampled ({s['draft']}, k {s['k']}, "
+                     f"{findings.k_of(g)}, {100 * g['acceptance']:.0f}% of drafts kept, the same tokens: "
+                     f"{g['same_tokens']}), {sx:.2f}x sampled ({s['draft']}, k {findings.k_of(s)}, "
                      f"{100 * s['acceptance']:.0f}% kept)")
     best = max(speedups)
     verdict = "met" if best >= target else f"missed (best {best:.2f}x)"
@@ -446,9 +446,9 @@ def speculative_compiled(r: dict) -> str:
         rates = [x["plain_tok_s"] for x in m["rows"] if x.get("mode") == "compiled"]
         parts.append(f"{m['name']} (plain compiled {plain:.0f} tokens/s, between "
                      f"{min(rates):.0f} and {max(rates):.0f} across the rows): {gx:.2f}x greedy "
-                     f"({g['draft']}, k {g['k']}, {100 * g['acceptance']:.0f}% kept, the same "
+                     f"({g['draft']}, k {findings.k_of(g)}, {100 * g['acceptance']:.0f}% kept, the same "
                      f"tokens: {g['same_tokens']}), {sx:.2f}x sampled ({s['draft']}, k "
-                     f"{s['k']}, {100 * s['acceptance']:.0f}% kept)")
+                     f"{findings.k_of(s)}, {100 * s['acceptance']:.0f}% kept)")
     return (f"Compiled, the drafts run through the frozen one-token step and each "
             f"verification through a frozen step over the drafted block, against plain "
             f"compiled decoding: {'; '.join(parts)}. A compiled step's cost is mostly fixed "
@@ -797,7 +797,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
             speedup, lo, hi, best = findings.median_seed(trained, d)
             low = min(low, speedup)  # the target asks it of both decodings
             said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
-                        f"seed's {best['draft']}, k {best['k']}, "
+                        f"seed's {best['draft']}, k {findings.k_of(best)}, "
                         f"{100 * best['acceptance']:.0f}% kept)")
         verdict = "met" if low >= target else "missed"
         text += (f" Drafting with its first layers then runs at {' and '.join(said)} plain "
@@ -832,7 +832,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
             speedup, lo, hi, best = findings.median_seed(at1, d)
             said.append(f"{speedup:.2f}x {d}" + (f" ({lo:.2f}-{hi:.2f}x over the seeds; the "
                                                    f"median seed's {best['draft']}, k "
-                                                   f"{best['k']}, "
+                                                   f"{findings.k_of(best)}, "
                                                    f"{100 * best['acceptance']:.0f}% kept)"
                                                    if len(at1) > 1 else ""))
         # met when both decodings reach it (findings.layer_skip reads it the same way)
@@ -860,7 +860,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
         text += (f" Twelve layers of the same width give the drafts more to stand in for but "
                  f"agree less per layer: the recipe's first 3 layers agree at "
                  f"{100 * deep['agreement']:.0f}%, and drafting runs at {speedup:.2f}x greedy "
-                 f"at best ({best['draft']}, k {best['k']}).")
+                 f"at best ({best['draft']}, k {findings.k_of(best)}).")
     return text
 
 
@@ -1010,7 +1010,7 @@ def kvblock_speculative(results: dict) -> str | None:
         speedup, lo, hi, best = findings.median_seed(seeds, d)
         low = min(low, speedup)  # the target asks it of both decodings
         said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
-                    f"seed's {best['draft']}, k {best['k']}, {100 * best['acceptance']:.0f}% "
+                    f"seed's {best['draft']}, k {findings.k_of(best)}, {100 * best['acceptance']:.0f}% "
                     f"kept, {best['tokens_per_verification']} tokens per verification)")
     again = [m["confirmed"] for m in seeds if "eager greedy" in (m.get("confirmed") or {})]
     how = (f", each seed's fastest row timed {len(again[0]['eager greedy']['ratios'])} more "
@@ -1032,9 +1032,9 @@ def kvblock_speculative(results: dict) -> str | None:
     for m in compiled:
         (g, gx, plain), (s, sx, _) = (findings.speculative_best(m, d, "compiled")
                                       for d in ("greedy", "sampled"))
-        parts.append(f"{m['name']}: {gx:.2f}x greedy ({g['draft']}, k {g['k']}, "
+        parts.append(f"{m['name']}: {gx:.2f}x greedy ({g['draft']}, k {findings.k_of(g)}, "
                      f"{100 * g['acceptance']:.0f}% kept, the same tokens: {g['same_tokens']}) "
-                     f"and {sx:.2f}x sampled ({s['draft']}, k {s['k']}, "
+                     f"and {sx:.2f}x sampled ({s['draft']}, k {findings.k_of(s)}, "
                      f"{100 * s['acceptance']:.0f}% kept) against plain compiled decoding "
                      f"({plain:.0f} tokens/s)")
     if parts:
@@ -1056,7 +1056,7 @@ def _euler1_speculative(results: dict, target: float) -> str:
         speedup, lo, hi, best = findings.median_seed(seeds, d)
         low = min(low, speedup)
         said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x; the median seed's "
-                    f"{best['draft']}, k {best['k']}, {100 * best['acceptance']:.0f}% kept)")
+                    f"{best['draft']}, k {findings.k_of(best)}, {100 * best['acceptance']:.0f}% kept)")
     retimed = all(all(f"eager {d}" in (m.get("confirmed") or {}) for d in ("greedy", "sampled"))
                   for m in seeds)
     return (f" On ode_any_depth_euler1.toml's {len(seeds)} seeds (the field told the time, "
@@ -1081,7 +1081,7 @@ def _speed_bought(results: dict, target: float) -> str:
     for d in ("greedy", "sampled"):
         best = findings.speculative_best(m, d)[0]
         said.append(f"{findings.confirmed_speedup(m, d):.2f}x {d} ({best['draft']}, k "
-                    f"{best['k']}, {100 * best['acceptance']:.0f}% kept)")
+                    f"{findings.k_of(best)}, {100 * best['acceptance']:.0f}% kept)")
     low = min(findings.confirmed_speedup(m, d) for d in ("greedy", "sampled"))
     return (f" What agreement would buy, measured (`{r['command']}`): the recipe told the time "
             f"with Euler x 1 alone drafted at KL weight 2 ({_seeds(agree['seeds'])}), whose "

@@ -346,6 +346,13 @@ def speculative_bound(m: dict, target: float) -> str | None:
             f"per verification ({asks}); it makes {best['tokens_per_verification']}")
 
 
+def k_of(row: dict) -> str:
+    """A bench/speculative.py row's drafts per round as the page says it: k, and the draft
+    confidence a round stops below where the row has one (Draft.confidence)."""
+    c = row.get("confidence")
+    return f"{row['k']}" + (f" stopping below {c}" if c else "")
+
+
 def speculative_models(results: dict, record: str, prefix: str) -> list[dict]:
     """The models of a bench/speculative.py record whose names start with ``prefix`` (one per
     seed of a run family)."""

@@ -1000,7 +1000,7 @@ def outside_field(spec: dict) -> str:
         for d in ("greedy", "sampled"):
             best = m["best"].get(f"eager {d}")
             if best and "outside_field" in best:
-                parts.append(f"{m['name']} {d} ({best['draft']}, k {best['k']}): "
+                parts.append(f"{m['name']} {d} ({best['draft']}, k {findings.k_of(best)}): "
                              f"{100 * best['outside_field']:.0f}% drafted, "
                              f"{100 * best['plain_outside_field']:.0f}% plain")
     if not parts:

@@ -110,6 +110,7 @@ def decode(decoder, prompts, n, draft=None, seed=None, clock=None):
         for key in ("rounds", "drafted", "accepted", "tokens", "nfe"):
             stats[key] += getattr(getattr(stream, "stats", None), key, 0)
         stats["drafted_by"] = getattr(getattr(stream, "stats", None), "drafted_by", None)
+        stats["verified_by"] = getattr(getattr(stream, "stats", None), "verified_by", None)
     if clock is not None:
         stats["outside_field"] = round(1 - (clock.seconds - inside) / total, 3)
     return outs, made / total, stats
@@ -157,6 +158,8 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0, tokens=TOKENS,
                     if c is not None:
                         rows[-1]["confidence"] = c
                     rows[-1]["drafted_by"] = s["drafted_by"]
+                    rows[-1]["verified_by"] = s["verified_by"]
+                    rows[-1]["plain_by"] = decoder.decoded_by
                     if clock is not None:
                         rows[-1]["outside_field"] = s["outside_field"]
                         rows[-1]["plain_outside_field"] = p["outside_field"]
@@ -185,15 +188,25 @@ def confirmed(decoder, prompts, n, row: dict, sampled: bool, times: int) -> dict
         solver, steps = row["draft"].split(" x ")
         steps = int(steps)
     seed = 0 if sampled else None
-    ratios = []
+    ratios, passes = [], []
     draft = _draft(solver, steps, row["k"], row.get("confidence"))
+    # plain decoding through the decoding pass too (Decoder(lean=False)): what plain
+    # decoding ran at before the lean step ran the model's own solve, for comparison
+    old = (Decoder(decoder.model, lean=False) if decoder.lean and not decoder.compile
+           else None)
     for _ in range(times):
         _, plain_tps, _ = decode(decoder, prompts, n, seed=seed)
         _, tps, _ = decode(decoder, prompts, n, draft, seed=seed)
         ratios.append(round(tps / plain_tps, 3))
+        if old is not None:
+            _, pass_tps, _ = decode(old, prompts, n, seed=seed)
+            passes.append(round(tps / pass_tps, 3))
     return {"draft": row["draft"], "k": row["k"],
             **({"confidence": row["confidence"]} if row.get("confidence") else {}),
-            "speedup": round(statistics.median(ratios), 2), "ratios": ratios}
+            "speedup": round(statistics.median(ratios), 2), "ratios": ratios,
+            **({"plain_by": decoder.decoded_by,
+                "against_pass": round(statistics.median(passes), 2),
+                "against_pass_ratios": passes} if passes else {})}
 
 
 def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:

@@ -169,3 +169,84 @@ def test_a_mixer_it_does_not_cover_drafts_through_the_decoding_pass():
 def test_draft_lean_must_be_a_bool():
     with pytest.raises(ValueError, match=r"Draft\(lean='yes'\)"):
         Draft(lean="yes")
+
+
+# ----------------------------------------------------- the model's own solve through it
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.inference_mode()
+def test_every_row_of_the_own_solve_equals_the_decoding_pass(case):
+    """Float64: the model's own solve (RK4 x 4) by the lean step, every row's logits
+    (``every=True``, what a verification reads), against the decoding pass's, over a prompt,
+    a cut back and a block of 5."""
+    from continuumlm.decoding.lean_draft import own_solve
+
+    model = _model(dict(CASES[case][0]))
+    assert refusal(model, own_solve(model)) is None
+    lean, state = LeanDraft(model, own_solve(model)), model.init_state(1, rewind=8)
+    ids = torch.randint(0, 37, (16,), generator=torch.Generator().manual_seed(4)).tolist()
+    for chunk, cut in ((ids[:7], 5), (ids[5:10], None)):
+        want = model.lm_head(model.hidden_states(torch.tensor([chunk]), state))[0]
+        torch.testing.assert_close(lean.logits(chunk, every=True), want, atol=1e-10, rtol=0)
+        if cut is not None:
+            lean.crop(cut)
+            state.crop(cut)
+
+
+@pytest.mark.parametrize("case", list(CASES)[:4])
+def test_plain_decoding_through_it_equals_the_decoding_pass(case):
+    """Float64: greedy tokens and sampled draws (one seed) are the decoding pass's; the
+    decoder says which way it decoded."""
+    from continuumlm.decoding import Decoder
+
+    model = _model(dict(CASES[case][0]))
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(2))
+    lean, old = Decoder(model), Decoder(model, lean=False)
+    for kw in (dict(greedy=True), dict(temperature=0.9, top_k=20)):
+        a = lean.generate(prompt, 20, generator=torch.Generator().manual_seed(1), **kw)
+        b = old.generate(prompt, 20, generator=torch.Generator().manual_seed(1), **kw)
+        assert a.tolist() == b.tolist(), kw
+    assert lean.decoded_by == "lean step"
+    assert old.decoded_by == "decoding pass (Decoder(lean=False))"
+
+
+def test_plain_decoding_says_why_it_did_not_use_it():
+    from continuumlm.decoding import Decoder
+
+    model = _model(dict())
+    dec = Decoder(model)
+    prompt = torch.randint(0, 37, (2, 4), generator=torch.Generator().manual_seed(2))
+    dec.generate(prompt, 3, greedy=True)
+    assert dec.decoded_by == "decoding pass (batch > 1)"
+    dec.generate(prompt[:1], 3, greedy=True, use_cache=False)
+    assert dec.decoded_by == "decoding pass (no cache)"
+    model.set_exit(1e9)  # per-token exit: the lean step does not exit
+    try:
+        dec.generate(prompt[:1], 3, greedy=True)
+        assert dec.decoded_by.startswith("decoding pass (the model exits per token")
+    finally:
+        model.set_exit(None)
+    discrete = small_model(num_layers=2)
+    d = Decoder(discrete)
+    d.generate(prompt[:1], 3, greedy=True)
+    assert d.decoded_by == "decoding pass (the model's depth is not ODE blocks)"
+    with pytest.raises(ValueError, match="lean"):
+        Decoder(model, lean="yes")
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_speculative_verification_through_it_keeps_the_tokens(lean):
+    """The prompt and every verification through the own solve's lean step (or not):
+    greedy, plain decoding's tokens; the stream says how it verified."""
+    from continuumlm.decoding import Decoder
+
+    model = _model(dict(ode_kv="block", position="learned"))
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(6))
+    plain = Decoder(model, lean=False).generate(prompt, 30, greedy=True)
+    dec = Decoder(model, lean=lean)
+    stream = dec.stream(prompt, 30, greedy=True, draft=Draft("euler", 1, tokens=4))
+    got = torch.cat([prompt] + [t[:, None] for t in stream], dim=1)
+    assert got.tolist() == plain.tolist()
+    assert stream.stats.verified_by == ("lean step" if lean else
+                                        "decoding pass (Decoder(lean=False))")
+    assert "verified by" in stream.stats.report()

@@ -47,11 +47,25 @@ class Decoder:
     the host every step), an adaptive solver or inference-tensor weights; ``True`` asks for
     it (refused, naming why, in those cases and on another device), ``False`` never; a
     :class:`.replay.Recorder` is used as given (tests record through the CPU emulation). If
-    CUDA refuses to record the step, the decoder warns once and decodes without replay."""
+    CUDA refuses to record the step, the decoder warns once and decodes without replay.
+
+    ``lean`` (eager, with the cache): the model's own solve runs as the lean step
+    (:class:`.lean_draft.LeanDraft`: the solve written out op by op, with caches of its own)
+    where it covers the model: batch 1 on the CPU, and the prompt and each verification of
+    self-speculative decoding. The same logits up to rounding (tests/test_lean_draft.py) at
+    about half the time per token on a small model, whose one-token pass is mostly dispatch
+    and Python. ``decoded_by`` says how the last plain stream ran ("lean step", or "decoding
+    pass" and why); a speculative stream's ``stats.verified_by`` the same. False: always
+    through the decoding pass."""
 
     def __init__(self, model, compile: bool | Compiled = False,
-                 cuda_graph: bool | Recorder | None = None, min_capacity: int = 64) -> None:
+                 cuda_graph: bool | Recorder | None = None, min_capacity: int = 64,
+                 lean: bool = True) -> None:
         self.model = model
+        if not isinstance(lean, bool):
+            raise ValueError(f"Decoder(lean={lean!r}): give True or False.")
+        self.lean = lean
+        self.decoded_by: str | None = None
         self.compile = compile
         self.cuda_graph = cuda_graph
         self.min_capacity = min_capacity
@@ -134,7 +148,8 @@ class Decoder:
             use_cache = False
         freeze = self._freezer(idx.device) if use_cache else None
         return token_stream(model, idx, max_new_tokens, temperature, top_k, top_p, greedy,
-                            use_cache, generator, eos_token_id, freeze, threads)
+                            use_cache, generator, eos_token_id, freeze, threads, self.lean,
+                            lambda how: setattr(self, "decoded_by", how))
 
     def _freezer(self, device: torch.device, block: bool = False):
         """``freeze(state) -> the frozen one-token step`` (``block``: the step over a block
@@ -199,5 +214,6 @@ class Decoder:
                      freeze, freeze_block):
         with streaming(self.model, threads):
             for t in speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
-                                        stats, how, freeze, freeze_block):
+                                        stats, how, freeze, freeze_block, self.lean):
                 yield plain(t)
+

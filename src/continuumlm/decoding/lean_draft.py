@@ -17,7 +17,8 @@ inference (no dropout, no gradient), one sequence. Its logits equal the decoding
 same solve up to rounding (the queries and the memory are two products where the decoding pass
 may make one; tests/test_lean_draft.py holds them within 1e-10 in float64 on each of these).
 It calls the field's norms and MLP, the output projection, the time embeddings, the final norm
-and the head as modules; the modules it does not call (the embeddings, the depth, the blocks,
+and the head: as the functional calls their forwards make where they are plain modules
+without hooks (bound once a stream starts), as modules otherwise; the modules it does not call (the embeddings, the depth, the blocks,
 the field, the fused projection) must carry no hooks and no replaced ``forward``, which it
 would skip. Drafts only propose:
 the model's own solve verifies every token, so a draft's rounding could change which drafts
@@ -33,15 +34,27 @@ from torch.nn.modules import module as _module
 
 from ..mixers.softmax import SoftmaxAttention
 from ..model.fields import ParallelField, SequentialField
+from ..nn import MLP
 from ..ode.solvers import FixedGridSolver, combine, grid
+
+
+def _plus(x: torch.Tensor, te) -> torch.Tensor:
+    return x if te is None else x + te
 
 
 def refusal(model, blocks) -> str | None:
     """Why :class:`LeanDraft` cannot draft for ``model`` with the draft solve ``blocks`` (per
     block: (solver, config), speculative._Solves' snapshot), in one phrase; None when it can."""
     cfg = model.config
+    if cfg.depth != "ode":
+        return "the model's depth is not ODE blocks"
     if model.training or torch.is_grad_enabled():
-        return "it drafts in inference alone (eval mode, no gradient)"
+        return "it runs in inference alone (eval mode, no gradient)"
+    depth = model.depth
+    if (getattr(depth, "exit", None) is not None or getattr(depth, "ladder", None) is not None
+            or getattr(depth, "extras", None) is not None
+            or getattr(depth, "record", None) is not None):
+        return "the model exits per token, records states or runs regularizers"
     if type(model.tok_emb) is not nn.Embedding or (
             model.pos_emb is not None and type(model.pos_emb) is not nn.Embedding):
         return "the embeddings are not plain nn.Embedding"
@@ -72,6 +85,37 @@ def refusal(model, blocks) -> str | None:
     return None
 
 
+def _direct(m: nn.Module):
+    """``m``'s forward as the functional call it makes, bound to its tensors (a module call's
+    dispatch and attribute look-ups cost about as much as a one-token product): for a plain
+    ``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm`` or :class:`~continuumlm.nn.MLP` of plain
+    linears, none with hooks or a replaced forward; any other module is returned as itself, to
+    be called as a module. Bound for one stream, whose weights do not change (inference)."""
+    if m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m):
+        return m
+    kind = type(m)
+    if kind is nn.Linear:
+        w, b = m.weight, m.bias
+        return lambda x: F.linear(x, w, b)
+    if kind is nn.LayerNorm:
+        shape, w, b, eps = m.normalized_shape, m.weight, m.bias, m.eps
+        return lambda x: F.layer_norm(x, shape, w, b, eps)
+    if kind is nn.RMSNorm:
+        shape, w, eps = m.normalized_shape, m.weight, m.eps
+        return lambda x: F.rms_norm(x, shape, w, eps)
+    if kind is MLP and not m.dropout.active():
+        fc, proj = _direct(m.fc), _direct(m.proj)
+        if fc is not m.fc and proj is not m.proj:
+            return lambda x: proj(F.gelu(fc(x)))
+    return m
+
+
+def own_solve(model) -> list[tuple]:
+    """The model's own solve per block, (solver, config), as :class:`LeanDraft` takes a
+    draft's: the lean step of the model's own solve (plain decoding, and verification)."""
+    return [(b.solver, b.cfg) for b in getattr(model.depth, "blocks", ())]
+
+
 class LeanDraft:
     """Tokens through ``model``'s blocks integrated with the draft solve ``blocks`` (see
     :func:`refusal`), each block's memory in buffers of its own; ``pos`` tokens so far.
@@ -79,14 +123,24 @@ class LeanDraft:
 
     def __init__(self, model, blocks):
         self.model, self.pos = model, 0
+        # what each token reads, bound once (module attribute look-ups cost microseconds)
+        self.emb = model.tok_emb.weight
+        self.pos_table = None if model.pos_emb is None else model.pos_emb.weight
+        self.max_len = model.config.max_seq_len
+        self.head = _direct(model.lm_head)
+        self.norm_f = _direct(model.norm_f)
         self.blocks = []
         for block, (solver, cfg) in zip(model.depth.blocks, blocks):
             att = block.field.mixer
             C = cfg.hidden_size
             w, b = att.qkv.weight, att.qkv.bias
             dt = (cfg.ode_t1 - cfg.ode_t0) / cfg.ode_steps
+            f = block.field
             self.blocks.append(dict(
-                field=block.field, att=att, key=block.index, tab=solver.tableau, cfg=cfg,
+                field=f, att=att, key=block.index, tab=solver.tableau, cfg=cfg,
+                norm1=_direct(f.norm1), norm2=_direct(f.norm2), mlp=_direct(f.mlp),
+                out=_direct(att.out_proj), sequential=type(f) is SequentialField,
+                heads=att.num_heads, head_dim=att.head_dim, rope=att.rope,
                 w=w, b=b, wq=w[:C], bq=None if b is None else b[:C],
                 wkv=w[C:], bkv=None if b is None else b[C:], dt=dt,
                 field_dt=dt / solver.tableau.stages if cfg.ode_dt_embedding_reads ==
@@ -126,14 +180,13 @@ class LeanDraft:
         return self._temb[key]
 
     def _mixer_input(self, b: dict, t: float, h: torch.Tensor) -> torch.Tensor:
-        return b["field"]._plus(b["field"].norm1(h), self._te(b, t, h))
+        return _plus(b["norm1"](h), self._te(b, t, h))
 
     def _memory(self, b: dict, where: tuple, m: torch.Tensor) -> tuple:
         B, T, C = m.shape
-        att = b["att"]
-        kv = F.linear(m, b["wkv"], b["bkv"]).view(B, T, 2, att.num_heads, att.head_dim)
+        kv = F.linear(m, b["wkv"], b["bkv"]).view(B, T, 2, b["heads"], b["head_dim"])
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
-        return self._write(where, att, k, v)
+        return self._write(where, b["att"], k, v)
 
     def _field(self, b: dict, t: float, h: torch.Tensor, kv: tuple | None, where: tuple,
                mask, m: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
@@ -142,37 +195,37 @@ class LeanDraft:
         ``m``: the memory's input when it is this evaluation's mixer input too (a step's first
         stage), whose keys and values are then written to ``where`` with the queries in one
         product."""
-        f, att = b["field"], b["att"]
         B, T, C = h.shape
         te = self._te(b, t, h)
         if kv is None or m is not None:
-            m = f._plus(f.norm1(h), te) if m is None else m
-            qkv = F.linear(m, b["w"], b["b"]).view(B, T, 3, att.num_heads, att.head_dim)
+            m = _plus(b["norm1"](h), te) if m is None else m
+            qkv = F.linear(m, b["w"], b["b"]).view(B, T, 3, b["heads"], b["head_dim"])
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            kv = self._write(where, att, k, v)
+            kv = self._write(where, b["att"], k, v)
         else:
-            m = f._plus(f.norm1(h), te)
-            q = F.linear(m, b["wq"], b["bq"]).view(B, T, att.num_heads, att.head_dim)
+            m = _plus(b["norm1"](h), te)
+            q = F.linear(m, b["wq"], b["bq"]).view(B, T, b["heads"], b["head_dim"])
             q = q.transpose(1, 2)
-        if att.rope is not None:
-            q = att.rope(q, self.pos)
+        if b["rope"] is not None:
+            q = b["rope"](q, self.pos)
         y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
-        a = att.out_proj(y.transpose(1, 2).reshape(B, T, C))
-        if type(f) is SequentialField:
-            return a + f.mlp(f._plus(f.norm2(h + a), te)), kv
-        return a + f.mlp(f._plus(f.norm2(h), te)), kv
+        a = b["out"](y.transpose(1, 2).reshape(B, T, C))
+        if b["sequential"]:
+            return a + b["mlp"](_plus(b["norm2"](h + a), te)), kv
+        return a + b["mlp"](_plus(b["norm2"](h), te)), kv
 
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        """The draft's logits (V,) after ``tokens``, the tokens at positions pos.. (pos moves
-        on by their number)."""
-        model, pos, T = self.model, self.pos, len(tokens)
-        x = model.tok_emb.weight[tokens][None]
-        if model.pos_emb is not None:
-            if pos + T > model.config.max_seq_len:
+    def logits(self, tokens: list[int], every: bool = False) -> torch.Tensor:
+        """The logits (V,) after ``tokens``, the tokens at positions pos.. (pos moves on by
+        their number); ``every``: after each of them, (len(tokens), V)."""
+        pos, T = self.pos, len(tokens)
+        # one token by an integer index (a view), several by a gather
+        x = self.emb[tokens[0]][None, None] if T == 1 else self.emb[tokens][None]
+        if self.pos_table is not None:
+            if pos + T > self.max_len:
                 raise ValueError(f"sequence of {pos + T} tokens is longer than max_seq_len = "
-                                 f"{model.config.max_seq_len}, the size of this model's "
-                                 f"learned position table.")
-            x = x + model.pos_emb.weight[pos:pos + T]
+                                 f"{self.max_len}, the size of this model's learned position "
+                                 f"table.")
+            x = x + self.pos_table[pos:pos + T]
         # queries at pos.. against every key so far: key j is seen by query i when j <= pos + i
         mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool,
                                               device=x.device).tril(pos)
@@ -203,4 +256,4 @@ class LeanDraft:
                         kv = read  # the memory the step's later stages read
                 x = combine(x, dt, tab.b, ks)
         self.pos += T
-        return model.lm_head(model.norm_f(x[:, -1]))[0]
+        return self.head(self.norm_f(x[0] if every else x[0, -1]))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cache import DecodeState
-from .lean_draft import LeanDraft, refusal
+from .lean_draft import LeanDraft, own_solve, refusal
 from .sampling import probabilities
 
 AUTO = "auto"
@@ -108,6 +108,9 @@ class DraftStats:
     drafted_by: str = ""
     """How the drafts were made: "lean step" (:mod:`.lean_draft`), "decoding pass" (and why
     not the lean step), or "first layers"."""
+    verified_by: str = ""
+    """How the model's own solve ran (the prompt and each verification): "lean step" or
+    "decoding pass" (and why not the lean step)."""
 
     @property
     def acceptance(self) -> float:
@@ -118,7 +121,8 @@ class DraftStats:
         return (f"speculative: {self.acceptance:.0%} of {self.drafted} drafted tokens kept, "
                 f"{per:.2f} tokens per verification, "
                 f"{self.nfe / max(self.tokens, 1):.1f} field evaluations per token"
-                + (f"; drafts by {self.drafted_by}" if self.drafted_by else ""))
+                + (f"; drafts by {self.drafted_by}" if self.drafted_by else "")
+                + (f"; verified by {self.verified_by}" if self.verified_by else ""))
 
 
 def _swap_child(parent: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
@@ -304,8 +308,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
                        eos_token_id: int | None, stats: DraftStats,
                        how: Sampling = Sampling(),
                        freeze: Callable[[DecodeState], Callable] | None = None,
-                       freeze_block: Callable[[DecodeState], Callable] | None = None
-                       ) -> Iterator[torch.Tensor]:
+                       freeze_block: Callable[[DecodeState], Callable] | None = None,
+                       lean_own: bool = True) -> Iterator[torch.Tensor]:
     """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
     module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
     stream sees to it).
@@ -315,7 +319,10 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     draft state (compiled units, recorded graphs), made after the draft's first pass over
     the prompt; a round's cut-back moves that state back in place. ``freeze_block`` (the
     same for :func:`.frozen.frozen_block_decoder`): the verifying pass of ``k + 1`` tokens
-    goes through the frozen step over a block, the model's state frozen after the prompt."""
+    goes through the frozen step over a block, the model's state frozen after the prompt.
+    ``lean_own`` (eager): the model's own solve (the prompt, each verification) runs as
+    :class:`.lean_draft.LeanDraft`'s step of that solve where it covers the model, with
+    caches of its own (``stats.verified_by`` says which, and why not)."""
     # LayerSkip's cache reuse (Draft.reuse): eager only, a frozen step keeps caches of its own
     reuse = (draft.layers is not None and draft.reuse and freeze is None
              and freeze_block is None)
@@ -345,8 +352,22 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         if why is None:
             lean = LeanDraft(model, solves.draft[1])
         stats.drafted_by = "lean step" if lean is not None else f"decoding pass ({why})"
+    verifier = None  # the own solve's lean step, with caches of its own (then main holds none)
+    if reuse or draft.layers is not None:
+        why = "first-layer drafts share the model state's caches"
+    else:
+        why = ("Decoder(lean=False)" if not lean_own else
+               "a compiled or recorded verifying step" if freeze_block is not None else
+               refusal(model, own_solve(model)))
+        if why is None:
+            verifier = LeanDraft(model, own_solve(model))
+    stats.verified_by = "lean step" if verifier is not None else f"decoding pass ({why})"
 
     def logits(ids: list[int], state) -> torch.Tensor:
+        if state is main and verifier is not None:
+            out = verifier.logits(ids, every=True)
+            stats.nfe += verifier.nfe
+            return out
         if state is side and lean is not None:
             out = lean.logits(ids)
             stats.nfe += lean.nfe
@@ -405,7 +426,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     while made < max_new_tokens and last != eos_token_id:
         k_now = min(k, max_new_tokens - made - 1)
         if limit is not None:  # learned positions: the verifying pass must fit
-            k_now = min(k_now, limit - main.pos - 1)
+            k_now = min(k_now, limit - (verifier or main).pos - 1)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         if k_now > 0:
@@ -425,13 +446,13 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
                             < draft.confidence):
                         break
                     row = logits([nxt], side)[-1]
-        before = main.pos
+        before = (verifier or main).pos
         if reuse and drafts:
             own = resume(drafts[-1])
         else:
             own = logits([last, *drafts], main)
         n, after = verify(drafts, None if how.greedy else qs, own, how)
-        main.crop(before + 1 + n)  # the latest token and the kept drafts
+        (verifier or main).crop(before + 1 + n)  # the latest token and the kept drafts
         if reuse:
             side.pos = main.pos  # its caches are the model state's, cut with them
         elif lean is not None:

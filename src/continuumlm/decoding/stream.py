@@ -10,6 +10,7 @@ import torch
 
 from ..model.cache import DecodeState
 from ..threads import ThreadPolicy
+from .lean_draft import LeanDraft, own_solve, refusal
 from .sampling import _whole, check_sampling_args, sample_next
 
 
@@ -44,16 +45,31 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
                  top_k: int | None, top_p: float | None, greedy: bool, use_cache: bool,
                  generator: torch.Generator | None, eos_token_id: int | None,
                  freeze: Callable[[DecodeState], Callable] | None = None,
-                 threads: ThreadPolicy | None = None) -> Iterator[torch.Tensor]:
+                 threads: ThreadPolicy | None = None, lean: bool = False,
+                 said: Callable[[str], None] | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time. With the cache, the prompt is
     consumed in one pass (``model.step``) and each token after it is a one-token step:
     ``model.step`` again, or, when ``freeze`` is given, the frozen step it returns for the
-    state (``freeze(state) -> fn(ids, state) -> logits``; see :mod:`.frozen`)."""
+    state (``freeze(state) -> fn(ids, state) -> logits``; see :mod:`.frozen`), or, with
+    ``lean`` (eager, batch 1, on the CPU), :class:`.lean_draft.LeanDraft`'s step of the
+    model's own solve where it covers the model (caches of its own; ``said`` is told which
+    ran: "lean step", or "decoding pass" and why not)."""
     with streaming(model, threads):
         seq = idx
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-        state = model.init_state(idx.shape[0]) if use_cache else None
-        logits = model.step(idx, state)[0] if use_cache else None
+        step = None  # the own solve's lean step
+        why = ("Decoder(lean=False)" if not lean else "no cache" if not use_cache else
+               "compiled or recorded steps" if freeze is not None else
+               "batch > 1" if idx.shape[0] != 1 else
+               f"on {idx.device.type}, not the CPU" if idx.device.type != "cpu" else
+               refusal(model, own_solve(model)))
+        if why is None:
+            step = LeanDraft(model, own_solve(model))
+        if said is not None:
+            said("lean step" if step is not None else f"decoding pass ({why})")
+        state = model.init_state(idx.shape[0]) if use_cache and step is None else None
+        logits = (step.logits(idx[0].tolist())[None] if step is not None else
+                  model.step(idx, state)[0] if use_cache else None)
         token_fn = freeze(state) if use_cache and freeze is not None and max_new_tokens > 1 \
             else None
         for i in range(max_new_tokens):
@@ -68,7 +84,9 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
                 break
             if threads is not None:
                 threads.poll()
-            if token_fn is not None:
+            if step is not None:
+                logits = step.logits([int(nxt)])[None]
+            elif token_fn is not None:
                 logits = token_fn(nxt[:, None], state)
                 state.advance()
             elif use_cache:
