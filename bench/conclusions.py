@@ -1021,6 +1021,11 @@ def kvblock_speculative(results: dict) -> str | None:
             f"weight 0.5), {len(seeds)} seeds, eager: {' and '.join(said)} plain cached "
             f"decoding, the median of the seeds{how} (target {target}x for both: "
             f"{'met' if low >= target else f'missed by {target - low:.2f}x'}).")
+    if not any("plain_by" in x for m in seeds for x in m["rows"]):
+        text += (" (These rows were timed against plain decoding through the decoding pass, "
+                 "before plain decoding and verification ran the model's own solve through the "
+                 "lean step.)")
+    text += _against_pass(seeds)
     bound = findings.speculative_bound(findings.median_model(seeds, "greedy"), target)
     if bound:
         text += f" Timed pass by pass: {bound}."
@@ -1059,11 +1064,27 @@ def _euler1_speculative(results: dict, target: float) -> str:
                     f"{best['draft']}, k {findings.k_of(best)}, {100 * best['acceptance']:.0f}% kept)")
     retimed = all(all(f"eager {d}" in (m.get("confirmed") or {}) for d in ("greedy", "sampled"))
                   for m in seeds)
-    return (f" On ode_any_depth_euler1.toml's {len(seeds)} seeds (the field told the time, "
+    text = (f" On ode_any_depth_euler1.toml's {len(seeds)} seeds (the field told the time, "
             f"Euler x 1 alone drafted; `{results['speculative_euler1']['command']}`): "
             + " and ".join(said) + f", medians of the "
             f"{'re-timed ' if retimed else ''}fastest rows (target {target}x "
             f"for both: {'met' if low >= target else f'missed by {target - low:.2f}x'}).")
+    return text + _against_pass(seeds)
+
+
+def _against_pass(seeds: list[dict]) -> str:
+    """The baseline a speculative record's re-timed rows were taken against, where they were
+    also taken against plain decoding through the decoding pass (findings.against_pass)."""
+    both = [findings.against_pass(seeds, d) for d in ("greedy", "sampled")]
+    if None in both:
+        return ""
+    (g, lean_g), (s, lean_s) = both
+    return (f" Plain decoding there runs the model's own solve through the lean step too (the "
+            f"default, Decoder(lean=True): batch 1, eager, CPU), at {lean_g:.2f}x (greedy) and "
+            f"{lean_s:.2f}x (sampled) its rate through the decoding pass, so the verifying "
+            f"pass and the plain tokens it is measured against are both lean; against plain "
+            f"decoding through the decoding pass, the baseline before it (Decoder(lean=False)), "
+            f"the same rows run at {g:.2f}x greedy and {s:.2f}x sampled.")
 
 
 def _speed_bought(results: dict, target: float) -> str:

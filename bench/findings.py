@@ -375,6 +375,20 @@ def median_seed(models: list[dict], decoding: str) -> tuple[float, float, float,
     return speedup, best[0][0], best[-1][0], speculative_best(models[i], decoding)[0]
 
 
+def against_pass(models: list[dict], decoding: str) -> tuple[float, float] | None:
+    """Where every record (one per seed) re-timed its fastest ``decoding`` row against plain
+    decoding through the decoding pass too (bench/speculative.py confirmed, Decoder(lean=
+    False)): (the median over the seeds of that speed-up, the median of plain decoding's own
+    rate through the lean step over its rate through the decoding pass); else None."""
+    again = [(m.get("confirmed") or {}).get(f"eager {decoding}") for m in models]
+    if not again or any(a is None or "against_pass" not in a for a in again):
+        return None
+    lean_over_pass = [statistics.median(p / r for p, r in zip(a["against_pass_ratios"],
+                                                             a["ratios"])) for a in again]
+    return (statistics.median(a["against_pass"] for a in again),
+            statistics.median(lean_over_pass))
+
+
 def median_model(models: list[dict], decoding: str) -> dict:
     """The model record (one per seed) whose best ``decoding`` speed-up is median_seed's."""
     best = median_seed(models, decoding)[3]
@@ -561,6 +575,12 @@ def any_depth(results: dict) -> str | None:
                        f"sampled (medians of {len(e1_seeds)} seeds"
                        f"{', each fastest row re-timed' if retimed else ''}; "
                        f"target {target}x: {'met' if min(gx, sx) >= target else 'missed'})")
+            old = [against_pass(e1_seeds, d) for d in ("greedy", "sampled")]
+            if None not in old:
+                euler1 += (f" against plain decoding that runs the own solve through the same "
+                           f"lean step as the drafts, itself {old[0][1]:.2f}x the decoding "
+                           f"pass's tokens/s greedy; against plain decoding through the decoding "
+                           f"pass, {old[0][0]:.2f}x greedy and {old[1][0]:.2f}x sampled")
     nfe4 = ""
     e4, fixed = (rows.get(("ode_any_depth-kvblock-euler4-lr5e-3", "euler:4")),
                  rows.get(("ode_euler-lr5e-3", "euler:4")))

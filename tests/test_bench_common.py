@@ -781,3 +781,26 @@ def test_decode_sums_every_prompt_and_says_how_it_drafted():
     assert stats["drafted_by"] == "lean step" and 0 < stats["outside_field"] < 1
     assert type(model.depth.blocks[0].field).forward is field_forward
     assert LeanDraft._field is lean_field
+
+
+def test_confirmed_times_against_both_plain_decodings():
+    """bench/speculative.py confirmed: each repetition's ratio against plain decoding as the
+    decoder runs it (the lean step here) and against plain decoding through the decoding
+    pass (Decoder(lean=False)), with the medians and what plain decoding ran by."""
+    import speculative
+
+    from continuumlm.decoding import Decoder
+    from continuumlm.testing import small_model
+
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1).eval()
+    prompts = [torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(0))]
+    dec = Decoder(model)
+    speculative.decode(dec, prompts, 4)
+    row = {"draft": "euler x 1", "k": 3, "confidence": 0.2}
+    got = speculative.confirmed(dec, prompts, 10, row, sampled=True, times=3)
+    assert got["plain_by"] == "lean step" and got["confidence"] == 0.2
+    assert len(got["ratios"]) == len(got["against_pass_ratios"]) == 3
+    assert got["speedup"] == round(sorted(got["ratios"])[1], 2)
+    assert got["against_pass"] == round(sorted(got["against_pass_ratios"])[1], 2)
+    old = speculative.confirmed(Decoder(model, lean=False), prompts, 10, row, False, 1)
+    assert "against_pass" not in old  # already the decoding pass: nothing to compare
