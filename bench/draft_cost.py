@@ -9,7 +9,8 @@ the solve out op by op. For each run, batch 1, eager, Euler x 1 drafts, k drafts
 verification: greedy (the tokens must equal plain decoding's) and sampled (temperature 0.8,
 top-k 40, one seed per prompt) speculative decoding with the drafts by the decoding pass
 (``Draft(lean=False)``) and by the lean step, each against plain cached decoding timed beside
-it, medians over repeats; and the passes timed alone (the fastest of interleaved repeats):
+it (the model's own solve, plain and verifying, by the lean step too: Decoder's default),
+medians over repeats; and the passes timed alone (the fastest of interleaved repeats):
 either draft's one token, plain decoding's, a verification of k + 1 tokens. From those, what
 the target would give at either draft cost, and with drafts that cost nothing.
 """
@@ -28,6 +29,7 @@ from speculative import TARGET, decode, lean_ms, trained
 
 from continuumlm import Draft
 from continuumlm.decoding import Decoder
+from continuumlm.decoding.lean_draft import LeanDraft, own_solve, refusal
 from continuumlm.decoding.speculative import _Solves
 
 K = 8  # drafts per verification: bench/speculative.py's fastest eager greedy row
@@ -58,14 +60,18 @@ def best_ms(fn, inner: int, reps: int = 7) -> float:
 def pass_costs(model, prompt: torch.Tensor) -> dict:
     """Milliseconds of one pass at batch 1 after ``prompt``: a drafted token by the lean step
     and by the decoding pass (Euler x 1), a plain token (the own solve) and a verification of
-    k + 1 tokens, each the fastest of interleaved repeats."""
+    k + 1 tokens (the own solve as decoding runs it: by the lean step where it covers the
+    model), each the fastest of interleaved repeats."""
     solves = _Solves(model, "euler", 1)
     draft_state = model.init_state(1)
-    own_state = model.init_state(1)
     ids = prompt[0].tolist()
     with solves.drafting():
         model.hidden_states(prompt, draft_state)
-    model.hidden_states(prompt, own_state)
+    if refusal(model, own_solve(model)) is not None:
+        raise SystemExit(f"the lean step does not cover this model's own solve "
+                         f"({refusal(model, own_solve(model))}); decoding would not run it so.")
+    own_step = LeanDraft(model, own_solve(model))
+    own_step.logits(ids)
     at = len(ids)
 
     def by_pass():
@@ -75,9 +81,8 @@ def pass_costs(model, prompt: torch.Tensor) -> dict:
         draft_state.crop(at)
 
     def own(T):
-        model.lm_head(model.hidden_states(torch.full((1, T), 5, device=prompt.device),
-                                          own_state))
-        own_state.crop(at)
+        own_step.logits([5] * T, every=True)
+        own_step.crop(at)
 
     times: dict[str, list[float]] = {"lean_draft_ms": [], "pass_draft_ms": [], "plain_ms": [],
                                      "verify_ms": []}

@@ -340,9 +340,11 @@ def speculative_bound(m: dict, target: float) -> str | None:
     p = kept_for(need, k)
     asks = (f"each draft kept with probability {100 * p:.0f}% position by position"
             if p is not None else f"more than the k + 1 = {k + 1} a round can give")
+    lean = " (the own solve by the lean step, as decoding runs it)" if costs.get(
+        "own_by") == "lean step" else ""
     return (f"{m['name']}, greedy ({best['draft']}, k {k}): a round costs {k} draft passes of "
             f"{draft:.2f} ms and one verification of {k + 1} tokens, {verify:.2f} ms, "
-            f"against {plain:.2f} ms per plain token, so {target}x needs {need:.1f} tokens "
+            f"against {plain:.2f} ms per plain token{lean}, so {target}x needs {need:.1f} tokens "
             f"per verification ({asks}); it makes {best['tokens_per_verification']}")
 
 

@@ -227,8 +227,10 @@ class LeanDraft:
                                  f"table.")
             x = x + self.pos_table[pos:pos + T]
         # queries at pos.. against every key so far: key j is seen by query i when j <= pos + i
-        mask = None if T == 1 else torch.ones(T, pos + T, dtype=torch.bool,
-                                              device=x.device).tril(pos)
+        # (additive, made once per call: a boolean mask is converted by every evaluation's
+        # attention, which costs about a third of its time at a few tokens)
+        mask = None if T == 1 else torch.full((T, pos + T), float("-inf"), dtype=x.dtype,
+                                              device=x.device).triu(pos + 1)
         for b in self.blocks:
             cfg, tab, dt, f = b["cfg"], b["tab"], b["dt"], b["field"]
             if f.dt != b["field_dt"]:
