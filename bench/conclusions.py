@@ -1185,7 +1185,10 @@ def draft_cost(r: dict) -> str | None:
             f"(decoding/lean_draft.py: the coarse solve written out op by op, caches of its "
             f"own, the same logits as the decoding pass) costs {min(shares):.0%}-"
             f"{max(shares):.0%} less per drafted token, and Euler x 1 drafts, k {k}, medians "
-            f"of {len(models)} seeds against plain cached decoding timed beside them, give "
+            f"of {len(models)} seeds against plain cached decoding timed beside them"
+            + (" (plain decoding and each verification run the model's own solve through the "
+               "lean step too)" if all(m.get("plain_by") == "lean step" for m in models)
+               else "") + ", give "
             + "; ".join(said) + f": at this one setting {verdict}. Drafts that cost nothing "
             f"would give "
             + ", ".join(f"{m['bound_free']}x" for m in models)

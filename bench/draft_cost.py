@@ -127,7 +127,8 @@ def measure(run: str, n_prompts: int, prompt_len: int, repeats: int) -> dict:
             "speedup_range": {k: [round(min(v), 2), round(max(v), 2)] for k, v in speed.items()},
             "tokens_per_verification": per_round, **costs,
             "bound_pass": bound(costs["pass_draft_ms"]),
-            "bound_lean": bound(costs["lean_draft_ms"]), "bound_free": bound(0.0)}
+            "bound_lean": bound(costs["lean_draft_ms"]), "bound_free": bound(0.0),
+            "plain_by": decoder.decoded_by}
 
 
 COLUMNS = [("name", "model"), ("greedy_pass", "greedy, decoding-pass drafts"),

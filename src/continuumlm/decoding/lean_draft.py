@@ -1,28 +1,32 @@
-"""A coarse solve's draft tokens in the fewest operations (self-speculative decoding, eager).
+"""A solve's tokens in the fewest operations (eager, batch 1): a coarse solve's drafts for
+self-speculative decoding, and the model's own solve for plain decoding and verification.
 
-A draft token costs one decoding pass through the library for one field evaluation (Euler x
-1), and most of that pass is outside the field: the decoding state, the solve's machinery
-(gradient modes, regularizers, exits, compiled steps, padding), module dispatch. Measured on
-ode_any_depth_kvblock.toml's model (bench/draft_cost.py), a step written out op by op costs
-about half of it per drafted token, which moves self-speculative decoding with Euler x 1 drafts
-from about 1.6x to 1.9-2.0x plain decoding. :class:`LeanDraft` is that step for the blocks most models are made of, with
-caches of its own: the speculative loop (``speculative.py``) drafts through it where
-:func:`refusal` finds nothing it does not do, through the decoding pass otherwise (the
-stream's stats say which, and why).
+A token through the library's decoding pass goes through the decoding state, the solve's
+machinery (gradient modes, regularizers, exits, compiled steps, padding) and module dispatch,
+and on a small model most of its time is there rather than in the field's products. The lean
+step writes the solve out op by op, with caches of its own: the speculative loop
+(``speculative.py``) drafts through it, and plain decoding (``stream.py``) and the verifying
+pass run the model's own solve through it, wherever :func:`refusal` finds nothing it does not
+do, through the decoding pass otherwise (the decoder and the stream's stats say which, and
+why). Measured on the Shakespeare any-depth models (bench/speculative.py, bench/draft_cost.py),
+a drafted Euler x 1 token costs about a quarter of its decoding pass and a plain token about
+half.
 
 What it covers: ODE blocks with the sequential or parallel field and softmax attention whose
 projections are plain ``nn.Linear`` (bias or not), every ``model.ode_kv`` layout, any fixed-
 grid Runge-Kutta tableau, learned, rotary or no positions, time and step-size embeddings,
-inference (no dropout, no gradient), one sequence. Its logits equal the decoding pass's of the
-same solve up to rounding (the queries and the memory are two products where the decoding pass
-may make one; tests/test_lean_draft.py holds them within 1e-10 in float64 on each of these).
-It calls the field's norms and MLP, the output projection, the time embeddings, the final norm
-and the head: as the functional calls their forwards make where they are plain modules
-without hooks (bound once a stream starts), as modules otherwise; the modules it does not call (the embeddings, the depth, the blocks,
-the field, the fused projection) must carry no hooks and no replaced ``forward``, which it
-would skip. Drafts only propose:
-the model's own solve verifies every token, so a draft's rounding could change which drafts
-are kept, never the tokens decoded.
+inference (no dropout, no gradient, no per-token exit), one sequence. Its logits equal the
+decoding pass's of the same solve up to rounding (the queries and the memory may be one
+product or two, either way; tests/test_lean_draft.py holds them within 1e-10 in float64 on
+each of these). It calls the field's norms and MLP, the output projection, the time
+embeddings, the final norm and the head: as the functional calls their forwards make where
+they are plain modules without hooks (bound when the step is made, for one stream), as
+modules otherwise; the modules it does not call (the embeddings, the depth, the blocks, the
+field, the fused projection) must carry no hooks and no replaced ``forward``, which it would
+skip. A draft only proposes: the model's own solve verifies every token, so a draft's rounding
+could change which drafts are kept, never the tokens decoded; the own solve's rounding may
+differ from the decoding pass's in the last bits, as two cached passes over different token
+blocks already do.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ def _plus(x: torch.Tensor, te) -> torch.Tensor:
 
 
 def refusal(model, blocks) -> str | None:
-    """Why :class:`LeanDraft` cannot draft for ``model`` with the draft solve ``blocks`` (per
-    block: (solver, config), speculative._Solves' snapshot), in one phrase; None when it can."""
+    """Why :class:`LeanDraft` cannot run ``model`` with the solve ``blocks`` (per block:
+    (solver, config): speculative._Solves' snapshot of a draft, or :func:`own_solve`), in one
+    phrase; None when it can."""
     cfg = model.config
     if cfg.depth != "ode":
         return "the model's depth is not ODE blocks"
@@ -117,8 +122,9 @@ def own_solve(model) -> list[tuple]:
 
 
 class LeanDraft:
-    """Tokens through ``model``'s blocks integrated with the draft solve ``blocks`` (see
-    :func:`refusal`), each block's memory in buffers of its own; ``pos`` tokens so far.
+    """Tokens through ``model``'s blocks integrated with the solve ``blocks`` (a draft's, or
+    the model's own: :func:`own_solve`; see :func:`refusal`), each block's memory in buffers
+    of its own; ``pos`` tokens so far.
     :meth:`logits` extends by any number of tokens, :meth:`crop` cuts back."""
 
     def __init__(self, model, blocks):
