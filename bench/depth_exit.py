@@ -65,13 +65,18 @@ def decode_speeds(run: Path, picks: list[tuple[str, float | None]], rounds: int 
     prompt = torch.tensor([tok.encode("ROMEO:\nO")])
     new = model.config.max_seq_len - prompt.shape[1]
     times = {k: [] for k in picks}
+    # through the decoding pass, as the exits decode (the lean step, plain decoding's default
+    # at batch 1 on a CPU, refuses per-token exit): the settings compared on one path
+    from continuumlm.decoding import Decoder
+
+    decoder = Decoder(model, lean=False)
     outs, totals = {}, {}
     with OtherLoad() as others:
         for r in range(rounds + 1):  # the first round warms up, untimed
             for criterion, tau in picks:
                 model.set_exit(tau, criterion if tau is not None else "state")
                 t = time.perf_counter()
-                outs[(criterion, tau)] = model.generate(prompt, new, greedy=True)
+                outs[(criterion, tau)] = decoder.generate(prompt, new, greedy=True)
                 if r:
                     times[(criterion, tau)].append(time.perf_counter() - t)
                 totals[(criterion, tau)] = model.depth.exit_totals if tau is not None else None

@@ -75,15 +75,21 @@ def decode_rows(model, split, name: str, decode, n_prompts: int = 8, prompt_len:
                for i in range(n_prompts)]
     n = model.config.max_seq_len - prompt_len + 1
     out = []
+    # every row through the decoding pass: an exit is refused by the lean step (plain decoding's
+    # default at batch 1 on a CPU), so the no-exit row is timed the same way, and its field
+    # evaluations per token counted there (the lean step does not set model.last_nfe)
+    from continuumlm.decoding import Decoder
+
+    decoder = Decoder(model, lean=False)
     for ladder, tau in [(None, None), *decode]:
         model.set_exit(None) if ladder is None else model.set_exit(tau, "confidence",
                                                                    ladder=ladder)
-        model.generate(prompts[0], 8, greedy=True)  # warm-up
+        decoder.generate(prompts[0], 8, greedy=True)  # warm-up
         if ladder is not None:
             model.depth.exit_totals = [0, 0]
         t0, made = time.perf_counter(), 0
         for p in prompts:
-            made += model.generate(p, n, greedy=True).shape[1] - p.shape[1]
+            made += decoder.generate(p, n, greedy=True).shape[1] - p.shape[1]
         seconds = time.perf_counter() - t0
         nfe = (model.depth.exit_totals[0] / model.depth.exit_totals[1] if ladder is not None
                else model.last_nfe)

@@ -383,7 +383,11 @@ def against_pass(models: list[dict], decoding: str) -> tuple[float, float] | Non
     False)): (the median over the seeds of that speed-up, the median of plain decoding's own
     rate through the lean step over its rate through the decoding pass); else None."""
     again = [(m.get("confirmed") or {}).get(f"eager {decoding}") for m in models]
-    if not again or any(a is None or "against_pass" not in a for a in again):
+    if not again or any(a is None or "against_pass" not in a or a.get("plain_by") != "lean step"
+                        for a in again):
+        return None  # not re-timed so, or plain decoding did not run through the lean step
+    if any(x.get("verified_by") != "lean step" for m in models for x in m["rows"]
+           if x["decoding"] == decoding):
         return None
     lean_over_pass = [statistics.median(p / r for p, r in zip(a["against_pass_ratios"],
                                                              a["ratios"])) for a in again]
@@ -579,8 +583,8 @@ def any_depth(results: dict) -> str | None:
                        f"target {target}x: {'met' if min(gx, sx) >= target else 'missed'})")
             old = [against_pass(e1_seeds, d) for d in ("greedy", "sampled")]
             if None not in old:
-                euler1 += (f" against plain decoding that runs the own solve through the same "
-                           f"lean step as the drafts, itself {old[0][1]:.2f}x the decoding "
+                euler1 += (f" against plain decoding that runs the own solve op by op (the lean "
+                           f"step, as the drafts and verifications), itself {old[0][1]:.2f}x the decoding "
                            f"pass's tokens/s greedy; against plain decoding through the decoding "
                            f"pass, {old[0][0]:.2f}x greedy and {old[1][0]:.2f}x sampled")
     nfe4 = ""

@@ -250,3 +250,33 @@ def test_speculative_verification_through_it_keeps_the_tokens(lean):
     assert stream.stats.verified_by == ("lean step" if lean else
                                         "decoding pass (Decoder(lean=False))")
     assert "verified by" in stream.stats.report()
+
+
+def test_a_solve_changed_mid_stream_is_refused_and_renorming_embeddings_are_not_run():
+    """The lean plain stream refuses set_solver between its tokens (its caches were built for
+    the solve it started with, as a decoding state refuses), and a model whose embedding
+    renormalizes its rows (max_norm) decodes through the decoding pass."""
+    from continuumlm.decoding import Decoder
+
+    model = _model(dict())
+    prompt = torch.randint(0, 37, (1, 4), generator=torch.Generator().manual_seed(2))
+    dec = Decoder(model)
+    stream = dec.stream(prompt, 5, greedy=True)
+    next(stream)
+    assert dec.decoded_by == "lean step"
+    model.set_solver("euler", 2)
+    try:
+        with pytest.raises(ValueError, match="start a new generation after set_solver"):
+            next(stream)
+    finally:
+        model.set_solver("rk4", 4)
+    model.tok_emb.max_norm = 1.0
+    dec.generate(prompt, 3, greedy=True)
+    assert dec.decoded_by == "decoding pass (an embedding renormalizes its rows (max_norm))"
+
+
+def test_no_new_tokens_with_a_draft_decodes_none():
+    model = _model(dict())
+    prompt = torch.randint(0, 37, (1, 4), generator=torch.Generator().manual_seed(2))
+    out = model.generate(prompt, 0, greedy=True, draft=Draft("euler", 1, tokens=3))
+    assert out.tolist() == prompt.tolist()

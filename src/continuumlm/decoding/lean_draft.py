@@ -63,6 +63,8 @@ def refusal(model, blocks) -> str | None:
     if type(model.tok_emb) is not nn.Embedding or (
             model.pos_emb is not None and type(model.pos_emb) is not nn.Embedding):
         return "the embeddings are not plain nn.Embedding"
+    if any(e is not None and e.max_norm is not None for e in (model.tok_emb, model.pos_emb)):
+        return "an embedding renormalizes its rows (max_norm)"
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return "a global module hook is registered (the step calls few modules)"
     skipped = [model.tok_emb, model.pos_emb, model.drop, model.depth, *model.depth.blocks,

@@ -247,6 +247,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     solves = (FirstLayers(model, draft.layers, tap=reuse) if draft.layers is not None
               else _Solves(model, draft.solver, draft.steps))
     k = 4 if draft.tokens == AUTO else draft.tokens
+    if max_new_tokens == 0:  # nothing to decode (the first token would come from the prompt)
+        return
     start = time.perf_counter()
     window = (MAX_AUTO_TOKENS if draft.tokens == AUTO else k) + 2
     main = model.init_state(1, rewind=window)
@@ -271,14 +273,12 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
             lean = LeanDraft(model, solves.draft[1])
         stats.drafted_by = "lean step" if lean is not None else f"decoding pass ({why})"
     verifier = None  # the own solve's lean step, with caches of its own (then main holds none)
-    if reuse or draft.layers is not None:
-        why = "first-layer drafts share the model state's caches"
-    else:
-        why = ("Decoder(lean=False)" if not lean_own else
-               "a compiled or recorded verifying step" if freeze_block is not None else
-               refusal(model, own_solve(model)))
-        if why is None:
-            verifier = LeanDraft(model, own_solve(model))
+    why = ("Decoder(lean=False)" if not lean_own else
+           "a compiled or recorded verifying step" if freeze_block is not None else
+           f"on {device.type}, not the CPU" if device.type != "cpu" else
+           refusal(model, own_solve(model)))
+    if why is None:
+        verifier = LeanDraft(model, own_solve(model))
     stats.verified_by = "lean step" if verifier is not None else f"decoding pass ({why})"
 
     def logits(ids: list[int], state) -> torch.Tensor:

@@ -65,6 +65,8 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
                refusal(model, own_solve(model)))
         if why is None:
             step = LeanDraft(model, own_solve(model))
+        # the solve its caches were built with (the decoding pass's state checks the same)
+        solve = (model.config.ode_solver, model.config.ode_steps)
         if said is not None:
             said("lean step" if step is not None else f"decoding pass ({why})")
         state = model.init_state(idx.shape[0]) if use_cache and step is None else None
@@ -85,6 +87,11 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
             if threads is not None:
                 threads.poll()
             if step is not None:
+                if (model.config.ode_solver, model.config.ode_steps) != solve:
+                    raise ValueError(
+                        f"this generation started with ode_solver, ode_steps = {solve}, and the "
+                        f"model now integrates with {(model.config.ode_solver, model.config.ode_steps)}"
+                        f": start a new generation after set_solver().")
                 logits = step.logits([int(nxt)])[None]
             elif token_fn is not None:
                 logits = token_fn(nxt[:, None], state)
