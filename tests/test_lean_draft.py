@@ -107,7 +107,7 @@ def test_refusals_name_the_reason():
         assert "inference" in refusal(model, blocks)
         model.eval()
         field = model.depth.blocks[0].field
-        for module in (field, field.mixer.qkv):  # hooks the step would skip
+        for module in (field, field.mixer, field.mixer.qkv):  # hooks the step would skip
             hook = module.register_forward_hook(lambda *a: None)
             assert "hooks" in refusal(model, blocks)
             hook.remove()
@@ -121,6 +121,9 @@ def test_refusals_name_the_reason():
         field.forward = field.forward  # an instance's replaced forward (e.g. an offload hook)
         assert "replaced forward" in refusal(model, blocks)
         del field.forward
+        field.mixer.extend = field.mixer.extend  # the attention's own method, replaced
+        assert "replaced forward (or attention method)" in refusal(model, blocks)
+        del field.mixer.extend
         assert refusal(model, blocks) is None
 
         class OwnStep(type(blocks[0][0])):

@@ -69,12 +69,15 @@ def refusal(model, blocks) -> str | None:
         return "a global module hook is registered (the step calls few modules)"
     skipped = [model.tok_emb, model.pos_emb, model.drop, model.depth, *model.depth.blocks,
                *(b.field for b in model.depth.blocks),
+               *(b.field.mixer for b in model.depth.blocks if hasattr(b.field, "mixer")),
                *(b.field.mixer.qkv for b in model.depth.blocks
                  if hasattr(b.field, "mixer") and hasattr(b.field.mixer, "qkv"))]
     for m in skipped:
-        if m is not None and (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)):
-            return (f"{type(m).__name__} has hooks or a replaced forward, which the step "
-                    f"would not call")
+        # the step computes the attention itself: a mixer's replaced methods are skipped too
+        replaced = {"forward", "extend", "read", "write"} & set(vars(m)) if m is not None else ()
+        if m is not None and (m._forward_hooks or m._forward_pre_hooks or replaced):
+            return (f"{type(m).__name__} has hooks or a replaced forward (or attention "
+                    f"method), which the step would not call")
     for block, (solver, _) in zip(model.depth.blocks, blocks):
         f = block.field
         if type(f) not in (SequentialField, ParallelField) or block.field.post_mlp:
