@@ -197,10 +197,21 @@ def decoding(results: dict) -> str | None:
                     + " the eager tokens/s, and compiling pays from "
                     + ", ".join(f"{r['mixer']} {r['pays_from_warm']}" for r in rows)
                     + " new tokens with a warm compiler cache.")
+    if compiled and not any("eager_by" in r for r in rows):
+        compiled = compiled[:-1] + (" (eager through the decoding pass: measured before plain "
+                                    "decoding ran the solve op by op).")
+    lean = ""
+    e1 = speculative_models(results, "speculative_euler1", "any_depth_kvblock_time_x1w0.5")
+    ratio = against_pass(e1, "greedy") if e1 else None
+    if ratio is not None:
+        lean = (f" At batch 1 on a CPU, eager decoding now runs the model's own solve op by op "
+                f"(the lean step, the same logits to 1e-10 in float64), at {ratio[1]:.2f}x the "
+                f"decoding pass's tokens/s on the Shakespeare any-depth model (bench/"
+                f"speculative.py's re-timed rows).")
     return (f"**Cached decoding through ODE depth is exact** (every fixed-grid solver and mixer; "
             f"one cache per solver stage evaluation, equal to recomputing to 1e-4 in the logits, "
             f"tested), which the Julia seed ruled out; on a 4-block RK4 x 4 model it is "
-            f"{parts} ({how}).{compiled} "
+            f"{parts} ({how}).{compiled}{lean} "
             f"[Decoding]({PAGE}#decoding-cached-vs-recompute)")
 
 
