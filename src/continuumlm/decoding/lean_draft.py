@@ -9,7 +9,7 @@ step writes the solve out op by op, with caches of its own: the speculative loop
 pass run the model's own solve through it, wherever :func:`refusal` finds nothing it does not
 do, through the decoding pass otherwise (the decoder and the stream's stats say which, and
 why). Measured on the Shakespeare any-depth models (bench/speculative.py, bench/draft_cost.py),
-a drafted Euler x 1 token costs about a quarter of its decoding pass and a plain token about
+a drafted Euler x 1 token costs about a third of its decoding pass and a plain token under
 half.
 
 What it covers: ODE blocks with the sequential or parallel field and softmax attention whose
@@ -124,6 +124,22 @@ def own_solve(model) -> list[tuple]:
     """The model's own solve per block, (solver, config), as :class:`LeanDraft` takes a
     draft's: the lean step of the model's own solve (plain decoding, and verification)."""
     return [(b.solver, b.cfg) for b in getattr(model.depth, "blocks", ())]
+
+
+def own_step(model, idx: torch.Tensor, asked: bool, frozen: bool = False,
+             use_cache: bool = True) -> tuple[LeanDraft | None, str]:
+    """(the lean step of the model's own solve, or None; how the own solve runs: "lean step",
+    or "decoding pass (why)") for decoding ``idx``: one rule for plain decoding (stream.py) and
+    self-speculative verification (speculative.py). ``asked``: the decoder's ``lean``;
+    ``frozen``: compiled or recorded steps run the solve instead."""
+    why = ("Decoder(lean=False)" if not asked else "no cache" if not use_cache else
+           "compiled or recorded steps" if frozen else
+           "batch > 1" if idx.shape[0] != 1 else
+           f"on {idx.device.type}, not the CPU" if idx.device.type != "cpu" else
+           refusal(model, own_solve(model)))
+    if why is not None:
+        return None, f"decoding pass ({why})"
+    return LeanDraft(model, own_solve(model)), "lean step"
 
 
 class LeanDraft:

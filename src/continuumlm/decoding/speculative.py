@@ -39,7 +39,7 @@ import torch
 
 from ..model.cache import DecodeState
 from .draft import AUTO, MAX_AUTO_TOKENS, Draft, DraftStats
-from .lean_draft import LeanDraft, own_solve, refusal
+from .lean_draft import LeanDraft, own_step, refusal
 from .sampling import probabilities
 
 
@@ -272,14 +272,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         if why is None:
             lean = LeanDraft(model, solves.draft[1])
         stats.drafted_by = "lean step" if lean is not None else f"decoding pass ({why})"
-    verifier = None  # the own solve's lean step, with caches of its own (then main holds none)
-    why = ("Decoder(lean=False)" if not lean_own else
-           "a compiled or recorded verifying step" if freeze_block is not None else
-           f"on {device.type}, not the CPU" if device.type != "cpu" else
-           refusal(model, own_solve(model)))
-    if why is None:
-        verifier = LeanDraft(model, own_solve(model))
-    stats.verified_by = "lean step" if verifier is not None else f"decoding pass ({why})"
+    # the own solve's lean step, with caches of its own (then main holds none), or None
+    verifier, stats.verified_by = own_step(model, idx, lean_own, freeze_block is not None)
 
     def logits(ids: list[int], state) -> torch.Tensor:
         if state is main and verifier is not None:

@@ -10,7 +10,7 @@ import torch
 
 from ..model.cache import DecodeState
 from ..threads import ThreadPolicy
-from .lean_draft import LeanDraft, own_solve, refusal
+from .lean_draft import own_step
 from .sampling import _whole, check_sampling_args, sample_next
 
 
@@ -57,18 +57,12 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
     with streaming(model, threads):
         seq = idx
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-        step = None  # the own solve's lean step
-        why = ("Decoder(lean=False)" if not lean else "no cache" if not use_cache else
-               "compiled or recorded steps" if freeze is not None else
-               "batch > 1" if idx.shape[0] != 1 else
-               f"on {idx.device.type}, not the CPU" if idx.device.type != "cpu" else
-               refusal(model, own_solve(model)))
-        if why is None:
-            step = LeanDraft(model, own_solve(model))
+        # the own solve's lean step, or None
+        step, how = own_step(model, idx, lean, freeze is not None, use_cache)
         # the solve its caches were built with (the decoding pass's state checks the same)
         solve = (model.config.ode_solver, model.config.ode_steps)
         if said is not None:
-            said("lean step" if step is not None else f"decoding pass ({why})")
+            said(how)
         state = model.init_state(idx.shape[0]) if use_cache and step is None else None
         logits = (step.logits(idx[0].tolist())[None] if step is not None else
                   model.step(idx, state)[0] if use_cache else None)
