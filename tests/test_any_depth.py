@@ -92,8 +92,9 @@ def test_a_run_logs_the_terms_and_keeps_its_own_solve(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert steps and all(r["nfe"] == 8 for r in steps)  # RK4 x 2: the own solve's NFE
-    assert all(r["any_depth_kl"] >= 0 and r["any_depth_lm"] > 0 and len(r["any_depth_drafts"]) == 1
-               for r in steps)
+    # KL >= 0 up to float32 rounding (a draft equal to the own solve reads about -1e-9)
+    assert all(r["any_depth_kl"] >= -1e-6 and r["any_depth_lm"] > 0
+               and len(r["any_depth_drafts"]) == 1 for r in steps)
     assert "any_depth_top1" not in steps[0]
     saved = load_config(tmp_path / "run" / "config.toml")
     assert saved.train.any_depth.drafts == ["euler:1", "rk4:1"]

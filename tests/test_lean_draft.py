@@ -229,10 +229,9 @@ def test_plain_decoding_says_why_it_did_not_use_it():
         assert dec.decoded_by.startswith("decoding pass (the model exits per token")
     finally:
         model.set_exit(None)
-    discrete = small_model(num_layers=2)
-    d = Decoder(discrete)
+    d = Decoder(small_model(num_layers=2, mixer="deltanet"))  # a discrete stack of DeltaNet
     d.generate(prompt[:1], 3, greedy=True)
-    assert d.decoded_by == "decoding pass (the model's depth is not ODE blocks)"
+    assert d.decoded_by == "decoding pass (the mixer 'deltanet' is not causal softmax attention)"
     with pytest.raises(ValueError, match="lean"):
         Decoder(model, lean="yes")
 

@@ -50,9 +50,11 @@ class Decoder:
     CUDA refuses to record the step, the decoder warns once and decodes without replay.
 
     ``lean`` (eager, with the cache): the model's own solve runs as the lean step
-    (:class:`.lean_draft.LeanDraft`: the solve written out op by op, with caches of its own)
-    where it covers the model: batch 1 on the CPU, and the prompt and each verification of
-    self-speculative decoding. The same logits up to rounding (tests/test_lean_draft.py) at
+    (:class:`.lean_draft.LeanDraft`: the solve written out op by op, with caches of its own;
+    a discrete stack's layers: :class:`.lean_stack.LeanStack`, which also runs its first-layer
+    drafts) where it covers the model: batch 1 on the CPU, and the prompt and each
+    verification of self-speculative decoding. The same logits up to rounding
+    (tests/test_lean_draft.py, tests/test_lean_stack.py) at
     about half the time per token on a small model, whose one-token pass is mostly dispatch
     and Python. ``decoded_by`` says how the last plain stream ran ("lean step", or "decoding
     pass" and why); a speculative stream's ``stats.verified_by`` the same. False: always

@@ -46,20 +46,11 @@ def _plus(x: torch.Tensor, te) -> torch.Tensor:
     return x if te is None else x + te
 
 
-def refusal(model, blocks) -> str | None:
-    """Why :class:`LeanDraft` cannot run ``model`` with the solve ``blocks`` (per block:
-    (solver, config): speculative._Solves' snapshot of a draft, or :func:`own_solve`), in one
-    phrase; None when it can."""
-    cfg = model.config
-    if cfg.depth != "ode":
-        return "the model's depth is not ODE blocks"
+def common_refusal(model, skipped: list) -> str | None:
+    """What no lean step runs (an ODE model's or a discrete stack's), in one phrase, or None;
+    ``skipped``: the modules besides the embeddings the step would not call."""
     if model.training or torch.is_grad_enabled():
         return "it runs in inference alone (eval mode, no gradient)"
-    depth = model.depth
-    if (getattr(depth, "exit", None) is not None or getattr(depth, "ladder", None) is not None
-            or getattr(depth, "extras", None) is not None
-            or getattr(depth, "record", None) is not None):
-        return "the model exits per token, records states or runs regularizers"
     if type(model.tok_emb) is not nn.Embedding or (
             model.pos_emb is not None and type(model.pos_emb) is not nn.Embedding):
         return "the embeddings are not plain nn.Embedding"
@@ -67,26 +58,55 @@ def refusal(model, blocks) -> str | None:
         return "an embedding renormalizes its rows (max_norm)"
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return "a global module hook is registered (the step calls few modules)"
-    skipped = [model.tok_emb, model.pos_emb, model.drop, model.depth, *model.depth.blocks,
-               *(b.field for b in model.depth.blocks),
-               *(b.field.mixer for b in model.depth.blocks if hasattr(b.field, "mixer")),
-               *(b.field.mixer.qkv for b in model.depth.blocks
-                 if hasattr(b.field, "mixer") and hasattr(b.field.mixer, "qkv"))]
-    for m in skipped:
+    for m in [model.tok_emb, model.pos_emb, model.drop, model.depth, *skipped]:
         # the step computes the attention itself: a mixer's replaced methods are skipped too
-        replaced = {"forward", "extend", "read", "write"} & set(vars(m)) if m is not None else ()
+        replaced = ({"forward", "extend", "read", "write", "_layer"} & set(vars(m))
+                    if m is not None else ())
         if m is not None and (m._forward_hooks or m._forward_pre_hooks or replaced):
             return (f"{type(m).__name__} has hooks or a replaced forward (or attention "
                     f"method), which the step would not call")
-    for block, (solver, _) in zip(model.depth.blocks, blocks):
+    return None
+
+
+def attention_refusal(mixer, name: str) -> str | None:
+    """Why the lean step cannot compute ``mixer`` itself (causal softmax attention with plain
+    projections and no active dropout), or None; ``name``: the config's mixer."""
+    if type(mixer) is not SoftmaxAttention or not mixer.causal:
+        return f"the mixer {name!r} is not causal softmax attention"
+    for lin in (mixer.qkv, mixer.out_proj):
+        if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks:
+            return "the attention's projections are not plain nn.Linear without hooks"
+    if mixer.attn_drop.active() or mixer.resid_dropout.active():
+        return "dropout is active"
+    return None
+
+
+def refusal(model, blocks) -> str | None:
+    """Why :class:`LeanDraft` cannot run ``model`` with the solve ``blocks`` (per block:
+    (solver, config): speculative._Solves' snapshot of a draft, or :func:`own_solve`), in one
+    phrase; None when it can."""
+    cfg = model.config
+    if cfg.depth != "ode":
+        return "the model's depth is not ODE blocks"
+    depth = model.depth
+    why = common_refusal(model, [
+        *depth.blocks, *(b.field for b in depth.blocks),
+        *(b.field.mixer for b in depth.blocks if hasattr(b.field, "mixer")),
+        *(b.field.mixer.qkv for b in depth.blocks
+          if hasattr(b.field, "mixer") and hasattr(b.field.mixer, "qkv"))])
+    if why is not None:
+        return why
+    if (getattr(depth, "exit", None) is not None or getattr(depth, "ladder", None) is not None
+            or getattr(depth, "extras", None) is not None
+            or getattr(depth, "record", None) is not None):
+        return "the model exits per token, records states or runs regularizers"
+    for block, (solver, _) in zip(depth.blocks, blocks):
         f = block.field
         if type(f) not in (SequentialField, ParallelField) or block.field.post_mlp:
             return f"the field {cfg.field!r} is not the sequential or parallel one"
-        if type(f.mixer) is not SoftmaxAttention or not f.mixer.causal:
-            return f"the mixer {cfg.mixer!r} is not causal softmax attention"
-        for lin in (f.mixer.qkv, f.mixer.out_proj):
-            if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks:
-                return "the attention's projections are not plain nn.Linear without hooks"
+        why = attention_refusal(f.mixer, cfg.mixer)
+        if why is not None:
+            return why
         if any(d.active() for d in block._dropouts):
             return "dropout is active"
         if (not isinstance(solver, FixedGridSolver) or type(solver).step is not
@@ -127,28 +147,33 @@ def own_solve(model) -> list[tuple]:
 
 
 def own_step(model, idx: torch.Tensor, asked: bool, frozen: bool = False,
-             use_cache: bool = True) -> tuple[LeanDraft | None, str]:
+             use_cache: bool = True) -> tuple[LeanBase | None, str]:
     """(the lean step of the model's own solve, or None; how the own solve runs: "lean step",
     or "decoding pass (why)") for decoding ``idx``: one rule for plain decoding (stream.py) and
     self-speculative verification (speculative.py). ``asked``: the decoder's ``lean``;
-    ``frozen``: compiled or recorded steps run the solve instead."""
+    ``frozen``: compiled or recorded steps run the solve instead. ODE blocks run as
+    :class:`LeanDraft`, a discrete stack of layers as :class:`.lean_stack.LeanStack`."""
+    from .lean_stack import LeanStack, stack_refusal  # it builds on this module
+
     why = ("Decoder(lean=False)" if not asked else "no cache" if not use_cache else
            "compiled or recorded steps" if frozen else
            "batch > 1" if idx.shape[0] != 1 else
-           f"on {idx.device.type}, not the CPU" if idx.device.type != "cpu" else
-           refusal(model, own_solve(model)))
+           f"on {idx.device.type}, not the CPU" if idx.device.type != "cpu" else None)
+    stack = model.config.depth != "ode" and hasattr(model.depth, "layers")
+    if why is None:
+        why = stack_refusal(model) if stack else refusal(model, own_solve(model))
     if why is not None:
         return None, f"decoding pass ({why})"
-    return LeanDraft(model, own_solve(model)), "lean step"
+    return (LeanStack(model) if stack else LeanDraft(model, own_solve(model))), "lean step"
 
 
-class LeanDraft:
-    """Tokens through ``model``'s blocks integrated with the solve ``blocks`` (a draft's, or
-    the model's own: :func:`own_solve`; see :func:`refusal`), each block's memory in buffers
-    of its own; ``pos`` tokens so far.
-    :meth:`logits` extends by any number of tokens, :meth:`crop` cuts back."""
+class LeanBase:
+    """What every lean step shares: the embeddings, final norm and head bound once, the
+    memory's buffers (keys and values per cache, written at a position), ``pos`` tokens so
+    far. :class:`LeanDraft` (ODE blocks) and :class:`.lean_stack.LeanStack` (a discrete
+    stack) run the depth between."""
 
-    def __init__(self, model, blocks):
+    def __init__(self, model):
         self.model, self.pos = model, 0
         # what each token reads, bound once (module attribute look-ups cost microseconds)
         self.emb = model.tok_emb.weight
@@ -156,6 +181,69 @@ class LeanDraft:
         self.max_len = model.config.max_seq_len
         self.head = _direct(model.lm_head)
         self.norm_f = _direct(model.norm_f)
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def crop(self, length: int) -> None:
+        self.pos = min(self.pos, length)
+
+    def _write(self, where: tuple, att: SoftmaxAttention, k: torch.Tensor,
+               v: torch.Tensor, pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put keys and values (1, H, T, D) of the tokens at ``pos``.. (default: self.pos)
+        into the cache ``where`` (doubling its capacity as needed); every token's so far."""
+        pos = self.pos if pos is None else pos
+        T = k.shape[-2]
+        if att.rope is not None:
+            k = att.rope(k, pos)
+        bufs = self._buffers.get(where)
+        if bufs is None or bufs[0].shape[-2] < pos + T:
+            size = max(pos + T, 16, 2 * bufs[0].shape[-2] if bufs else 0)
+            new = [k.new_zeros(*k.shape[:-2], size, k.shape[-1]) for _ in range(2)]
+            if bufs:
+                for n, o in zip(new, bufs):
+                    n[..., :pos, :] = o[..., :pos, :]
+            self._buffers[where] = bufs = new
+        bufs[0][..., pos:pos + T, :] = k
+        bufs[1][..., pos:pos + T, :] = v
+        return bufs[0][..., :pos + T, :], bufs[1][..., :pos + T, :]
+
+    def _embed(self, tokens: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the embedded ``tokens`` at positions pos.., (1, T, C); the additive mask of their
+        queries against every key so far, None for one token)."""
+        T = len(tokens)
+        # one token by an integer index (a view), several by a gather
+        x = self.emb[tokens[0]][None, None] if T == 1 else self.emb[tokens][None]
+        if self.pos_table is not None:
+            if pos + T > self.max_len:
+                raise ValueError(f"sequence of {pos + T} tokens is longer than max_seq_len = "
+                                 f"{self.max_len}, the size of this model's learned position "
+                                 f"table.")
+            x = x + self.pos_table[pos:pos + T]
+        return x, self._mask(T, pos, x)
+
+    def _read_out(self, x: torch.Tensor, every: bool) -> torch.Tensor:
+        """The logits after every row of ``x`` (1, T, C), (T, V), or after its last, (V,):
+        the head sees rows (N, C), as from the decoding pass (a head called as a module)."""
+        out = self.head(self.norm_f(x[0] if every else x[0, -1:]))
+        return out if every else out[0]
+
+    @staticmethod
+    def _mask(T: int, pos: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The queries of the T tokens at pos.. against every key so far: key j is seen by
+        query i when j <= pos + i; None for one token. Additive, made once per call: a
+        boolean mask is converted by every attention, about a third of its time at a few
+        tokens."""
+        return None if T == 1 else torch.full((T, pos + T), float("-inf"), dtype=like.dtype,
+                                              device=like.device).triu(pos + 1)
+
+
+class LeanDraft(LeanBase):
+    """Tokens through ``model``'s blocks integrated with the solve ``blocks`` (a draft's, or
+    the model's own: :func:`own_solve`; see :func:`refusal`), each block's memory in buffers
+    of its own; ``pos`` tokens so far.
+    :meth:`logits` extends by any number of tokens, :meth:`crop` cuts back."""
+
+    def __init__(self, model, blocks):
+        super().__init__(model)
         self.blocks = []
         for block, (solver, cfg) in zip(model.depth.blocks, blocks):
             att = block.field.mixer
@@ -173,32 +261,9 @@ class LeanDraft:
                 field_dt=dt / solver.tableau.stages if cfg.ode_dt_embedding_reads ==
                 "evaluation" else dt, times=grid(cfg.ode_t0, cfg.ode_t1, cfg.ode_steps)))
         self.nfe = sum(len(b["times"]) * b["tab"].stages for b in self.blocks)
-        self._buffers: dict[tuple, list[torch.Tensor]] = {}
         # the time (and step-size) embeddings by (block, t, dtype): in inference they depend on
         # nothing else while a stream runs, and a draft evaluates few distinct times
         self._temb: dict[tuple, torch.Tensor | None] = {}
-
-    def crop(self, length: int) -> None:
-        self.pos = min(self.pos, length)
-
-    def _write(self, where: tuple, att: SoftmaxAttention, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put keys and values (1, H, T, D) of the tokens at pos.. into the cache ``where``
-        (doubling its capacity as needed); every token's so far."""
-        pos, T = self.pos, k.shape[-2]
-        if att.rope is not None:
-            k = att.rope(k, pos)
-        bufs = self._buffers.get(where)
-        if bufs is None or bufs[0].shape[-2] < pos + T:
-            size = max(pos + T, 16, 2 * bufs[0].shape[-2] if bufs else 0)
-            new = [k.new_zeros(*k.shape[:-2], size, k.shape[-1]) for _ in range(2)]
-            if bufs:
-                for n, o in zip(new, bufs):
-                    n[..., :pos, :] = o[..., :pos, :]
-            self._buffers[where] = bufs = new
-        bufs[0][..., pos:pos + T, :] = k
-        bufs[1][..., pos:pos + T, :] = v
-        return bufs[0][..., :pos + T, :], bufs[1][..., :pos + T, :]
 
     def _te(self, b: dict, t: float, like: torch.Tensor):
         key = (b["key"], t, like.dtype)
@@ -245,19 +310,7 @@ class LeanDraft:
         """The logits (V,) after ``tokens``, the tokens at positions pos.. (pos moves on by
         their number); ``every``: after each of them, (len(tokens), V)."""
         pos, T = self.pos, len(tokens)
-        # one token by an integer index (a view), several by a gather
-        x = self.emb[tokens[0]][None, None] if T == 1 else self.emb[tokens][None]
-        if self.pos_table is not None:
-            if pos + T > self.max_len:
-                raise ValueError(f"sequence of {pos + T} tokens is longer than max_seq_len = "
-                                 f"{self.max_len}, the size of this model's learned position "
-                                 f"table.")
-            x = x + self.pos_table[pos:pos + T]
-        # queries at pos.. against every key so far: key j is seen by query i when j <= pos + i
-        # (additive, made once per call: a boolean mask is converted by every evaluation's
-        # attention, which costs about a third of its time at a few tokens)
-        mask = None if T == 1 else torch.full((T, pos + T), float("-inf"), dtype=x.dtype,
-                                              device=x.device).triu(pos + 1)
+        x, mask = self._embed(tokens, pos)
         for b in self.blocks:
             cfg, tab, dt, f = b["cfg"], b["tab"], b["dt"], b["field"]
             if f.dt != b["field_dt"]:
@@ -285,4 +338,4 @@ class LeanDraft:
                         kv = read  # the memory the step's later stages read
                 x = combine(x, dt, tab.b, ks)
         self.pos += T
-        return self.head(self.norm_f(x[0] if every else x[0, -1]))
+        return self._read_out(x, every)

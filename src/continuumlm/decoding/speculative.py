@@ -40,6 +40,7 @@ import torch
 from ..model.cache import DecodeState
 from .draft import AUTO, MAX_AUTO_TOKENS, Draft, DraftStats
 from .lean_draft import LeanDraft, own_step, refusal
+from .lean_stack import LeanStack
 from .sampling import probabilities
 
 
@@ -263,8 +264,13 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     verify_step, verify_nfe = None, 0  # the same for the model's state and its solve
 
     lean = None  # the draft solve's lean step (lean_draft.py), with caches of its own
+    # the own solve's lean step, with caches of its own (then main holds none), or None
+    verifier, stats.verified_by = own_step(model, idx, lean_own, freeze_block is not None)
+    # a discrete stack's lean step drafts through its first layers too, in its own caches
+    # (the verifier's: LayerSkip's reuse), when the drafts reuse them
+    stacked = reuse and isinstance(verifier, LeanStack)
     if draft.layers is not None:
-        stats.drafted_by = "first layers"
+        stats.drafted_by = "first layers" + (", lean step" if stacked else "")
     else:
         why = ("Draft(lean=False)" if not draft.lean else
                "compiled or recorded drafts" if freeze is not None else
@@ -272,14 +278,16 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         if why is None:
             lean = LeanDraft(model, solves.draft[1])
         stats.drafted_by = "lean step" if lean is not None else f"decoding pass ({why})"
-    # the own solve's lean step, with caches of its own (then main holds none), or None
-    verifier, stats.verified_by = own_step(model, idx, lean_own, freeze_block is not None)
 
     def logits(ids: list[int], state) -> torch.Tensor:
         if state is main and verifier is not None:
             out = verifier.logits(ids, every=True)
             stats.nfe += verifier.nfe
             return out
+        if state is side and stacked:
+            rows = [verifier.draft(t, draft.layers) for t in ids]
+            stats.nfe += draft.layers * len(ids)
+            return torch.stack(rows)
         if state is side and lean is not None:
             out = lean.logits(ids)
             stats.nfe += lean.nfe
@@ -304,6 +312,10 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         """The model's logits after the pending token and each draft, (k + 1, V), from the
         draft's states: the last draft through the first layers (the others went through
         them while drafting), then the later layers over every one of them."""
+        if stacked:
+            out = verifier.resume(last_draft, draft.layers)
+            stats.nfe += verifier.nfe  # the last draft's first layers, everyone's later ones
+            return out
         with solves.drafting():
             model.hidden_states(torch.tensor([[last_draft]], device=device), side)
         stats.nfe += model.last_nfe
@@ -327,7 +339,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         why = main.frozen_crop_refusal()  # before any token: the draft's caches are alike
         if why is not None:
             raise ValueError(f"draft= with compile or CUDA graphs: {why}.")
-    if reuse:
+    if reuse and not stacked:
         # the draft state holds the model state's caches of the first layers: what the
         # drafts write there is what the verifier reads, and both states move together
         side.share(main, [("layer", i) for i in range(draft.layers)])
@@ -343,7 +355,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         qs: list[torch.Tensor] = []
         if k_now > 0:
             with solves.drafting():
-                row = logits(seq[(lean or side).pos:], side)[-1]  # catch up, draft one
+                # catch up, draft one
+                row = logits(seq[(verifier if stacked else lean or side).pos:], side)[-1]
                 if freeze is not None and frozen_step is None:
                     # frozen here, at the round's first draft: every later cut keeps at
                     # least this much (a frozen recurrent cache cuts back no further)

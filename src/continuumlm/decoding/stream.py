@@ -51,8 +51,8 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
     consumed in one pass (``model.step``) and each token after it is a one-token step:
     ``model.step`` again, or, when ``freeze`` is given, the frozen step it returns for the
     state (``freeze(state) -> fn(ids, state) -> logits``; see :mod:`.frozen`), or, with
-    ``lean`` (eager, batch 1, on the CPU), :class:`.lean_draft.LeanDraft`'s step of the
-    model's own solve where it covers the model (caches of its own; ``said`` is told which
+    ``lean`` (eager, batch 1, on the CPU), the lean step of the model's own solve
+    (lean_draft.own_step: ODE blocks or a discrete stack) where it covers the model (caches of its own; ``said`` is told which
     ran: "lean step", or "decoding pass" and why not)."""
     with streaming(model, threads):
         seq = idx
