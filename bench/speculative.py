@@ -32,6 +32,7 @@ from common import machine, markdown_table, write_json
 from continuumlm import Draft, LanguageModel, ModelConfig
 from continuumlm.decoding import Decoder
 from continuumlm.decoding.lean_draft import LeanDraft, refusal
+from continuumlm.decoding.lean_stack import LeanStack
 from continuumlm.decoding.speculative import _Solves
 
 DRAFTS = [("euler", 1), ("euler", 2), ("euler", 4), ("midpoint", 1), ("rk4", 1)]
@@ -64,16 +65,18 @@ class FieldClock:
     """Wall time spent inside the ODE blocks' vector-field evaluations, or a discrete stack's
     layers (eager decoding), to tell what share of a token's time is outside them: embedding,
     head, sampling, the solver's combinations, cache bookkeeping, Python. The field's (or
-    layer's) class ``forward`` is wrapped while the clock runs, and so is the lean draft step's
-    field evaluation (decoding/lean_draft.py, which does not call the field module): not hooks
-    or an instance's replaced forward, which the lean step refuses (it would skip them)."""
+    layer's) class ``forward`` is wrapped while the clock runs, and so are the lean steps'
+    field evaluation and layer (decoding/lean_draft.py, lean_stack.py, which do not call
+    those modules): not hooks or an instance's replaced forward, which the lean steps refuse
+    (they would skip them)."""
 
     def __init__(self, model) -> None:
         self.seconds = 0.0
         units = ([b.field for b in model.depth.blocks] if hasattr(model.depth, "blocks")
                  else list(model.depth.layers))
         self.patched = [(cls, "forward", cls.forward) for cls in dict.fromkeys(map(type, units))]
-        self.patched.append((LeanDraft, "_field", LeanDraft._field))
+        self.patched += [(LeanDraft, "_field", LeanDraft._field),
+                         (LeanStack, "_layer", LeanStack._layer)]
         for cls, name, fn in self.patched:
             setattr(cls, name, self._timed(fn))
 
@@ -217,7 +220,7 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
     through the own solve, the verification of k drafts ("verify", by k); the own solve (plain
     and verify) by the lean step where decoding runs it so ("own_by"). What a round costs
     before its bookkeeping: k drafts and one verification."""
-    from continuumlm.decoding.lean_draft import own_solve
+    from continuumlm.decoding.lean_draft import own_step
     from continuumlm.decoding.speculative import FirstLayers
 
     lean = None  # the own solve's lean step, made in inference mode below where it applies
@@ -253,8 +256,7 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
     one = prompt[:, -1:]
     out = {"plain_ms": None, "draft_ms": {}, "verify_ms": {}}
     with torch.inference_mode():
-        if refusal(model, own_solve(model)) is None:
-            lean = LeanDraft(model, own_solve(model))
+        lean = own_step(model, prompt, True)[0]  # ODE blocks or a discrete stack
         out["own_by"] = "lean step" if lean is not None else "decoding pass"
         timed_own(one)  # warm-up
         out["plain_ms"] = timed_own(one)
@@ -263,7 +265,11 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
         cfg = model.config
         for solver, steps in drafts:
             name = f"first {steps} layers" if solver == "layers" else f"{solver} x {steps}"
-            if solver == "layers":
+            if solver == "layers" and isinstance(lean, LeanStack):
+                # what speculative decoding drafts with here: the stack's lean step
+                ms = layers_ms(LeanStack(model), prompt, steps, reps, inner)
+                out.setdefault("draft_by", {})[name] = "lean step"
+            elif solver == "layers":
                 with FirstLayers(model, steps).drafting():
                     ms = timed(one)
             elif refusal(model, _Solves(model, solver, steps).draft[1]) is None:
@@ -291,6 +297,21 @@ def lean_ms(model, prompt, solves, reps: int, inner: int) -> float:
         t0 = time.perf_counter()
         for _ in range(inner):
             lean.logits([int(prompt[0, -1])])
+            lean.crop(at)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return round(1e3 * best, 4)
+
+
+def layers_ms(lean, prompt, layers: int, reps: int, inner: int) -> float:
+    """Milliseconds of one token drafted through a discrete stack's first ``layers`` layers
+    by its lean step (decoding/lean_stack.py) after ``prompt``, the fastest of ``reps``
+    means over ``inner``."""
+    lean.logits(prompt[0].tolist())
+    at, best = lean.pos, float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            lean.draft(int(prompt[0, -1]), layers)
             lean.crop(at)
         best = min(best, (time.perf_counter() - t0) / inner)
     return round(1e3 * best, 4)

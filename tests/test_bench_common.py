@@ -751,7 +751,9 @@ def test_pass_costs_time_each_pass_of_a_round():
     costs = speculative.pass_costs(stack, prompt, [("layers", 1)], ks=(2,), reps=1, inner=2)
     assert set(costs["draft_ms"]) == {"first 1 layers"}
     assert list(stack.depth.layers) == layers
-    assert costs.get("draft_by") is None  # a discrete stack drafts with its layers
+    # a discrete stack drafts with its first layers, through its lean step as decoding does
+    assert costs["draft_by"] == {"first 1 layers": "lean step"}
+    assert costs["own_by"] == "lean step" and costs["draft_ms"]["first 1 layers"] > 0
 
 
 def test_decode_sums_every_prompt_and_says_how_it_drafted():
@@ -781,6 +783,18 @@ def test_decode_sums_every_prompt_and_says_how_it_drafted():
     assert stats["drafted_by"] == "lean step" and 0 < stats["outside_field"] < 1
     assert type(model.depth.blocks[0].field).forward is field_forward
     assert LeanDraft._field is lean_field
+    # a discrete stack: its lean step's layers are timed as the field
+    from continuumlm.decoding.lean_stack import LeanStack
+
+    stack, lean_layer = small_model(num_layers=3).eval(), LeanStack._layer
+    clock = speculative.FieldClock(stack)
+    try:
+        _, _, stats = speculative.decode(Decoder(stack), prompts, 12,
+                                         Draft(layers=1, tokens=3), clock=clock)
+    finally:
+        clock.remove()
+    assert stats["drafted_by"] == "first layers, lean step" and 0 < stats["outside_field"] < 1
+    assert clock.seconds > 0 and LeanStack._layer is lean_layer
 
 
 def test_confirmed_times_against_both_plain_decodings():

@@ -73,18 +73,23 @@ class LeanStack(LeanBase):
 
     def _run(self, x: torch.Tensor, mask, start: int, stop: int, pos: int) -> torch.Tensor:
         """Layers ``start``..``stop - 1`` over ``x`` (1, T, C), the tokens at ``pos``.."""
-        B, T, C = x.shape
         for lay in self.layers[start:stop]:
-            qkv = F.linear(lay["norm1"](x), lay["w"], lay["b"]).view(
-                B, T, 3, lay["heads"], lay["head_dim"])
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            if lay["rope"] is not None:
-                q = lay["rope"](q, pos)
-            kv = self._write(lay["key"], lay["att"], k, v, pos)
-            y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
-            x = x + lay["out"](y.transpose(1, 2).reshape(B, T, C))
-            x = x + lay["mlp"](lay["norm2"](x))
+            x = self._layer(lay, x, mask, pos)
         return x
+
+    def _layer(self, lay: dict, x: torch.Tensor, mask, pos: int) -> torch.Tensor:
+        """One pre-norm layer over ``x`` (1, T, C), the tokens at ``pos``.., writing its
+        keys and values to the layer's cache."""
+        B, T, C = x.shape
+        qkv = F.linear(lay["norm1"](x), lay["w"], lay["b"]).view(B, T, 3, lay["heads"],
+                                                                 lay["head_dim"])
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if lay["rope"] is not None:
+            q = lay["rope"](q, pos)
+        kv = self._write(lay["key"], lay["att"], k, v, pos)
+        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+        x = x + lay["out"](y.transpose(1, 2).reshape(B, T, C))
+        return x + lay["mlp"](lay["norm2"](x))
 
     def logits(self, tokens: list[int], every: bool = False) -> torch.Tensor:
         """The logits (V,) after ``tokens``, the tokens at positions pos.. through every

@@ -287,7 +287,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         if state is side and stacked:
             rows = [verifier.draft(t, draft.layers) for t in ids]
             stats.nfe += draft.layers * len(ids)
-            return torch.stack(rows)
+            return rows[0][None] if len(rows) == 1 else torch.stack(rows)
         if state is side and lean is not None:
             out = lean.logits(ids)
             stats.nfe += lean.nfe
