@@ -808,7 +808,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
         if untrained:
             s = findings.speculative_best(untrained[0], "greedy")[1]
             text += f", against {s:.2f}x greedy on the baby GPT trained without it"
-        text += "."
+        text += "." + _against_pass(trained, "every layer of the stack")
         best = findings.median_seed(trained, "greedy")[3]
         if "outside_field" in best:
             text += (f" What bounds it: a drafted token pays the embedding, final norm, head "
@@ -852,7 +852,8 @@ def layer_skip(r: dict, results: dict) -> str | None:
                     f"{'met' if top >= 1.5 else 'missed'}; greedy text from these small "
                     f"models repeats itself ({distinct[0]}-{distinct[-1]} distinct characters "
                     f"in each seed's plain greedy output), which drafts predict well, so the "
-                    f"sampled figure is the sterner one)" if len(at1) > 1 else "") + ".")
+                    f"sampled figure is the sterner one)" if len(at1) > 1 else "") + "."
+                 + _against_pass(at1, "every layer of the stack"))
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
     deep_trained = findings.speculative_models(results, "speculative_layerskip12", "layerskip")
     if deep and deep_trained:
@@ -860,7 +861,11 @@ def layer_skip(r: dict, results: dict) -> str | None:
         text += (f" Twelve layers of the same width give the drafts more to stand in for but "
                  f"agree less per layer: the recipe's first 3 layers agree at "
                  f"{100 * deep['agreement']:.0f}%, and drafting runs at {speedup:.2f}x greedy "
-                 f"at best ({best['draft']}, k {findings.k_of(best)}).")
+                 f"at best ({best['draft']}, k {findings.k_of(best)}"
+                 + ("; plain decoding and the drafts through the decoding pass, measured before "
+                    "the stack's lean step" if not any("plain_by" in x
+                                                       for x in deep_trained[0]["rows"]) else "")
+                 + ").")
     return text
 
 
@@ -1072,14 +1077,15 @@ def _euler1_speculative(results: dict, target: float) -> str:
     return text + _against_pass(seeds)
 
 
-def _against_pass(seeds: list[dict]) -> str:
+def _against_pass(seeds: list[dict], own: str = "the model's own solve") -> str:
     """The baseline a speculative record's re-timed rows were taken against, where they were
-    also taken against plain decoding through the decoding pass (findings.against_pass)."""
+    also taken against plain decoding through the decoding pass (findings.against_pass);
+    ``own``: what plain decoding runs (a discrete stack: every layer)."""
     both = [findings.against_pass(seeds, d) for d in ("greedy", "sampled")]
     if None in both:
         return ""
     (g, lean_g), (s, lean_s) = both
-    return (f" Plain decoding there runs the model's own solve through the lean step too (the "
+    return (f" Plain decoding there runs {own} through the lean step too (the "
             f"default, Decoder(lean=True): batch 1, eager, CPU), at {lean_g:.2f}x (greedy) and "
             f"{lean_s:.2f}x (sampled) its rate through the decoding pass, so the verifying "
             f"pass and the plain tokens it is measured against are both lean; against plain "
