@@ -354,7 +354,8 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         if k_now > 0:
-            with solves.drafting():
+            # a lean draft calls none of the model's modules: nothing to swap
+            with contextlib.nullcontext() if stacked or lean is not None else solves.drafting():
                 # catch up, draft one
                 row = logits(seq[(verifier if stacked else lean or side).pos:], side)[-1]
                 if freeze is not None and frozen_step is None:
