@@ -208,6 +208,11 @@ def decoding(results: dict) -> str | None:
                 f"(the lean step, the same logits to 1e-10 in float64), at {ratio[1]:.2f}x the "
                 f"decoding pass's tokens/s on the Shakespeare any-depth model (bench/"
                 f"speculative.py's re-timed rows).")
+        x1 = speculative_models(results, "speculative_layerskip_x1", "layerskip_x1")
+        stack = against_pass(x1, "greedy") if x1 else None
+        if stack is not None:
+            lean = lean[:-1] + (f"; a discrete stack's layers run the same way, at "
+                                f"{stack[1]:.2f}x on the LayerSkip-trained baby GPT.")
     return (f"**Cached decoding through ODE depth is exact** (every fixed-grid solver and mixer; "
             f"one cache per solver stage evaluation, equal to recomputing to 1e-4 in the logits, "
             f"tested), which the Julia seed ruled out; on a 4-block RK4 x 4 model it is "
