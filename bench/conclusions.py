@@ -820,7 +820,9 @@ def layer_skip(r: dict, results: dict) -> str | None:
         bound = findings.speculative_bound(median, target)
         if bound:
             text += (f" Timed pass by pass (one cached forward alone, before a round's "
-                     f"bookkeeping): {bound}.")
+                     f"bookkeeping; the verification as a whole-stack pass over the drafted "
+                     f"block, which decoding resumes from the drafts' first layers at "
+                     f"somewhat less): {bound}.")
     one = rows.get(("transformer_layerskip-exit-at-1", "layers:1"))
     # its seeds' own record (speculative_layerskip_x1), else the first seed's among the variants
     at1 = (findings.speculative_models(results, "speculative_layerskip_x1", "layerskip_x1")

@@ -219,7 +219,9 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
     by the lean step where speculative decoding drafts with it: "draft_by"), and k + 1 tokens
     through the own solve, the verification of k drafts ("verify", by k); the own solve (plain
     and verify) by the lean step where decoding runs it so ("own_by"). What a round costs
-    before its bookkeeping: k drafts and one verification."""
+    before its bookkeeping: k drafts and one verification. A discrete stack's verification is
+    timed as a whole pass over the k + 1 tokens; with layer drafts reusing their caches,
+    decoding resumes it from the drafts' first layers, which costs somewhat less."""
     from continuumlm.decoding.lean_draft import own_step
     from continuumlm.decoding.speculative import FirstLayers
 

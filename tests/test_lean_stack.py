@@ -57,13 +57,15 @@ def test_every_row_equals_the_decoding_pass(case):
         assert lean.pos == state.pos
 
 
+@pytest.mark.parametrize("case", list(CASES)[:3])
 @pytest.mark.parametrize("layers", [1, 2])
 @torch.inference_mode()
-def test_drafts_and_the_resumed_verification_equal_the_decoding_pass(layers):
+def test_drafts_and_the_resumed_verification_equal_the_decoding_pass(case, layers):
     """Drafts through the first layers (through the final norm and head) equal the decoding
     pass's first layers; the verifying pass resumed from their states equals the whole stack
-    over the pending tokens and the last draft; a cut back after it drops what was not kept."""
-    model = _model(dict(position="learned"))
+    over the pending tokens and the last draft; a cut back after it drops what was not kept.
+    The last round drafts past the caches' first capacity (16) with drafts pending."""
+    model = _model(dict(CASES[case]))
     first = FirstLayers(model, layers)
     lean = LeanStack(model)
     state, side = model.init_state(1), model.init_state(1)
@@ -73,7 +75,7 @@ def test_drafts_and_the_resumed_verification_equal_the_decoding_pass(layers):
     with first.drafting():
         model.step(torch.tensor([prompt]), side)
     g = torch.Generator().manual_seed(1)
-    for k, kept in ((3, 1), (4, 4), (1, 0)):
+    for k, kept in ((3, 1), (4, 4), (1, 0), (9, 5)):
         tokens = torch.randint(0, 37, (k + 1,), generator=g).tolist()
         before = lean.pos
         for t in tokens[:-1]:
@@ -124,6 +126,26 @@ def test_plain_and_speculative_decoding_keep_the_decoding_pass_tokens(case):
     assert lean.decoded_by == "lean step"
 
 
+def test_speculative_decoding_up_to_the_learned_positions_and_lean_false():
+    """Learned positions: drafting rounds shrink so the verifying pass fits the table, up to
+    its last position (greedy, plain decoding's tokens). Draft(lean=False): the drafts, and
+    the verifying pass whose caches they share, through the decoding pass."""
+    model = _model(dict(position="learned", max_seq_len=24))
+    prompt = torch.randint(0, 37, (1, 5), generator=torch.Generator().manual_seed(8))
+    plain = Decoder(model, lean=False).generate(prompt, 20, greedy=True)
+    for lean in (True, False):
+        stream = Decoder(model).stream(prompt, 20, greedy=True,
+                                       draft=Draft(layers=1, tokens=6, lean=lean))
+        assert [int(t) for t in stream] == plain[0, 5:].tolist()
+        assert stream.stats.drafted_by == ("first layers, lean step" if lean else
+                                           "first layers")
+        assert stream.stats.verified_by == (
+            "lean step" if lean else
+            "decoding pass (Draft(lean=False): the drafts share its caches)")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(prompt, 21, greedy=True, draft=Draft(layers=1))
+
+
 def test_drafts_that_do_not_reuse_the_caches_go_through_the_decoding_pass():
     """Draft(reuse=False): the drafts through the decoding pass's first layers, the verifying
     pass through the lean step: plain decoding's tokens."""
@@ -155,6 +177,12 @@ def test_refusals_name_the_reason():
     mixer.extend = lambda *a, __f=mixer.extend, **k: __f(*a, **k)  # a replaced method
     assert why(model).startswith("decoding pass (SoftmaxAttention has hooks or a replaced")
     del mixer.extend
+    mixer._attend = lambda *a, __f=mixer._attend, **k: __f(*a, **k)
+    assert why(model).startswith("decoding pass (SoftmaxAttention has hooks or a replaced")
+    del mixer._attend
+    handle = mixer.resid_dropout.register_forward_hook(lambda *a: None)
+    assert why(model).startswith("decoding pass (SharedDropout has hooks")
+    handle.remove()
     model.depth.record = []
     assert why(model) == "decoding pass (the stack records its layers' outputs)"
     model.depth.record = None

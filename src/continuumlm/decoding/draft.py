@@ -19,9 +19,11 @@ class Draft:
     and the verifier share the first layers' caches, and the verifying pass goes on from the
     states the drafts made there (LayerSkip's cache reuse: those layers see each drafted token
     once); False: the verifier runs every layer over the drafted tokens again. ``lean``
-    (ODE drafts, eager): the draft solve runs as :class:`.lean_draft.LeanDraft`'s step,
-    written out op by op with caches of its own, where it covers the model (the stream's
-    stats say which, and why not); False: through the decoding pass always. ``confidence``
+    (eager): the draft solve runs as :class:`.lean_draft.LeanDraft`'s step, written out op
+    by op with caches of its own, where it covers the model, and layer drafts that reuse the
+    caches through the stack's lean step (:class:`.lean_stack.LeanStack`), verified there too
+    (the stream's stats say which, and why not); False: through the decoding pass always.
+    ``confidence``
     (a probability in (0, 1)): a round stops drafting after the first draft the draft itself
     gives less than this probability (the softmax of its logits when greedy, its processed
     distribution when sampling), so ``tokens`` becomes the most per round: drafts likely to be
@@ -71,7 +73,8 @@ class DraftStats:
     kept_per_round: list[int] = field(default_factory=list)
     drafted_by: str = ""
     """How the drafts were made: "lean step" (:mod:`.lean_draft`), "decoding pass" (and why
-    not the lean step), or "first layers"."""
+    not the lean step), "first layers" (through the decoding pass), or "first layers, lean
+    step" (:mod:`.lean_stack`)."""
     verified_by: str = ""
     """How the model's own solve ran (the prompt and each verification): "lean step" or
     "decoding pass" (and why not the lean step)."""

@@ -6,9 +6,10 @@ machinery (gradient modes, regularizers, exits, compiled steps, padding) and mod
 and on a small model most of its time is there rather than in the field's products. The lean
 step writes the solve out op by op, with caches of its own: the speculative loop
 (``speculative.py``) drafts through it, and plain decoding (``stream.py``) and the verifying
-pass run the model's own solve through it, wherever :func:`refusal` finds nothing it does not
-do, through the decoding pass otherwise (the decoder and the stream's stats say which, and
-why). Measured on the Shakespeare any-depth models (bench/speculative.py, bench/draft_cost.py),
+pass run the model's own solve through it (:func:`own_step` decides: :func:`refusal` for ODE
+blocks, ``lean_stack.stack_refusal`` for a discrete stack, which runs as
+``lean_stack.LeanStack``), through the decoding pass otherwise (the decoder and the stream's
+stats say which, and why). Measured on the Shakespeare any-depth models (bench/speculative.py, bench/draft_cost.py),
 a drafted Euler x 1 token costs about a third of its decoding pass and a plain token under
 half.
 
@@ -60,8 +61,8 @@ def common_refusal(model, skipped: list) -> str | None:
         return "a global module hook is registered (the step calls few modules)"
     for m in [model.tok_emb, model.pos_emb, model.drop, model.depth, *skipped]:
         # the step computes the attention itself: a mixer's replaced methods are skipped too
-        replaced = ({"forward", "extend", "read", "write", "_layer"} & set(vars(m))
-                    if m is not None else ())
+        replaced = ({"forward", "extend", "read", "write", "_layer", "_attend", "_attention",
+                     "cache_factory"} & set(vars(m)) if m is not None else ())
         if m is not None and (m._forward_hooks or m._forward_pre_hooks or replaced):
             return (f"{type(m).__name__} has hooks or a replaced forward (or attention "
                     f"method), which the step would not call")
@@ -89,17 +90,20 @@ def refusal(model, blocks) -> str | None:
     if cfg.depth != "ode":
         return "the model's depth is not ODE blocks"
     depth = model.depth
-    why = common_refusal(model, [
-        *depth.blocks, *(b.field for b in depth.blocks),
-        *(b.field.mixer for b in depth.blocks if hasattr(b.field, "mixer")),
-        *(b.field.mixer.qkv for b in depth.blocks
-          if hasattr(b.field, "mixer") and hasattr(b.field.mixer, "qkv"))])
-    if why is not None:
-        return why
+    if model.training or torch.is_grad_enabled():
+        return "it runs in inference alone (eval mode, no gradient)"
     if (getattr(depth, "exit", None) is not None or getattr(depth, "ladder", None) is not None
             or getattr(depth, "extras", None) is not None
             or getattr(depth, "record", None) is not None):
         return "the model exits per token, records states or runs regularizers"
+    why = common_refusal(model, [
+        *depth.blocks, *(b.field for b in depth.blocks),
+        *(b.field.mixer for b in depth.blocks if hasattr(b.field, "mixer")),
+        *(b.field.mixer.qkv for b in depth.blocks
+          if hasattr(b.field, "mixer") and hasattr(b.field.mixer, "qkv")),
+        *(d for b in depth.blocks for d in getattr(b, "_dropouts", ()))])
+    if why is not None:
+        return why
     for block, (solver, _) in zip(depth.blocks, blocks):
         f = block.field
         if type(f) not in (SequentialField, ParallelField) or block.field.post_mlp:
@@ -222,7 +226,7 @@ class LeanBase:
 
     def _read_out(self, x: torch.Tensor, every: bool) -> torch.Tensor:
         """The logits after every row of ``x`` (1, T, C), (T, V), or after its last, (V,):
-        the head sees rows (N, C), as from the decoding pass (a head called as a module)."""
+        the head sees rows (N, C), as from ``model.step`` (a head called as a module)."""
         out = self.head(self.norm_f(x[0] if every else x[0, -1:]))
         return out if every else out[0]
 

@@ -33,15 +33,20 @@ def stack_refusal(model) -> str | None:
     if type(depth) is not DiscreteStack:
         return f"the depth {type(depth).__name__} is not a discrete stack of layers"
     layers = list(depth.layers)
-    why = common_refusal(model, [*layers, *(lay.mixer for lay in layers),
-                                 *(getattr(lay.mixer, "qkv", None) for lay in layers)])
+    for layer in layers:
+        if type(layer) is not TransformerBlock:
+            return f"the layer {type(layer).__name__} is not the pre-norm TransformerBlock"
+    why = common_refusal(model, [
+        *layers, *(lay.mixer for lay in layers),
+        *(m for lay in layers for m in (getattr(lay.mixer, "qkv", None),
+                                        getattr(lay.mixer, "attn_drop", None),
+                                        getattr(lay.mixer, "resid_dropout", None),
+                                        lay.mlp.dropout))])
     if why is not None:
         return why
     if depth.record is not None:
         return "the stack records its layers' outputs"
     for layer in layers:
-        if type(layer) is not TransformerBlock:
-            return f"the layer {type(layer).__name__} is not the pre-norm TransformerBlock"
         why = attention_refusal(layer.mixer, model.config.mixer)
         if why is not None:
             return why
@@ -106,17 +111,22 @@ class LeanStack(LeanBase):
         """The logits (V,) of the first ``layers`` layers after ``token``, the token after
         the pending ones, through the final norm and head (LayerSkip's early exit); its
         output there is kept for :meth:`resume`."""
+        return self._read_out(self._first(token, layers), False)
+
+    def _first(self, token: int, layers: int) -> torch.Tensor:
+        """``token``, the token after the pending ones, through the first ``layers`` layers
+        (1, 1, C), kept pending."""
         at = self.pos + len(self.pending)
         x, _ = self._embed([token], at)
         x = self._run(x, None, 0, layers, at)
         self.pending.append(x)
-        return self._read_out(x, False)
+        return x
 
     def resume(self, token: int, layers: int) -> torch.Tensor:
         """The logits (T, V) after each pending token and ``token`` (the last draft, through
         the first ``layers`` layers first), the later layers over all of them at once: the
         verifying pass, from the states the drafts made."""
-        self.draft(token, layers)
+        self._first(token, layers)
         h = torch.cat(self.pending, dim=1)
         self.pending.clear()
         T = h.shape[1]

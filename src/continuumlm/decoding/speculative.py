@@ -240,8 +240,9 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     same for :func:`.frozen.frozen_block_decoder`): the verifying pass of ``k + 1`` tokens
     goes through the frozen step over a block, the model's state frozen after the prompt.
     ``lean_own`` (eager): the model's own solve (the prompt, each verification) runs as
-    :class:`.lean_draft.LeanDraft`'s step of that solve where it covers the model, with
-    caches of its own (``stats.verified_by`` says which, and why not)."""
+    the lean step of that solve where it covers the model (lean_draft.own_step: ODE blocks,
+    or a discrete stack, whose first layers then draft through it too), with caches of its
+    own (``stats.verified_by`` says which, and why not)."""
     # LayerSkip's cache reuse (Draft.reuse): eager only, a frozen step keeps caches of its own
     reuse = (draft.layers is not None and draft.reuse and freeze is None
              and freeze_block is None)
@@ -268,7 +269,11 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     verifier, stats.verified_by = own_step(model, idx, lean_own, freeze_block is not None)
     # a discrete stack's lean step drafts through its first layers too, in its own caches
     # (the verifier's: LayerSkip's reuse), when the drafts reuse them
-    stacked = reuse and isinstance(verifier, LeanStack)
+    stacked = reuse and draft.lean and isinstance(verifier, LeanStack)
+    if reuse and not draft.lean and verifier is not None:
+        # the decoding pass's drafts share the model state's caches, which it then fills
+        verifier, stats.verified_by = None, ("decoding pass (Draft(lean=False): the drafts "
+                                             "share its caches)")
     if draft.layers is not None:
         stats.drafted_by = "first layers" + (", lean step" if stacked else "")
     else:
