@@ -222,7 +222,7 @@ def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
     before its bookkeeping: k drafts and one verification. A discrete stack's verification is
     timed as a whole pass over the k + 1 tokens; with layer drafts reusing their caches,
     decoding resumes it from the drafts' first layers, which costs somewhat less."""
-    from continuumlm.decoding.lean_draft import own_step
+    from continuumlm.decoding.lean import own_step
     from continuumlm.decoding.speculative import FirstLayers
 
     lean = None  # the own solve's lean step, made in inference mode below where it applies

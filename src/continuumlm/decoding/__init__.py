@@ -13,7 +13,7 @@ once per capacity and replays it (CUDA graphs; the CPU emulation in tests), behi
 cutting to m and decoding on equals decoding m and going on, which assisted and speculative
 decoding rely on. ``LanguageModel.generate`` reaches the decoder through ``registry.DECODERS``.
 At batch 1, eager, on the CPU, the model's own solve runs op by op instead, with caches of its
-own (lean_draft.py for ODE blocks, lean_stack.py for a discrete stack; ``own_step`` decides),
+own (lean_draft.py for ODE blocks, lean_stack.py for a discrete stack; lean.own_step decides),
 where it covers the model: the same logits, without the decoding state's and modules' dispatch.
 """
 

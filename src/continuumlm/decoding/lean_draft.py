@@ -6,7 +6,7 @@ machinery (gradient modes, regularizers, exits, compiled steps, padding) and mod
 and on a small model most of its time is there rather than in the field's products. The lean
 step writes the solve out op by op, with caches of its own: the speculative loop
 (``speculative.py``) drafts through it, and plain decoding (``stream.py``) and the verifying
-pass run the model's own solve through it (:func:`own_step` decides: :func:`refusal` for ODE
+pass run the model's own solve through it (``lean.own_step`` decides: :func:`refusal` for ODE
 blocks, ``lean_stack.stack_refusal`` for a discrete stack, which runs as
 ``lean_stack.LeanStack``), through the decoding pass otherwise (the decoder and the stream's
 stats say which, and why). Measured on the Shakespeare any-depth models (bench/speculative.py, bench/draft_cost.py),
@@ -148,27 +148,6 @@ def own_solve(model) -> list[tuple]:
     """The model's own solve per block, (solver, config), as :class:`LeanDraft` takes a
     draft's: the lean step of the model's own solve (plain decoding, and verification)."""
     return [(b.solver, b.cfg) for b in getattr(model.depth, "blocks", ())]
-
-
-def own_step(model, idx: torch.Tensor, asked: bool, frozen: bool = False,
-             use_cache: bool = True) -> tuple[LeanBase | None, str]:
-    """(the lean step of the model's own solve, or None; how the own solve runs: "lean step",
-    or "decoding pass (why)") for decoding ``idx``: one rule for plain decoding (stream.py) and
-    self-speculative verification (speculative.py). ``asked``: the decoder's ``lean``;
-    ``frozen``: compiled or recorded steps run the solve instead. ODE blocks run as
-    :class:`LeanDraft`, a discrete stack of layers as :class:`.lean_stack.LeanStack`."""
-    from .lean_stack import LeanStack, stack_refusal  # it builds on this module
-
-    why = ("Decoder(lean=False)" if not asked else "no cache" if not use_cache else
-           "compiled or recorded steps" if frozen else
-           "batch > 1" if idx.shape[0] != 1 else
-           f"on {idx.device.type}, not the CPU" if idx.device.type != "cpu" else None)
-    stack = model.config.depth != "ode" and hasattr(model.depth, "layers")
-    if why is None:
-        why = stack_refusal(model) if stack else refusal(model, own_solve(model))
-    if why is not None:
-        return None, f"decoding pass ({why})"
-    return (LeanStack(model) if stack else LeanDraft(model, own_solve(model))), "lean step"
 
 
 class LeanBase:

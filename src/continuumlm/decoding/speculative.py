@@ -39,7 +39,8 @@ import torch
 
 from ..model.cache import DecodeState
 from .draft import AUTO, MAX_AUTO_TOKENS, Draft, DraftStats
-from .lean_draft import LeanDraft, own_step, refusal
+from .lean import own_step
+from .lean_draft import LeanDraft, refusal
 from .lean_stack import LeanStack
 from .sampling import probabilities
 
@@ -240,7 +241,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     same for :func:`.frozen.frozen_block_decoder`): the verifying pass of ``k + 1`` tokens
     goes through the frozen step over a block, the model's state frozen after the prompt.
     ``lean_own`` (eager): the model's own solve (the prompt, each verification) runs as
-    the lean step of that solve where it covers the model (lean_draft.own_step: ODE blocks,
+    the lean step of that solve where it covers the model (lean.own_step: ODE blocks,
     or a discrete stack, whose first layers then draft through it too), with caches of its
     own (``stats.verified_by`` says which, and why not)."""
     # LayerSkip's cache reuse (Draft.reuse): eager only, a frozen step keeps caches of its own

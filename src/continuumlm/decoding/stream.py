@@ -10,7 +10,7 @@ import torch
 
 from ..model.cache import DecodeState
 from ..threads import ThreadPolicy
-from .lean_draft import own_step
+from .lean import own_step
 from .sampling import _whole, check_sampling_args, sample_next
 
 
@@ -52,7 +52,7 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
     ``model.step`` again, or, when ``freeze`` is given, the frozen step it returns for the
     state (``freeze(state) -> fn(ids, state) -> logits``; see :mod:`.frozen`), or, with
     ``lean`` (eager, batch 1, on the CPU), the lean step of the model's own solve
-    (lean_draft.own_step: ODE blocks or a discrete stack) where it covers the model (caches of its own; ``said`` is told which
+    (lean.own_step: ODE blocks or a discrete stack) where it covers the model (caches of its own; ``said`` is told which
     ran: "lean step", or "decoding pass" and why not)."""
     with streaming(model, threads):
         seq = idx
