@@ -6,12 +6,12 @@ machinery (gradient modes, regularizers, exits, compiled steps, padding) and mod
 and on a small model most of its time is there rather than in the field's products. The lean
 step writes the solve out op by op, with caches of its own: the speculative loop
 (``speculative.py``) drafts through it, and plain decoding (``stream.py``) and the verifying
-pass run the model's own solve through it (``lean.own_step`` decides: :func:`refusal` for ODE
-blocks, ``lean_stack.stack_refusal`` for a discrete stack, which runs as
+pass run the model's own solve through it (``lean.own_step`` decides: :func:`refusal` for
+ODE blocks, ``lean_stack.stack_refusal`` for a discrete stack, which runs as
 ``lean_stack.LeanStack``), through the decoding pass otherwise (the decoder and the stream's
-stats say which, and why). Measured on the Shakespeare any-depth models (bench/speculative.py, bench/draft_cost.py),
-a drafted Euler x 1 token costs about a third of its decoding pass and a plain token under
-half.
+stats say which, and why). Measured on the Shakespeare any-depth models (bench/speculative.py,
+bench/draft_cost.py), a drafted Euler x 1 token costs about a third of its decoding pass and
+a plain token under half.
 
 What it covers: ODE blocks with the sequential or parallel field and softmax attention whose
 projections are plain ``nn.Linear`` (bias or not), every ``model.ode_kv`` layout, any fixed-
@@ -90,6 +90,7 @@ def refusal(model, blocks) -> str | None:
     if cfg.depth != "ode":
         return "the model's depth is not ODE blocks"
     depth = model.depth
+    # inference and exits named first (common_refusal checks inference again, for stacks)
     if model.training or torch.is_grad_enabled():
         return "it runs in inference alone (eval mode, no gradient)"
     if (getattr(depth, "exit", None) is not None or getattr(depth, "ladder", None) is not None

@@ -52,8 +52,8 @@ def token_stream(model, idx: torch.Tensor, max_new_tokens: int, temperature: flo
     ``model.step`` again, or, when ``freeze`` is given, the frozen step it returns for the
     state (``freeze(state) -> fn(ids, state) -> logits``; see :mod:`.frozen`), or, with
     ``lean`` (eager, batch 1, on the CPU), the lean step of the model's own solve
-    (lean.own_step: ODE blocks or a discrete stack) where it covers the model (caches of its own; ``said`` is told which
-    ran: "lean step", or "decoding pass" and why not)."""
+    (lean.own_step: ODE blocks or a discrete stack) where it covers the model (caches of its
+    own; ``said`` is told which ran: "lean step", or "decoding pass" and why not)."""
     with streaming(model, threads):
         seq = idx
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
