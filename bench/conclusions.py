@@ -856,6 +856,7 @@ def layer_skip(r: dict, results: dict) -> str | None:
                     f"in each seed's plain greedy output), which drafts predict well, so the "
                     f"sampled figure is the sterner one)" if len(at1) > 1 else "") + "."
                  + _against_pass(at1, "every layer of the stack"))
+    text += _layer_skip_kl(rows, results, base, one)
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
     deep_trained = findings.speculative_models(results, "speculative_layerskip12", "layerskip")
     if deep and deep_trained:
@@ -1077,6 +1078,37 @@ def _euler1_speculative(results: dict, target: float) -> str:
             f"{'re-timed ' if retimed else ''}fastest rows (target {target}x "
             f"for both: {'met' if low >= target else f'missed by {target - low:.2f}x'}).")
     return text + _against_pass(seeds)
+
+
+def _layer_skip_kl(rows: dict, results: dict, base: dict, one: dict | None) -> str:
+    """The first-layer recipe with its exit also taught the stack's own distribution
+    (train.layer_skip.exit_kl): its agreement, loss and speculative speed-ups, 3 seeds."""
+    kl = rows.get(("transformer_layerskip-exit-at-1-kl", "layers:1"))
+    seeds = findings.speculative_models(results, "speculative_layerskip_kl", "layerskip_x1kl1")
+    if not (one and kl and seeds):
+        return ""
+    said = []
+    for d in ("greedy", "sampled"):
+        speedup, lo, hi, best = findings.median_seed(seeds, d)
+        said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
+                    f"seed's {best['draft']}, k {findings.k_of(best)}, "
+                    f"{100 * best['acceptance']:.0f}% kept)")
+    top = min(findings.median_seed(seeds, d)[0] for d in ("greedy", "sampled"))
+    return (f" Teaching that layer the whole stack's own next-token distribution as well "
+            f"(train.layer_skip.exit_kl = 1: a KL term, the stack's side detached; "
+            f"{_seeds(kl['seeds'])}; configs/shakespeare_char/transformer_layerskip_kl.toml) "
+            f"takes its agreement to {100 * kl['agreement']:.1f}% (lowest seed "
+            f"{100 * kl['agreement_min']:.1f}%; {100 * one['agreement']:.1f}% without the "
+            f"term) and its KL from the stack from {one['kl']:.4f} to {kl['kl']:.4f}, at "
+            f"{kl['own_loss']:.4f} for the whole stack "
+            f"({100 * (kl['own_loss'] / base['own_loss'] - 1):+.1f}% against the baby GPT "
+            f"trained without the recipe, {100 * (kl['own_loss'] / one['own_loss'] - 1):+.1f}% "
+            f"against the first-layer recipe), and drafting to {' and '.join(said)}, the "
+            f"median of {len(seeds)} seeds"
+            + (", each seed's fastest row re-timed"
+               if all(len(m.get("confirmed") or {}) >= 2 for m in seeds) else "")
+            + f" (target 1.5x for both: {'met' if top >= 1.5 else 'missed'})."
+            + _against_pass(seeds, "every layer of the stack"))
 
 
 def _against_pass(seeds: list[dict], own: str = "the model's own solve") -> str:

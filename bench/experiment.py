@@ -248,6 +248,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
         # the baby GPT it is compared with
         _train(f"{SH}/transformer_layerskip.toml", [1337, 1, 2]),
         _train(f"{SH}/transformer_layerskip_first.toml", [1337, 1, 2]),
+        _train(f"{SH}/transformer_layerskip_kl.toml", [1337, 1, 2]),
     ]),
     "bench": ("Performance suite: ODE cost per NFE, memory vs steps, DeltaNet kernels, mixer "
               "steps, decoding, 1 vs 2 processes and compile, kept freed memory on CPU, threads "

@@ -664,6 +664,17 @@ def layer_skip(results: dict) -> str | None:
                      f"loss) and drafting runs at {fx:.2f}x greedy ({flo:.2f}-{fhi:.2f}x) and "
                      f"{fs:.2f}x sampled ({fslo:.2f}-{fshi:.2f}x), the median of {len(first)} "
                      f"seeds (target 1.5x: {'met' if min(fx, fs) >= 1.5 else 'missed'})")
+            taught = speculative_models(results, "speculative_layerskip_kl", "layerskip_x1kl1")
+            kl = rows.get(("transformer_layerskip-exit-at-1-kl", "layers:1"))
+            if taught and kl:
+                kx = median_seed(taught, "greedy")[0]
+                ks = median_seed(taught, "sampled")[0]
+                spec += (f"; teaching it the stack's own distribution too (exit_kl, "
+                         f"transformer_layerskip_kl.toml) lifts it to "
+                         f"{100 * kl['agreement']:.0f}% "
+                         f"({100 * (kl['own_loss'] / a['own_loss'] - 1):+.1f}% loss) and "
+                         f"drafting to {kx:.2f}x greedy and {ks:.2f}x sampled (target 1.5x: "
+                         f"{'met' if min(kx, ks) >= 1.5 else 'missed'})")
             both = [against_pass(first, d) for d in ("greedy", "sampled")]
             if None not in both:
                 (g, lean_g), (s, _) = both

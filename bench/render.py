@@ -962,13 +962,14 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                 # every row on the ablations page
                 specs = [x for x in (spec, results.get("speculative_layerskip12"),
                                      results.get("speculative_layerskip_variants"),
-                                     results.get("speculative_layerskip_x1")) if x]
+                                     results.get("speculative_layerskip_x1"),
+                                     results.get("speculative_layerskip_kl")) if x]
                 tables = model_tables(*specs)
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "
                         f"{spec['setup']}):\n\n{speculative_table(spec)}\n\n"
                         f"Every row, the recipe's variants (the exit loss after the first "
-                        f"layer on each seed) and the 12-layer stacks: [the "
+                        f"layer on each seed, and with its KL term) and the 12-layer stacks: [the "
                         f"ablations page]("
                         + ablation("speculative_layerskip",
                                    command=" && ".join(x["command"] for x in specs),

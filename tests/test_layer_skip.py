@@ -27,10 +27,11 @@ def config(*extra):
     (["train.layer_skip.dropout=1.0"], "dropout must"),
     (["train.layer_skip.dropout=-0.1"], "dropout must"),
     (["train.layer_skip.exit_weight=-1"], ">= 0"),
+    (["train.layer_skip.exit_kl=-0.5"], "exit_kl must be >= 0"),
     (["train.layer_skip.exit_weight=1", "train.layer_skip.exit_layers=[3]"], "1 to 2"),
     (["train.layer_skip.exit_weight=1", "train.layer_skip.exit_layers=[0]"], "positive"),
     (["train.layer_skip.exit_weight=1", "train.layer_skip.exit_layers=[1,1]"], "twice"),
-    (["train.layer_skip.exit_layers=[1]"], "exit_weight is 0"),
+    (["train.layer_skip.exit_layers=[1]"], "exit_weight and exit_kl are 0"),
     (["train.layer_skip.dropout=0.2", "model.depth=ode"], r"train.any_depth"),
     (["train.layer_skip.dropout=0.2", "model.num_layers=1"], "at least 2 layers"),
     (["train.layer_skip.exit_weight=1", "train.compile=true"], "compile = false"),
@@ -140,18 +141,50 @@ def test_the_exit_loss_is_each_first_layers_models_loss_weighted_by_depth():
     torch.testing.assert_close(only.exit_loss(outputs, y), ref[1])
 
 
+def test_the_exit_kl_is_each_exits_kl_from_the_stack_weighted_by_depth():
+    """exit_kl(): for exits [1, 2] of a 3-layer stack, (1 * KL(stack || first layer) + 2 *
+    KL(stack || first two)) / 3, each exit through the shared final norm and head, averaged
+    over the positions whose targets are not -1, written out by hand; no gradient reaches the
+    stack's own logits, and none without exit_kl."""
+    model = _model(layers=3).train()
+    skip = LayerSkip(model, config("train.layer_skip.exit_kl=0.5").train)
+    assert skip.exits == [1, 2] and skip.kl_weight == 0.5 and skip.weight == 0.0
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    y = torch.randint(0, model.config.vocab_size, (2, 8))
+    y[1, 5:] = -1
+    with skip.recording() as outputs:
+        logits, _ = model(x, y)
+    got = skip.exit_kl(outputs, logits, y)
+    keep = (y >= 0).flatten()
+    p = torch.softmax(logits.detach().flatten(0, 1)[keep].double(), -1)
+    want = 0.0
+    for n, w in ((1, 1 / 3), (2, 2 / 3)):
+        with torch.no_grad():
+            q = torch.softmax(model.lm_head(model.norm_f(outputs[n - 1])).flatten(0, 1)[keep]
+                              .double(), -1)
+        want += w * float((p * (p.log() - q.log())).sum(-1).mean())
+    assert float(got.detach()) == pytest.approx(want, rel=1e-5, abs=1e-7) and want > 0
+    (g,) = torch.autograd.grad(got, [logits], allow_unused=True)
+    assert g is None  # the stack's side is the target, not pulled toward its exits
+    plain = LayerSkip(model, config("train.layer_skip.exit_weight=1").train)
+    assert plain.exit_kl(outputs, logits, y) is None
+
+
 def test_a_run_logs_the_exit_loss_and_eval_measures_the_first_layers_agreement(tmp_path):
     from continuumlm.train import Trainer
 
     corpus = write_tiny_corpus(tmp_path / "tiny.txt")
     cfg = load_config(None, ["data.dataset=text", f'data.path="{corpus}"', *BASE,
-                             "train.layer_skip.dropout=0.2", "train.layer_skip.exit_weight=1"])
+                             "train.layer_skip.dropout=0.2", "train.layer_skip.exit_weight=1",
+                             "train.layer_skip.exit_kl=0.5"])
     Trainer(cfg, tmp_path / "run", quiet=True).run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert steps and all(r["exit_loss"] > 0 and r["nfe"] == 3 for r in steps)
+    assert steps and all(r["exit_loss"] > 0 and r["exit_kl"] > 0 and r["nfe"] == 3
+                         for r in steps)
     saved = load_config(tmp_path / "run" / "config.toml")
-    assert (saved.train.layer_skip.dropout, saved.train.layer_skip.exit_weight) == (0.2, 1.0)
+    assert (saved.train.layer_skip.dropout, saved.train.layer_skip.exit_weight,
+            saved.train.layer_skip.exit_kl) == (0.2, 1.0, 0.5)
     r = run_cli("eval", "--checkpoint", tmp_path / "run", "--which", "last", "--agreement",
                 "layers:1,layers:2", "--json", "--max-windows", "4")
     assert r.returncode == 0, r.stderr

@@ -9,7 +9,12 @@ trains for early exit and self-speculative decoding:
   model's own final norm and head, and its cross-entropy against the data is added, the exits
   weighted by their depth (deeper exits weigh more) and summing to ``exit_weight``.
 
-A model trained so keeps its architecture and checkpoints: both terms are training-time only,
+Optionally a third, ``exit_kl``: each exit is also taught the whole stack's own next-token
+distribution (a KL term, no gradient through the stack's side), which is what speculative
+sampling's acceptance reads (a draft is kept with probability 1 - the total variation between
+the two distributions), where the exit loss teaches the data's.
+
+A model trained so keeps its architecture and checkpoints: the terms are training-time only,
 and ``generate --draft-layers N`` (``Draft(layers=N)``) drafts through the same norm and head."""
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class LayerSkipConfig:
     and head, adds its cross-entropy against the data, weighted by its depth (layer count n
     gets n / the sum of the exit layers' counts) times this (0: no early-exit loss). Logged
     as "exit_loss", the depth-weighted mean, unscaled."""
+    exit_kl: float = 0.0
+    """The weight of the self-distillation term: the KL divergence from the whole stack's
+    next-token distribution (detached: the stack is not pulled toward its exits) to each exit
+    layer's, through the final norm and head, weighted by depth as the exit loss (0: none).
+    Logged as "exit_kl", the depth-weighted mean, unscaled."""
     exit_layers: list[int] | None = None
     """The layer counts whose outputs take the early-exit loss (n: the output of the first n
     layers, as ``--draft-layers n`` drafts with), from 1 to num_layers - 1; None: all of
@@ -43,7 +53,7 @@ class LayerSkipConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.dropout > 0 or self.exit_weight > 0
+        return self.dropout > 0 or self.exit_weight > 0 or self.exit_kl > 0
 
     def __post_init__(self) -> None:
         _validate(self, "train.layer_skip")
@@ -53,6 +63,8 @@ class LayerSkipConfig:
         if not self.exit_weight >= 0:
             raise ConfigError(f"train.layer_skip.exit_weight must be >= 0, got "
                               f"{self.exit_weight!r}.")
+        if not self.exit_kl >= 0:
+            raise ConfigError(f"train.layer_skip.exit_kl must be >= 0, got {self.exit_kl!r}.")
         if self.exit_layers is not None:
             if not self.exit_layers or any(isinstance(n, bool) or not isinstance(n, int)
                                            or n < 1 for n in self.exit_layers):
@@ -64,8 +76,9 @@ class LayerSkipConfig:
                                   f"{self.exit_layers}.")
 
     def exits(self, num_layers: int) -> list[int]:
-        """The layer counts that take the early-exit loss (none without exit_weight)."""
-        if not self.exit_weight > 0:
+        """The layer counts that take the early-exit loss and the KL term (none without
+        exit_weight or exit_kl)."""
+        if not (self.exit_weight > 0 or self.exit_kl > 0):
             return []
         return sorted(self.exit_layers) if self.exit_layers else list(range(1, num_layers))
 
@@ -73,9 +86,9 @@ class LayerSkipConfig:
         """What the recipe asks of the model (``m``: the ModelConfig) and the trainer."""
         if not self.enabled:
             if self.exit_layers is not None:
-                raise ConfigError("train.layer_skip.exit_layers is set but exit_weight is 0, "
-                                  "so no exit is trained; set exit_weight > 0, or leave "
-                                  "exit_layers out.")
+                raise ConfigError("train.layer_skip.exit_layers is set but exit_weight and "
+                                  "exit_kl are 0, so no exit is trained; set exit_weight > 0 "
+                                  "(or exit_kl > 0), or leave exit_layers out.")
             return
         if m.depth != "discrete":
             raise ConfigError(f"[train.layer_skip] trains a discrete stack's first layers to "
@@ -92,7 +105,7 @@ class LayerSkipConfig:
                               f"a {m.num_layers}-layer stack; list layer counts from 1 to "
                               f"{m.num_layers - 1} (the last layer's output is the model's "
                               f"own, with the usual loss).")
-        if self.exit_weight > 0 and train.compile:
+        if (self.exit_weight > 0 or self.exit_kl > 0) and train.compile:
             # the exits read every layer's output, which the depth module hands out through a
             # Python list that a compiled graph would not fill
             raise ConfigError("train.layer_skip.exit_weight reads each layer's output in "

@@ -43,6 +43,7 @@ class StepObjective:
         self.regularizers: dict[str, float] = {}
         self.any_depth_terms: dict[str, float] = {}
         self.exit_loss: float | None = None
+        self.exit_kl: float | None = None
         self.penalty = math.nan
 
     def state(self) -> dict:
@@ -66,6 +67,7 @@ class StepObjective:
         zero = torch.zeros((), dtype=self.acc, device=self.device)
         self.total, self.kl, self.kd = zero, zero.clone(), zero.clone()
         self.exits = zero.clone()  # [train.layer_skip]'s early-exit loss
+        self.exit_kls = zero.clone()  # and its KL toward the stack
         self.reg_sums = torch.zeros(len(REGULARIZERS), dtype=self.acc, device=self.device)
         self.any_sums = torch.zeros(len(ANY_DEPTH), dtype=self.acc, device=self.device)
         self.compared = False  # whether this step has a consistency term
@@ -86,6 +88,10 @@ class StepObjective:
         if exits is not None:
             objective = objective + self.layer_skip.weight * exits
             self.exits += exits.detach().to(self.acc)
+        exit_kl = self.layer_skip.exit_kl(outputs, logits, y)
+        if exit_kl is not None:
+            objective = objective + self.layer_skip.kl_weight * exit_kl
+            self.exit_kls += exit_kl.detach().to(self.acc)
         if target is not None:
             kl = self.elastic.consistency(logits, target)
             objective = objective + self.elastic.weight * kl
@@ -126,12 +132,12 @@ class StepObjective:
     def all_reduce(self, dist) -> None:
         """The logged terms of the global batch, as the loss is (the elastic draw, and so
         whether a consistency term ran, is the same on every rank)."""
-        stats = torch.cat([torch.stack([self.total, self.kl, self.kd, self.exits]),
-                           self.reg_sums])
+        stats = torch.cat([torch.stack([self.total, self.kl, self.kd, self.exits,
+                                        self.exit_kls]), self.reg_sums])
         D.dist.all_reduce(stats, op=D.dist.ReduceOp.SUM)
         stats = stats / dist.world_size
-        self.total, self.kl, self.kd, self.exits = stats[0], stats[1], stats[2], stats[3]
-        self.reg_sums = stats[4:]
+        self.total, self.kl, self.kd, self.exits, self.exit_kls = stats[:5]
+        self.reg_sums = stats[5:]
         # (the any_depth sums stay this rank's: its drafts refuse several processes, and its
         # gate and step terms are logged as rank 0 computed them; their gradients are reduced
         # as any other)
@@ -142,12 +148,14 @@ class StepObjective:
         logged terms kept (``penalty`` None: the step failed before it had one)."""
         nan = torch.full((), math.nan, dtype=self.acc, device=self.device)
         penalty = nan if penalty is None else penalty.detach().to(self.acc)
-        summed, self.penalty, norm, kl, kd, exits, *rest = torch.cat(
+        summed, self.penalty, norm, kl, kd, exits, exit_kls, *rest = torch.cat(
             [torch.stack([self.total, penalty,
                           grad_norm.detach().to(device=self.device, dtype=self.acc),
-                          self.kl, self.kd, self.exits]), self.reg_sums,
+                          self.kl, self.kd, self.exits, self.exit_kls]), self.reg_sums,
              self.any_sums]).tolist()
         self.exit_loss = exits / grad_accum if self.layer_skip.exits else None
+        self.exit_kl = (exit_kls / grad_accum if self.layer_skip.exits
+                        and self.layer_skip.kl_weight > 0 else None)
         regs, drafts = rest[:len(REGULARIZERS)], rest[len(REGULARIZERS):]
         logged = {"top1": self.taught_drafts and self.any_depth.top1_weight > 0,
                   "gate": self.gated, "kl": self.taught_drafts, "lm": self.taught_drafts,
@@ -172,6 +180,8 @@ class StepObjective:
             out["distill"] = self.distill
         if self.exit_loss is not None:
             out["exit_loss"] = self.exit_loss
+        if self.exit_kl is not None:
+            out["exit_kl"] = self.exit_kl
         if self.solve_reg.steer:
             out["ode_t1"] = self.solve_reg.end_time(step - 1)
         if self.draw is None:
