@@ -214,6 +214,9 @@ TRAINED = {
     # ... and its first layer also taught the stack's own distribution (exit_kl)
     **{f"runs/agreement/layerskip_x1kl1_s{s}": f"--config {SH}/transformer_layerskip_kl.toml "
                                                f"--set train.seed={s}" for s in SEEDS},
+    **{f"runs/agreement/layerskip_x1kl3_s{s}": f"--config {SH}/transformer_layerskip_kl.toml "
+                                               f"--set train.seed={s} --set "
+                                               f"train.layer_skip.exit_kl=3.0" for s in SEEDS},
     # 12 layers of the same width: more layers for the first ones to stand in for
     "runs/agreement/transformer12_s1337": f"--config {SH}/transformer_baby.toml --set "
                                           f"model.num_layers=12",

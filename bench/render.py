@@ -963,7 +963,8 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                 specs = [x for x in (spec, results.get("speculative_layerskip12"),
                                      results.get("speculative_layerskip_variants"),
                                      results.get("speculative_layerskip_x1"),
-                                     results.get("speculative_layerskip_kl")) if x]
+                                     results.get("speculative_layerskip_kl"),
+                                     results.get("speculative_layerskip_kl3")) if x]
                 tables = model_tables(*specs)
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "
