@@ -35,6 +35,7 @@ def config(*extra):
     (["train.layer_skip.dropout=0.2", "model.depth=ode"], r"train.any_depth"),
     (["train.layer_skip.dropout=0.2", "model.num_layers=1"], "at least 2 layers"),
     (["train.layer_skip.exit_weight=1", "train.compile=true"], "compile = false"),
+    (["train.layer_skip.exit_kl=1", "train.compile=true"], "exit_kl read each layer"),
     (["train.layer_skip.dropuot=0.1"], "did you mean 'dropout'"),
 ])
 def test_bad_settings_are_refused_by_name(sets, match):
@@ -166,6 +167,10 @@ def test_the_exit_kl_is_each_exits_kl_from_the_stack_weighted_by_depth():
     assert float(got.detach()) == pytest.approx(want, rel=1e-5, abs=1e-7) and want > 0
     (g,) = torch.autograd.grad(got, [logits], allow_unused=True)
     assert g is None  # the stack's side is the target, not pulled toward its exits
+    # a task's logits at the target positions alone (targets_only), row-major: the same
+    with skip.recording() as outputs:
+        sparse, _ = model(x, y, targets_only=True)
+    torch.testing.assert_close(skip.exit_kl(outputs, sparse, y), got)
     plain = LayerSkip(model, config("train.layer_skip.exit_weight=1").train)
     assert plain.exit_kl(outputs, logits, y) is None
 

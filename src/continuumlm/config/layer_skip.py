@@ -108,6 +108,6 @@ class LayerSkipConfig:
         if (self.exit_weight > 0 or self.exit_kl > 0) and train.compile:
             # the exits read every layer's output, which the depth module hands out through a
             # Python list that a compiled graph would not fill
-            raise ConfigError("train.layer_skip.exit_weight reads each layer's output in "
-                              "eager mode; set train.compile = false for this run, or "
-                              "exit_weight = 0.")
+            raise ConfigError("train.layer_skip.exit_weight and exit_kl read each layer's "
+                              "output in eager mode; set train.compile = false for this run, "
+                              "or both to 0.")

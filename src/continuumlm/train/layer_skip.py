@@ -64,11 +64,13 @@ class LayerSkip:
         """The depth-weighted mean over the exits of KL(stack || exit): the whole stack's
         next-token distribution (``logits``, detached) against each exit's, through the final
         norm and head, averaged over the positions whose targets are not -1; None without
-        exit_kl (``outputs`` as :meth:`exit_loss` reads them)."""
+        exit_kl (``outputs`` as :meth:`exit_loss` reads them; ``logits`` (B, T, V), or a
+        task's logits at those positions alone, (N, V), as ``targets_only`` gives them)."""
         if not (self.exits and self.kl_weight > 0):
             return None
         keep = targets >= 0
-        own = F.log_softmax(_wide(logits[keep].detach()), dim=-1)
+        own = logits.detach() if logits.dim() == 2 else logits[keep].detach()
+        own = F.log_softmax(_wide(own), dim=-1)
         kl = 0.0
         for n, share in zip(self.exits, self.exit_share):
             exit_logits = _wide(self.model.lm_head(self.model.norm_f(outputs[n - 1][keep])))
