@@ -293,27 +293,24 @@ def lean_ms(model, prompt, solves, reps: int, inner: int) -> float:
     """Milliseconds of one drafted token by the lean step (decoding/lean_draft.py) after
     ``prompt``, the fastest of ``reps`` means over ``inner``."""
     lean = LeanDraft(model, solves.draft[1])
-    lean.logits(prompt[0].tolist())
-    at, best = lean.pos, float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            lean.logits([int(prompt[0, -1])])
-            lean.crop(at)
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return round(1e3 * best, 4)
+    return _token_ms(lean, prompt, lambda t: lean.logits([t]), reps, inner)
 
 
 def layers_ms(lean, prompt, layers: int, reps: int, inner: int) -> float:
-    """Milliseconds of one token drafted through a discrete stack's first ``layers`` layers
-    by its lean step (decoding/lean_stack.py) after ``prompt``, the fastest of ``reps``
-    means over ``inner``."""
+    """The same for a token drafted through a discrete stack's first ``layers`` layers by its
+    lean step (decoding/lean_stack.py)."""
+    return _token_ms(lean, prompt, lambda t: lean.draft(t, layers), reps, inner)
+
+
+def _token_ms(lean, prompt, step, reps: int, inner: int) -> float:
+    """Milliseconds of ``step(token)`` on ``lean`` (a lean step) after ``prompt``, cut back
+    after each: the fastest of ``reps`` means over ``inner``."""
     lean.logits(prompt[0].tolist())
     at, best = lean.pos, float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(inner):
-            lean.draft(int(prompt[0, -1]), layers)
+            step(int(prompt[0, -1]))
             lean.crop(at)
         best = min(best, (time.perf_counter() - t0) / inner)
     return round(1e3 * best, 4)
