@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from continuumlm.decoding import filter_logits, sample_next
+from continuumlm.decoding import filter_logits, probabilities, sample_next
+from continuumlm.decoding.sampling import draw
 
 PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
 
@@ -35,6 +36,56 @@ def test_filtered_distribution_renormalizes():
     logits = filter_logits(PROBS.log(), top_k=3, top_p=0.6)  # top-3 {1,3,4}, renorm .47,.35,.18
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(probs, torch.tensor([0, 0.4, 0, 0.3, 0]) / 0.7)
+
+
+@pytest.mark.parametrize("shape", [(1,), (5,), (65,), (3, 65), (1, 7), (2, 3, 11), (50257,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_draw_is_torch_multinomials_draw(shape, dtype):
+    """draw() skips multinomial's checking passes, not its draw: the same token as
+    torch.multinomial(probs, 1) from the same generator, draw after draw, on awkward sizes,
+    sharp and flat rows and rows with zeros (a top-k cut)."""
+    gen = torch.Generator().manual_seed(7)
+    for sharp in (0.1, 1.0, 8.0):
+        logits = torch.randn(*shape, generator=gen, dtype=dtype) * sharp
+        if shape[-1] > 3:
+            logits[..., ::3] = -math.inf  # filtered tokens: probability 0, never drawn
+        probs = torch.softmax(logits, -1)
+        ours, theirs = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        for _ in range(60):
+            got = draw(probs, ours)
+            want = torch.multinomial(probs.reshape(-1, shape[-1]), 1, generator=theirs)
+            assert got.shape == shape[:-1]
+            assert torch.equal(got.reshape(-1), want.reshape(-1))
+        # the generators moved on alike: the next draws still agree
+        assert torch.equal(torch.rand(3, generator=ours), torch.rand(3, generator=theirs))
+
+
+@pytest.mark.parametrize("bad", [
+    torch.tensor([0.5, float("nan"), 0.5]), torch.tensor([0.5, float("inf"), 0.5]),
+    torch.zeros(4), torch.tensor([[0.5, 0.5], [0.0, 0.0]])])
+def test_draw_refuses_what_multinomial_refuses(bad):
+    with pytest.raises(RuntimeError) as theirs:
+        torch.multinomial(bad, 1)
+    with pytest.raises(RuntimeError) as ours:
+        draw(bad, torch.Generator().manual_seed(0))
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (3, None), (40, None), (64, None),
+                                         (None, 0.9), (40, 0.9)])
+def test_probabilities_equal_the_out_of_place_formula(top_k, top_p):
+    """probabilities() shifts, divides and cuts in place: bit for bit the distribution of the
+    same steps written out of place, and the logits it was given untouched."""
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(65,), (9, 65), (2, 5)]:
+        logits = torch.randn(*shape, generator=gen) * 3
+        logits[..., 0] = logits[..., 1]  # a tie at the cut
+        before = logits.clone()
+        got = probabilities(logits, 0.8, top_k, top_p)
+        want = torch.softmax(filter_logits((logits - logits.amax(-1, keepdim=True)) / 0.8,
+                                           top_k, top_p), -1)
+        assert torch.equal(got, want)
+        assert torch.equal(logits, before)
 
 
 def test_sample_frequencies_follow_filtered_distribution():

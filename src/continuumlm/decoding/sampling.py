@@ -33,15 +33,18 @@ def _whole(x) -> bool:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None,
-                  top_p: float | None = None) -> torch.Tensor:
+                  top_p: float | None = None, inplace: bool = False) -> torch.Tensor:
     """Set to -inf every logit outside the top-k, then outside the nucleus of mass top_p.
 
     The nucleus is the smallest set of most probable tokens whose probability reaches top_p
     (a token is kept when the mass of the tokens ranked above it is below top_p).
+    ``inplace``: the top-k cut writes into ``logits`` (a tensor the caller owns).
     """
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        drop = logits < kth
+        logits = logits.masked_fill_(drop, float("-inf")) if inplace else logits.masked_fill(
+            drop, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
@@ -59,8 +62,38 @@ def probabilities(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
     # Shift the row maximum to 0 before dividing: a tiny temperature then sends the rest to
     # -inf (sampling becomes argmax) instead of overflowing every logit to inf (NaN probabilities).
     logits = logits.float()
-    logits = filter_logits((logits - logits.amax(-1, keepdim=True)) / temperature, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
+    # in place where the tensor is our own (the shifted copy): the same values, fewer
+    # allocations on a path that runs once per token (and per draft)
+    logits = (logits - logits.amax(-1, keepdim=True)).div_(temperature)
+    return torch.softmax(filter_logits(logits, top_k, top_p, inplace=True), dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of the distribution ``probs`` (..., V) -> (...): the token
+    ``torch.multinomial(probs, 1, generator=generator)`` draws, draw for draw, for the
+    probabilities sampling makes (a softmax, or a clamped residual: no negative entries).
+
+    On CPU ``torch.multinomial`` draws one sample as the argmax of ``probs / E`` with E
+    exponential(1) from the generator, after passes that check every entry (finite, not
+    negative, a positive sum); those passes cost about as much as the draw on a short row,
+    once per token and per draft. This makes the same draw from the same generator, and
+    checks only the ratio it picked: finite and positive unless a row holds NaN or inf or
+    has no mass, in which case ``torch.multinomial`` is called to raise its own error
+    (tests/test_sampling.py holds the draws equal to ``torch.multinomial``'s). A negative
+    entry beside positive ones is not looked for: no distribution made here has one. Other
+    devices call ``torch.multinomial``, whose draw there is its own."""
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    ratio = torch.empty_like(probs).exponential_(1, generator=generator)
+    torch.div(probs, ratio, out=ratio)
+    token = ratio.argmax(-1)
+    picked = ratio.gather(-1, token.unsqueeze(-1))
+    if not bool(((picked > 0) & (picked < math.inf)).all()):
+        # a row with NaN or inf, or no mass: torch.multinomial raises its own error; past it
+        # the rows were valid and an exponential draw was 0 (about 2**-53 per entry), whose
+        # infinite ratio torch.multinomial picks too
+        torch.multinomial(probs, 1)
+    return token
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -69,5 +102,4 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """logits (B, V) -> token ids (B,)."""
     if greedy:
         return logits.argmax(dim=-1)
-    probs = probabilities(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probabilities(logits, temperature, top_k, top_p), generator)

@@ -42,7 +42,7 @@ from .draft import AUTO, MAX_AUTO_TOKENS, Draft, DraftStats
 from .lean import own_step
 from .lean_draft import LeanDraft, refusal
 from .lean_stack import LeanStack
-from .sampling import probabilities
+from .sampling import draw, probabilities
 
 
 def _swap_child(parent: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
@@ -191,7 +191,7 @@ class Sampling:
         return probabilities(logits, self.temperature, self.top_k, self.top_p)
 
     def draw(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(draw(probs, self.generator))
 
     def uniform(self, device) -> float:
         return float(torch.rand((), generator=self.generator, device=device))
