@@ -222,6 +222,17 @@ def test_cli_draft_flags(tmp_path, tiny_corpus):
     sampled = run_cli("generate", "--checkpoint", tmp_path / "run", "--prompt", "the",
                       "--max-new-tokens", "20", "--draft-steps", "2", "--seed", "3")
     assert sampled.returncode == 0 and "speculative:" in sampled.stderr, sampled.stderr
+    # drafts made ahead by a process of their own (pipeline.py): the same greedy text; a
+    # sampled text the seed fixes; settings it cannot run refused with status 2
+    piped = run_cli(*base, "--draft-pipeline", "--draft-tokens", "3")
+    assert piped.returncode == 0 and piped.stdout == plain.stdout, piped.stderr
+    assert "pipelined" in piped.stderr
+    again = [run_cli("generate", "--checkpoint", tmp_path / "run", "--prompt", "the",
+                     "--max-new-tokens", "20", "--draft-pipeline", "--seed", "3").stdout
+             for _ in range(2)]
+    assert again[0] == again[1]
+    r = run_cli(*base, "--draft-pipeline", "--draft-tokens", "auto")
+    assert r.returncode == 2 and "fixed number of drafts" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------- sampling

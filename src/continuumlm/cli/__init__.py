@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-layers", type=_positive_int, metavar="N",
                    help="self-speculative decoding of a discrete model: its first N layers "
                         "(through its own final norm and head) draft, all of them verify")
+    g.add_argument("--draft-pipeline", action="store_true",
+                   help="... the drafts made ahead by a process of their own, on a second "
+                        "core, while the model verifies (Linux, CPU, a fixed --draft-tokens; "
+                        "the same greedy tokens, sampling distributed as without it)")
     _exit_arguments(g)
     add_serve_parser(sub, [plugin, threads])
     return p

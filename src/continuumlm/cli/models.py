@@ -226,12 +226,12 @@ def cmd_generate(args) -> int:
     stop = tok.eos_id if tok.kind == "bpe" else None
     draft = None
     if (args.draft_solver or args.draft_steps or args.draft_tokens or args.draft_layers
-            or args.draft_confidence):
+            or args.draft_confidence or args.draft_pipeline):
         from ..decoding import Draft
 
         draft = Draft(args.draft_solver or "euler", args.draft_steps or 1,
                       args.draft_tokens or 4, layers=args.draft_layers,
-                      confidence=args.draft_confidence)
+                      confidence=args.draft_confidence, pipeline=args.draft_pipeline)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   greedy=args.greedy, use_cache=not args.no_cache, generator=gen,
                   eos_token_id=stop, compile=args.compile, threads=threads, draft=draft,

@@ -4,6 +4,7 @@ graph recorders, and what either was refused), and the choice of path for each r
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -75,6 +76,23 @@ class Decoder:
         self.recorders: dict[torch.device, Recorder] = {}
         if cuda_graph not in (None, True, False):
             self.recorders[None] = cuda_graph  # the caller's, for every device
+        self._pool = None  # pipelined drafts' processes, kept between streams
+
+    def _drafters(self):
+        """This decoder's :class:`.pipeline.DrafterPool`, made at its first pipelined stream;
+        its processes end with the decoder (or the interpreter: they are daemons)."""
+        if self._pool is None:
+            from .pipeline import DrafterPool
+
+            self._pool = DrafterPool()
+            weakref.finalize(self, self._pool.close)
+        return self._pool
+
+    def close(self) -> None:
+        """End the drafting processes this decoder keeps (``Draft(pipeline=True)``); a later
+        pipelined stream starts new ones."""
+        if self._pool is not None:
+            self._pool.close()
 
     @property
     def compile_refused(self) -> str | None:
@@ -132,6 +150,10 @@ class Decoder:
                 raise ValueError("draft= verifies the drafted tokens through the cache; drop "
                                  "use_cache=False (--no-cache).")
             check_draft(model, draft, idx)
+            if draft.pipeline and (self._freezer(idx.device) is not None or not self.lean):
+                raise ValueError("Draft(pipeline=True) (--draft-pipeline) runs eagerly through "
+                                 "the lean steps: drop compile / cuda_graph, and "
+                                 "Decoder(lean=False).")
             stats = DraftStats()
             how = Sampling(greedy, temperature, top_k, top_p, generator)
             return SpeculativeStream(self._speculative(idx, max_new_tokens, draft,
@@ -216,6 +238,7 @@ class Decoder:
                      freeze, freeze_block):
         with streaming(self.model, threads):
             for t in speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
-                                        stats, how, freeze, freeze_block, self.lean):
+                                        stats, how, freeze, freeze_block, self.lean,
+                                        self._drafters()):
                 yield plain(t)
 

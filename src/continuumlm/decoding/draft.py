@@ -28,7 +28,11 @@ class Draft:
     gives less than this probability (the softmax of its logits when greedy, its processed
     distribution when sampling), so ``tokens`` becomes the most per round: drafts likely to be
     refused are not paid for. Which drafts are proposed never changes what is decoded (the
-    drafting rule reads only the draft's own distributions, before the model's pass)."""
+    drafting rule reads only the draft's own distributions, before the model's pass).
+    ``pipeline`` (eager, CPU, Linux): the drafts are made ahead by a process of their own,
+    on a second core, while the model's own solve verifies (:mod:`.pipeline`); the same
+    greedy tokens, the same distribution when sampling; a fixed ``tokens`` and no
+    ``confidence``."""
 
     solver: str = "euler"
     steps: int = 1
@@ -37,6 +41,7 @@ class Draft:
     reuse: bool = True
     lean: bool = True
     confidence: float | None = None
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens != AUTO and (isinstance(self.tokens, bool) or not isinstance(
@@ -54,7 +59,7 @@ class Draft:
                               or not 0 < c < 1):
             raise ValueError(f"Draft(confidence={c!r}): give a probability between 0 and 1 "
                              f"(exclusive), below which a round stops drafting, or None.")
-        for name in ("reuse", "lean"):
+        for name in ("reuse", "lean", "pipeline"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Draft({name}={getattr(self, name)!r}): give True or False.")
 

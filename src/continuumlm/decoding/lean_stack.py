@@ -107,6 +107,19 @@ class LeanStack(LeanBase):
         self.pos += len(tokens)
         return self._read_out(x, every)
 
+    def early(self, tokens: list[int], layers: int) -> torch.Tensor:
+        """The logits (V,) after ``tokens`` (the tokens at positions pos.., pos moving on by
+        their number) through the first ``layers`` layers, the final norm and the head
+        (LayerSkip's early exit), the later layers' caches left as they are: a drafter of its
+        own, with no verifier sharing its caches (``Draft(pipeline=True)``)."""
+        if self.pending:
+            raise RuntimeError("LeanStack.early with drafts pending: resume() or crop() "
+                               "them first.")
+        x, mask = self._embed(tokens, self.pos)
+        x = self._run(x, mask, 0, layers, self.pos)
+        self.pos += len(tokens)
+        return self._read_out(x, False)
+
     def draft(self, token: int, layers: int) -> torch.Tensor:
         """The logits (V,) of the first ``layers`` layers after ``token``, the token after
         the pending ones, through the final norm and head (LayerSkip's early exit); its

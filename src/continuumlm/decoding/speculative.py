@@ -161,6 +161,12 @@ def check_draft(model, draft: Draft, idx: torch.Tensor) -> None:
     if idx.shape[0] != 1:
         raise ValueError(f"draft=: one sequence at a time (batch 1; got {idx.shape[0]}): rows "
                          f"keep different numbers of drafts, which this version does not pad.")
+    if draft.pipeline:
+        from .pipeline import pipeline_refusal
+
+        why = pipeline_refusal(model, draft, idx)
+        if why is not None:
+            raise ValueError(f"Draft(pipeline=True) (--draft-pipeline): {why}.")
 
 
 class SpeculativeStream:
@@ -175,6 +181,13 @@ class SpeculativeStream:
 
     def __next__(self) -> torch.Tensor:
         return next(self._tokens)
+
+    def close(self) -> None:
+        """Stop early: what the stream holds is let go now (a pipelined drafter stops and
+        is kept for the decoder's next stream) rather than when the stream is collected."""
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass(frozen=True)
@@ -198,16 +211,18 @@ class Sampling:
 
 
 def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor,
-           how: Sampling) -> tuple[int, int]:
+           how: Sampling, bonus: bool = True) -> tuple[int, int | None]:
     """(drafts kept, the token after them) for ``drafts`` drawn from the distributions ``q``
     (None when greedy), against the model's ``logits`` (k + 1, V) after the pending token and
-    each draft (see the module's text)."""
+    each draft (see the module's text). ``bonus`` False: the logits may stop at the last
+    draft's position, (k, V), and when every draft is kept the token after them is None (not
+    chosen: a pipelined drafter may have a draft for it, pipeline.py)."""
     if how.greedy:
         own = logits.argmax(-1).tolist()
         n = 0
         while n < len(drafts) and drafts[n] == own[n]:
             n += 1
-        return n, own[n]
+        return n, (own[n] if n < len(own) and (bonus or n < len(drafts)) else None)
     device = logits.device
     ps = how.probs(logits)  # every position's at once (row by row, as one at a time)
     for i, x in enumerate(drafts):
@@ -220,7 +235,7 @@ def verify(drafts: list[int], q: list[torch.Tensor] | None, logits: torch.Tensor
         if float(residual.sum()) <= 0:  # p == q where both live: the refusal had no mass
             residual = p
         return i, how.draw(residual / residual.sum())
-    return len(drafts), how.draw(ps[len(drafts)])
+    return len(drafts), how.draw(ps[len(drafts)]) if bonus else None
 
 
 @torch.inference_mode()
@@ -229,7 +244,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
                        how: Sampling = Sampling(),
                        freeze: Callable[[DecodeState], Callable] | None = None,
                        freeze_block: Callable[[DecodeState], Callable] | None = None,
-                       lean_own: bool = True) -> Iterator[torch.Tensor]:
+                       lean_own: bool = True, pool=None) -> Iterator[torch.Tensor]:
     """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
     module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
     stream sees to it).
@@ -243,7 +258,18 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     ``lean_own`` (eager): the model's own solve (the prompt, each verification) runs as
     the lean step of that solve where it covers the model (lean.own_step: ODE blocks,
     or a discrete stack, whose first layers then draft through it too), with caches of its
-    own (``stats.verified_by`` says which, and why not)."""
+    own (``stats.verified_by`` says which, and why not). ``draft.pipeline``: the drafts are
+    made ahead by a process of their own (:func:`.pipeline.pipelined_tokens`), kept in
+    ``pool`` (a :class:`.pipeline.DrafterPool`) between streams when given."""
+    if draft.pipeline:  # drafts made ahead by a process of their own (pipeline.py)
+        from .pipeline import pipelined_tokens
+
+        if freeze is not None or freeze_block is not None or not lean_own:
+            raise ValueError("Draft(pipeline=True) (--draft-pipeline) runs eagerly through the "
+                             "lean steps: drop compile / cuda_graph, and Decoder(lean=False).")
+        yield from pipelined_tokens(model, idx, max_new_tokens, draft, eos_token_id, stats,
+                                    how, pool)
+        return
     # LayerSkip's cache reuse (Draft.reuse): eager only, a frozen step keeps caches of its own
     reuse = (draft.layers is not None and draft.reuse and freeze is None
              and freeze_block is None)
