@@ -1038,6 +1038,8 @@ def kvblock_speculative(results: dict) -> str | None:
     if bound:
         text += f" Timed pass by pass: {bound}."
     text += _euler1_speculative(results, target)
+    text += pipelined(results, "speculative_pipelined", "any_depth_kvblock_time_x1w0.5",
+                      "ode_any_depth_euler1.toml", "speculative_euler1", target)
     text += _speed_bought(results, target)
     compiled = findings.speculative_models(results, "speculative_kvblock_compiled",
                                            "any_depth_kvblock")
@@ -1054,6 +1056,52 @@ def kvblock_speculative(results: dict) -> str | None:
         text += (" Compiled (`" + results["speculative_kvblock_compiled"]["command"] + "`), "
                  "the drafts and each verification through compiled frozen steps: "
                  + "; ".join(parts) + ".")
+    return text
+
+
+def pipelined(results: dict, record: str, prefix: str, what: str, serial: str,
+              target: float) -> str:
+    """Self-speculative decoding with the drafts made ahead by a drafting process of their
+    own (bench/speculative.py --mode pipelined, Draft(pipeline=True)) on one recipe's seeds
+    (``record``'s models named ``prefix``...): the median seed's re-timed fastest rows, the
+    range, against plain decoding at the run's thread count and at the other, the verdict,
+    and the serial record (``serial``, eager) it is set beside."""
+    seeds = findings.speculative_models(results, record, prefix)
+    if not seeds:
+        return ""
+    said, low, other = [], float("inf"), []
+    for d in ("greedy", "sampled"):
+        speedup, lo, hi, best = findings.median_seed(seeds, d, "pipelined")
+        low = min(low, speedup)
+        said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
+                    f"seed's {best['draft']}, k {findings.k_of(best)}, "
+                    f"{100 * best['acceptance']:.0f}% kept, {best['tokens_per_verification']} "
+                    f"tokens per verification"
+                    + (f", the same tokens: {best['same_tokens']}" if d == "greedy" else "")
+                    + ")")
+        again = [(m.get("confirmed") or {}).get(f"pipelined {d}") or {} for m in seeds]
+        if all("against_other_threads" in a for a in again):
+            other.append((d, statistics.median(a["against_other_threads"] for a in again),
+                          again[0]["plain_threads"], again[0]["other_threads"]))
+    r = results[record]
+    text = (f" With the drafts made ahead by a drafting process of their own on the second "
+            f"core while the model verifies on the first (Draft(pipeline=True), "
+            f"decoding/pipeline.py; {what}, {len(seeds)} seeds; `{r['command']}`): "
+            + " and ".join(said) + f" plain cached decoding, medians of the re-timed fastest "
+            f"rows (target {target}x for both: "
+            f"{'met' if low >= target else f'missed by {target - low:.2f}x'}).")
+    if other:
+        d0, _, mine, theirs = other[0]
+        text += (f" Plain decoding there runs on {mine} thread{'s' * (mine != 1)} (the "
+                 f"verifier's count, its faster one here); against plain decoding on {theirs} "
+                 + " and ".join(f"{x:.2f}x {d}" for d, x, _, _ in other) + ".")
+    base = findings.speculative_models(results, serial, prefix)
+    if base:
+        same = results[serial]["setup"].split("; ")[-1] == r["setup"].split("; ")[-1]
+        text += (" The serial loop on the same seeds (eager, one process; "
+                 + ("the same machine" if same else results[serial]["setup"].split("; ")[-1])
+                 + "): " + " and ".join(f"{findings.median_seed(base, d)[0]:.2f}x {d}"
+                                        for d in ("greedy", "sampled")) + ".")
     return text
 
 

@@ -385,12 +385,13 @@ def confirmed_speedup(m: dict, decoding: str, mode: str = "eager") -> float:
     return again["speedup"] if again else speculative_best(m, decoding, mode)[1]
 
 
-def median_seed(models: list[dict], decoding: str) -> tuple[float, float, float, dict]:
+def median_seed(models: list[dict], decoding: str, mode: str = "eager"
+                ) -> tuple[float, float, float, dict]:
     """(the median over ``models`` (one record per seed) of each one's best speed-up for
     ``decoding`` (confirmed_speedup), the lowest, the highest, the median seed's best row)."""
-    best = sorted((confirmed_speedup(m, decoding), i) for i, m in enumerate(models))
+    best = sorted((confirmed_speedup(m, decoding, mode), i) for i, m in enumerate(models))
     speedup, i = best[(len(best) - 1) // 2]
-    return speedup, best[0][0], best[-1][0], speculative_best(models[i], decoding)[0]
+    return speedup, best[0][0], best[-1][0], speculative_best(models[i], decoding, mode)[0]
 
 
 def against_pass(models: list[dict], decoding: str) -> tuple[float, float] | None:
@@ -418,8 +419,9 @@ def median_model(models: list[dict], decoding: str) -> dict:
 
 
 def speculative_modes(m: dict) -> list[str]:
-    """The modes (eager, compiled) a speculative model record has rows of, eager first."""
-    return [mode for mode in ("eager", "compiled")
+    """The modes (eager, compiled, pipelined) a speculative model record has rows of, eager
+    first."""
+    return [mode for mode in ("eager", "compiled", "pipelined")
             if any(x.get("mode", "eager") == mode for x in m["rows"])]
 
 

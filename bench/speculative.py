@@ -4,10 +4,14 @@ model's own solve verifies a block of drafts in one pass.
     python bench/speculative.py                  # writes bench/results/speculative.json
     python bench/speculative.py --runs DIR ...   # ... trained runs instead
     python bench/speculative.py --mode compiled  # bench/results/speculative_compiled.json
+    python bench/speculative.py --mode pipelined --threads 1  # ... speculative_pipelined.json
 
 Batch 1, eager, or compiled (``--mode compiled``: ``generate(compile=True)``, the drafts
 and the verifying pass through compiled frozen steps, against plain compiled decoding, in a
-record of its own). Greedy rows check that the tokens equal plain cached decoding's; sampled rows
+record of its own), or pipelined (``--mode pipelined``: ``Draft(pipeline=True)``, eager, the
+drafts made ahead by a forked drafting process on the second core while the verifier runs on
+one thread; against plain eager decoding at the run's thread count, and in the re-timed rows
+at the other count too). Greedy rows check that the tokens equal plain cached decoding's; sampled rows
 (temperature 0.8, top-k 40, the demo's) draw from the same distribution as plain sampling
 (speculative sampling; tests/test_speculative.py holds it to that), and are timed against
 plain sampling. Each row decodes from every prompt in turn (with a learned-position model,
@@ -137,8 +141,18 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0, tokens=TOKENS,
     rows, checks = [], {}
     for mode in modes:
         # one decoder per mode, kept: compiled graphs are made once (warm-up below), not
-        # timed in the rows
-        decoder = eager if mode == "eager" else Decoder(model, compile=True)
+        # timed in the rows; a pipelined draft's process is forked once per draft and kept
+        # by the decoder (warm-up below)
+        decoder = Decoder(model, compile=True) if mode == "compiled" else eager
+        piped = mode == "pipelined"
+        if piped:  # a fixed k, every draft made ahead: no auto, no confidence
+            tokens = [k for k in tokens if k != "auto"]
+            confidences = (None,)
+            for s_, n_ in drafts:
+                for k in tokens:
+                    for seed in (None, 0):
+                        decode(decoder, prompts[:1], min(n, 24), _draft(s_, n_, k, None, True),
+                               seed)
         if mode == "compiled":
             for draft in [None] + [_draft(s, n_, k, c) for s, n_ in drafts for k in tokens
                                    for c in confidences]:
@@ -146,7 +160,8 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0, tokens=TOKENS,
                     decode(decoder, prompts[:1], min(n, 24), draft, seed)
         # the field's share of the time, eager only (hooks would break a compiled graph);
         # timing each evaluation costs about a microsecond against tens to hundreds
-        clock = FieldClock(model) if mode == "eager" else None
+        clock = FieldClock(model) if mode == "eager" else None  # (the drafter's process
+        # is not seen from here: pipelined rows report no share)
         try:
             for sampled in (False, True):
                 seed = 0 if sampled else None
@@ -154,7 +169,8 @@ def measure(model, prompts, n, drafts, modes, confirm: int = 0, tokens=TOKENS,
                                             for k in tokens for c in confidences):
                     plain, plain_tps, p = decode(decoder, prompts, n, seed=seed,
                                                  clock=clock)
-                    out, tps, s = decode(decoder, prompts, n, _draft(solver, steps, k, c),
+                    out, tps, s = decode(decoder, prompts, n,
+                                         _draft(solver, steps, k, c, piped),
                                          seed=seed, clock=clock)
                     rows.append(_row(mode, sampled, solver, steps, k, s, full_nfe, tps,
                                      plain_tps, out, plain))
@@ -191,12 +207,18 @@ def confirmed(decoder, prompts, n, row: dict, sampled: bool, times: int) -> dict
         solver, steps = row["draft"].split(" x ")
         steps = int(steps)
     seed = 0 if sampled else None
-    ratios, passes = [], []
-    draft = _draft(solver, steps, row["k"], row.get("confidence"))
+    ratios, passes, others = [], [], []
+    piped = row["mode"] == "pipelined"
+    draft = _draft(solver, steps, row["k"], row.get("confidence"), piped)
     # plain decoding through the decoding pass too (Decoder(lean=False)): what plain
     # decoding ran at before the lean step ran the model's own solve, for comparison
-    old = (Decoder(decoder.model, lean=False) if decoder.lean and not decoder.compile
-           else None)
+    old = (Decoder(decoder.model, lean=False)
+           if decoder.lean and not decoder.compile and not piped else None)
+    # pipelined: plain decoding at the other thread count too (the drafter takes the second
+    # core, the verifier runs on one thread), so the ratio is read against plain decoding's
+    # faster count
+    threads = torch.get_num_threads()
+    other = (2 if threads == 1 else 1) if piped else None
     for _ in range(times):
         _, plain_tps, _ = decode(decoder, prompts, n, seed=seed)
         _, tps, _ = decode(decoder, prompts, n, draft, seed=seed)
@@ -204,12 +226,22 @@ def confirmed(decoder, prompts, n, row: dict, sampled: bool, times: int) -> dict
         if old is not None:
             _, pass_tps, _ = decode(old, prompts, n, seed=seed)
             passes.append(round(tps / pass_tps, 3))
+        if other is not None:
+            torch.set_num_threads(other)
+            try:
+                _, other_tps, _ = decode(decoder, prompts, n, seed=seed)
+            finally:
+                torch.set_num_threads(threads)
+            others.append(round(tps / other_tps, 3))
     return {"draft": row["draft"], "k": row["k"],
             **({"confidence": row["confidence"]} if row.get("confidence") else {}),
             "speedup": round(statistics.median(ratios), 2), "ratios": ratios,
             **({"plain_by": decoder.decoded_by,
                 "against_pass": round(statistics.median(passes), 2),
-                "against_pass_ratios": passes} if passes else {})}
+                "against_pass_ratios": passes} if passes else {}),
+            **({"plain_threads": threads, "other_threads": other,
+                "against_other_threads": round(statistics.median(others), 2),
+                "against_other_threads_ratios": others} if others else {})}
 
 
 def pass_costs(model, prompt, drafts, ks=(2, 4, 8), reps=5, inner=20) -> dict:
@@ -316,11 +348,14 @@ def _token_ms(lean, prompt, step, reps: int, inner: int) -> float:
     return round(1e3 * best, 4)
 
 
-def _draft(solver: str, steps: int, k, confidence: float | None = None) -> Draft:
+def _draft(solver: str, steps: int, k, confidence: float | None = None,
+           pipeline: bool = False) -> Draft:
     """A coarse solve's draft, or ("layers", n): a discrete stack's first n layers; with
-    ``confidence``, a round stops drafting below it (Draft.confidence)."""
-    return (Draft(tokens=k, layers=steps, confidence=confidence) if solver == "layers"
-            else Draft(solver, steps, k, confidence=confidence))
+    ``confidence``, a round stops drafting below it (Draft.confidence); ``pipeline``: made
+    ahead by a drafting process of its own (Draft.pipeline)."""
+    return (Draft(tokens=k, layers=steps, confidence=confidence, pipeline=pipeline)
+            if solver == "layers"
+            else Draft(solver, steps, k, confidence=confidence, pipeline=pipeline))
 
 
 def _row(mode, sampled, solver, steps, k, s, full_nfe, tps, plain_tps, out, plain) -> dict:
@@ -366,11 +401,16 @@ def main() -> None:
                     help="draft solves, e.g. eulerx1,eulerx2; a discrete model's first-N-"
                          "layers drafts as layersxN (default for a discrete model: every "
                          "N below its depth)")
-    ap.add_argument("--mode", default="eager", choices=("eager", "compiled"),
-                    help="eager (writes speculative.json) or compiled (generate(compile=True): "
+    ap.add_argument("--mode", default="eager", choices=("eager", "compiled", "pipelined"),
+                    help="eager (writes speculative.json), compiled (generate(compile=True): "
                          "drafts and verification through compiled frozen steps; writes "
                          "speculative_compiled.json), against plain cached decoding of the "
-                         "same mode")
+                         "same mode, or pipelined (Draft(pipeline=True): eager, the drafts "
+                         "made ahead by a drafting process on the second core; writes "
+                         "speculative_pipelined.json), against plain eager decoding")
+    ap.add_argument("--threads", type=int, metavar="N",
+                    help="torch's intra-op threads for the run (default: torch's own, one "
+                         "per core); the record's machine line says which")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                     help="drafted tokens per verification, the most per round (numbers, or "
                          "auto), e.g. 4,8,16")
@@ -384,6 +424,8 @@ def main() -> None:
     ap.add_argument("--out", help="the record's name in bench/results/ (default: speculative, "
                                   "or speculative_compiled with --mode compiled)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     modes = [args.mode]
     drafts = [(d.split("x")[0], int(d.split("x")[1])) for d in args.drafts.split(",")]
     tokens = [k if k == "auto" else int(k) for k in args.tokens.split(",")]
@@ -442,11 +484,12 @@ def main() -> None:
                                  ("--tokens", args.tokens, ap.get_default("tokens")),
                                  ("--confidence", args.confidence, "none"),
                                  ("--mode", args.mode, "eager"),
+                                 ("--threads", args.threads, None),
                                  ("--confirm", args.confirm, 0),
                                  ("--out", args.out, None)):
         if value != default:
             command += f" {flag} {value}"
-    out = args.out or ("speculative" if args.mode == "eager" else "speculative_compiled")
+    out = args.out or ("speculative" if args.mode == "eager" else f"speculative_{args.mode}")
     write_json(out, {
         "command": command,
         "setup": (f"batch 1, {' and '.join(modes)}; greedy, and sampled at temperature 0.8, top-k 40; each "

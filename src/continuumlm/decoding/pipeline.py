@@ -14,20 +14,22 @@ draft (greedy: it is the model's token; sampled: kept with probability min(1, p 
 token is drawn from the residual). Then either
 
 - that draft was kept: what the drafter made after it was drafted from the tokens decoded, so
-  its run goes on and the next round takes k drafts from there at once; or
+  its run goes on and the next round takes up to k drafts from there at once; or
 - a draft was refused (or none was left to check): the drafter starts again from the token the
   verifier chose, at the position after the kept ones (a new *epoch*: what it made for the old
   one is dropped), and the next round takes ``max(1, k // 4)`` drafts, the first it makes, so
-  the verifier waits for a few drafts rather than k.
+  the verifier waits for a few drafts rather than k (see below for greedy rounds).
 
-Which drafts a round takes is fixed by the tokens alone, never by timing (``max(1, k // 4)``
-after a start, k in a run, fewer where the stream ends or the learned positions run out), and
-a sampled draft is drawn from a generator seeded from the stream's generator and the epoch
-(counted from the stream's first): the decoded text is a function of the prompt, the settings
-and the generator's seed. Greedy, it is plain decoding's tokens; sampled, speculative
-sampling's exact distribution, the same draws on every run (tests/test_pipeline.py: greedy
-against plain decoding, sampled against the distribution enumerated exactly, and run against
-run).
+Sampled, which drafts a round takes is fixed by the tokens alone, never by timing
+(``max(1, k // 4)`` after a start, k in a run, fewer where the stream ends or the learned
+positions run out), and a draft is drawn from a generator seeded from the stream's generator
+and the epoch (counted from the stream's first): the text is a function of the prompt, the
+settings and the seed, speculative sampling's exact distribution, the same draws on every run.
+Greedy, a round takes the drafts that are ready (``max(1, k // 4)`` at least, k at most): the
+tokens are plain decoding's whatever the drafts, so a round need not wait for all k
+(tests/test_pipeline.py: greedy against plain decoding; sampled against the distribution
+enumerated exactly, and run against run). The drafter is told a round's outcome before its
+tokens go out, so it drafts while the caller reads them.
 
 What it needs: Linux (``fork``), CPU, one sequence, eager decoding through the lean steps
 (the draft's and the own solve's: lean_draft.py, lean_stack.py), a fixed number of drafted
@@ -278,12 +280,16 @@ class DraftProcess:
         after sits at a position the verifier can still use."""
         return self.limit is None or self.reset_pos + index <= self.limit - 2
 
-    def take(self, start: int, n: int) -> tuple[list[int], list[torch.Tensor] | None]:
+    def take(self, start: int, n: int, most: int | None = None
+             ) -> tuple[list[int], list[torch.Tensor] | None]:
         """Drafts ``start``..``start + n - 1`` of the current epoch (and their distributions
-        when sampling), waiting for the drafter to make them."""
+        when sampling), waiting for the drafter to make them; ``most``: as many more as are
+        made already, up to that many in all."""
         c = self.c
         self._wait(lambda: c[ACK] == self.epoch and c[COUNT] >= start + n, "made no draft")
         with self.lock:
+            if most is not None:
+                n = max(n, min(most, int(c[COUNT]) - start))
             slots = [(start + i) % self.ring for i in range(n)]
             tokens = [int(self.toks[s]) for s in slots]
             qs = [self.probs[s].clone() for s in slots] if self.sampled else None
@@ -431,7 +437,14 @@ def pipelined_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft
             need = min(first if fresh else k, max_new_tokens - made - 1)
             if limit is not None:
                 need = min(need, limit - 1 - base)
-            drafts, qs = proc.take(used, need) if need > 0 else ([], [])
+            if need <= 0:
+                drafts, qs = [], []
+            elif how.greedy:
+                # as many as are ready, up to `need` (a few at least): greedy tokens are plain
+                # decoding's whatever the drafts, so the round need not wait for all of them
+                drafts, qs = proc.take(used, min(first, need), most=need)
+            else:
+                drafts, qs = proc.take(used, need)
             rows = verifier.logits([last, *drafts], every=True)
             stats.nfe += verifier.nfe
             n, after = verify(drafts, None if how.greedy else qs, rows, how, bonus=False)
@@ -447,17 +460,25 @@ def pipelined_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft
                     # last row as one more draft; kept, the run goes on from it
                     extra, q = proc.take(nxt, 1)
                     m, after = verify(extra, q, rows[len(drafts):], how, bonus=False)
+                    stats.drafted += 1
                     if m == 1:
                         after, going = extra[0], True
-                        stats.drafted += 1
                         stats.accepted += 1  # not fed to the verifier yet: the next `last`
-                    else:
-                        stats.drafted += 1
                 if after is None:
                     after = (int(rows[-1].argmax()) if how.greedy
                              else how.draw(how.probs(rows[-1])))
+            out = [*drafts[:n], after]
+            done = (made + len(out) >= max_new_tokens
+                    or (eos_token_id is not None and eos_token_id in out))
+            # the drafter is told before the tokens go out: it drafts while the caller reads
+            if going:
+                used, fresh = used + len(drafts) + 1, False
+                proc.keep_from(used)
+            elif not done:  # from the verifier's token, at the position after the kept ones
+                proc.restart(verifier.pos, after)
+                used, fresh = 0, True
             stats.kept_per_round.append(n + 1)
-            for t in [*drafts[:n], after]:
+            for t in out:
                 made += 1
                 last = t
                 yield torch.tensor([t], device=device)
@@ -467,12 +488,6 @@ def pipelined_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft
             stats.seconds = time.perf_counter() - start
             if last == eos_token_id or made >= max_new_tokens:
                 break
-            if going:
-                used, fresh = used + len(drafts) + 1, False
-                proc.keep_from(used)
-            else:  # from the token the verifier chose, at the position after the kept ones
-                proc.restart(verifier.pos, last)
-                used, fresh = 0, True
     finally:
         if proc is not None:
             clean = False
