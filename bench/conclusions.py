@@ -857,6 +857,9 @@ def layer_skip(r: dict, results: dict) -> str | None:
                     f"sampled figure is the sterner one)" if len(at1) > 1 else "") + "."
                  + _against_pass(at1, "every layer of the stack"))
     text += _layer_skip_kl(rows, results, base, one)
+    text += pipelined(results, "speculative_pipelined_layerskip", "layerskip_x1kl1",
+                      "transformer_layerskip_kl.toml, first-layer drafts",
+                      "speculative_layerskip_kl", 1.5)
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
     deep_trained = findings.speculative_models(results, "speculative_layerskip12", "layerskip")
     if deep and deep_trained:
@@ -1091,9 +1094,12 @@ def pipelined(results: dict, record: str, prefix: str, what: str, serial: str,
             f"rows (target {target}x for both: "
             f"{'met' if low >= target else f'missed by {target - low:.2f}x'}).")
     if other:
-        d0, _, mine, theirs = other[0]
+        _, _, mine, theirs = other[0]
+        mine_s = [findings.median_seed(seeds, d, "pipelined")[0] for d, *_ in other]
+        faster = all(x >= m for (_, x, _, _), m in zip(other, mine_s))
         text += (f" Plain decoding there runs on {mine} thread{'s' * (mine != 1)} (the "
-                 f"verifier's count, its faster one here); against plain decoding on {theirs} "
+                 f"verifier's count{', the faster one here' if faster else ''}); against plain "
+                 f"decoding on {theirs} thread{'s' * (theirs != 1)}: "
                  + " and ".join(f"{x:.2f}x {d}" for d, x, _, _ in other) + ".")
     base = findings.speculative_models(results, serial, prefix)
     if base:

@@ -605,6 +605,7 @@ def any_depth(results: dict) -> str | None:
                            f"step, as the drafts and verifications), itself {old[0][1]:.2f}x the decoding "
                            f"pass's tokens/s greedy; against plain decoding through the decoding "
                            f"pass, {old[0][0]:.2f}x greedy and {old[1][0]:.2f}x sampled")
+        euler1 += _pipelined(results, "speculative_pipelined", "any_depth_kvblock_time_x1w0.5")
     nfe4 = ""
     e4, fixed = (rows.get(("ode_any_depth-kvblock-euler4-lr5e-3", "euler:4")),
                  rows.get(("ode_euler-lr5e-3", "euler:4")))
@@ -633,6 +634,20 @@ def any_depth(results: dict) -> str | None:
 
 
 FINDINGS.insert(FINDINGS.index(speculative) + 1, any_depth)
+
+
+def _pipelined(results: dict, record: str, prefix: str, target: float | None = None) -> str:
+    """The pipelined record's medians over the seeds (Draft(pipeline=True), re-timed rows),
+    as a clause of a finding; empty without the record."""
+    seeds = speculative_models(results, record, prefix)
+    if not seeds:
+        return ""
+    target = target or results[record].get("target_speedup", 2.5)
+    gx, sx = (median_seed(seeds, d, "pipelined")[0] for d in ("greedy", "sampled"))
+    return (f"; with the drafts made ahead by a process of their own on the second core "
+            f"(Draft(pipeline=True)), {gx:.2f}x greedy and {sx:.2f}x sampled (medians of "
+            f"{len(seeds)} seeds; target {target}x: "
+            f"{'met' if min(gx, sx) >= target else 'missed'})")
 
 
 def layer_skip(results: dict) -> str | None:
@@ -677,6 +692,8 @@ def layer_skip(results: dict) -> str | None:
                          f"({100 * (kl['own_loss'] / a['own_loss'] - 1):+.1f}% loss) and "
                          f"drafting to {kx:.2f}x greedy and {ks:.2f}x sampled (target 1.5x: "
                          f"{'met' if min(kx, ks) >= 1.5 else 'missed'})")
+                spec += _pipelined(results, "speculative_pipelined_layerskip",
+                                   "layerskip_x1kl1", 1.5)
             both = [against_pass(first, d) for d in ("greedy", "sampled")]
             if None not in both:
                 (g, lean_g), (s, _) = both

@@ -208,7 +208,7 @@ def confirmed(decoder, prompts, n, row: dict, sampled: bool, times: int) -> dict
         steps = int(steps)
     seed = 0 if sampled else None
     ratios, passes, others = [], [], []
-    piped = row["mode"] == "pipelined"
+    piped = row.get("mode", "eager") == "pipelined"  # (records without the field: eager)
     draft = _draft(solver, steps, row["k"], row.get("confidence"), piped)
     # plain decoding through the decoding pass too (Decoder(lean=False)): what plain
     # decoding ran at before the lean step ran the model's own solve, for comparison

@@ -818,3 +818,14 @@ def test_confirmed_times_against_both_plain_decodings():
     assert got["against_pass"] == round(sorted(got["against_pass_ratios"])[1], 2)
     old = speculative.confirmed(Decoder(model, lean=False), prompts, 10, row, False, 1)
     assert "against_pass" not in old  # already the decoding pass: nothing to compare
+    # a pipelined row: against plain decoding at the run's thread count and at the other
+    piped = {"mode": "pipelined", "draft": "euler x 1", "k": 3}
+    threads = torch.get_num_threads()
+    try:
+        got = speculative.confirmed(dec, prompts, 10, piped, sampled=False, times=2)
+    finally:
+        dec.close()
+    assert torch.get_num_threads() == threads  # put back
+    assert got["plain_threads"] == threads and got["other_threads"] == (2 if threads == 1
+                                                                        else 1)
+    assert len(got["against_other_threads_ratios"]) == 2 and "against_pass" not in got

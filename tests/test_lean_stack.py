@@ -100,6 +100,30 @@ def test_drafts_and_the_resumed_verification_equal_the_decoding_pass(case, layer
 
 
 @pytest.mark.parametrize("case", list(CASES)[:3])
+@pytest.mark.parametrize("layers", [1, 2])
+@torch.inference_mode()
+def test_early_read_out_equals_the_decoding_pass_first_layers(case, layers):
+    """LeanStack.early (a pipelined drafter's step, its own caches): a prompt, single tokens,
+    a cut back and a block, past the caches' first capacity, against the decoding pass's
+    first layers through the final norm and head."""
+    model = _model(dict(CASES[case]))
+    first = FirstLayers(model, layers)
+    lean, side = LeanStack(model), model.init_state(1)
+    g = torch.Generator().manual_seed(4)
+    for n in [5, 1, 1, "cut", 3] + [1] * 12:
+        if n == "cut":
+            lean.crop(lean.pos - 2)
+            side.crop(side.pos - 2)
+            continue
+        tokens = torch.randint(0, 37, (n,), generator=g).tolist()
+        got = lean.early(tokens, layers)
+        with first.drafting():
+            want = model.step(torch.tensor([tokens]), side)[0][-1]
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-10
+        assert lean.pos == side.pos
+
+
+@pytest.mark.parametrize("case", list(CASES)[:3])
 def test_plain_and_speculative_decoding_keep_the_decoding_pass_tokens(case):
     """Greedy tokens and sampled draws (one seed) of plain decoding, and of self-speculative
     decoding drafting with the first layers, are the decoding pass's; each says how it ran."""
