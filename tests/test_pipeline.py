@@ -194,9 +194,36 @@ def test_the_drafting_process_is_kept_while_the_weights_are_unchanged():
         (new,) = decoder._pool._idle.values()
         assert new is not proc and new.proc.is_alive()
         assert changed == _tokens(decoder, prompt, 20, greedy=True)[0]
+        with torch.no_grad():  # new storage, the same version counters: a new process too
+            for p in model.parameters():
+                p.data = p.data.clone()
+        _tokens(decoder, prompt, 20, draft, greedy=True)
+        (newer,) = decoder._pool._idle.values()
+        assert newer is not new and not new.proc.is_alive()
     finally:
         decoder.close()
-    assert not new.proc.is_alive()
+    assert not newer.proc.is_alive()
+
+
+def test_interleaved_streams_put_the_thread_count_back_when_the_last_ends():
+    model = _ode()
+    decoder = Decoder(model)
+    draft = Draft("euler", 1, 3, pipeline=True)
+    found = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = decoder.stream(_prompt(4, 1), 12, draft=draft, greedy=True)
+        b = decoder.stream(_prompt(4, 2), 12, draft=draft, greedy=True)
+        next(a)
+        next(b)
+        assert torch.get_num_threads() == 1
+        list(a)
+        assert torch.get_num_threads() == 1  # `b` still runs
+        list(b)
+        assert torch.get_num_threads() == 2
+    finally:
+        decoder.close()
+        torch.set_num_threads(found)
 
 
 def test_a_stream_left_early_leaves_the_drafter_ready():

@@ -41,15 +41,17 @@ processes between streams (:class:`DrafterPool`) while the model's weights are u
 
 Shared state: a few counters (an int64 tensor in shared memory), the drafted tokens and their
 distributions (rings of ``2k + 4`` slots); the drafter publishes a draft under a lock after
-writing it and the verifier reads under that lock, so each sees the other's writes in order on
-any memory model; between them the verifier polls the counters without it. No library offers
+writing it and the verifier reads (and checks the counters again) under that lock, so each sees
+the other's writes in order; between them the verifier polls the counters without it. No library offers
 a pipelined drafter for a model held in one process: this is written on the standard
 library's ``multiprocessing``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections.abc import Iterator
@@ -67,6 +69,8 @@ EPOCH, RESET_POS, RESET_TOKEN, STOP, ACK, COUNT, USED, EVALS, ERROR, IDLE = rang
 SEED_STEP = 0x9E3779B97F4A7C15  # an epoch's seed: the stream's plus this times the epoch
 STUCK_S = 60.0  # how long the verifier waits on the drafter before it calls it stuck
 POLL_EVERY = 4096  # spins between looks at whether the drafter still runs
+SPIN = 20000  # an idle drafter's spins (about 2-5 ms) before it sleeps between looks
+IDLE_S = 1e-4  # ... and how long it sleeps then
 
 
 def pipeline_refusal(model, draft: Draft, idx: torch.Tensor) -> str | None:
@@ -197,10 +201,11 @@ def _draft_stream(step: _Drafter, choice: _Choice, tok: int, ep: int, limit: int
                   tk, probs: torch.Tensor | None, lock, ring: int) -> None:
     """One stream's drafting: after ``tok`` (epoch ``ep``), each draft after the last, from
     where the verifier says at each new epoch, until the stream stops."""
-    count, evals, first = 0, 0, ep
+    count, evals, first, idle = 0, 0, ep, 0
     choice.epoch(0)  # epochs count from the stream's first: its draws are the stream's own
     with lock:
         c[ACK] = ep
+    parent = os.getppid()
     while not c[STOP]:
         if c[EPOCH] != ep:
             with lock:
@@ -210,9 +215,17 @@ def _draft_stream(step: _Drafter, choice: _Choice, tok: int, ep: int, limit: int
                 c[ACK] = ep
             step.crop(pos)
             choice.epoch(ep - first)
-        # ahead far enough, or at the last position the verifier can use: wait
+        # ahead far enough, or at the last position the verifier can use: wait, spinning at
+        # first (a round's verdict comes within milliseconds), then sleeping between looks
+        # (the caller may hold the stream a long while), and ending if the verifier is gone
         if count - c[USED] >= ring - 1 or (limit is not None and step.pos > limit - 2):
+            idle += 1
+            if idle > SPIN:
+                time.sleep(IDLE_S)
+                if os.getppid() != parent:
+                    return
             continue
+        idle = 0
         nxt, q = choice(step.row(tok))
         evals += step.nfe
         with lock:
@@ -228,10 +241,12 @@ def _draft_stream(step: _Drafter, choice: _Choice, tok: int, ep: int, limit: int
 
 
 def _weights(model) -> tuple | None:
-    """What tells the model's weights unchanged (each tensor and its version counter), or
-    None where it cannot be told (inference tensors keep no version counter)."""
+    """What tells the model's weights unchanged (each tensor, its storage, dtype and device,
+    and its version counter: in-place changes, ``.to()``, ``.data =``), or None where it
+    cannot be told (inference tensors keep no version counter)."""
     try:
-        return tuple((id(t), t._version) for t in (*model.parameters(), *model.buffers()))
+        return tuple((id(t), t.data_ptr(), t.dtype, t.device, t._version)
+                     for t in (*model.parameters(), *model.buffers()))
     except RuntimeError:
         return None
 
@@ -268,12 +283,16 @@ class DraftProcess:
 
     def begin(self, tokens: list[int], choice: _Choice, limit: int | None) -> None:
         """A stream: drafts after ``tokens[-1]``, ``tokens[:-1]`` through the draft first."""
-        with self.lock:
+        with self._locked():
             self.epoch += 1
             self.c[STOP], self.c[IDLE], self.c[USED], self.c[COUNT], self.c[EVALS] = 0, 0, 0, 0, 0
             self.c[EPOCH], self.c[ACK] = self.epoch, -1
         self.reset_pos, self.limit, self.sampled = len(tokens) - 1, limit, not choice.greedy
-        self.conn.send(("stream", tokens, choice.params, limit, self.epoch))
+        try:
+            self.conn.send(("stream", tokens, choice.params, limit, self.epoch))
+        except OSError:  # the drafter has ended: say why
+            self._failed()
+            raise
 
     def reaches(self, index: int) -> bool:
         """Whether the drafter makes draft ``index`` of this epoch: the token it is drafted
@@ -286,14 +305,19 @@ class DraftProcess:
         when sampling), waiting for the drafter to make them; ``most``: as many more as are
         made already, up to that many in all."""
         c = self.c
-        self._wait(lambda: c[ACK] == self.epoch and c[COUNT] >= start + n, "made no draft")
-        with self.lock:
-            if most is not None:
-                n = max(n, min(most, int(c[COUNT]) - start))
-            slots = [(start + i) % self.ring for i in range(n)]
-            tokens = [int(self.toks[s]) for s in slots]
-            qs = [self.probs[s].clone() for s in slots] if self.sampled else None
-        return tokens, qs
+        while True:
+            self._wait(lambda: c[ACK] == self.epoch and c[COUNT] >= start + n,
+                       "made no draft")
+            with self._locked():
+                # read again under the lock: what the polling saw may predate the epoch on a
+                # machine that reorders loads
+                if not (c[ACK] == self.epoch and c[COUNT] >= start + n):
+                    continue
+                got = n if most is None else max(n, min(most, int(c[COUNT]) - start))
+                slots = [(start + i) % self.ring for i in range(got)]
+                tokens = [int(self.toks[s]) for s in slots]
+                qs = [self.probs[s].clone() for s in slots] if self.sampled else None
+            return tokens, qs
 
     def keep_from(self, used: int) -> None:
         """The verifier has taken the drafts before ``used`` in this epoch: the drafter may
@@ -303,7 +327,7 @@ class DraftProcess:
     def restart(self, pos: int, token: int) -> None:
         """A new epoch: the drafter drops its drafts, cuts its caches back to ``pos`` tokens
         and drafts after ``token``."""
-        with self.lock:
+        with self._locked():
             self.epoch += 1
             self.reset_pos = pos
             self.c[RESET_POS], self.c[RESET_TOKEN], self.c[USED] = pos, token, 0
@@ -316,31 +340,50 @@ class DraftProcess:
         return int(self.c[EVALS])
 
     def end(self) -> bool:
-        """The stream is over: the drafter stops and waits for the next. False when it had
-        ended already (it failed, or the interpreter is ending and took its daemons)."""
+        """The stream is over: the drafter stops and waits for the next. False when it did
+        not (it had failed or ended, or it did not stop within a few seconds): then it is
+        not to be used again. Never raises: a failure is raised where it was found."""
         self.c[STOP] = 1
         if self.c[ERROR] or not self.proc.is_alive():
-            return False  # a failure is raised where it was found, not again here
-        self._wait(lambda: self.c[IDLE], "did not stop")
+            return False
+        try:
+            self._wait(lambda: self.c[IDLE], "did not stop", limit_s=5.0)
+        except RuntimeError:
+            return False
         return True
 
-    def _wait(self, done, what: str) -> None:
+    @contextlib.contextmanager
+    def _locked(self):
+        """The shared lock, looking at whether the drafter still runs while waiting for it (a
+        drafter killed while holding it would hold it for ever)."""
+        while not self.lock.acquire(timeout=1.0):
+            if self.c[ERROR] or not self.proc.is_alive():
+                self._failed()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def _failed(self) -> None:
+        """Raise the drafter's failure, with its traceback where it sent one."""
+        try:
+            why = self.conn.recv() if self.conn.poll(1.0) else None
+        except (EOFError, OSError):
+            why = None
+        why = why or f"it ended with exit code {self.proc.exitcode}"
+        raise RuntimeError(f"Draft(pipeline=True): the drafting process failed:\n{why}")
+
+    def _wait(self, done, what: str, limit_s: float = STUCK_S) -> None:
         spins, t0 = 0, None
         while not done():
             spins += 1
             if spins % POLL_EVERY == 0:
                 if self.c[ERROR] or not self.proc.is_alive():
-                    try:
-                        why = self.conn.recv() if self.conn.poll(1.0) else None
-                    except (EOFError, OSError):
-                        why = None
-                    why = why or f"it ended with exit code {self.proc.exitcode}"
-                    raise RuntimeError(f"Draft(pipeline=True): the drafting process failed:"
-                                       f"\n{why}")
+                    self._failed()
                 t0 = t0 or time.monotonic()
-                if time.monotonic() - t0 > STUCK_S:
+                if time.monotonic() - t0 > limit_s:
                     raise RuntimeError(f"Draft(pipeline=True): the drafting process {what} in "
-                                       f"{STUCK_S:.0f} s (it is alive but stuck).")
+                                       f"{limit_s:.0f} s (it is alive but stuck).")
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -390,6 +433,24 @@ class DrafterPool:
         self._idle.clear()
 
 
+# pipelined streams open in this process, and torch's thread count before the first: streams
+# may interleave, so the count goes back when the last one ends, not when each does
+_threads = [0, 0]
+
+
+def _hold_threads() -> None:
+    if _threads[0] == 0:
+        _threads[1] = torch.get_num_threads()
+        torch.set_num_threads(1)
+    _threads[0] += 1
+
+
+def _release_threads() -> None:
+    _threads[0] -= 1
+    if _threads[0] == 0:
+        torch.set_num_threads(_threads[1])
+
+
 @torch.inference_mode()
 def pipelined_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft,
                      eos_token_id: int | None, stats: DraftStats, how,
@@ -415,8 +476,7 @@ def pipelined_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft
     device = idx.device
     # the drafter's seed, from the stream's generator (sampling): the same seed, the same text
     seed = 0 if how.greedy else int(torch.randint(0, 2 ** 62, (), generator=how.generator))
-    found = torch.get_num_threads()
-    torch.set_num_threads(1)  # the verifier's core; the drafter has the other
+    _hold_threads()  # the verifier's core; the drafter has the other
     proc = None
     try:
         seq = idx[0].tolist()
@@ -499,5 +559,5 @@ def pipelined_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Draft
                     pool.release(model, draft, proc, clean)
                 else:
                     proc.close()
-        torch.set_num_threads(found)
+        _release_threads()
         stats.seconds = time.perf_counter() - start

@@ -82,17 +82,21 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     (tests/test_sampling.py holds the draws equal to ``torch.multinomial``'s). A negative
     entry beside positive ones is not looked for: no distribution made here has one. Other
     devices call ``torch.multinomial``, whose draw there is its own."""
-    if probs.device.type != "cpu":
+    if probs.device.type != "cpu" or probs.dim() not in (1, 2):
+        # another device's draw is its own; other shapes get multinomial's own refusal
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     ratio = torch.empty_like(probs).exponential_(1, generator=generator)
     torch.div(probs, ratio, out=ratio)
     token = ratio.argmax(-1)
     picked = ratio.gather(-1, token.unsqueeze(-1))
     if not bool(((picked > 0) & (picked < math.inf)).all()):
-        # a row with NaN or inf, or no mass: torch.multinomial raises its own error; past it
-        # the rows were valid and an exponential draw was 0 (about 2**-53 per entry), whose
-        # infinite ratio torch.multinomial picks too
-        torch.multinomial(probs, 1)
+        # rare: a row with NaN or inf, or no mass, which multinomial refuses with its own
+        # error (checked as it checks, so that a valid row never reaches it); else the rows
+        # were valid and an exponential draw was 0 (about 2**-53 per entry), whose infinite
+        # ratio multinomial picks too
+        if not bool((probs.amax() < math.inf) & (probs.amin() >= 0)
+                     & (probs.sum(-1) > 0).all()):
+            torch.multinomial(probs, 1)  # raises
     return token
 
 
