@@ -1,5 +1,5 @@
 """Pipelined self-speculative decoding (decoding/pipeline.py, ``Draft(pipeline=True)``): the
-drafts made ahead by a forked drafting process. Greedy, plain decoding's tokens on ODE blocks
+drafts made ahead by a forked drafting process (decoding/drafter.py). Greedy, plain decoding's tokens on ODE blocks
 and discrete stacks, up to the learned positions' end and through an end-of-text token;
 sampled, the same draws for the same seed, and each position's token distributed as the
 model's own distribution (computed exactly by enumeration, a chi-square test that the drafts'
@@ -16,7 +16,7 @@ import torch
 
 from continuumlm import Draft
 from continuumlm.decoding import Decoder, probabilities
-from continuumlm.decoding import pipeline as pl
+from continuumlm.decoding import drafter as dr
 from continuumlm.testing import small_model
 
 pytestmark = pytest.mark.skipif("fork" not in __import__("multiprocessing")
@@ -246,7 +246,7 @@ def test_a_failure_in_the_drafting_process_is_raised_with_its_traceback(monkeypa
     def broken(self, token):
         raise ValueError("the draft step broke")
 
-    monkeypatch.setattr(pl._Drafter, "row", broken)  # forked after this: the child has it
+    monkeypatch.setattr(dr._Drafter, "row", broken)  # forked after this: the child has it
     model = _ode()
     decoder = Decoder(model)
     try:

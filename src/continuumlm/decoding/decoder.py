@@ -11,7 +11,9 @@ import torch
 
 from ..registry import DECODERS
 from ..threads import ThreadPolicy
+from .drafter import DrafterPool
 from .frozen import Compiled, frozen_block_decoder, frozen_decoder
+from .pipeline import pipeline_refusal, pipelined_tokens
 from .replay import GraphRecorder, Recorder
 from .speculative import (
     Draft,
@@ -79,11 +81,9 @@ class Decoder:
         self._pool = None  # pipelined drafts' processes, kept between streams
 
     def _drafters(self):
-        """This decoder's :class:`.pipeline.DrafterPool`, made at its first pipelined stream;
+        """This decoder's :class:`.drafter.DrafterPool`, made at its first pipelined stream;
         its processes end with the decoder (or the interpreter: they are daemons)."""
         if self._pool is None:
-            from .pipeline import DrafterPool
-
             self._pool = DrafterPool()
             weakref.finalize(self, self._pool.close)
         return self._pool
@@ -150,10 +150,13 @@ class Decoder:
                 raise ValueError("draft= verifies the drafted tokens through the cache; drop "
                                  "use_cache=False (--no-cache).")
             check_draft(model, draft, idx)
-            if draft.pipeline and (self._freezer(idx.device) is not None or not self.lean):
-                raise ValueError("Draft(pipeline=True) (--draft-pipeline) runs eagerly through "
-                                 "the lean steps: drop compile / cuda_graph, and "
-                                 "Decoder(lean=False).")
+            if draft.pipeline:
+                why = ("it runs eagerly through the lean steps: drop compile / cuda_graph, and "
+                       "Decoder(lean=False)"
+                       if self._freezer(idx.device) is not None or not self.lean
+                       else pipeline_refusal(model, draft, idx))
+                if why is not None:
+                    raise ValueError(f"Draft(pipeline=True) (--draft-pipeline): {why}.")
             stats = DraftStats()
             how = Sampling(greedy, temperature, top_k, top_p, generator)
             return SpeculativeStream(self._speculative(idx, max_new_tokens, draft,
@@ -237,8 +240,10 @@ class Decoder:
     def _speculative(self, idx, max_new_tokens, draft, eos_token_id, stats, threads, how,
                      freeze, freeze_block):
         with streaming(self.model, threads):
-            for t in speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
-                                        stats, how, freeze, freeze_block, self.lean,
-                                        self._drafters()):
+            tokens = (pipelined_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
+                                       stats, how, self._drafters()) if draft.pipeline else
+                      speculative_tokens(self.model, idx, max_new_tokens, draft, eos_token_id,
+                                         stats, how, freeze, freeze_block, self.lean))
+            for t in tokens:
                 yield plain(t)
 

@@ -161,12 +161,6 @@ def check_draft(model, draft: Draft, idx: torch.Tensor) -> None:
     if idx.shape[0] != 1:
         raise ValueError(f"draft=: one sequence at a time (batch 1; got {idx.shape[0]}): rows "
                          f"keep different numbers of drafts, which this version does not pad.")
-    if draft.pipeline:
-        from .pipeline import pipeline_refusal
-
-        why = pipeline_refusal(model, draft, idx)
-        if why is not None:
-            raise ValueError(f"Draft(pipeline=True) (--draft-pipeline): {why}.")
 
 
 class SpeculativeStream:
@@ -244,7 +238,7 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
                        how: Sampling = Sampling(),
                        freeze: Callable[[DecodeState], Callable] | None = None,
                        freeze_block: Callable[[DecodeState], Callable] | None = None,
-                       lean_own: bool = True, pool=None) -> Iterator[torch.Tensor]:
+                       lean_own: bool = True) -> Iterator[torch.Tensor]:
     """Yield the next token (1,) at a time, as plain decoding with ``how`` would (see the
     module's text); ``stats`` is filled as it goes. The model is in eval mode (the caller's
     stream sees to it).
@@ -258,18 +252,11 @@ def speculative_tokens(model, idx: torch.Tensor, max_new_tokens: int, draft: Dra
     ``lean_own`` (eager): the model's own solve (the prompt, each verification) runs as
     the lean step of that solve where it covers the model (lean.own_step: ODE blocks,
     or a discrete stack, whose first layers then draft through it too), with caches of its
-    own (``stats.verified_by`` says which, and why not). ``draft.pipeline``: the drafts are
-    made ahead by a process of their own (:func:`.pipeline.pipelined_tokens`), kept in
-    ``pool`` (a :class:`.pipeline.DrafterPool`) between streams when given."""
-    if draft.pipeline:  # drafts made ahead by a process of their own (pipeline.py)
-        from .pipeline import pipelined_tokens
-
-        if freeze is not None or freeze_block is not None or not lean_own:
-            raise ValueError("Draft(pipeline=True) (--draft-pipeline) runs eagerly through the "
-                             "lean steps: drop compile / cuda_graph, and Decoder(lean=False).")
-        yield from pipelined_tokens(model, idx, max_new_tokens, draft, eos_token_id, stats,
-                                    how, pool)
-        return
+    own (``stats.verified_by`` says which, and why not). Pipelined drafts (``draft.pipeline``) are
+    :func:`.pipeline.pipelined_tokens`'s."""
+    if draft.pipeline:
+        raise ValueError("Draft(pipeline=True): pipelined drafts run through "
+                         "decoding.pipeline.pipelined_tokens (Decoder.stream picks it).")
     # LayerSkip's cache reuse (Draft.reuse): eager only, a frozen step keeps caches of its own
     reuse = (draft.layers is not None and draft.reuse and freeze is None
              and freeze_block is None)
