@@ -183,7 +183,7 @@ def test_the_drafting_process_is_kept_while_the_weights_are_unchanged():
     draft = Draft("euler", 1, 3, pipeline=True)
     prompt = _prompt(4, 2)
     try:
-        first, _ = _tokens(decoder, prompt, 20, draft, greedy=True)
+        _tokens(decoder, prompt, 20, draft, greedy=True)
         (proc,) = decoder._pool._idle.values()
         _tokens(decoder, prompt, 20, draft, greedy=True)
         assert decoder._pool._idle[next(iter(decoder._pool._idle))] is proc  # the same one

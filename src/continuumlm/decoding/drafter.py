@@ -37,11 +37,10 @@ IDLE_S = 1e-4  # ... and how long it sleeps then
 
 
 class _Drafter:
-    """The draft's lean step with ``tokens`` already through it, as the drafting process
-    makes it: ``row(token)`` the draft's logits (V,) after one more token, ``crop``, ``pos``,
-    ``nfe`` per token."""
+    """The draft's lean step as the drafting process runs it: ``feed(tokens)``, ``row(token)``
+    the draft's logits (V,) after one more token, ``crop``, ``pos``, ``nfe`` per token."""
 
-    def __init__(self, model, draft: Draft, tokens: list[int]):
+    def __init__(self, model, draft: Draft):
         if draft.layers is not None:
             self.step, self.layers = LeanStack(model), draft.layers
             self.nfe = draft.layers
@@ -49,8 +48,6 @@ class _Drafter:
             self.step, self.layers = LeanDraft(model, _Solves(model, draft.solver,
                                                               draft.steps).draft[1]), None
             self.nfe = self.step.nfe
-        if tokens:
-            self.feed(tokens)
 
     @property
     def pos(self) -> int:
@@ -73,10 +70,14 @@ class Choice:
     distribution with the drafter's generator, reseeded at every epoch."""
 
     def __init__(self, greedy: bool, temperature: float, top_k, top_p, seed: int):
-        self.params = (greedy, temperature, top_k, top_p, seed)  # what crosses to the drafter
         self.greedy, self.temperature, self.top_k, self.top_p = greedy, temperature, top_k, top_p
         self.seed = seed
         self.gen = None if greedy else torch.Generator()
+
+    @property
+    def params(self) -> tuple:
+        """What crosses to the drafting process, which makes its own Choice of them."""
+        return self.greedy, self.temperature, self.top_k, self.top_p, self.seed
 
     def epoch(self, e: int) -> None:
         if self.gen is not None:
@@ -89,15 +90,15 @@ class Choice:
         return int(draw(q, self.gen)), q
 
 
-def _serve(model, draft: Draft, ctl: torch.Tensor, toks: torch.Tensor,
-           probs: torch.Tensor | None, lock, conn, ring: int) -> None:
+def _serve(model, draft: Draft, ctl: torch.Tensor, toks: torch.Tensor, probs: torch.Tensor,
+           lock, conn, ring: int) -> None:
     """The drafting process: waits for a stream (a message on ``conn``), drafts for it until
     told to stop, waits for the next; reports a failure on ``conn`` and ends."""
     try:
         torch.set_num_threads(1)
         c = ctl.numpy()
         with torch.inference_mode():
-            step = _Drafter(model, draft, [])
+            step = _Drafter(model, draft)
             while True:
                 msg = conn.recv()
                 if msg[0] == "exit":
@@ -122,7 +123,7 @@ def _serve(model, draft: Draft, ctl: torch.Tensor, toks: torch.Tensor,
 
 
 def _draft_stream(step: _Drafter, choice: Choice, tok: int, ep: int, limit: int | None, c,
-                  tk, probs: torch.Tensor | None, lock, ring: int) -> None:
+                  tk, probs: torch.Tensor, lock, ring: int) -> None:
     """One stream's drafting: after ``tok`` (epoch ``ep``), each draft after the last, from
     where the verifier says at each new epoch, until the stream stops."""
     count, evals, first, idle = 0, 0, ep, 0
@@ -187,7 +188,7 @@ class DraftProcess:
         self.ctl = torch.zeros(16, dtype=torch.int64).share_memory_()
         self.toks = torch.zeros(self.ring, dtype=torch.int64).share_memory_()
         self.probs = torch.zeros(self.ring, vocab, dtype=torch.float32).share_memory_()
-        self.c = self.ctl.numpy()
+        self.c, self.tk = self.ctl.numpy(), self.toks.numpy()  # scalar reads, no dispatch
         self.c[IDLE] = 1
         self.weights = _weights(model)
         ctx = mp.get_context("fork")
@@ -239,7 +240,7 @@ class DraftProcess:
                     continue
                 got = n if most is None else max(n, min(most, int(c[COUNT]) - start))
                 slots = [(start + i) % self.ring for i in range(got)]
-                tokens = [int(self.toks[s]) for s in slots]
+                tokens = [int(self.tk[s]) for s in slots]
                 qs = [self.probs[s].clone() for s in slots] if self.sampled else None
             return tokens, qs
 
