@@ -411,6 +411,33 @@ def threads(r: dict, results: dict) -> str | None:
             f"runs at {worst_quiet:.2f}x or more of the default.{share}")
 
 
+def cpu_kernels(r: dict, results: dict) -> str | None:
+    """oneDNN's CPU kernels against torch's own for decoding (bench/cpu_kernels.py): the
+    range of the speed-up per kind of decoding, and where oneDNN's GELU turns faster."""
+    rows = r.get("decoding") or []
+    if not rows:
+        return None
+    said = []
+    for kind in dict.fromkeys(x["decoding"] for x in rows):
+        ups = [x["speedup"] for x in rows if x["decoding"] == kind]
+        said.append(f"{min(ups):.2f}-{max(ups):.2f}x ({kind})")
+    gelu = r.get("gelu") or []
+    one = next((g for g in gelu if g["rows"] == 1), None)
+    faster = [g["rows"] for g in gelu if g["speedup"] < 0.95]  # clearly faster, not a tie
+    where = (f" oneDNN's GELU takes {one['onednn_us']:.1f} us on one row of 512 against "
+             f"{one['own_us']:.1f} us for torch's own" if one else "")
+    if faster:
+        where += (f", and is the faster one from {min(faster):,} rows on (training, long "
+                  f"prompts), which keep it")
+    return (f"With oneDNN off, decoding runs at {', '.join(said)} its tokens/s with oneDNN on "
+            f"(torch's default), the range over "
+            f"{len(dict.fromkeys(x['model'] for x in rows))} models."
+            + (where + "." if where else "")
+            + " `continuumlm generate` and `serve` turn it off for a float32 model on the CPU "
+              "(`--onednn auto`, the default); the library's own calls leave torch's setting "
+              "as it is.")
+
+
 def speculative(r: dict, results: dict) -> str | None:
     models = r.get("models") or []
     if not models:

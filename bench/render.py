@@ -688,6 +688,7 @@ BENCH_SECTIONS = (("ode_cost", "Cost per function evaluation"),
                   ("scale", "Training throughput: processes and compile"),
                   ("keep_freed_memory", "CPU training: keeping freed memory"),
                   ("threads", "Threads on a quiet and a shared machine"),
+                  ("cpu_kernels", "Decoding on the CPU: oneDNN's kernels or torch's own"),
                   ("mfu", "Model FLOPs utilization"),
                   ("data_scale", "Corpora at scale: prepare and memory-mapped training"),
                   ("hf_generate", "Hugging Face generate vs ContinuumLM's own decoding"),
@@ -980,6 +981,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             notes += page.fill("results/agreement.layerskip", table=layered,
                                conclusion=conclusions.layer_skip(r, results) or "",
                                speculative=said)
+        if key == "cpu_kernels":
+            notes += [f"GELU alone, microseconds per call on rows of 512:", "",
+                      r["gelu_table"], ""]
         if key == "serve":
             notes += page.fill("results/serve", depth_table=r["depth_table"],
                                turn_table=r["turn_table"], **serve_notes(r))

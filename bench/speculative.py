@@ -35,6 +35,7 @@ from common import machine, markdown_table, write_json
 
 from continuumlm import Draft, LanguageModel, ModelConfig
 from continuumlm.decoding import Decoder
+from continuumlm.decoding.kernels import CHOICES, decoding_kernels
 from continuumlm.decoding.lean_draft import LeanDraft, refusal
 from continuumlm.decoding.lean_stack import LeanStack
 from continuumlm.decoding.speculative import _Solves
@@ -411,6 +412,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, metavar="N",
                     help="torch's intra-op threads for the run (default: torch's own, one "
                          "per core); the record's machine line says which")
+    ap.add_argument("--onednn", default="on", choices=CHOICES,
+                    help="torch's oneDNN CPU kernels for the run: on (torch's default), off, "
+                         "or auto (as `continuumlm generate` sets it: off for a float32 model "
+                         "on the CPU); plain and drafted decoding alike")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                     help="drafted tokens per verification, the most per round (numbers, or "
                          "auto), e.g. 4,8,16")
@@ -443,6 +448,7 @@ def main() -> None:
             name = "untrained"
             what = ("the decoding benchmark's model (4 ODE blocks of RK4 x 4, d 128, softmax, "
                     "RoPE) with its random initial weights")
+        kernels = decoding_kernels(model, args.onednn, compiled=args.mode == "compiled")
         cfg = model.config
         n = args.new_tokens
         if cfg.position == "learned":
@@ -465,7 +471,8 @@ def main() -> None:
             "setup": (f"{what}, " + (f"{cfg.ode_solver} x {cfg.ode_steps}" if cfg.depth == "ode"
                                      else f"{cfg.num_layers} discrete layers")
                       + f" ({nfe} field evaluations per token); {len(prompts)} prompt(s) of {args.prompt_len} tokens, {n} "
-                      f"new tokens each ({distinct} distinct in the plain greedy output)"),
+                      f"new tokens each ({distinct} distinct in the plain greedy output); "
+                      f"{kernels}"),
             "best": {f"{m} {d}": max((r for r in rows if r["decoding"] == d
                                       and r["mode"] == m), key=lambda r: r["speedup"])
                      for m in modes for d in ("greedy", "sampled")},
@@ -485,6 +492,7 @@ def main() -> None:
                                  ("--confidence", args.confidence, "none"),
                                  ("--mode", args.mode, "eager"),
                                  ("--threads", args.threads, None),
+                                 ("--onednn", args.onednn, "on"),
                                  ("--confirm", args.confirm, 0),
                                  ("--out", args.out, None)):
         if value != default:

@@ -24,9 +24,14 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Every test gets its own user cache, so nothing leaks between tests or into ~/.cache."""
+    """Every test gets its own user cache, so nothing leaks between tests or into ~/.cache;
+    and torch's oneDNN switch back as it was (the command line's generate and serve, run in
+    this process by run_cli, set it for the process)."""
     monkeypatch.setenv("CONTINUUMLM_CACHE", str(tmp_path_factory.mktemp("cache")))
     torch.manual_seed(0)
+    onednn = torch.backends.mkldnn.enabled
+    yield
+    torch.backends.mkldnn.enabled = onednn
 
 
 @pytest.fixture

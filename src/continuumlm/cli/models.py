@@ -207,12 +207,14 @@ def _full_nfe(model) -> int:
 def cmd_generate(args) -> int:
     import torch
 
+    from ..decoding.kernels import decoding_kernels
     from ..runs import load_model_and_tokenizer
     from ..train import pick_device
 
     threads = thread_policy(args, "decoding")
     device = pick_device(args.device, "--device")
     model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
+    kernels = decoding_kernels(model, args.onednn, compiled=args.compile)
     _apply_exit(model, args)
     ids = tok.encode(args.prompt)
     if not ids:
@@ -260,7 +262,8 @@ def cmd_generate(args) -> int:
     # compiled: the second token's step compiles (an adaptive solver recomputes instead)
     compiled = args.compile and getattr(model.depth, "exact_cache", True)
     print(f"{clock.report(len(ids), compiled)}; {threads.choice}"
-          + (f", changed {threads.changes} times" if threads.changes else ""), file=sys.stderr)
+          + (f", changed {threads.changes} times" if threads.changes else "")
+          + f"; {kernels}", file=sys.stderr)
     if draft is not None and draft.layers is not None:
         print(f"{stream.stats.report()} (draft: the first {draft.layers} of "
               f"{model.config.num_layers} layers)", file=sys.stderr)

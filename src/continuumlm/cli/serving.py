@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .common import UsageError, thread_policy
@@ -68,6 +69,8 @@ def cmd_serve(args) -> int:
         raise UsageError("--ode-solver/--ode-steps: this model is a discrete stack, with no "
                          "solve to choose.")
     check_servable(model)
+    from ..decoding.kernels import decoding_kernels
+    print(f"decoding with {decoding_kernels(model, args.onednn)}", file=sys.stderr)
     if args.exit_ladder:
         raise UsageError("--exit-ladder: the server batches requests through one decoding "
                          "state, and a ladder cuts its memory back token by token; this "

@@ -1,0 +1,83 @@
+"""Which CPU kernels a decoding process runs (continuumlm/decoding/kernels.py): oneDNN off for a
+float32 model on the CPU, on where it is the faster one; the command line's generate and
+serve set it (--onednn), the library's calls never do. conftest.py puts the switch back after
+every test."""
+
+import pytest
+import torch
+
+from continuumlm.decoding import Decoder
+from continuumlm.decoding.kernels import decoding_kernels, onednn_helps
+
+from conftest import run_cli, small_model, train_tiny, write_tiny_corpus
+
+
+def test_auto_turns_onednn_off_for_a_float32_cpu_model():
+    model = small_model()
+    torch.backends.mkldnn.enabled = True
+    assert not onednn_helps(model)
+    assert decoding_kernels(model) == "torch's own CPU kernels (oneDNN off)"
+    assert torch.backends.mkldnn.enabled is False
+
+
+@pytest.mark.parametrize("why", ["bfloat16", "compiled"])
+def test_auto_keeps_onednn_where_it_is_the_faster(why):
+    model = small_model()
+    if why == "bfloat16":
+        model = model.to(torch.bfloat16)
+    torch.backends.mkldnn.enabled = False
+    assert decoding_kernels(model, "auto", compiled=why == "compiled") == "oneDNN on"
+    assert torch.backends.mkldnn.enabled is True
+
+
+@pytest.mark.parametrize("choice, on", [("on", True), ("off", False)])
+def test_a_named_choice_is_kept(choice, on):
+    model = small_model().to(torch.bfloat16)  # auto would keep it on
+    torch.backends.mkldnn.enabled = not on
+    decoding_kernels(model, choice)
+    assert torch.backends.mkldnn.enabled is on
+    with pytest.raises(ValueError, match="one of auto, on, off"):
+        decoding_kernels(model, "fast")
+
+
+def test_the_library_leaves_the_switch_alone():
+    """Decoding through the library's own calls never flips a setting of the whole process."""
+    model = small_model().eval()
+    for on in (True, False):
+        torch.backends.mkldnn.enabled = on
+        Decoder(model).generate(torch.tensor([[1, 2, 3]]), 4, greedy=True)
+        assert torch.backends.mkldnn.enabled is on
+
+
+def test_decoding_is_the_same_either_way():
+    """oneDNN's GELU and torch's differ in the last bits of float32 at most: greedy tokens of
+    the same model agree (float64 never goes through oneDNN, so float32 is the case)."""
+    model = small_model().eval()
+    idx = torch.tensor([[1, 2, 3, 4]])
+    outs = []
+    for on in (True, False):
+        torch.backends.mkldnn.enabled = on
+        outs.append(Decoder(model).generate(idx, 12, greedy=True))
+    assert torch.equal(*outs)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kernels")
+    return train_tiny(write_tiny_corpus(root / "corpus.txt"), root / "run")
+
+
+def test_generate_says_which_kernels_and_takes_onednn(tiny_run):
+    base = ["generate", "--checkpoint", tiny_run, "--prompt", "ab", "--max-new-tokens", "4",
+            "--greedy"]
+    torch.backends.mkldnn.enabled = True
+    r = run_cli(*base)
+    assert r.returncode == 0, r.stderr
+    assert "torch's own CPU kernels (oneDNN off)" in r.stderr
+    assert torch.backends.mkldnn.enabled is False
+    r2 = run_cli(*base, "--onednn", "on")
+    assert r2.returncode == 0 and "; oneDNN on" in r2.stderr
+    assert torch.backends.mkldnn.enabled is True
+    assert r2.stdout == r.stdout
+    bad = run_cli(*base, "--onednn", "fast")
+    assert bad.returncode == 2 and "--onednn" in bad.stderr
