@@ -982,7 +982,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                conclusion=conclusions.layer_skip(r, results) or "",
                                speculative=said)
         if key == "cpu_kernels":
-            notes += [f"GELU alone, microseconds per call on rows of 512:", "",
+            notes += ["GELU alone, microseconds per call on rows of 512:", "",
                       r["gelu_table"], ""]
         if key == "serve":
             notes += page.fill("results/serve", depth_table=r["depth_table"],

@@ -6,10 +6,9 @@ every test."""
 import pytest
 import torch
 
+from conftest import run_cli, small_model, train_tiny, write_tiny_corpus
 from continuumlm.decoding import Decoder
 from continuumlm.decoding.kernels import decoding_kernels, onednn_helps
-
-from conftest import run_cli, small_model, train_tiny, write_tiny_corpus
 
 
 def test_auto_turns_onednn_off_for_a_float32_cpu_model():
