@@ -887,6 +887,8 @@ def layer_skip(r: dict, results: dict) -> str | None:
     text += pipelined(results, "speculative_pipelined_layerskip", "layerskip_x1kl1",
                       "transformer_layerskip_kl.toml, first-layer drafts",
                       "speculative_layerskip_kl", 1.5)
+    text += pipelined_native(results, "speculative_pipelined_layerskip_native",
+                             "speculative_pipelined_layerskip", "layerskip_x1kl1", 1.5)
     deep = rows.get(("transformer_layerskip-12-layers", "layers:3"))
     deep_trained = findings.speculative_models(results, "speculative_layerskip12", "layerskip")
     if deep and deep_trained:
@@ -1070,6 +1072,8 @@ def kvblock_speculative(results: dict) -> str | None:
     text += _euler1_speculative(results, target)
     text += pipelined(results, "speculative_pipelined", "any_depth_kvblock_time_x1w0.5",
                       "ode_any_depth_euler1.toml", "speculative_euler1", target)
+    text += pipelined_native(results, "speculative_pipelined_native", "speculative_pipelined",
+                             "any_depth_kvblock_time_x1w0.5", target)
     text += _speed_bought(results, target)
     compiled = findings.speculative_models(results, "speculative_kvblock_compiled",
                                            "any_depth_kvblock")
@@ -1135,6 +1139,38 @@ def pipelined(results: dict, record: str, prefix: str, what: str, serial: str,
                  + ("the same machine" if same else results[serial]["setup"].split("; ")[-1])
                  + "): " + " and ".join(f"{findings.median_seed(base, d)[0]:.2f}x {d}"
                                         for d in ("greedy", "sampled")) + ".")
+    return text
+
+
+def pipelined_native(results: dict, record: str, before: str, prefix: str,
+                     target: float) -> str:
+    """The pipelined record re-timed with oneDNN off (``record``, bench/speculative.py
+    --onednn auto: as `continuumlm generate` runs a float32 model on the CPU) beside the one
+    with it on (``before``): medians over the seeds, the verdict, and the tokens/s of the
+    median seed's rows, plain and drafted, in both."""
+    seeds = findings.speculative_models(results, record, prefix)
+    if not seeds:
+        return ""
+    old = findings.speculative_models(results, before, prefix)
+    said, low, rates = [], float("inf"), []
+    for d in ("greedy", "sampled"):
+        speedup, lo, hi, best = findings.median_seed(seeds, d, "pipelined")
+        low = min(low, speedup)
+        said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
+                    f"seed's {best['draft']}, k {findings.k_of(best)}, "
+                    f"{100 * best['acceptance']:.0f}% kept)")
+        if old:
+            was = findings.median_seed(old, d, "pipelined")[3]
+            rates.append(f"{d}: plain {was['plain_tok_s']:.0f} -> {best['plain_tok_s']:.0f} "
+                         f"tokens/s, drafted {was['tok_s']:.0f} -> {best['tok_s']:.0f}")
+    text = (f" With oneDNN off, as `continuumlm generate` now runs a float32 model on the CPU "
+            f"(decoding/kernels.py; `{results[record]['command']}`): " + " and ".join(said)
+            + f" plain cached decoding, medians of the re-timed fastest rows (target {target}x "
+            f"for both: {'met' if low >= target else f'missed by {target - low:.2f}x'}).")
+    if rates:
+        text += (" Both get faster, plain decoding more (one row per evaluation, where "
+                 "oneDNN's GELU cost the most), so the ratio falls; the median seed's rows, "
+                 "oneDNN on -> off: " + "; ".join(rates) + ".")
     return text
 
 

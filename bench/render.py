@@ -943,6 +943,7 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
             specs = [x for x in (spec, results.get("speculative_kvblock_compiled"),
                                  results.get("speculative_euler1"),
                                  results.get("speculative_pipelined"),
+                                 results.get("speculative_pipelined_native"),
                                  results.get("speculative_kvblock_x1w2")) if x]
             tables = model_tables(*specs)
             notes += page.fill("results/agreement.kvblock", command=spec["command"],
@@ -967,7 +968,9 @@ def results_page(results: dict[str, dict], figures: list[str]) -> tuple[list[str
                                      results.get("speculative_layerskip_x1"),
                                      results.get("speculative_layerskip_kl"),
                                      results.get("speculative_layerskip_kl3"),
-                                     results.get("speculative_pipelined_layerskip")) if x]
+                                     results.get("speculative_pipelined_layerskip"),
+                                     results.get("speculative_pipelined_layerskip_native"))
+                         if x]
                 tables = model_tables(*specs)
                 said = (f"What it buys when generating, the fastest row per model and decoding "
                         f"against plain cached decoding's median rate (`{spec['command']}` — "

@@ -829,3 +829,59 @@ def test_confirmed_times_against_both_plain_decodings():
     assert got["plain_threads"] == threads and got["other_threads"] == (2 if threads == 1
                                                                         else 1)
     assert len(got["against_other_threads_ratios"]) == 2 and "against_pass" not in got
+
+
+def _pipelined_model(name: str, plain: float, drafted: dict) -> dict:
+    """A bench/speculative.py --mode pipelined model record: per decoding, its fastest row's
+    speed-up and the re-timed median."""
+    rows = [{"mode": "pipelined", "decoding": d, "draft": "euler x 2", "k": 8,
+             "acceptance": 0.8, "tokens_per_verification": 4.0, "tok_s": plain * x,
+             "plain_tok_s": plain, "speedup": x, "same_tokens": d == "greedy" or None}
+            for d, x in drafted.items()]
+    return {"name": name, "rows": rows,
+            "confirmed": {f"pipelined {d}": {"speedup": x, "ratios": [x]}
+                          for d, x in drafted.items()}}
+
+
+def test_the_native_kernels_record_is_read_beside_the_one_with_onednn():
+    """conclusions.pipelined_native and findings._pipelined: the record with oneDNN off
+    (--onednn auto) gives its own medians and verdict, beside the oneDNN-on record's rates;
+    without it, nothing is said."""
+    import conclusions
+    import findings
+
+    before = {"command": "python bench/speculative.py --out a", "models": [
+        _pipelined_model(f"fam_s{i}", 440.0, {"greedy": 2.0 + i / 10, "sampled": 2.3})
+        for i in range(3)]}
+    after = {"command": "python bench/speculative.py --onednn auto --out a_native",
+             "models": [_pipelined_model(f"fam_s{i}", 540.0,
+                                         {"greedy": 1.8 + i / 10, "sampled": 2.6})
+                        for i in range(3)]}
+    results = {"a": before}
+    assert conclusions.pipelined_native(results, "a_native", "a", "fam", 2.5) == ""
+    results["a_native"] = after
+    text = conclusions.pipelined_native(results, "a_native", "a", "fam", 2.5)
+    assert "1.90x greedy (1.80-2.00x over the seeds" in text
+    assert "2.60x sampled" in text and "missed by 0.60x" in text
+    assert "--onednn auto" in text and "greedy: plain 440 -> 540 tokens/s" in text
+    clause = findings._pipelined(results, "a", "fam", 2.5)
+    assert "2.10x greedy and 2.30x sampled" in clause
+    assert "1.90x and 2.60x against the faster plain decoding" in clause
+
+
+def test_cpu_kernels_conclusion_gives_each_kind_of_decoding_its_range():
+    import conclusions
+
+    r = {"decoding": [
+        {"model": m, "decoding": kind, "speedup": x}
+        for m, xs in (("a", (1.2, 1.1)), ("b", (1.25, 1.15)))
+        for kind, x in zip(("batch 1, lean step", "batch 8, decoding pass"), xs)],
+        "gelu": [{"rows": 1, "onednn_us": 14.0, "own_us": 3.0, "speedup": 4.7},
+                 {"rows": 64, "onednn_us": 30.0, "own_us": 30.5, "speedup": 0.98},
+                 {"rows": 1024, "onednn_us": 275.0, "own_us": 420.0, "speedup": 0.65}]}
+    text = conclusions.cpu_kernels(r, {})
+    assert "1.20-1.25x (batch 1, lean step), 1.10-1.15x (batch 8, decoding pass)" in text
+    assert "the range over 2 models" in text
+    assert "14.0 us on one row of 512 against 3.0 us" in text
+    assert "the faster one from 1,024 rows on" in text  # 64 rows is a tie, not a win
+    assert conclusions.cpu_kernels({"decoding": []}, {}) is None
