@@ -310,6 +310,8 @@ def test_a_signal_during_a_stream_drains_it_and_exits_0(run_dir, sig):
         text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in [first, *rest[:-1]])
         assert len(text) == 120
         assert p.wait(60) == 0
+        # a float32 model on the CPU: decoded on torch's own kernels (--onednn auto)
+        assert "decoding with torch's own CPU kernels (oneDNN off)" in p.stderr.read()
         with pytest.raises(requests.ConnectionError):  # it no longer listens
             requests.get(f"http://{where}/health", timeout=5)
     finally:
