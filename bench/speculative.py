@@ -448,7 +448,6 @@ def main() -> None:
             name = "untrained"
             what = ("the decoding benchmark's model (4 ODE blocks of RK4 x 4, d 128, softmax, "
                     "RoPE) with its random initial weights")
-        kernels = decoding_kernels(model, args.onednn, compiled=args.mode == "compiled")
         cfg = model.config
         n = args.new_tokens
         if cfg.position == "learned":
@@ -460,11 +459,12 @@ def main() -> None:
             if not wanted:
                 raise SystemExit(f"{run}: a discrete model drafts with its first layers; "
                                  f"give --drafts layersxN")
-        rows, distinct, checks = measure(model, prompts, n, wanted, modes, args.confirm,
-                                         tokens, confidences)
-        costs = (pass_costs(model, prompts[0], wanted,
-                            ks=tuple(k for k in tokens if k != "auto") or (2, 4, 8))
-                 if "eager" in modes else None)
+        with decoding_kernels(model, args.onednn, compiled=args.mode == "compiled") as kernels:
+            rows, distinct, checks = measure(model, prompts, n, wanted, modes, args.confirm,
+                                             tokens, confidences)
+            costs = (pass_costs(model, prompts[0], wanted,
+                                ks=tuple(k for k in tokens if k != "auto") or (2, 4, 8))
+                     if "eager" in modes else None)
         nfe = rows[0]["plain_nfe_per_token"]
         models.append({
             "name": name, "model": cfg.to_dict(), "distinct_new_tokens": distinct,

@@ -15,8 +15,10 @@ def test_auto_turns_onednn_off_for_a_float32_cpu_model():
     model = small_model()
     torch.backends.mkldnn.enabled = True
     assert not onednn_helps(model)
-    assert decoding_kernels(model) == "torch's own CPU kernels (oneDNN off)"
-    assert torch.backends.mkldnn.enabled is False
+    with decoding_kernels(model) as said:
+        assert said == "torch's own CPU kernels (oneDNN off)"
+        assert torch.backends.mkldnn.enabled is False
+    assert torch.backends.mkldnn.enabled is True  # put back
 
 
 @pytest.mark.parametrize("why", ["bfloat16", "compiled"])
@@ -25,18 +27,20 @@ def test_auto_keeps_onednn_where_it_is_the_faster(why):
     if why == "bfloat16":
         model = model.to(torch.bfloat16)
     torch.backends.mkldnn.enabled = False
-    assert decoding_kernels(model, "auto", compiled=why == "compiled") == "oneDNN on"
-    assert torch.backends.mkldnn.enabled is True
+    with decoding_kernels(model, "auto", compiled=why == "compiled") as said:
+        assert said == "oneDNN on" and torch.backends.mkldnn.enabled is True
+    assert torch.backends.mkldnn.enabled is False
 
 
 @pytest.mark.parametrize("choice, on", [("on", True), ("off", False)])
 def test_a_named_choice_is_kept(choice, on):
     model = small_model().to(torch.bfloat16)  # auto would keep it on
     torch.backends.mkldnn.enabled = not on
-    decoding_kernels(model, choice)
-    assert torch.backends.mkldnn.enabled is on
-    with pytest.raises(ValueError, match="one of auto, on, off"):
-        decoding_kernels(model, "fast")
+    with decoding_kernels(model, choice):
+        assert torch.backends.mkldnn.enabled is on
+    with pytest.raises(ValueError, match="one of auto, on, off"), decoding_kernels(model, "fast"):
+        pass
+    assert torch.backends.mkldnn.enabled is not on  # untouched by the refusal
 
 
 def test_the_library_leaves_the_switch_alone():
@@ -66,17 +70,26 @@ def tiny_run(tmp_path_factory):
     return train_tiny(write_tiny_corpus(root / "corpus.txt"), root / "run")
 
 
-def test_generate_says_which_kernels_and_takes_onednn(tiny_run):
+def test_generate_says_which_kernels_and_takes_onednn(tiny_run, monkeypatch):
+    import continuumlm.cli.models as models
+
     base = ["generate", "--checkpoint", tiny_run, "--prompt", "ab", "--max-new-tokens", "4",
             "--greedy"]
+    seen, real = [], models._generate
+
+    def spy(*a):  # the switch while the command decodes
+        seen.append(torch.backends.mkldnn.enabled)
+        return real(*a)
+
+    monkeypatch.setattr(models, "_generate", spy)
     torch.backends.mkldnn.enabled = True
     r = run_cli(*base)
     assert r.returncode == 0, r.stderr
     assert "torch's own CPU kernels (oneDNN off)" in r.stderr
-    assert torch.backends.mkldnn.enabled is False
     r2 = run_cli(*base, "--onednn", "on")
     assert r2.returncode == 0 and "; oneDNN on" in r2.stderr
-    assert torch.backends.mkldnn.enabled is True
+    assert seen == [False, True]
+    assert torch.backends.mkldnn.enabled is True  # put back when the command ends
     assert r2.stdout == r.stdout
     bad = run_cli(*base, "--onednn", "fast")
     assert bad.returncode == 2 and "--onednn" in bad.stderr

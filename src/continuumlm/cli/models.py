@@ -205,8 +205,6 @@ def _full_nfe(model) -> int:
 # ---------------------------------------------------------------------------- generate
 
 def cmd_generate(args) -> int:
-    import torch
-
     from ..decoding.kernels import decoding_kernels
     from ..runs import load_model_and_tokenizer
     from ..train import pick_device
@@ -214,7 +212,13 @@ def cmd_generate(args) -> int:
     threads = thread_policy(args, "decoding")
     device = pick_device(args.device, "--device")
     model, tok, _ = load_model_and_tokenizer(args.checkpoint, args.which, map_location=device)
-    kernels = decoding_kernels(model, args.onednn, compiled=args.compile)
+    with decoding_kernels(model, args.onednn, compiled=args.compile) as kernels:
+        return _generate(args, model, tok, device, threads, kernels)
+
+
+def _generate(args, model, tok, device, threads, kernels: str) -> int:
+    import torch
+
     _apply_exit(model, args)
     ids = tok.encode(args.prompt)
     if not ids:

@@ -69,8 +69,6 @@ def cmd_serve(args) -> int:
         raise UsageError("--ode-solver/--ode-steps: this model is a discrete stack, with no "
                          "solve to choose.")
     check_servable(model)
-    from ..decoding.kernels import decoding_kernels
-    print(f"decoding with {decoding_kernels(model, args.onednn)}", file=sys.stderr)
     if args.exit_ladder:
         raise UsageError("--exit-ladder: the server batches requests through one decoding "
                          "state, and a ladder cuts its memory back token by token; this "
@@ -82,12 +80,16 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--max-context {max_context}: this model's learned positions end at "
                          f"max_seq_len = {cfg.max_seq_len}; give at most that.")
     name = args.model_name or _run_name(Path(args.checkpoint), ckpt)
-    return serve(model, tok, model_name=name, host=args.host, port=args.port,
-                 max_batch=args.max_batch, max_queue=args.max_queue, max_context=max_context,
-                 max_prefill_tokens=args.max_prefill_tokens,
-                 max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                 threads=threads, exit_rule=(exit_criterion(args), args.exit_threshold)
-                 if args.exit_threshold is not None else None)
+    from ..decoding.kernels import decoding_kernels
+
+    with decoding_kernels(model, args.onednn) as kernels:
+        print(f"decoding with {kernels}", file=sys.stderr)
+        return serve(model, tok, model_name=name, host=args.host, port=args.port,
+                     max_batch=args.max_batch, max_queue=args.max_queue,
+                     max_context=max_context, max_prefill_tokens=args.max_prefill_tokens,
+                     max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
+                     threads=threads, exit_rule=(exit_criterion(args), args.exit_threshold)
+                     if args.exit_threshold is not None else None)
 
 
 def _run_name(given: Path, ckpt: Path) -> str:

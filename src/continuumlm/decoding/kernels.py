@@ -11,12 +11,15 @@ The only switch torch has is ``torch.backends.mkldnn.enabled``, a setting of the
 the library never flips it under a caller (another thread of theirs may be running). A process
 that does nothing but decode does: the command line's ``generate`` and ``serve`` (``--onednn
 auto``, the default: off for a float32 model on the CPU that is not compiled, which keeps
-inductor's oneDNN fusions); the drafting process of pipelined drafts, forked from the
-decoding process, inherits its setting. A program of yours that decodes alone can call
-:func:`decoding_kernels` the same way.
+inductor's oneDNN fusions), putting it back when the command's work ends; the drafting
+process of pipelined drafts, forked from the decoding process, inherits its setting. A
+program of yours that decodes alone can run its decoding inside :func:`decoding_kernels`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -33,12 +36,18 @@ def onednn_helps(model, compiled: bool = False) -> bool:
                    for p in params))
 
 
-def decoding_kernels(model, choice: str = "auto", compiled: bool = False) -> str:
-    """Set torch's oneDNN switch for a process that decodes with ``model`` (``choice``: on,
-    off, or auto: off unless :func:`onednn_helps`) and say which, in a phrase for a report.
-    A setting of the whole process: call it where nothing else runs."""
+@contextlib.contextmanager
+def decoding_kernels(model, choice: str = "auto", compiled: bool = False) -> Iterator[str]:
+    """While the block runs, torch's oneDNN switch as a process that decodes with ``model``
+    wants it (``choice``: on, off, or auto: off unless :func:`onednn_helps`); yields which, in
+    a phrase for a report, and puts the switch back at the end. A setting of the whole process:
+    use it where nothing else runs meanwhile (a drafting process forked inside inherits it)."""
     if choice not in CHOICES:
         raise ValueError(f"oneDNN {choice!r}: one of {', '.join(CHOICES)}")
     on = choice == "on" or (choice == "auto" and onednn_helps(model, compiled))
+    was = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = on
-    return "oneDNN on" if on else "torch's own CPU kernels (oneDNN off)"
+    try:
+        yield "oneDNN on" if on else "torch's own CPU kernels (oneDNN off)"
+    finally:
+        torch.backends.mkldnn.enabled = was
