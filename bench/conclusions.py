@@ -420,15 +420,17 @@ def cpu_kernels(r: dict, results: dict) -> str | None:
     said = []
     for kind in dict.fromkeys(x["decoding"] for x in rows):
         ups = [x["speedup"] for x in rows if x["decoding"] == kind]
-        said.append(f"{min(ups):.2f}-{max(ups):.2f}x ({kind})")
+        span = (f"{min(ups):.2f}" if f"{min(ups):.2f}" == f"{max(ups):.2f}"
+                else f"{min(ups):.2f}-{max(ups):.2f}")
+        said.append(f"{span}x ({kind})")
     gelu = r.get("gelu") or []
     one = next((g for g in gelu if g["rows"] == 1), None)
     faster = [g["rows"] for g in gelu if g["speedup"] < 0.95]  # clearly faster, not a tie
     where = (f" oneDNN's GELU takes {one['onednn_us']:.1f} us on one row of 512 against "
              f"{one['own_us']:.1f} us for torch's own" if one else "")
     if faster:
-        where += (f", and is the faster one from {min(faster):,} rows on (training, long "
-                  f"prompts), which keep it")
+        where += (f", and is the faster one from {min(faster):,} rows on: training keeps "
+                  f"it")
     return (f"With oneDNN off, decoding runs at {', '.join(said)} its tokens/s with oneDNN on "
             f"(torch's default), the range over "
             f"{len(dict.fromkeys(x['model'] for x in rows))} models."
@@ -1146,31 +1148,38 @@ def pipelined_native(results: dict, record: str, before: str, prefix: str,
                      target: float) -> str:
     """The pipelined record re-timed with oneDNN off (``record``, bench/speculative.py
     --onednn auto: as `continuumlm generate` runs a float32 model on the CPU) beside the one
-    with it on (``before``): medians over the seeds, the verdict, and the tokens/s of the
-    median seed's rows, plain and drafted, in both."""
+    with it on (``before``): medians over the seeds and the verdict; and, for the median
+    seed's fastest row, how much faster plain and drafted decoding got (the same seed, draft
+    and k in ``before``, where it has that row)."""
     seeds = findings.speculative_models(results, record, prefix)
     if not seeds:
         return ""
-    old = findings.speculative_models(results, before, prefix)
-    said, low, rates = [], float("inf"), []
+    old = {m["name"]: m for m in findings.speculative_models(results, before, prefix)}
+    said, low, gains = [], float("inf"), []
     for d in ("greedy", "sampled"):
         speedup, lo, hi, best = findings.median_seed(seeds, d, "pipelined")
         low = min(low, speedup)
         said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
                     f"seed's {best['draft']}, k {findings.k_of(best)}, "
                     f"{100 * best['acceptance']:.0f}% kept)")
-        if old:
-            was = findings.median_seed(old, d, "pipelined")[3]
-            rates.append(f"{d}: plain {was['plain_tok_s']:.0f} -> {best['plain_tok_s']:.0f} "
-                         f"tokens/s, drafted {was['tok_s']:.0f} -> {best['tok_s']:.0f}")
+        name = next(m["name"] for m in seeds if best in m["rows"])
+        was = next((x for x in (old.get(name) or {}).get("rows", [])
+                    if x["mode"] == "pipelined" and x["decoding"] == d
+                    and x["draft"] == best["draft"] and x["k"] == best["k"]), None)
+        if was:
+            plain, drafted = (best["plain_tok_s"] / was["plain_tok_s"],
+                              best["tok_s"] / was["tok_s"])
+            gains.append(f"{d} ({name}, {best['draft']}, k {findings.k_of(best)}): plain "
+                         f"{was['plain_tok_s']:.0f} -> {best['plain_tok_s']:.0f} tokens/s "
+                         f"({plain:.2f}x), drafted {was['tok_s']:.0f} -> {best['tok_s']:.0f} "
+                         f"({drafted:.2f}x)")
     text = (f" With oneDNN off, as `continuumlm generate` now runs a float32 model on the CPU "
             f"(decoding/kernels.py; `{results[record]['command']}`): " + " and ".join(said)
             + f" plain cached decoding, medians of the re-timed fastest rows (target {target}x "
             f"for both: {'met' if low >= target else f'missed by {target - low:.2f}x'}).")
-    if rates:
-        text += (" Both get faster, plain decoding more (one row per evaluation, where "
-                 "oneDNN's GELU cost the most), so the ratio falls; the median seed's rows, "
-                 "oneDNN on -> off: " + "; ".join(rates) + ".")
+    if gains:
+        text += (" The same row with oneDNN on and off (each timed once against plain "
+                 "decoding beside it): " + "; ".join(gains) + ".")
     return text
 
 

@@ -8,9 +8,11 @@ command line's ``generate`` and ``serve`` turn it off for a float32 model on the
 and on the decoding benchmark's untrained model (4 ODE blocks of RK4 x 4, d 128, RoPE):
 
 - decoding, greedy, 8-token prompts, as many new tokens as the model's positions leave (at
-  most 248): batch 1 through the lean step (the decoder's default), batch 1 through the
-  decoding pass (``Decoder(lean=False)``) and batch 8; tokens/s with oneDNN on and off, timed
-  alternately in one process (the median of 5 each), on torch's threads for the run;
+  most 248; 64 at batch 32): batch 1 through the lean step (the decoder's default), batch 1 through the
+  decoding pass (``Decoder(lean=False)``), batch 8 and batch 32 (``serve``'s default most);
+  tokens/s with oneDNN on and off, timed alternately in one process (the median of 5 each), on
+  torch's threads for the run;
+- a prompt's one pass (as many tokens as the positions allow, at most 512): tokens/s;
 - GELU alone on rows of 512 (an MLP's width here) from 1 to 8,192: microseconds per call.
 """
 
@@ -44,8 +46,10 @@ def decoding_rows(name: str, model) -> list[dict]:
     rows = []
     for label, batch, lean in (("batch 1, lean step", 1, True),
                                ("batch 1, decoding pass", 1, False),
-                               ("batch 8, decoding pass", 8, False)):
+                               ("batch 8, decoding pass", 8, False),
+                               ("batch 32, decoding pass", 32, False)):
         decoder = Decoder(model, lean=lean)
+        n = new if batch < 32 else min(new, 64)  # the rate is what is read; a shorter run
         idx = torch.randint(0, model.config.vocab_size, (batch, 8),
                             generator=torch.Generator().manual_seed(0))
         rates = {True: [], False: []}
@@ -55,12 +59,27 @@ def decoding_rows(name: str, model) -> list[dict]:
         for _ in range(REPEATS):
             for on in (True, False):
                 torch.backends.mkldnn.enabled = on
-                rates[on].append(_rate(decoder, idx, new))
+                rates[on].append(_rate(decoder, idx, n))
         on, off = statistics.median(rates[True]), statistics.median(rates[False])
-        rows.append({"model": name, "decoding": label, "new_tokens": new,
+        rows.append({"model": name, "decoding": label, "new_tokens": n,
                      "onednn_tok_s": round(on, 1), "own_tok_s": round(off, 1),
                      "speedup": round(off / on, 3)})
-    torch.backends.mkldnn.enabled = True
+    # a prompt's one pass (as long as the positions allow, at most 512 tokens): the rows
+    # where oneDNN's GELU is the faster one
+    length = min(512, model.config.max_seq_len)
+    idx = torch.randint(0, model.config.vocab_size, (1, length),
+                        generator=torch.Generator().manual_seed(0))
+    ms = {True: [], False: []}
+    for _ in range(REPEATS + 1):  # the first of each warms
+        for on in (True, False):
+            torch.backends.mkldnn.enabled = on
+            t0 = time.perf_counter()
+            model(idx)
+            ms[on].append((time.perf_counter() - t0) * 1e3)
+    on, off = statistics.median(ms[True][1:]), statistics.median(ms[False][1:])
+    rows.append({"model": name, "decoding": f"a {length}-token prompt's pass",
+                 "onednn_tok_s": round(length / on * 1e3, 1),
+                 "own_tok_s": round(length / off * 1e3, 1), "speedup": round(on / off, 3)})
     return rows
 
 
@@ -83,7 +102,6 @@ def gelu_rows() -> list[dict]:
             us[on] = statistics.median(samples)
         rows.append({"rows": n, "onednn_us": round(us[True], 2), "own_us": round(us[False], 2),
                      "speedup": round(us[True] / us[False], 3)})
-    torch.backends.mkldnn.enabled = True
     return rows
 
 
@@ -97,12 +115,16 @@ def main() -> None:
     from continuumlm.runs import load_model_and_tokenizer
 
     decoding = []
-    for run in args.runs:
-        model, _, _ = load_model_and_tokenizer(run, "best")
-        decoding += decoding_rows(Path(run).name, model.eval())
-    decoding += decoding_rows("untrained (4 ODE blocks of RK4 x 4, d 128, RoPE)",
-                              benchmark_model())
-    gelu = gelu_rows()
+    was = torch.backends.mkldnn.enabled
+    try:
+        for run in args.runs:
+            model, _, _ = load_model_and_tokenizer(run, "best")
+            decoding += decoding_rows(Path(run).name, model.eval())
+        decoding += decoding_rows("untrained (4 ODE blocks of RK4 x 4, d 128, RoPE)",
+                                  benchmark_model())
+        gelu = gelu_rows()
+    finally:
+        torch.backends.mkldnn.enabled = was
     command = "python bench/cpu_kernels.py" + (" --runs " + " ".join(args.runs)
                                                if args.runs else "")
     table = markdown_table(decoding, [("model", "model"), ("decoding", "decoding"),

@@ -845,27 +845,35 @@ def _pipelined_model(name: str, plain: float, drafted: dict) -> dict:
 
 def test_the_native_kernels_record_is_read_beside_the_one_with_onednn():
     """conclusions.pipelined_native and findings._pipelined: the record with oneDNN off
-    (--onednn auto) gives its own medians and verdict, beside the oneDNN-on record's rates;
-    without it, nothing is said."""
+    (--onednn auto) gives its own medians and verdict; the rates before and after are of the
+    same seed's same row (the new median seed, which need not be the old record's median
+    seed); without the record, nothing is said."""
     import conclusions
     import findings
 
+    old_greedy = (2.5, 2.0, 2.2)  # median seed: s2
     before = {"command": "python bench/speculative.py --out a", "models": [
-        _pipelined_model(f"fam_s{i}", 440.0, {"greedy": 2.0 + i / 10, "sampled": 2.3})
-        for i in range(3)]}
+        _pipelined_model(f"fam_s{i}", 440.0 + i, {"greedy": x, "sampled": 2.3})
+        for i, x in enumerate(old_greedy)]}
     after = {"command": "python bench/speculative.py --onednn auto --out a_native",
-             "models": [_pipelined_model(f"fam_s{i}", 540.0,
+             "models": [_pipelined_model(f"fam_s{i}", 540.0 + i,
                                          {"greedy": 1.8 + i / 10, "sampled": 2.6})
-                        for i in range(3)]}
+                        for i in range(3)]}  # median seed: s1
     results = {"a": before}
     assert conclusions.pipelined_native(results, "a_native", "a", "fam", 2.5) == ""
     results["a_native"] = after
     text = conclusions.pipelined_native(results, "a_native", "a", "fam", 2.5)
     assert "1.90x greedy (1.80-2.00x over the seeds" in text
-    assert "2.60x sampled" in text and "missed by 0.60x" in text
-    assert "--onednn auto" in text and "greedy: plain 440 -> 540 tokens/s" in text
+    assert "2.60x sampled" in text and "missed by 0.60x" in text and "--onednn auto" in text
+    # seed 1's row in both records: 441 * 2.0 -> 541 * 1.9 tokens/s
+    assert ("greedy (fam_s1, euler x 2, k 8): plain 441 -> 541 tokens/s (1.23x), drafted "
+            "882 -> 1028 (1.17x)") in text
+    # a record whose rows do not match (another draft) gives no before-and-after
+    before["models"][1]["rows"][0]["draft"] = "rk4 x 1"
+    assert "greedy (fam_s1" not in conclusions.pipelined_native(results, "a_native", "a",
+                                                                 "fam", 2.5)
     clause = findings._pipelined(results, "a", "fam", 2.5)
-    assert "2.10x greedy and 2.30x sampled" in clause
+    assert "2.20x greedy and 2.30x sampled" in clause
     assert "1.90x and 2.60x against the faster plain decoding" in clause
 
 
@@ -884,4 +892,6 @@ def test_cpu_kernels_conclusion_gives_each_kind_of_decoding_its_range():
     assert "the range over 2 models" in text
     assert "14.0 us on one row of 512 against 3.0 us" in text
     assert "the faster one from 1,024 rows on" in text  # 64 rows is a tie, not a win
+    r["decoding"] = [{"model": "a", "decoding": "a prompt's pass", "speedup": 0.95}]
+    assert "at 0.95x (a prompt's pass)" in conclusions.cpu_kernels(r, {})
     assert conclusions.cpu_kernels({"decoding": []}, {}) is None

@@ -43,6 +43,43 @@ def test_a_named_choice_is_kept(choice, on):
     assert torch.backends.mkldnn.enabled is not on  # untouched by the refusal
 
 
+def test_the_switch_goes_back_when_the_work_fails():
+    model = small_model()
+    torch.backends.mkldnn.enabled = True
+    with pytest.raises(RuntimeError, match="decoding failed"), decoding_kernels(model):
+        assert torch.backends.mkldnn.enabled is False
+        raise RuntimeError("decoding failed")
+    assert torch.backends.mkldnn.enabled is True
+
+
+def test_a_model_on_another_device_keeps_onednn():
+    assert onednn_helps(small_model().to("meta"))
+
+
+def test_a_kept_drafter_serves_only_streams_with_its_kernels():
+    """A drafting process inherits the switch when it is forked: the pool keeps one per
+    setting, so a stream made under the other setting gets a process of its own."""
+    from continuumlm.decoding.draft import Draft
+    from continuumlm.decoding.drafter import DrafterPool
+
+    model = small_model(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
+    draft, pool = Draft("euler", 1, 4, pipeline=True), DrafterPool()
+    torch.backends.mkldnn.enabled = True
+    try:
+        first = pool.acquire(model, draft)
+        assert first.usable(model)
+        pool.release(model, draft, first, clean=True)
+        with decoding_kernels(model):
+            other = pool.acquire(model, draft)
+            assert other is not first and other.onednn is False
+            pool.release(model, draft, other, clean=True)
+        again = pool.acquire(model, draft)
+        assert again is first and again.onednn is True
+        pool.release(model, draft, again, clean=True)
+    finally:
+        pool.close()
+
+
 def test_the_library_leaves_the_switch_alone():
     """Decoding through the library's own calls never flips a setting of the whole process."""
     model = small_model().eval()
@@ -86,10 +123,10 @@ def test_generate_says_which_kernels_and_takes_onednn(tiny_run, monkeypatch):
     r = run_cli(*base)
     assert r.returncode == 0, r.stderr
     assert "torch's own CPU kernels (oneDNN off)" in r.stderr
+    assert torch.backends.mkldnn.enabled is True  # put back when the command ends
     r2 = run_cli(*base, "--onednn", "on")
     assert r2.returncode == 0 and "; oneDNN on" in r2.stderr
     assert seen == [False, True]
-    assert torch.backends.mkldnn.enabled is True  # put back when the command ends
     assert r2.stdout == r.stdout
     bad = run_cli(*base, "--onednn", "fast")
     assert bad.returncode == 2 and "--onednn" in bad.stderr

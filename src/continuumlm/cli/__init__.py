@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--onednn", choices=("auto", "on", "off"), default="auto",
                          help="whether torch runs oneDNN's CPU kernels in this process: auto "
                               "(the default) turns it off for a float32 model on the CPU, not "
-                              "compiled, where torch's own kernels decode 12-23%% faster at "
-                              "batch 1 (oneDNN's GELU costs more than it saves at a few rows)")
+                              "compiled, where torch's own kernels decode 1.12-1.24x as fast "
+                              "at batch 1 (oneDNN's GELU costs more than it saves at a few "
+                              "rows)")
 
     # no abbreviated options: the launcher strips its own (--nproc, --nnodes, ...) by name
     t = sub.add_parser("train", parents=[plugin, threads], allow_abbrev=False,

@@ -191,6 +191,7 @@ class DraftProcess:
         self.c, self.tk = self.ctl.numpy(), self.toks.numpy()  # scalar reads, no dispatch
         self.c[IDLE] = 1
         self.weights = _weights(model)
+        self.onednn = torch.backends.mkldnn.enabled  # what the forked process inherits
         ctx = mp.get_context("fork")
         self.lock = ctx.Lock()
         self.conn, child = ctx.Pipe()
@@ -335,8 +336,10 @@ class DrafterPool:
         self._idle: dict[tuple, DraftProcess] = {}
 
     @staticmethod
-    def _key(model, draft: Draft) -> tuple:
-        return (id(model), draft.solver, draft.steps, draft.layers, draft.tokens)
+    def _key(model, draft: Draft, onednn: bool | None = None) -> tuple:
+        # a process keeps the oneDNN switch it was forked with (decoding/kernels.py)
+        return (id(model), draft.solver, draft.steps, draft.layers, draft.tokens,
+                torch.backends.mkldnn.enabled if onednn is None else onednn)
 
     def acquire(self, model, draft: Draft) -> DraftProcess:
         proc = self._idle.pop(self._key(model, draft), None)
@@ -346,7 +349,7 @@ class DrafterPool:
         return proc or DraftProcess(model, draft)
 
     def release(self, model, draft: Draft, proc: DraftProcess, clean: bool) -> None:
-        key = self._key(model, draft)
+        key = self._key(model, draft, proc.onednn)
         if clean and proc.weights is not None and key not in self._idle:
             self._idle[key] = proc
         else:
