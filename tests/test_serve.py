@@ -384,3 +384,57 @@ def _loglikelihoods(folder) -> dict:
             for i, resp in enumerate(s["resps"]):
                 out[(s["doc_id"], i)] = float(resp[0][0])
     return out
+
+
+def test_a_pipelined_draft_is_served_and_its_drafter_kept(run_dir):
+    """draft.pipeline: the drafts made ahead by a drafting process of their own; greedy, the
+    text of plain decoding; the engine keeps that process for the next request and ends it
+    with the engine; what cannot be pipelined is refused with the reason (400)."""
+    s = Running(run_dir)
+    try:
+        plain = s.client.completions.create(model=NAME, prompt="the", max_tokens=24,
+                                            temperature=0)
+        spec = {"solver": "euler", "steps": 1, "tokens": 4, "pipeline": True}
+        texts, kept = [], []
+        for _ in range(2):
+            r = s.client.completions.create(model=NAME, prompt="the", max_tokens=24,
+                                            temperature=0, extra_body={"draft": spec})
+            texts.append(r.choices[0].text)
+            kept.append(list(s.engine._drafting._pool._idle.values()))
+        assert texts == [plain.choices[0].text] * 2
+        assert len(kept[0]) == 1 and kept[1] == kept[0]  # one process, used by both
+        r = s.post("/v1/completions", {"model": NAME, "prompt": "the", "max_tokens": 4,
+                                       "draft": dict(spec, tokens="auto")})
+        assert r.status_code == 400
+        assert "'draft.pipeline': a round takes a fixed number of drafts" in \
+            r.json()["error"]["message"]
+        proc = kept[0][0].proc
+    finally:
+        s.stop()
+    proc.join(10)
+    assert not proc.is_alive()  # ended with the engine
+
+
+def test_a_pipelined_stream_cut_off_by_its_client_hands_back_its_drafter(run_dir):
+    """A client that goes away mid-stream: the engine ends the drafted stream, so the
+    drafting process is kept (idle, for the next request) and the thread count held for the
+    stream is let go."""
+    from continuumlm.decoding import pipeline
+
+    s = Running(run_dir)
+    try:
+        body = {"model": NAME, "prompt": "the", "max_tokens": 100, "stream": True,
+                "temperature": 0,
+                "draft": {"solver": "euler", "steps": 1, "tokens": 4, "pipeline": True}}
+        r = s.post("/v1/completions", body, stream=True)
+        assert next(line for line in r.iter_lines() if line).startswith(b"data: ")
+        r.close()
+        for _ in range(200):
+            if not s.engine.solos and s.engine._drafting._pool._idle:
+                break
+            time.sleep(0.05)
+        assert not s.engine.solos
+        assert len(s.engine._drafting._pool._idle) == 1  # handed back clean, kept
+        assert pipeline._threads[0] == 0  # no pipelined stream holds the thread count
+    finally:
+        s.stop()

@@ -14,6 +14,9 @@ One thread owns the model. Each turn of its loop it
    (``DecodeState.regroup``: free slots and positions that are pads in every row dropped)
    only when a row does not fit or much of the state is idle;
 3. advances every self-speculative request (``draft``; batch 1 by its nature) by one token.
+   Drafted requests share one decoder, so a pipelined draft (``draft.pipeline``) keeps its
+   drafting process between requests (closed with the engine); while a pipelined request
+   runs, torch's threads in the engine are held at one (the drafter has the other core).
 
 Groups take turns (round robin): with several depths running, a token of each group costs the
 sum of the groups' steps. A request's tokens are those it gets alone: greedy, the same tokens;
@@ -71,6 +74,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.groups: dict[Depth, Group] = {}
         self.solos: list[tuple[Request, Row, object]] = []
+        self._drafting = None  # the drafted requests' Decoder, made at the first
         self.cond = threading.Condition()
         self.closing = False
         self.thread: threading.Thread | None = None
@@ -141,6 +145,9 @@ class Engine:
             log.exception("serving engine stopped")
             self._fail_all(f"the serving engine stopped: {e}")
             raise
+        finally:
+            if self._drafting is not None:
+                self._drafting.close()  # the pipelined drafts' processes
 
     @torch.inference_mode()
     def turn(self) -> None:
@@ -345,7 +352,9 @@ class Engine:
         row = Row(req, 0, self.tokenizer, self.device)
         s = req.sampling
         ids = torch.tensor(req.prompts, dtype=torch.long, device=self.device)
-        stream = Decoder(self.model).stream(
+        if self._drafting is None:
+            self._drafting = Decoder(self.model)
+        stream = self._drafting.stream(
             ids, req.max_tokens, s.temperature, s.top_k, s.top_p, s.greedy,
             generator=row.generator, draft=req.draft)
         if req.echo:
@@ -374,6 +383,7 @@ class Engine:
         if row.done or req.cancelled:
             with self.cond:
                 self.solos.remove(solo)
+            _end(stream)
 
     def _fail_all(self, message: str) -> None:
         with self.cond:
@@ -381,9 +391,23 @@ class Engine:
                     if r is not None}
             reqs.update({id(s[0]): s[0] for s in self.solos})
             reqs.update({id(r): r for r in self.waiting})
+            solos = list(self.solos)
             self.groups.clear()
             self.solos.clear()
             self.waiting.clear()
             self.closing = True
+        for _, _, stream in solos:
+            _end(stream)
         for req in reqs.values():
             req.sink(Event("error", message=message))
+
+
+def _end(stream) -> None:
+    """End a drafted stream now, not when it is collected: a pipelined one hands back its
+    drafting process and torch's thread count (a request cancelled mid-stream included)."""
+    try:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    except Exception:  # noqa: BLE001 - the stream's own failure was reported already
+        log.exception("ending a drafted stream failed")

@@ -39,13 +39,15 @@ class _Body(BaseModel):
 class DraftSpec(_Body):
     """``draft``: self-speculative decoding of this request (ODE models: ``solver`` x
     ``steps`` drafts ``tokens`` per verification; discrete models: the first ``layers``;
-    ``confidence``: a round stops drafting below it, as ``Draft.confidence``)."""
+    ``confidence``: a round stops drafting below it, as ``Draft.confidence``; ``pipeline``:
+    the drafts made ahead by a drafting process of their own, as ``Draft.pipeline``)."""
 
     solver: str = "euler"
     steps: int = Field(1, ge=1, le=1024)
     tokens: int | Literal["auto"] = 4
     layers: int | None = Field(None, ge=1)
     confidence: float | None = Field(None, gt=0, lt=1)
+    pipeline: bool = False
 
 
 class StreamOptions(_Body):
@@ -247,8 +249,20 @@ def draft_of(model, body: CompletionBody, prompts: list[list[int]]):
     if why:
         raise APIError(400, f"'draft': {why}.", "draft")
     if model.config.depth == "ode":
-        return Draft(d.solver, d.steps, d.tokens, confidence=d.confidence)
-    return Draft(tokens=d.tokens, layers=d.layers, confidence=d.confidence)
+        draft = Draft(d.solver, d.steps, d.tokens, confidence=d.confidence, pipeline=d.pipeline)
+    else:
+        draft = Draft(tokens=d.tokens, layers=d.layers, confidence=d.confidence,
+                      pipeline=d.pipeline)
+    if d.pipeline:
+        import torch
+
+        from ..decoding.pipeline import pipeline_refusal
+
+        where = next(model.parameters()).device
+        why = pipeline_refusal(model, draft, torch.tensor(prompts, device=where))
+        if why:
+            raise APIError(400, f"'draft.pipeline': {why}.", "draft")
+    return draft
 
 
 def sampling_of(body: CompletionBody) -> Sampling:
