@@ -67,10 +67,11 @@ def pipeline_refusal(model, draft: Draft, idx: torch.Tensor) -> str | None:
         return (f"it pipelines over two CPU cores and the prompt is on {idx.device}; decode on "
                 f"the CPU, or drop pipeline=True")
     if draft.tokens == AUTO:
-        return "a round takes a fixed number of drafts: give tokens=N (--draft-tokens N)"
+        return ("a round takes a fixed number of drafts: give tokens=N (on the command line, "
+                "--draft-tokens N)")
     if draft.confidence is not None:
         return ("every draft is made ahead of the verdict, so there is no round to stop: drop "
-                "confidence (--draft-confidence)")
+                "confidence (on the command line, --draft-confidence)")
     if not draft.lean:
         return "both processes run the lean steps: drop lean=False"
     was = model.training
