@@ -400,6 +400,10 @@ def test_a_pipelined_draft_is_served_and_its_drafter_kept(run_dir):
             r = s.client.completions.create(model=NAME, prompt="the", max_tokens=24,
                                             temperature=0, extra_body={"draft": spec})
             texts.append(r.choices[0].text)
+            for _ in range(200):  # the stream ends at the engine's turn after its last token
+                if not s.engine.solos and s.engine._drafting._pool._idle:
+                    break
+                time.sleep(0.05)
             kept.append(list(s.engine._drafting._pool._idle.values()))
         assert texts == [plain.choices[0].text] * 2
         assert len(kept[0]) == 1 and kept[1] == kept[0]  # one process, used by both
