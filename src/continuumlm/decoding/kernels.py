@@ -12,9 +12,10 @@ The only switch torch has is ``torch.backends.mkldnn.enabled``, a setting of the
 the library never flips it under a caller (another thread of theirs may be running). A process
 that does nothing but decode does: the command line's ``generate`` and ``serve`` (``--onednn
 auto``, the default: off for a float32 model on the CPU; compiled decoding, whose kernels
-inductor writes, is left with torch's default, unmeasured), putting it back when the command's work ends; the drafting
-process of pipelined drafts, forked from the decoding process, inherits its setting. A
-program of yours that decodes alone can run its decoding inside :func:`decoding_kernels`.
+inductor writes, is left with torch's default, unmeasured), putting it back when the
+command's work ends. The drafting process of pipelined drafts, forked from the decoding
+process, inherits its setting. A program of yours that decodes alone can run its decoding
+inside :func:`decoding_kernels`.
 """
 
 from __future__ import annotations
