@@ -1095,6 +1095,16 @@ def kvblock_speculative(results: dict) -> str | None:
     return text
 
 
+def _median_clause(seeds: list[dict], decoding: str, mode: str = "pipelined"
+                   ) -> tuple[float, dict, str]:
+    """(the median seed's speed-up, its fastest row, "2.00x greedy (1.82-2.46x over the seeds;
+    the median seed's DRAFT, k K, N% kept" left open for the caller's details)."""
+    speedup, lo, hi, best = findings.median_seed(seeds, decoding, mode)
+    return speedup, best, (f"{speedup:.2f}x {decoding} ({lo:.2f}-{hi:.2f}x over the seeds; "
+                           f"the median seed's {best['draft']}, k {findings.k_of(best)}, "
+                           f"{100 * best['acceptance']:.0f}% kept")
+
+
 def pipelined(results: dict, record: str, prefix: str, what: str, serial: str,
               target: float) -> str:
     """Self-speculative decoding with the drafts made ahead by a drafting process of their
@@ -1107,12 +1117,9 @@ def pipelined(results: dict, record: str, prefix: str, what: str, serial: str,
         return ""
     said, low, other = [], float("inf"), []
     for d in ("greedy", "sampled"):
-        speedup, lo, hi, best = findings.median_seed(seeds, d, "pipelined")
+        speedup, best, clause = _median_clause(seeds, d)
         low = min(low, speedup)
-        said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
-                    f"seed's {best['draft']}, k {findings.k_of(best)}, "
-                    f"{100 * best['acceptance']:.0f}% kept, {best['tokens_per_verification']} "
-                    f"tokens per verification"
+        said.append(clause + f", {best['tokens_per_verification']} tokens per verification"
                     + (f", the same tokens: {best['same_tokens']}" if d == "greedy" else "")
                     + ")")
         again = [(m.get("confirmed") or {}).get(f"pipelined {d}") or {} for m in seeds]
@@ -1157,11 +1164,9 @@ def pipelined_native(results: dict, record: str, before: str, prefix: str,
     old = {m["name"]: m for m in findings.speculative_models(results, before, prefix)}
     said, low, gains = [], float("inf"), []
     for d in ("greedy", "sampled"):
-        speedup, lo, hi, best = findings.median_seed(seeds, d, "pipelined")
+        speedup, best, clause = _median_clause(seeds, d)
         low = min(low, speedup)
-        said.append(f"{speedup:.2f}x {d} ({lo:.2f}-{hi:.2f}x over the seeds; the median "
-                    f"seed's {best['draft']}, k {findings.k_of(best)}, "
-                    f"{100 * best['acceptance']:.0f}% kept)")
+        said.append(clause + ")")
         name = next(m["name"] for m in seeds if best in m["rows"])
         was = next((x for x in (old.get(name) or {}).get("rows", [])
                     if x["mode"] == "pipelined" and x["decoding"] == d
