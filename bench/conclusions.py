@@ -953,11 +953,22 @@ def truncated_backprop(r: dict, results: dict) -> str | None:
     text = (f"Backpropagating through the last of 4 RK4 steps takes {one['peak_vs_all']:.2f}x "
             f"the peak memory and {one['time_vs_all']:.2f}x the time of a training step "
             f"through all four")
-    losses = r.get("losses")
-    if losses:
-        text += (f"; trained that way, ode_rk4.toml reaches a validation loss of "
-                 f"{losses['val_loss']:.4f} against {losses['reference_val_loss']:.4f} "
-                 f"through every step")
+    quarters = [x for x in rows if x["steps"] > 4 and x["backprop_steps"] == x["steps"] // 4]
+    if quarters:
+        text += "; through the last quarter of the steps (Huginn's share), " + ", ".join(
+            f"{x['peak_vs_all']:.2f}x the memory and {x['time_vs_all']:.2f}x the time at "
+            f"{x['steps']} steps" for x in quarters)
+    losses = r.get("losses") or []
+    if isinstance(losses, dict):  # a record written before several runs could be given
+        losses = [{**losses, "steps": 4, "backprop_steps": 1}]
+    for x in losses:
+        solve = ("the last of 4 steps" if x.get("steps", 4) == 4 and x["backprop_steps"] == 1
+                 else f"the last {x['backprop_steps']} of {x['steps']} RK4 steps")
+        change = 100 * (x["val_loss"] / x["reference_val_loss"] - 1)
+        text += (f"; trained through {solve}, ode_rk4.toml"
+                 f"{'' if x.get('steps', 4) == 4 else ' at RK4 x ' + str(x['steps'])} reaches "
+                 f"a validation loss of {x['val_loss']:.4f} against "
+                 f"{x['reference_val_loss']:.4f} through every step ({change:+.1f}%)")
     return text + "."
 
 

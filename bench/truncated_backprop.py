@@ -2,13 +2,14 @@
 time of one training step, against backpropagating through every step, and the loss of a run
 trained with it.
 
-    python bench/truncated_backprop.py [--run RUN --reference RUN]
+    python bench/truncated_backprop.py [--run RUN --reference RUN ...]
 
 Each point runs in a fresh process, measured as bench/ode_memory.py measures (the peak
 resident set growth during one forward+backward, glibc mapping large blocks directly): the
-ode_rk4.toml model (one block, d 128, batch 12, context 64) at RK4 x 4 and x 16, backpropagating
-through the last 1, 2 or all steps. ``--run`` (trained with backprop_steps) and ``--reference``
-(the same config without it) add their best validation losses from ``continuumlm eval``.
+ode_rk4.toml model (one block, d 128, batch 12, context 64) at RK4 x 4, x 8 and x 16,
+backpropagating through the last 1, 2 (4 at x 16) or all steps. Each ``--run`` (trained with
+backprop_steps) and the ``--reference`` given after it (the same config without it),
+repeatable in pairs, add their best validation losses from ``continuumlm eval``.
 Writes bench/results/truncated_backprop.json.
 """
 
@@ -20,9 +21,10 @@ import os
 import subprocess
 import sys
 
+import tomllib
 from common import OtherLoad, markdown_table, training_step_peak, write_json
 
-POINTS = [(4, None), (4, 2), (4, 1), (16, None), (16, 4), (16, 1)]
+POINTS = [(4, None), (4, 2), (4, 1), (8, None), (8, 2), (8, 1), (16, None), (16, 4), (16, 1)]
 
 
 def child(steps: int, tail: int | None) -> None:
@@ -48,11 +50,25 @@ def best_val(run: str) -> float:
     return json.loads(out.stdout)["results"][0]["loss"]
 
 
+def solve_of(run: str) -> dict:
+    """The run's RK4 steps and the steps it backpropagated through (None: all), from the
+    config it saved."""
+    with open(os.path.join(run, "config.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    tail = cfg.get("train", {}).get("any_depth", {}).get("backprop_steps")
+    return {"steps": cfg["model"]["ode_steps"], "backprop_steps": tail}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", help="a run trained with train.any_depth.backprop_steps")
-    ap.add_argument("--reference", help="the same config trained without it")
+    ap.add_argument("--run", action="append", default=[],
+                    help="a run trained with train.any_depth.backprop_steps (repeatable)")
+    ap.add_argument("--reference", action="append", default=[],
+                    help="the same config trained without it (one per --run, in order)")
     args = ap.parse_args()
+    if len(args.run) != len(args.reference):
+        ap.error(f"give one --reference for each --run (got {len(args.run)} --run and "
+                 f"{len(args.reference)} --reference), the reference after its run")
     rows = []
     for steps, tail in POINTS:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -73,13 +89,13 @@ def main() -> None:
                                   ("peak_mb", "peak MB"), ("peak_vs_all", "peak / all steps"),
                                   ("seconds", "s / step"), ("time_vs_all", "time / all steps"),
                                   ("other_cores", "other cores busy")])
-    losses = None
+    losses = []
     command = "python bench/truncated_backprop.py"
-    if args.run and args.reference:
-        losses = {"run": args.run, "reference": args.reference,
-                  "val_loss": best_val(args.run), "reference_val_loss": best_val(args.reference)}
-        command += f" --run {args.run} --reference {args.reference}"
-        print(losses)
+    for run, reference in zip(args.run, args.reference):
+        losses.append({"run": run, "reference": reference, **solve_of(run),
+                       "val_loss": best_val(run), "reference_val_loss": best_val(reference)})
+        command += f" --run {run} --reference {reference}"
+        print(losses[-1])
     print(table)
     write_json("truncated_backprop", {
         "command": command,

@@ -101,6 +101,34 @@ def test_completions_equal_generate_streamed_or_not(srv, run_dir):
     assert chunks[-1].usage.completion_tokens == 40
 
 
+def test_a_lone_client_decodes_through_the_lean_step_unless_no_lean(run_dir, monkeypatch):
+    """A request to an idle server decodes alone through the lean step (as generate does);
+    --no-lean (lean=False) batches it; the text is generate's either way."""
+    import continuumlm.serve.engine as E
+    import continuumlm.serve.server as S
+
+    lone = []
+    real = E.start_lone
+    monkeypatch.setattr(E, "start_lone", lambda engine, req: lone.append(real(engine, req))
+                        or lone[-1])
+    want = generated(run_dir, "the dog", 30, "--greedy")
+    for lean in (True, False):
+        s = Running(run_dir, lean=lean)
+        try:
+            r = s.client.completions.create(model=NAME, prompt="the dog", max_tokens=30,
+                                            temperature=0)
+            assert r.choices[0].text == want
+            assert r.usage.field_evaluations_per_token == 8.0
+        finally:
+            s.stop()
+        assert lone == [True], lean  # lone on the first server; the second never tries
+    seen = {}
+    monkeypatch.setattr(S, "serve", lambda model, tokenizer, **kw: seen.update(kw) or 0)
+    assert run_cli("serve", "--checkpoint", run_dir).returncode == 0 and seen["lean"] is True
+    assert run_cli("serve", "--checkpoint", run_dir, "--no-lean").returncode == 0
+    assert seen["lean"] is False
+
+
 def test_a_seeded_sample_draws_as_generate_does(srv, run_dir):
     want = generated(run_dir, "a mat", 30, "--seed", 7, "--temperature", 0.8, "--top-k", 10)
     r = srv.client.completions.create(model=NAME, prompt="a mat", max_tokens=30, seed=7,

@@ -73,7 +73,7 @@ def run(engine, arrivals, limit=500):
     for turn in range(limit):
         while arrivals and arrivals[0][0] <= turn:
             engine.submit(arrivals.pop(0)[1])
-        if not (arrivals or engine.waiting or engine.groups or engine.solos):
+        if not (arrivals or engine.busy):
             return
         engine.turn()
         for g in engine.groups.values():  # pads in every row never half the state
@@ -187,6 +187,92 @@ def test_stop_eos_and_zero_tokens_finish_rows():
     assert none.sink.done().finish_reason == "length" and none.sink.done().count == 0
 
 
+@pytest.mark.parametrize("kind", ["softmax-ode-rk4", "softmax-discrete", "rope-parallel-ode"])
+def test_a_lone_request_decodes_through_the_lean_step_then_moves_into_the_batch(kind):
+    """A request that comes to an idle engine decodes alone through the lean step; a request
+    that joins its depth makes it move into the batch (its tokens read again there); each
+    gets the tokens and draws it gets alone, and every field evaluation is counted once."""
+    model = lively(**KINDS[kind])
+    for sampling in (Sampling(), Sampling(False, 0.9, top_k=20, seed=7)):
+        engine = Engine(model, Ids())
+        first = Request([[3, 1, 4]], 14, Sink(), depth=engine.default, sampling=sampling)
+        engine.submit(first)
+        for _ in range(5):
+            engine.turn()
+            assert len(engine.lones) == 1 and not engine.groups
+        assert engine.stats()["lone"] == 1 and engine.running == 1
+        second = Request([[2, 7, 1, 8, 2, 8]], 6, Sink(), depth=engine.default,
+                         sampling=sampling)
+        engine.submit(second)
+        engine.turn()
+        assert not engine.lones
+        [group] = engine.groups.values()
+        assert sorted(r.request is first for r in group.rows) == [False, True]
+        run(engine, [])
+        assert first.sink.tokens() == alone(model, [3, 1, 4], 14, sampling)
+        assert second.sink.tokens() == alone(model, [2, 7, 1, 8, 2, 8], 6, sampling)
+        per = model.config.ode_steps * 4 if model.config.depth == "ode" else \
+            model.config.num_layers
+        assert first.sink.done().nfe == 14 * per and first.sink.done().count == 14
+
+
+def test_a_lone_row_stays_lone_beside_other_depths_and_drafts_and_frees_when_cancelled():
+    model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
+    engine = Engine(model, Ids())
+    lone = Request([[5, 3]], 40, Sink(), depth=engine.default)
+    other = Request([[2, 7]], 8, Sink(), depth=Depth("euler", 2))
+    drafted = Request([[3, 1, 4]], 8, Sink(), depth=engine.default, draft=Draft("euler", 1, 2))
+    engine.submit(lone)
+    engine.turn()
+    engine.submit(other)
+    engine.submit(drafted)
+    engine.turn()
+    assert len(engine.lones) == 1 and len(engine.solos) == 1
+    assert list(engine.groups) == [Depth("euler", 2)]
+    for _ in range(10):  # the others end; the lone row goes on alone
+        engine.turn()
+    assert len(engine.lones) == 1 and not engine.groups and not engine.solos
+    assert other.sink.tokens() == alone(model, [2, 7], 8, depth=Depth("euler", 2))
+    assert drafted.sink.tokens() == alone(model, [3, 1, 4], 8)
+    n = len(lone.sink.tokens())
+    assert lone.sink.tokens() == alone(model, [5, 3], 40)[:n]
+    lone.cancel()
+    engine.turn()
+    assert not engine.lones and not engine.running and lone.sink.done() is None
+
+
+def test_what_the_lean_step_does_not_cover_and_lean_false_are_batched():
+    model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
+    cases = [(Engine(model, Ids()), Request([[1, 2]], 5, Sink(),
+                                             depth=Depth("rk4", 2, ("state", 0.05)))),
+             (Engine(model, Ids()), Request([[1, 2]], 5, Sink(), depth=Depth("rk4", 2), n=2)),
+             (Engine(model, Ids(), lean=False), Request([[1, 2]], 5, Sink(),
+                                                         depth=Depth("rk4", 2))),
+             (Engine(lively(mixer="deltanet"), Ids()), Request([[1, 2]], 5, Sink()))]
+    for engine, req in cases:
+        engine.submit(req)
+        engine.turn()
+        assert not engine.lones and len(engine.groups) == 1, req
+        run(engine, [])
+        assert req.sink.done().count == 5
+
+
+def test_a_lone_requests_echo_and_logprobs_are_the_batched_ones():
+    model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
+    got = {}
+    for lean in (True, False):
+        engine = Engine(model, Ids(), lean=lean)
+        req = Request([[4, 2, 9]], 6, Sink(), depth=engine.default, echo=True, logprobs=3)
+        run(engine, [(0, req)])
+        got[lean] = req.sink.events
+    for a, b in zip(got[True], got[False], strict=True):
+        assert (a.kind, a.token, a.text, a.tokens) == (b.kind, b.token, b.text, b.tokens)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-9)
+        for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert x[0] == pytest.approx(y[0], abs=1e-9)
+        assert (a.top or {}).keys() == (b.top or {}).keys()
+
+
 def test_a_full_queue_and_a_closed_engine_refuse():
     engine = Engine(lively(), Ids(), max_queue=4)
     engine.submit(Request([[1]], 3, Sink(), n=3))
@@ -209,19 +295,25 @@ def test_the_engine_thread_serves_and_drains_on_close():
         assert r.sink.tokens() == alone(model, [i + 1, 2], 6)
 
 
-def test_a_model_error_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+@pytest.mark.parametrize("lone", [False, True], ids=["batched", "lone"])
+def test_a_model_error_fails_its_requests_and_the_engine_goes_on(monkeypatch, lone):
     model = lively()
-    engine = Engine(model, Ids())
+    engine = Engine(model, Ids(), lean=lone)
     bad = Request([[1, 2]], 5, Sink())
     engine.submit(bad)
     engine.turn()
+    assert len(engine.lones) == lone  # a lone request decodes through the lean step
     real = model.hidden_states
 
     def broken(*a, **k):
         raise RuntimeError("boom")
-    monkeypatch.setattr(model, "hidden_states", broken)
+    if lone:
+        monkeypatch.setattr(engine.lones[0].step, "logits", broken)
+    else:
+        monkeypatch.setattr(model, "hidden_states", broken)
     engine.turn()
     assert any(e.kind == "error" and "boom" in e.message for e in bad.sink.events)
+    assert not engine.lones and not engine.running
     monkeypatch.setattr(model, "hidden_states", real)
     good = Request([[3]], 4, Sink())
     run(engine, [(0, good)])
@@ -381,7 +473,7 @@ def test_learned_positions_are_checked_per_row_not_by_the_batchs_columns():
 
 def test_a_batch_that_cannot_be_rebuilt_fails_its_requests_not_the_engine(monkeypatch):
     model = lively()
-    engine = Engine(model, Ids())
+    engine = Engine(model, Ids(), lean=False)  # the first request batched, not lone
     first = Request([[1, 2, 3]], 30, Sink())
     engine.submit(first)
     engine.turn()

@@ -31,6 +31,10 @@ def add_serve_parser(sub, parents) -> None:
                         "a turn): joining requests lengthen the running rows' turn by their "
                         "prompts' pass; smaller evens out the time between tokens, larger "
                         "gives new requests their first token sooner (default 256)")
+    s.add_argument("--no-lean", dest="lean", action="store_false",
+                   help="decode every request through the batched decoding pass; by default a "
+                        "request that comes to an idle server decodes alone through the lean "
+                        "step, as generate does, until another request joins its depth")
     s.add_argument("--max-tokens", type=_positive_int, default=4096,
                    help="new tokens per request at most (default 4096)")
     s.add_argument("--max-context", type=_positive_int,
@@ -88,7 +92,7 @@ def cmd_serve(args) -> int:
                      max_batch=args.max_batch, max_queue=args.max_queue,
                      max_context=max_context, max_prefill_tokens=args.max_prefill_tokens,
                      max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                     threads=threads, exit_rule=(exit_criterion(args), args.exit_threshold)
+                     threads=threads, lean=args.lean, exit_rule=(exit_criterion(args), args.exit_threshold)
                      if args.exit_threshold is not None else None)
 
 

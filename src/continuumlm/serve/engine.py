@@ -16,7 +16,15 @@ One thread owns the model. Each turn of its loop it
 3. advances every self-speculative request (``draft``; batch 1 by its nature) by one token.
    Drafted requests share one decoder, so a pipelined draft (``draft.pipeline``) keeps its
    drafting process between requests (closed with the engine); while a pipelined request
-   runs, torch's threads in the engine are held at one (the drafter has the other core).
+   runs, torch's threads in the engine are held at one (the drafter has the other core);
+4. advances every *lone* row by one token: a request of one row that comes to an idle engine
+   (nothing running, nothing else admitted with it) decodes through the lean step of its
+   solve (``decoding/lean.own_step``: caches of its own, the path ``generate`` takes at
+   batch 1), where that step covers the model at the request's depth (``lean=False``: never).
+   One row through the batched decoding pass costs several times a lean token on a small
+   model. When a request joins its depth, the lone row moves into the batch: the tokens its
+   step has read are read again in that turn's prompt pass, padded as a prompt is, and it
+   decodes on from its latest token as any row there.
 
 Groups take turns (round robin): with several depths running, a token of each group costs the
 sum of the groups' steps. A request's tokens are those it gets alone: greedy, the same tokens;
@@ -34,6 +42,7 @@ from collections import deque
 import torch
 
 from ..model.cache import DecodeState
+from .lone import Lone, advance_lone, start_lone
 from .request import Depth, Event, Request, Row, Sampling, prompt_logprobs
 
 # Depth, Event, Request and Sampling are named here too: what a caller hands the engine
@@ -65,8 +74,9 @@ class Engine:
     see the module's text. ``default`` is the depth of a request that names none."""
 
     def __init__(self, model, tokenizer, max_batch: int = 32, max_queue: int = 256,
-                 threads=None, max_prefill_tokens: int = 256) -> None:
+                 threads=None, max_prefill_tokens: int = 256, lean: bool = True) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.lean = lean
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.threads = threads
@@ -74,6 +84,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.groups: dict[Depth, Group] = {}
         self.solos: list[tuple[Request, Row, object]] = []
+        self.lones: list[Lone] = []  # rows decoded alone through the lean step
         self._drafting = None  # the drafted requests' Decoder, made at the first
         self.cond = threading.Condition()
         self.closing = False
@@ -116,14 +127,19 @@ class Engine:
     def running(self) -> int:
         """Rows decoding now (a finished row's state is let go at the next turn)."""
         return sum(r is not None and r.alive for g in self.groups.values() for r in g.rows) \
-            + len(self.solos)
+            + len(self.solos) + len(self.lones)
 
     def stats(self) -> dict:
         with self.cond:
             return {"running": self.running, "waiting": sum(r.rows for r in self.waiting),
                     "groups": {g.depth.describe(): sum(r is not None and r.alive for r in g.rows)
                                for g in self.groups.values()},
-                    "turns": self.turns}
+                    "lone": len(self.lones), "turns": self.turns}
+
+    @property
+    def busy(self) -> bool:
+        """Anything waiting or decoding."""
+        return bool(self.waiting or self.groups or self.solos or self.lones)
 
     # ------------------------------------------------------------------ the engine's thread
 
@@ -133,9 +149,9 @@ class Engine:
         try:
             while True:
                 with self.cond:
-                    while not (self.waiting or self.groups or self.solos or self.closing):
+                    while not (self.busy or self.closing):
                         self.cond.wait()
-                    if self.closing and not (self.waiting or self.groups or self.solos):
+                    if self.closing and not self.busy:
                         return
                 if self.threads is not None:
                     self.threads.poll()
@@ -151,7 +167,8 @@ class Engine:
 
     @torch.inference_mode()
     def turn(self) -> None:
-        """One turn: admit, step every group once, advance every speculative request."""
+        """One turn: admit, step every group once, advance every speculative request and
+        every lone row."""
         self.turns += 1
         joining = self._admit()
         for depth in [*self.groups, *(d for d in joining if d not in self.groups)]:
@@ -169,6 +186,8 @@ class Engine:
             self._step(group)
         for solo in list(self.solos):
             self._advance(solo)
+        for lone in list(self.lones):
+            advance_lone(self, lone)
 
     def _regroup(self, depth: Depth, joining) -> None:
         """The depth's batch after this turn's changes. A row that finished or was cancelled
@@ -245,6 +264,7 @@ class Engine:
         taken, budget = [], self.max_prefill_tokens
         with self.cond:
             running = self.running
+            idle = running == 0
             while self.waiting:
                 req = self.waiting[0]
                 if req.cancelled:
@@ -260,16 +280,20 @@ class Engine:
                 running += req.rows
                 budget -= tokens
         by_depth: dict[Depth, list[Request]] = {}
+        lone = self.lean and idle and len(taken) == 1 and taken[0].rows == 1
         for req in taken:
             if req.draft is not None:
                 self._guarded([req], self._start_draft, req)
-            else:
+            elif not lone or self._guarded([req], start_lone, self, req) is False:
                 by_depth.setdefault(req.depth, []).append(req)
         joining = {}
         for depth, reqs in by_depth.items():
-            read = self._guarded(reqs, self._prefill, depth, reqs)
+            movers = [x for x in self.lones if x.depth == depth and x.row.alive]
+            read = self._guarded(reqs, self._prefill, depth, reqs, movers)
             if read is not None:
                 joining[depth] = read
+                with self.cond:  # they decode in the batch from now on
+                    self.lones = [x for x in self.lones if x not in movers]
         return joining
 
     def _guarded(self, reqs: list[Request], fn, *args):
@@ -281,12 +305,15 @@ class Engine:
                 req.sink(Event("error", message=f"{type(e).__name__}: {e}"))
             return None
 
-    def _prefill(self, depth: Depth, reqs: list[Request]):
+    def _prefill(self, depth: Depth, reqs: list[Request], movers: list[Lone] = ()):
         """Read the prompts of ``reqs`` (one depth) in one pass, left-padded to the longest,
         and draw each row's first token: (the state, the prompt of each row that goes on
-        (n rows of a prompt repeat it), the rows), or None when none goes on."""
+        (n rows of a prompt repeat it), the rows), or None when none goes on. ``movers``:
+        lone rows of this depth that join the batch, the tokens their steps read read again
+        in the same pass (their latest token is fed at the next step, as any row's)."""
         self._use(depth)
         prompts = [(req, p, prompt) for req in reqs for p, prompt in enumerate(req.prompts)]
+        prompts += [(None, x.row, x.seen) for x in movers]
         length = max(len(x[2]) for x in prompts)
         ids = torch.zeros(len(prompts), length, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(prompts), length, dtype=torch.bool, device=self.device)
@@ -299,6 +326,10 @@ class Engine:
         last = self.model.lm_head(h[:, -1])  # (rows, vocab), as generate's read-out
         keep, rows = [], []
         for i, (req, p, prompt) in enumerate(prompts):
+            if req is None:  # a lone row that moves in (p: its Row)
+                rows.append(p)
+                keep.append(i)
+                continue
             nfe = self._nfe(i)
             if req.echo:
                 logits = (self.model.lm_head(h[i, length - len(prompt):])
@@ -390,10 +421,12 @@ class Engine:
             reqs = {id(r.request): r.request for g in self.groups.values() for r in g.rows
                     if r is not None}
             reqs.update({id(s[0]): s[0] for s in self.solos})
+            reqs.update({id(x.row.request): x.row.request for x in self.lones})
             reqs.update({id(r): r for r in self.waiting})
             solos = list(self.solos)
             self.groups.clear()
             self.solos.clear()
+            self.lones.clear()
             self.waiting.clear()
             self.closing = True
         for _, _, stream in solos:
