@@ -720,9 +720,16 @@ def layer_skip(results: dict) -> str | None:
 FINDINGS.insert(FINDINGS.index(any_depth) + 1, layer_skip)
 
 
+def serve_rows(r: dict | None) -> dict:
+    """The serving record's rows at the model's own depth by client count (the one-client
+    row a client alone gets, not the batched-pass one beside it)."""
+    return {x["clients"]: x for x in (r or {}).get("rows", []) if "NFE" not in x["depths"]
+            and not x.get("path", "").startswith("batched pass")}
+
+
 def serve(results: dict) -> str | None:
     r = results.get("serve")
-    rows = {x["clients"]: x for x in (r or {}).get("rows", []) if "NFE" not in x["depths"]}
+    rows = serve_rows(r)
     if 1 not in rows or 16 not in rows:
         return None
     x, one = rows[16], rows[1]

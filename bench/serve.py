@@ -1,6 +1,8 @@
 """Serving: ``continuumlm serve`` under 1, 4, 16 and 64 concurrent streaming clients (the
 official openai client, in this process; the server in its own), against one client at a
-time and against transformers' ``generate`` at batch 1 on the exported model.
+time and against transformers' ``generate`` at batch 1 on the exported model. One client
+alone decodes through the lean step (a request to an idle server); it is also timed through
+the batched decoding pass (a server started with ``--no-lean``), the batch's one-row rate.
 
     python bench/serve.py [RUN] [--threads N] [--max-tokens 48]
 
@@ -39,11 +41,11 @@ def prompts_from_corpus(count: int, length: int) -> list[str]:
     return [val[i * step:i * step + length] for i in range(count)]
 
 
-def start_server(run: str, threads: int, max_batch: int, prefill: int):
+def start_server(run: str, threads: int, max_batch: int, prefill: int, lean: bool = True):
     p = subprocess.Popen([sys.executable, "-m", "continuumlm", "serve", "--checkpoint", run,
                           "--port", "0", "--threads", str(threads), "--max-batch",
                           str(max_batch), "--max-queue", "4096", "--max-prefill-tokens",
-                          str(prefill)],
+                          str(prefill), *(() if lean else ("--no-lean",))],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     if "serving" not in line:
@@ -197,6 +199,21 @@ def main() -> None:
     torch.set_num_threads(1)
     prompts = prompts_from_corpus(64, args.prompt_chars)
 
+    # one client through the batched decoding pass (--no-lean): the batch's own one-row rate
+    server, base, name = start_server(args.run, args.threads, 64, args.max_prefill_tokens,
+                                      lean=False)
+    try:
+        jobs = [(i, prompts[i], {}) for i in range(64)]
+        results, wall = asyncio.run(load(base, name, 1, jobs, args.max_tokens))
+        batched_one = {"clients": 1, "depths": "own (rk4 x 4)",
+                       "path": "batched pass (--no-lean)", **summary(results, wall),
+                       "same_tokens": ""}
+        batched_texts = {r["prompt"]: r["text"] for r in results}
+        print(batched_one, flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+
     server, base, name = start_server(args.run, args.threads, 64, args.max_prefill_tokens)
     rows, reference = [], {}
     try:
@@ -206,13 +223,18 @@ def main() -> None:
             if clients == 1:
                 reference = {r["prompt"]: r["text"] for r in results}
             same = sum(r["text"] == reference[r["prompt"]] for r in results)
-            rows.append({"clients": clients, "depths": "own (rk4 x 4)", **summary(results, wall),
-                         "same_tokens": f"{same}/{len(results)}"})
+            rows.append({"clients": clients, "depths": "own (rk4 x 4)",
+                         "path": "lean step (alone)" if clients == 1 else "batched",
+                         **summary(results, wall), "same_tokens": f"{same}/{len(results)}"})
             print(rows[-1], flush=True)
+        same = sum(t == reference[i] for i, t in batched_texts.items())
+        batched_one["same_tokens"] = f"{same}/{len(batched_texts)}"
+        rows.insert(1, batched_one)
         mixed_jobs = [(i % 64, prompts[i % 64], list(DEPTHS.values())[i % 3])
                       for i in range(96)]
         results, wall = asyncio.run(load(base, name, 16, mixed_jobs, args.max_tokens))
-        mixed = {"clients": 16, "depths": "NFE 1, 4 and 16 in turn", **summary(results, wall),
+        mixed = {"clients": 16, "depths": "NFE 1, 4 and 16 in turn", "path": "batched",
+                 **summary(results, wall),
                  "same_tokens": "", "per_depth": {
                      d: summary([r for k, r in enumerate(results) if k % 3 == j], wall)
                      for j, d in enumerate(DEPTHS)}}
@@ -244,13 +266,18 @@ def main() -> None:
     one = rows[0]
     for r in rows:
         r["vs_one_client"] = round(r["tokens_per_s"] / one["tokens_per_s"], 2)
+        r["vs_one_batched"] = round(r["tokens_per_s"] / batched_one["tokens_per_s"], 2)
         r["itl_p99_vs_one"] = round(r["itl_p99_ms"] / one["itl_p99_ms"], 2)
+        r["itl_p99_vs_one_batched"] = round(r["itl_p99_ms"] / batched_one["itl_p99_ms"], 2)
     table = markdown_table(rows, [
-        ("clients", "clients"), ("depths", "depth asked"), ("requests", "requests"),
-        ("tokens_per_s", "tokens/s (all clients)"), ("vs_one_client", "vs one client"),
+        ("clients", "clients"), ("depths", "depth asked"), ("path", "decoded by"),
+        ("requests", "requests"), ("tokens_per_s", "tokens/s (all clients)"),
+        ("vs_one_client", "vs one client"), ("vs_one_batched", "vs one client, batched"),
         ("ttft_p50_ms", "first token p50 ms"), ("ttft_p99_ms", "p99"),
         ("itl_p50_ms", "between tokens p50 ms"), ("itl_p99_ms", "p99"),
-        ("itl_p99_vs_one", "p99 vs one client"), ("same_tokens", "text = one client's")])
+        ("itl_p99_vs_one", "p99 vs one client"),
+        ("itl_p99_vs_one_batched", "p99 vs one client, batched"),
+        ("same_tokens", "text = one client's")])
     depth_table = markdown_table(
         [{"depth": d, **s} for d, s in rows[-1]["per_depth"].items()],
         [("depth", "depth asked (16 clients, mixed)"), ("requests", "requests"),
