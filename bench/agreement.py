@@ -74,6 +74,12 @@ TRAINED = {
        for w in ("0.3",)},
     "runs/agreement/ode_rk4_bp1_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
                                         f"--set train.any_depth.backprop_steps=1",
+    # ... at RK4 x 8, through its last 2 steps (Huginn's quarter), and through all of them
+    "runs/agreement/ode_rk4x8_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
+                                      f"--set model.ode_steps=8",
+    "runs/agreement/ode_rk4x8_bp2_s1337": f"--config {SH}/ode_rk4.toml --set train.seed=1337 "
+                                          f"--set model.ode_steps=8 "
+                                          f"--set train.any_depth.backprop_steps=2",
     # the quality gap: a lighter KL term, or the term on every other step (lr 2e-3)
     **{f"runs/agreement/any_depth_w{w}_lr2e-3_s{s}": f"--config {SH}/ode_any_depth.toml --set "
                                                      f"train.seed={s} --set train.lr=2e-3 --set "
@@ -192,6 +198,13 @@ TRAINED = {
     "runs/agreement/ptb_any_depth_fine_s42": "--config configs/ptb/ode_rk4.toml --set "
                                              "'train.any_depth.drafts=[\"euler:1\", "
                                              "\"euler:2\", \"rk4:1\", \"rk4:8\"]'",
+    # ... with ode_any_depth_euler1.toml's recipe (the memory from the block's input, the
+    # field told the time, Euler x 1 alone taught at KL weight 0.5)
+    "runs/agreement/ptb_any_depth_euler1_s42": "--config configs/ptb/ode_rk4.toml --set "
+                                               "model.ode_kv=block --set "
+                                               "model.ode_time_embedding=sinusoidal --set "
+                                               "'train.any_depth.drafts=[\"euler:1\"]' --set "
+                                               "train.any_depth.weight=0.5",
     # discrete stacks drafting with their first layers: nanoGPT's baby GPT, and the same
     # trained with [train.layer_skip] (transformer_layerskip.toml), and its variants
     **{f"runs/agreement/transformer_baby_s{s}": f"--config {SH}/transformer_baby.toml "

@@ -643,7 +643,11 @@ def agreement(r: dict, results: dict) -> str | None:
     ptb = [(name, label) for name, label in (("ptb_ode_rk4", "ode_rk4 trained alone"),
                                               ("ptb_ode_any_depth", "the recipe"),
                                               ("ptb_ode_any_depth-fine",
-                                               "the recipe with RK4 x 8 among the drafts"))
+                                               "the recipe with RK4 x 8 among the drafts"),
+                                              ("ptb_ode_any_depth-euler1",
+                                               "ode_any_depth_euler1.toml's recipe (the "
+                                               "memory from the block's input, the field told "
+                                               "the time, Euler x 1 taught at KL weight 0.5)"))
            if (name, "euler:1") in rows]
     if ptb:
         curves = []

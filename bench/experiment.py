@@ -244,6 +244,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Step]]] = {
                "--set", "train.any_depth.top1_weight=0.5"),
         _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "bp1",
                "--set", "train.any_depth.backprop_steps=1"),
+        # truncated backprop at RK4 x 8: through the last 2 steps, and through all of them
+        _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "rk4x8", "--set", "model.ode_steps=8"),
+        _train(f"{SH}/ode_rk4.toml", [1337], "--tag", "rk4x8-bp2", "--set", "model.ode_steps=8",
+               "--set", "train.any_depth.backprop_steps=2"),
         # a discrete stack trained to draft with its first layers (LayerSkip's recipe), and
         # the baby GPT it is compared with
         _train(f"{SH}/transformer_layerskip.toml", [1337, 1, 2]),

@@ -172,11 +172,13 @@ def test_eval_agreement_from_the_command_line(tmp_path):
         assert r.returncode == 2 and match in r.stderr, (bad, r.stderr)
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["detached", "skip"])
 @pytest.mark.parametrize("grad", ["direct", "checkpoint", "binomial"])  # exact discrete gradients
-def test_truncated_backprop_is_the_gradient_through_the_last_steps(grad):
+def test_truncated_backprop_is_the_gradient_through_the_last_steps(grad, skip):
     """backprop_steps = m: the same forward (loss) as the whole solve, and the gradient of an
     obviously-correct reference: the first n - m Euler steps taken by hand without autograd,
-    the last m with it."""
+    the last m with it; with backprop_skip, the gradient at the state after the first n - m
+    steps also goes on to the block's input as it is (a second backward, from that input)."""
     from continuumlm.model.extras import SolveExtras
     from continuumlm.testing import small_model
 
@@ -185,7 +187,7 @@ def test_truncated_backprop_is_the_gradient_through_the_last_steps(grad):
     x = torch.randint(0, 37, (2, 6))
     y = torch.randint(0, 37, (2, 6))
     full = model(x, y)[1]
-    model.depth.extras = SolveExtras(backprop_steps=2)
+    model.depth.extras = SolveExtras(backprop_steps=2, backprop_skip=skip)
     try:
         loss = model(x, y)[1]
     finally:
@@ -198,24 +200,31 @@ def test_truncated_backprop_is_the_gradient_through_the_last_steps(grad):
     field = block.field
 
     def reference():
-        h = model.drop(model.tok_emb(x) + (model.pos_emb(torch.arange(6)) if model.pos_emb
-                                           is not None else 0))
+        h0 = model.drop(model.tok_emb(x) + (model.pos_emb(torch.arange(6)) if model.pos_emb
+                                            is not None else 0))
         dt = 1 / 5
         field.dt = dt
         with torch.no_grad():
+            h = h0
             for k in range(3):
                 h = h + dt * field(k * dt, h)
-        h = h.detach()
+        s = h.detach().requires_grad_(skip)
+        h = s
         for k in range(3, 5):
             h = h + dt * field(k * dt, h)
         if field.post_mlp:
             h = h + block.mlp(block.norm_mlp(h))
         logits = model.lm_head(model.norm_f(h))
-        return F.cross_entropy(logits.reshape(-1, 37), y.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, 37), y.reshape(-1)), h0, s
 
-    ref = reference()
+    ref, h0, s = reference()
     torch.testing.assert_close(ref, loss, rtol=1e-5, atol=1e-6)
-    want = torch.autograd.grad(ref, params, allow_unused=True)
+    want = torch.autograd.grad(ref, [*params, s] if skip else params, allow_unused=True)
+    if skip:  # the state's gradient, sent on from the block's input as it is
+        want, at_state = want[:-1], want[-1]
+        more = torch.autograd.grad(h0, params, grad_outputs=at_state, allow_unused=True)
+        want = [b if m is None else m if b is None else b + m for b, m in zip(want, more)]
+        assert any(m is not None and m.abs().sum() > 0 for m in more)  # the embeddings learn
     for name, a, b in zip([n for n, p in model.named_parameters() if p.requires_grad], got, want):
         if b is None:
             assert a is None or not a.any(), name
@@ -232,6 +241,10 @@ def test_truncation_config_refusals():
         config("train.any_depth.backprop_steps=2", "model.depth=discrete")
     cfg = config("train.any_depth.backprop_steps=1", "train.elastic.steps=[1,2,4]")
     assert cfg.train.any_depth.backprop_steps == 1 and not cfg.train.any_depth.enabled
+    with pytest.raises(ConfigError, match="backprop_steps is not set"):
+        config("train.any_depth.backprop_skip=true")
+    assert config("train.any_depth.backprop_steps=1",
+                  "train.any_depth.backprop_skip=true").train.any_depth.backprop_skip
 
 
 def forward_keeping_states(model, x):

@@ -70,6 +70,12 @@ class AnyDepthConfig:
     n - backprop_steps solver steps without autograd and backpropagates through the last
     backprop_steps alone (all of them when the solve has no more). Composes with drawn step
     counts (train.elastic.steps) and with the drafts here. None: through every step."""
+    backprop_skip: bool = False
+    """With backprop_steps: the gradient that reaches the state after the untracked steps goes
+    on to the block's input unchanged, as if those steps were the identity (Jacobian-free
+    backpropagation's approximation, Fung et al. 2022), so that what comes before the block
+    (the embeddings, earlier blocks) learns from the solve's tail too. The forward is the
+    same. False: that state is detached, and nothing before it learns through this block."""
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +103,10 @@ class AnyDepthConfig:
                 isinstance(self.backprop_steps, int) and self.backprop_steps >= 1):
             raise ConfigError(f"train.any_depth.backprop_steps must be a positive integer (or "
                               f"left out), got {self.backprop_steps!r}.")
+        if self.backprop_skip and self.backprop_steps is None:
+            raise ConfigError("train.any_depth.backprop_skip passes the gradient past the steps "
+                              "that truncated backpropagation leaves out, and backprop_steps is "
+                              "not set: set backprop_steps = N too, or leave backprop_skip out.")
         if self.enabled and not 1 <= self.draws <= len(solves):
             raise ConfigError(f"train.any_depth.draws must be between 1 and the number of "
                               f"drafts ({len(solves)}), got {self.draws!r}.")

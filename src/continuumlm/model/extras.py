@@ -27,6 +27,7 @@ class SolveExtras:
     t1: float | None = None
     readout: bool = False  # keep the state after every step but the last (step_states)
     backprop_steps: int | None = None  # only the last N solver steps in the graph (truncated)
+    backprop_skip: bool = False  # ... the gradient at the first of them to the block's input
 
 
 def augmented(f, x: torch.Tensor, extras: SolveExtras):

@@ -180,12 +180,15 @@ class Solve:
             # truncated backpropagation through depth: the first steps without autograd, the
             # same grid (t0 + k dt), and the graph from the state they reach
             head, t0 = steps - tail, cfg.ode_t0 + (steps - tail) * (self.t1 - cfg.ode_t0) / steps
+            x_in = x
             with torch.no_grad():
                 x = integrate(f, x, cfg.ode_t0, t0, solver, head, "direct", params,
                               where=where, observe=observe)
             if observe is not None:
                 observe(head - 1, x)
             x, steps = x.detach(), tail
+            if extras.backprop_skip:  # the same value; its gradient goes on to the input
+                x = x + (x_in - x_in.detach())
         x = integrate(f, x, t0, self.t1, solver, steps, cfg.ode_grad, params, where=where,
                       checkpoints=cfg.ode_checkpoints, observe=observe)
         if x.shape[-1] != cfg.hidden_size:  # the integrals ride along as extra channels

@@ -115,6 +115,7 @@ class SolveRegularizers:
         self.readout = float(r.step_readout_weight)
         self.steer, self.seed = float(r.steer), int(t.seed)
         self.backprop_steps = t.any_depth.backprop_steps  # truncated backprop through depth
+        self.backprop_skip = t.any_depth.backprop_skip
         # the states between steps: the step read-outs' (regularize's and any_depth's) and
         # the halting gate's (any_depth)
         self.keep_states = (self.readout > 0 or t.any_depth.gate_weight > 0
@@ -139,7 +140,8 @@ class SolveRegularizers:
         self.model.depth.extras = SolveExtras(kinetic=self.kinetic > 0,
                                               jacobian=self.jacobian > 0,
                                               t1=self.end_time(step), readout=self.keep_states,
-                                              backprop_steps=self.backprop_steps)
+                                              backprop_steps=self.backprop_steps,
+                                              backprop_skip=self.backprop_skip)
         try:
             yield
         finally:
