@@ -969,6 +969,8 @@ def truncated_backprop(r: dict, results: dict) -> str | None:
         solve = ("the last of 4 steps" if x.get("steps", 4) == 4 and x["backprop_steps"] == 1
                  else f"the last {x['backprop_steps']} of {x['steps']} RK4 steps")
         change = 100 * (x["val_loss"] / x["reference_val_loss"] - 1)
+        if x.get("backprop_skip"):
+            solve += " with the gradient passed on to the block's input (backprop_skip)"
         text += (f"; trained through {solve}, ode_rk4.toml"
                  f"{'' if x.get('steps', 4) == 4 else ' at RK4 x ' + str(x['steps'])} reaches "
                  f"a validation loss of {x['val_loss']:.4f} against "

@@ -51,12 +51,13 @@ def best_val(run: str) -> float:
 
 
 def solve_of(run: str) -> dict:
-    """The run's RK4 steps and the steps it backpropagated through (None: all), from the
-    config it saved."""
+    """The run's RK4 steps, the steps it backpropagated through (None: all) and whether their
+    gradient went on to the block's input (backprop_skip), from the config it saved."""
     with open(os.path.join(run, "config.toml"), "rb") as f:
         cfg = tomllib.load(f)
-    tail = cfg.get("train", {}).get("any_depth", {}).get("backprop_steps")
-    return {"steps": cfg["model"]["ode_steps"], "backprop_steps": tail}
+    any_depth = cfg.get("train", {}).get("any_depth", {})
+    return {"steps": cfg["model"]["ode_steps"], "backprop_steps": any_depth.get("backprop_steps"),
+            "backprop_skip": bool(any_depth.get("backprop_skip", False))}
 
 
 def main() -> None:
