@@ -150,14 +150,15 @@ def hf_generate(run: str, prompts: list[str], max_tokens: int) -> dict:
 def engine_turns(run: str, batches: list[int], max_tokens: int, prompts: list[str]) -> list:
     """In process, no HTTP: a turn of the engine with B rows decoding, and the part of it in
     the model's forward (model.hidden_states: embedding, the solve, the final norm); the rest
-    is the head, Python per row (sampling, text, events) and the batch's bookkeeping."""
+    is the head, Python per row (sampling, text, events) and the batch's bookkeeping. Batched
+    turns all (lean=False: one row too, which alone would decode through the lean step)."""
     from continuumlm.runs import load_model_and_tokenizer
     from continuumlm.serve.engine import Engine, Request
 
     model, tok, _ = load_model_and_tokenizer(run, "best")
     rows = []
     for b in batches:
-        engine = Engine(model, tok, max_batch=b)
+        engine = Engine(model, tok, max_batch=b, lean=False)
         for i in range(b):
             engine.submit(Request([tok.encode(prompts[i % len(prompts)])], max_tokens,
                                   lambda e: None))
