@@ -657,10 +657,15 @@ def agreement(r: dict, results: dict) -> str | None:
             own = drafts[0]["own_loss"]
             finer = [x for x in drafts if x["nfe"] > 16]
             worst = max(finer, key=lambda x: x["loss"]) if finer else None
+            # never worse with more evaluations, at the recorded precision
+            flat = not any(b["loss"] > a["loss"] for a in drafts for b in drafts
+                           if b["nfe"] > a["nfe"])
             curves.append(f"{label} ({count(drafts[0]['seeds'])}): NFE 1 {drafts[0]['loss']:.4f}, "
                           f"own (NFE 16) {own:.4f}"
                           + (f", {worst['draft'].replace(':', ' x ')} (NFE {worst['nfe']}) "
-                             f"{worst['loss']:.4f} ({worst['loss'] - own:+.4f})" if worst else ""))
+                             f"{worst['loss']:.4f} ({worst['loss'] - own:+.4f})" if worst else "")
+                          + f", Euler x 1 agreeing at {100 * drafts[0]['agreement']:.1f}%"
+                          + (", never worse with more evaluations" if flat else ""))
         text += (" On other text, Penn Treebank words (configs/ptb/ode_rk4.toml's model and "
                  "budget), the validation loss against the solve reads: " + "; ".join(curves)
                  + " (every solve on the ablations page's table).")
