@@ -657,9 +657,7 @@ def agreement(r: dict, results: dict) -> str | None:
             own = drafts[0]["own_loss"]
             finer = [x for x in drafts if x["nfe"] > 16]
             worst = max(finer, key=lambda x: x["loss"]) if finer else None
-            # never worse with more evaluations, at the recorded precision
-            flat = not any(b["loss"] > a["loss"] for a in drafts for b in drafts
-                           if b["nfe"] > a["nfe"])
+            flat = findings.never_worse(drafts)
             curves.append(f"{label} ({count(drafts[0]['seeds'])}): NFE 1 {drafts[0]['loss']:.4f}, "
                           f"own (NFE 16) {own:.4f}"
                           + (f", {worst['draft'].replace(':', ' x ')} (NFE {worst['nfe']}) "
