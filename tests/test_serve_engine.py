@@ -241,6 +241,29 @@ def test_a_lone_row_stays_lone_beside_other_depths_and_drafts_and_frees_when_can
     assert not engine.lones and not engine.running and lone.sink.done() is None
 
 
+def test_after_concurrent_rows_a_request_decodes_lone_only_once_the_engine_was_quiet():
+    """A wave of rows that end together empties the engine for a moment: the next request is
+    batched, not made lone to move into the batch a turn later; after QUIET_TURNS turns of
+    one row at most, requests decode lone again."""
+    from continuumlm.serve.engine import QUIET_TURNS
+
+    model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
+    engine = Engine(model, Ids())
+    run(engine, [(0, Request([[1, 2]], 5, Sink())), (0, Request([[3, 4]], 5, Sink()))])
+    after = Request([[5, 6]], QUIET_TURNS + 2, Sink())
+    engine.submit(after)
+    engine.turn()
+    assert not engine.lones and len(engine.groups) == 1
+    run(engine, [])
+    later = Request([[7, 8]], 6, Sink())
+    engine.submit(later)
+    engine.turn()
+    assert len(engine.lones) == 1
+    run(engine, [])
+    assert after.sink.tokens() == alone(model, [5, 6], QUIET_TURNS + 2)
+    assert later.sink.tokens() == alone(model, [7, 8], 6)
+
+
 def test_what_the_lean_step_does_not_cover_and_lean_false_are_batched():
     model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
     cases = [(Engine(model, Ids()), Request([[1, 2]], 5, Sink(),

@@ -18,8 +18,9 @@ One thread owns the model. Each turn of its loop it
    drafting process between requests (closed with the engine); while a pipelined request
    runs, torch's threads in the engine are held at one (the drafter has the other core);
 4. advances every *lone* row by one token: a request of one row that comes to an idle engine
-   (nothing running, nothing else admitted with it) decodes through the lean step of its
-   solve (``decoding/lean.own_step``: caches of its own, the path ``generate`` takes at
+   (nothing running, nothing else admitted with it, and no two rows decoding together in the
+   last ``QUIET_TURNS`` turns: the load is one client at a time) decodes through the lean step
+   of its solve (``decoding/lean.own_step``: caches of its own, the path ``generate`` takes at
    batch 1), where that step covers the model at the request's depth (``lean=False``: never).
    One row through the batched decoding pass costs several times a lean token on a small
    model. When a request joins its depth, the lone row moves into the batch: the tokens its
@@ -49,6 +50,11 @@ from .request import Depth, Event, Request, Row, Sampling, prompt_logprobs
 __all__ = ["Closed", "Depth", "Engine", "Event", "QueueFull", "Request", "Sampling"]
 
 log = logging.getLogger("continuumlm")
+
+# turns with one row at most before a request may decode lone: under concurrent clients the
+# engine empties for a moment when a wave of rows ends together, and a lone row there would
+# move into the batch a turn later, its tokens read twice
+QUIET_TURNS = 16
 
 
 class QueueFull(Exception):
@@ -91,6 +97,7 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.turns = 0
+        self.crowded = -QUIET_TURNS - 1  # the last turn that ended with two rows or more
         cfg = model.config
         self.ode = cfg.depth == "ode"
         self.default = Depth(cfg.ode_solver, cfg.ode_steps) if self.ode else Depth()
@@ -188,6 +195,8 @@ class Engine:
             self._advance(solo)
         for lone in list(self.lones):
             advance_lone(self, lone)
+        if self.running > 1:
+            self.crowded = self.turns
 
     def _regroup(self, depth: Depth, joining) -> None:
         """The depth's batch after this turn's changes. A row that finished or was cancelled
@@ -280,7 +289,8 @@ class Engine:
                 running += req.rows
                 budget -= tokens
         by_depth: dict[Depth, list[Request]] = {}
-        lone = self.lean and idle and len(taken) == 1 and taken[0].rows == 1
+        lone = (self.lean and idle and len(taken) == 1 and taken[0].rows == 1
+                and self.turns - self.crowded > QUIET_TURNS)
         for req in taken:
             if req.draft is not None:
                 self._guarded([req], self._start_draft, req)
