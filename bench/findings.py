@@ -750,6 +750,7 @@ def serve(results: dict) -> str | None:
         return None
     x, one = rows[16], rows[1]
     mixed = next((m for m in r["rows"] if "NFE" in m["depths"]), None)
+    batched = next((b for b in r["rows"] if b.get("path", "").startswith("batched pass")), None)
     return (f"**A trained model serves many clients at once** (`continuumlm serve`, OpenAI's "
             f"completion API): 16 concurrent streaming clients get {x['vs_one_client']:.2f}x "
             f"one client's tokens/s ({x['tokens_per_s']:.0f} against "
@@ -757,6 +758,10 @@ def serve(results: dict) -> str | None:
             f"{'met' if x['vs_one_client'] >= 4 else 'missed'}), each the text it gets alone, "
             f"at {x['itl_p99_vs_one']:.1f}x one client's p99 time between tokens (target 3x: "
             f"{'met' if x['itl_p99_vs_one'] <= 3 else 'missed'})"
+            + (f"; one client alone decodes through the lean step, as generate does, at "
+               f"{one['tokens_per_s'] / batched['tokens_per_s']:.2f}x its rate through the "
+               f"batched pass, against which the 16 clients get {x['vs_one_batched']:.2f}x"
+               if batched else "")
             + (f"; clients asking for 1, 4 and 16 field evaluations per token share the server "
                f"at {mixed['tokens_per_s']:.0f} tokens/s" if mixed else "")
             + f" (2 CPU cores). [Serving]({PAGE}#serving-many-clients-continuous-batching)")
