@@ -978,7 +978,16 @@ def truncated_backprop(r: dict, results: dict) -> str | None:
                  f"{'' if x.get('steps', 4) == 4 else ' at RK4 x ' + str(x['steps'])} reaches "
                  f"a validation loss of {x['val_loss']:.4f} against "
                  f"{x['reference_val_loss']:.4f} through every step ({change:+.1f}%)")
-    return text + "."
+    text += "."
+    pair = [next((x for x in losses if x.get("steps") == 8 and x["backprop_steps"] == 2
+                  and bool(x.get("backprop_skip")) == skip), None) for skip in (False, True)]
+    if None not in pair:
+        plain, skip = (x["val_loss"] - x["reference_val_loss"] for x in pair)
+        text += (f" What the truncation costs: the state after the untracked steps is detached, "
+                 f"so the embeddings learn only as the (tied) head does, and no gradient comes "
+                 f"from the field's evaluations in those steps; passing the gradient on to the "
+                 f"block's input closes {100 * (1 - skip / plain):.0f}% of the gap.")
+    return text
 
 
 def serve(r: dict, results: dict) -> str | None:
