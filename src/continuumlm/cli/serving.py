@@ -92,7 +92,8 @@ def cmd_serve(args) -> int:
                      max_batch=args.max_batch, max_queue=args.max_queue,
                      max_context=max_context, max_prefill_tokens=args.max_prefill_tokens,
                      max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                     threads=threads, lean=args.lean, exit_rule=(exit_criterion(args), args.exit_threshold)
+                     threads=threads, lean=args.lean,
+                     exit_rule=(exit_criterion(args), args.exit_threshold)
                      if args.exit_threshold is not None else None)
 
 

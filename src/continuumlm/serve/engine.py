@@ -22,8 +22,8 @@ One thread owns the model. Each turn of its loop it
    last ``QUIET_TURNS`` turns: the load is one client at a time) decodes through the lean step
    of its solve (``decoding/lean.own_step``: caches of its own, the path ``generate`` takes at
    batch 1), where that step covers the model at the request's depth (``lean=False``: never).
-   One row through the batched decoding pass costs several times a lean token on a small
-   model. When a request joins its depth, the lone row moves into the batch: the tokens its
+   One row through the batched decoding pass costs more (served, bench/serve.py: one client
+   gets 1.7x the tokens/s through the lean step). When a request joins its depth, the lone row moves into the batch: the tokens its
    step has read are read again in that turn's prompt pass, padded as a prompt is, and it
    decodes on from its latest token as any row there.
 

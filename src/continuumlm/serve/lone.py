@@ -1,8 +1,8 @@
 """Lone rows of the serving engine (:mod:`.engine`): a request of one row that comes to an
 idle engine decodes through the lean step of its solve (``decoding/lean.own_step``: the
 model's own solve written out op by op, with caches of its own; what ``generate`` runs at
-batch 1), not through the batched decoding pass, which costs several times as much for one
-row of a small model. The engine moves a lone row into the batch when a request joins its
+batch 1), not through the batched decoding pass, which costs more for one row (served,
+bench/serve.py: 1.7x the tokens/s). The engine moves a lone row into the batch when a request joins its
 depth (``Engine._prefill``'s ``movers``): the tokens its step has read are read again there."""
 
 from __future__ import annotations

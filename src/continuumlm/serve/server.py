@@ -63,7 +63,8 @@ def make_server(model, tokenizer, *, model_name: str, host: str = "127.0.0.1",
                 port: int = 8000, max_batch: int = 32, max_queue: int = 256,
                 max_context: int | None = None, max_tokens: int = 4096,
                 max_body_bytes: int = 1 << 20, threads=None, max_prefill_tokens: int = 256,
-                lean: bool = True, exit_rule: tuple[str, float] | None = None, quiet: bool = False):
+                lean: bool = True, exit_rule: tuple[str, float] | None = None,
+                quiet: bool = False):
     """(the uvicorn server, its engine): ``server.run()`` serves until SIGTERM or SIGINT
     (``server.should_exit = True`` from another thread); ``server.port`` is the port bound
     once it has started (``port=0``: any free one)."""
