@@ -245,7 +245,7 @@ def test_after_concurrent_rows_a_request_decodes_lone_only_once_the_engine_was_q
     """A wave of rows that end together empties the engine for a moment: the next request is
     batched, not made lone to move into the batch a turn later; after QUIET_TURNS turns of
     one row at most, requests decode lone again."""
-    from continuumlm.serve.engine import QUIET_TURNS
+    from continuumlm.serve.lone import QUIET_TURNS
 
     model = lively(depth="ode", ode_solver="rk4", ode_steps=2, num_layers=1)
     engine = Engine(model, Ids())

@@ -17,15 +17,9 @@ One thread owns the model. Each turn of its loop it
    Drafted requests share one decoder, so a pipelined draft (``draft.pipeline``) keeps its
    drafting process between requests (closed with the engine); while a pipelined request
    runs, torch's threads in the engine are held at one (the drafter has the other core);
-4. advances every *lone* row by one token: a request of one row that comes to an idle engine
-   (nothing running, nothing else admitted with it, and no two rows decoding together in the
-   last ``QUIET_TURNS`` turns: the load is one client at a time) decodes through the lean step
-   of its solve (``decoding/lean.own_step``: caches of its own, the path ``generate`` takes at
-   batch 1), where that step covers the model at the request's depth (``lean=False``: never).
-   One row through the batched decoding pass costs more (served, bench/serve.py: one client
-   gets 1.7x the tokens/s through the lean step). When a request joins its depth, the lone row moves into the batch: the tokens its
-   step has read are read again in that turn's prompt pass, padded as a prompt is, and it
-   decodes on from its latest token as any row there.
+4. advances every *lone* row by one token: a request of one row that came to an idle engine
+   decodes alone through the lean step of its solve, as ``generate`` does, until a request
+   joins its depth (:mod:`.lone` says when, and how it moves into the batch).
 
 Groups take turns (round robin): with several depths running, a token of each group costs the
 sum of the groups' steps. A request's tokens are those it gets alone: greedy, the same tokens;
@@ -43,18 +37,13 @@ from collections import deque
 import torch
 
 from ..model.cache import DecodeState
-from .lone import Lone, advance_lone, start_lone
+from .lone import QUIET_TURNS, Lone, advance_lone, goes_lone, start_lone
 from .request import Depth, Event, Request, Row, Sampling, prompt_logprobs
 
 # Depth, Event, Request and Sampling are named here too: what a caller hands the engine
 __all__ = ["Closed", "Depth", "Engine", "Event", "QueueFull", "Request", "Sampling"]
 
 log = logging.getLogger("continuumlm")
-
-# turns with one row at most before a request may decode lone: under concurrent clients the
-# engine empties for a moment when a wave of rows ends together, and a lone row there would
-# move into the batch a turn later, its tokens read twice
-QUIET_TURNS = 16
 
 
 class QueueFull(Exception):
@@ -289,8 +278,7 @@ class Engine:
                 running += req.rows
                 budget -= tokens
         by_depth: dict[Depth, list[Request]] = {}
-        lone = (self.lean and idle and len(taken) == 1 and taken[0].rows == 1
-                and self.turns - self.crowded > QUIET_TURNS)
+        lone = goes_lone(self, taken, idle)
         for req in taken:
             if req.draft is not None:
                 self._guarded([req], self._start_draft, req)

@@ -2,8 +2,12 @@
 idle engine decodes through the lean step of its solve (``decoding/lean.own_step``: the
 model's own solve written out op by op, with caches of its own; what ``generate`` runs at
 batch 1), not through the batched decoding pass, which costs more for one row (served,
-bench/serve.py: 1.7x the tokens/s). The engine moves a lone row into the batch when a request joins its
-depth (``Engine._prefill``'s ``movers``): the tokens its step has read are read again there."""
+bench/serve.py: one client gets 1.7x the tokens/s). It does so when nothing else runs or was
+admitted with it, no two rows decoded together in the last ``QUIET_TURNS`` turns (the load is
+one client at a time), and the lean step covers the model at the request's depth
+(``Engine(lean=False)``: never). When a request joins its depth the engine moves the lone row
+into the batch (``Engine._prefill``'s ``movers``): the tokens its step has read are read again
+in that turn's prompt pass, and it decodes on from its latest token as any row there."""
 
 from __future__ import annotations
 
@@ -16,6 +20,11 @@ from .request import Depth, Event, Request, Row, prompt_logprobs
 
 log = logging.getLogger("continuumlm")
 
+# turns with one row at most before a request may decode lone: under concurrent clients the
+# engine empties for a moment when a wave of rows ends together, and a lone row there would
+# move into the batch a turn later, its prompt read twice
+QUIET_TURNS = 16
+
 
 class Lone:
     """A row decoded alone through the lean step (``step``, caches of its own), and the
@@ -23,6 +32,13 @@ class Lone:
 
     def __init__(self, row: Row, depth: Depth, step, seen: list[int]) -> None:
         self.row, self.depth, self.step, self.seen = row, depth, step, seen
+
+
+def goes_lone(engine, taken: list[Request], idle: bool) -> bool:
+    """Whether the requests admitted this turn (``taken``; ``idle``: none ran before) are one
+    row that decodes lone."""
+    return (engine.lean and idle and len(taken) == 1 and taken[0].rows == 1
+            and engine.turns - engine.crowded > QUIET_TURNS)
 
 
 def start_lone(engine, req: Request) -> bool:
