@@ -966,21 +966,19 @@ def truncated_backprop(r: dict, results: dict) -> str | None:
             f"{x['peak_vs_all']:.2f}x the memory and {x['time_vs_all']:.2f}x the time at "
             f"{x['steps']} steps" for x in quarters)
     losses = r.get("losses") or []
-    if isinstance(losses, dict):  # a record written before several runs could be given
-        losses = [{**losses, "steps": 4, "backprop_steps": 1}]
     for x in losses:
-        solve = ("the last of 4 steps" if x.get("steps", 4) == 4 and x["backprop_steps"] == 1
+        solve = ("the last of 4 steps" if x["steps"] == 4 and x["backprop_steps"] == 1
                  else f"the last {x['backprop_steps']} of {x['steps']} RK4 steps")
         change = 100 * (x["val_loss"] / x["reference_val_loss"] - 1)
-        if x.get("backprop_skip"):
+        if x["backprop_skip"]:
             solve += " with the gradient passed on to the block's input (backprop_skip)"
         text += (f"; trained through {solve}, ode_rk4.toml"
-                 f"{'' if x.get('steps', 4) == 4 else ' at RK4 x ' + str(x['steps'])} reaches "
+                 f"{'' if x['steps'] == 4 else ' at RK4 x ' + str(x['steps'])} reaches "
                  f"a validation loss of {x['val_loss']:.4f} against "
                  f"{x['reference_val_loss']:.4f} through every step ({change:+.1f}%)")
     text += "."
     pair = [next((x for x in losses if x.get("steps") == 8 and x["backprop_steps"] == 2
-                  and bool(x.get("backprop_skip")) == skip), None) for skip in (False, True)]
+                  and x["backprop_skip"] == skip), None) for skip in (False, True)]
     if None not in pair:
         plain, skip = (x["val_loss"] - x["reference_val_loss"] for x in pair)
         text += (f" What the truncation costs: the state after the untracked steps is detached, "
@@ -995,7 +993,7 @@ def serve(r: dict, results: dict) -> str | None:
     targets (16 clients at 4x one client's tokens/s or more; p99 between tokens at most 3x):
     against one client alone (the lean step, where the record has it) and against one client
     through the batched decoding pass."""
-    rows = findings.serve_rows(r)
+    rows, batched = findings.serve_rows(r)
     if 1 not in rows or 16 not in rows:
         return None
     x = rows[16]
@@ -1007,7 +1005,6 @@ def serve(r: dict, results: dict) -> str | None:
             f"alone ({x['same_tokens']}); their p99 time between tokens is "
             f"{x['itl_p99_vs_one']:.1f}x one client's ({x['itl_p99_ms']:.1f} against "
             f"{rows[1]['itl_p99_ms']:.1f} ms; target 3x: {itl})")
-    batched = next((b for b in r["rows"] if b.get("path", "").startswith("batched pass")), None)
     if batched is not None:
         text += (f". One client alone decodes through the lean step, as generate does; "
                  f"through the batched decoding pass (--no-lean) one client gets "

@@ -736,21 +736,25 @@ def layer_skip(results: dict) -> str | None:
 FINDINGS.insert(FINDINGS.index(any_depth) + 1, layer_skip)
 
 
-def serve_rows(r: dict | None) -> dict:
-    """The serving record's rows at the model's own depth by client count (the one-client
-    row a client alone gets, not the batched-pass one beside it)."""
-    return {x["clients"]: x for x in (r or {}).get("rows", []) if "NFE" not in x["depths"]
-            and not x.get("path", "").startswith("batched pass")}
+def _batched_pass(row: dict) -> bool:
+    return row.get("path", "").startswith("batched pass")
+
+
+def serve_rows(r: dict | None) -> tuple[dict, dict | None]:
+    """(the serving record's rows at the model's own depth by client count, the one-client
+    row a client alone gets; the one client through the batched pass, None if not recorded)."""
+    rows = (r or {}).get("rows", [])
+    return ({x["clients"]: x for x in rows if "NFE" not in x["depths"] and not _batched_pass(x)},
+            next((x for x in rows if _batched_pass(x)), None))
 
 
 def serve(results: dict) -> str | None:
     r = results.get("serve")
-    rows = serve_rows(r)
+    rows, batched = serve_rows(r)
     if 1 not in rows or 16 not in rows:
         return None
     x, one = rows[16], rows[1]
     mixed = next((m for m in r["rows"] if "NFE" in m["depths"]), None)
-    batched = next((b for b in r["rows"] if b.get("path", "").startswith("batched pass")), None)
     return (f"**A trained model serves many clients at once** (`continuumlm serve`, OpenAI's "
             f"completion API): 16 concurrent streaming clients get {x['vs_one_client']:.2f}x "
             f"one client's tokens/s ({x['tokens_per_s']:.0f} against "

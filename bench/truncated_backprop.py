@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 
-import tomllib
 from common import OtherLoad, markdown_table, training_step_peak, write_json
 
 POINTS = [(4, None), (4, 2), (4, 1), (8, None), (8, 2), (8, 1), (16, None), (16, 4), (16, 1)]
@@ -53,11 +52,12 @@ def best_val(run: str) -> float:
 def solve_of(run: str) -> dict:
     """The run's RK4 steps, the steps it backpropagated through (None: all) and whether their
     gradient went on to the block's input (backprop_skip), from the config it saved."""
-    with open(os.path.join(run, "config.toml"), "rb") as f:
-        cfg = tomllib.load(f)
-    any_depth = cfg.get("train", {}).get("any_depth", {})
-    return {"steps": cfg["model"]["ode_steps"], "backprop_steps": any_depth.get("backprop_steps"),
-            "backprop_skip": bool(any_depth.get("backprop_skip", False))}
+    from continuumlm.runs.checkpoint import load_run_config, resolve_checkpoint
+
+    cfg = load_run_config(resolve_checkpoint(run, "best"))
+    t = cfg.train.any_depth
+    return {"steps": cfg.model.ode_steps, "backprop_steps": t.backprop_steps,
+            "backprop_skip": t.backprop_skip}
 
 
 def main() -> None:
